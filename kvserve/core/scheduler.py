@@ -1,0 +1,222 @@
+"""Iteration-level scheduler (Orca, Yu et al., OSDI 2022) over the paged KV cache, with preemption by recompute.
+
+There are no prefill and decode phases. Each request has ``num_computed_tokens``; each step the scheduler gives
+it ``num_scheduled_tokens`` more to compute: its whole prompt when admitted, 1 per decode step, prompt + output
+again after a preemption. ``schedule()`` returns a plain ``SchedulerOutput``; the model's sampled tokens come back
+through ``update_from_output()``, so the scheduler is testable with a fake model runner.
+
+Policies: ``"continuous"`` admits waiting requests every step while ``max_num_seqs``, the token budget
+(``max_num_batched_tokens``) and free blocks allow; ``"static"`` admits a batch only when nothing is running and
+runs it until it drains (the baseline that continuous batching beats).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.config import SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request (its ``num_computed_tokens`` is the start of this step's tokens).
+        num_scheduled_tokens: tokens to compute now, ``>= 1``.
+        block_ids: the request's whole block table after allocation, covering all computed + scheduled tokens.
+    """
+
+    request: Request
+    num_scheduled_tokens: int
+    block_ids: list
+
+    @property
+    def samples(self) -> bool:
+        """True if this step computes the request's last known token, so a next token is sampled."""
+        return self.request.num_computed_tokens + self.num_scheduled_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step: running requests first (admission order), then newly admitted ones."""
+
+    scheduled: list = field(default_factory=list)
+    preempted: list = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns: ``sampled_token_ids[request_id] = token`` for each sampling request, and,
+    for requests that asked for logprobs, ``logprobs[request_id] = {token_id: logprob}``."""
+
+    sampled_token_ids: dict = field(default_factory=dict)
+    logprobs: dict = field(default_factory=dict)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; allocates KV slots through ``KVCacheManager``.
+
+    Args:
+        config: limits and policy.
+        kv_cache_manager: the block tables and pool.
+        eos_token_ids: tokens that end a request unless ``ignore_eos``.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, eos_token_ids=()):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.requests: dict = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------------------------------------ queue
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (FCFS)."""
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ------------------------------------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work.
+
+        1. Every running request gets its uncomputed tokens (1 when decoding). If its slot cannot be allocated,
+           the newest running request is preempted (blocks freed, ``num_computed_tokens = 0``, front of the
+           waiting queue) and allocation is retried; a request may end up preempting itself.
+        2. If nothing was preempted, waiting requests are admitted in FCFS order while ``max_num_seqs``, the
+           token budget and the free blocks allow (static policy: only when nothing is running). A request is
+           scheduled whole; the first one that does not fit stops admission (no overtaking).
+        """
+        kv = self.kv_cache_manager
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput()
+
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            n = req.num_uncomputed_tokens
+            if n > budget:
+                i += 1
+                continue
+            while (new_blocks := kv.allocate_slots(req, n)) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if new_blocks is None:
+                break
+            out.scheduled.append(ScheduledRequest(req, n, kv.get_block_ids(req)))
+            budget -= n
+            i += 1
+
+        may_admit = not out.preempted and (self.config.scheduling == "continuous" or not self.running)
+        while may_admit and self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_uncomputed_tokens
+            if n > budget or kv.allocate_slots(req, n) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            out.scheduled.append(ScheduledRequest(req, n, kv.get_block_ids(req)))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list:
+        """Advance ``num_computed_tokens``, append sampled tokens, and retire finished requests at once.
+
+        A request finishes with ``"stop"`` on EOS (unless ``ignore_eos``) or a ``stop_token_ids`` token (both only
+        after ``min_tokens``), and with ``"length"`` at ``max_tokens`` or ``max_model_len``. Finished requests'
+        blocks are freed here, so the next step can reuse them.
+
+        Returns:
+            the requests that received a token this step (finished ones included), in schedule order.
+        """
+        now = time.monotonic()
+        updated = []
+        for s in scheduler_output.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_scheduled_tokens
+            token = model_output.sampled_token_ids.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            if req.request_id in model_output.logprobs:
+                req.output_logprobs.append(model_output.logprobs[req.request_id])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request, token: int):
+        sp = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= sp.max_tokens or req.num_tokens >= req.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """Finish (e.g. abort, or stop on a stop string) the given requests wherever they are; unknown or
+        already finished ids are ignored. Their blocks return to the pool at once."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                try:
+                    self.waiting.remove(req)
+                except ValueError:
+                    pass
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finish_time = time.monotonic()
+        if req in self.running:
+            self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        self.requests.pop(req.request_id, None)

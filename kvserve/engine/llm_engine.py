@@ -1,0 +1,186 @@
+"""``LLMEngine``: add requests, step, read outputs. One step reads top to bottom:
+
+    scheduler_output = scheduler.schedule()                    # who computes how many tokens, KV slots allocated
+    model_output     = model_runner.execute_model(...)         # one flat batch over the paged cache + sampling
+    updated          = scheduler.update_from_output(...)       # append tokens, stop checks, free finished blocks
+    outputs          = output processor (text, stop strings)   # RequestOutput objects
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Optional, Union
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
+from kvserve.core.scheduler import Scheduler
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.metrics import EngineStats
+from kvserve.model.llama import LlamaModel
+from kvserve.model.loader import load_model
+from kvserve.request import Request, RequestStatus
+from kvserve.sample.sampler import Sampler
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, list]
+
+
+class LLMEngine:
+    """The synchronous engine.
+
+    Args:
+        config: ``EngineConfig``. Use ``LLMEngine.from_engine_args(model=..., block_size=..., ...)``.
+
+    Attributes:
+        max_model_len: longest sequence (tokens) a request may reach: the configured value or the model's
+            context length, and never more than the pool holds.
+        num_blocks, block_size: the pool geometry.
+
+    Raises:
+        ValueError: bad configuration or an unloadable model.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        if mc.num_threads:
+            torch.set_num_threads(mc.num_threads)
+        loaded = load_model(mc.model, mc.dtype)
+        self.model_path = loaded.path
+        self.tokenizer = loaded.tokenizer
+        self.arch = loaded.arch
+        self.model = LlamaModel(loaded.arch, loaded.weights)
+        self.block_size = cc.block_size
+        self.num_blocks = cc.resolve_num_blocks(self.model.bytes_per_block(cc.block_size))
+        self.pool_tokens = self.num_blocks * self.block_size
+        self.max_model_len = mc.max_model_len or loaded.arch.max_position_embeddings
+        self.eos_token_ids = loaded.eos_token_ids
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max_model_len %d",
+            self.num_blocks, self.block_size, self.pool_tokens,
+            self.num_blocks * self.model.bytes_per_block(self.block_size) / 2**20, self.max_model_len,
+        )
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size)
+        self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids)
+        self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, Sampler(self.eos_token_ids))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, **engine_args) -> "LLMEngine":
+        """Build from flat arguments (``model``, ``dtype``, ``max_model_len``, ``block_size``, ``num_kv_blocks``,
+        ``kv_cache_memory_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``, ``scheduling``, ``num_threads``)."""
+        return cls(EngineConfig.from_kwargs(**engine_args))
+
+    # ------------------------------------------------------------------------------------------------ requests
+    def tokenize(self, prompt: PromptType) -> list:
+        """Token ids of a text prompt (the tokenizer's own special-token rule), or validated ids as given.
+
+        Raises:
+            ValueError: empty prompt, wrong type, or ids outside ``[0, vocab_size)``.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size}), got {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty (it has 0 tokens)")
+        return ids
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        sampling_params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        arrival_time: Optional[float] = None,
+    ) -> str:
+        """Validate and queue a request; returns its id.
+
+        Raises:
+            ValueError: empty or invalid prompt; prompt longer than ``max_model_len``; prompt needing more KV blocks
+                than the whole pool; prompt longer than ``max_num_batched_tokens``; a duplicate ``request_id``.
+                Nothing is queued or allocated then.
+        """
+        sp = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
+        ids = self.tokenize(prompt)
+        n = len(ids)
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
+        if blocks_needed(n, self.block_size) > self.num_blocks:
+            raise ValueError(
+                f"prompt has {n} tokens and needs {blocks_needed(n, self.block_size)} KV blocks, but the pool has "
+                f"only num_kv_blocks={self.num_blocks} (block_size={self.block_size})"
+            )
+        budget = self.config.scheduler_config.max_num_batched_tokens
+        if n > budget:
+            raise ValueError(f"prompt has {n} tokens, more than max_num_batched_tokens={budget}")
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self.scheduler.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        req = Request(
+            rid,
+            ids,
+            sp,
+            max_total_tokens=min(self.max_model_len, self.pool_tokens),
+            prompt=prompt if isinstance(prompt, str) else None,
+            arrival_time=arrival_time,
+        )
+        self.scheduler.add_request(req)
+        self.output_processor.add_request(req)
+        self.stats.prompt_tokens += n
+        return rid
+
+    def abort_request(self, request_ids) -> None:
+        """Abort requests (a str or an iterable of str); their blocks return to the pool at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            self.output_processor.remove(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------------------------------------ step
+    def step(self) -> list:
+        """Run one iteration; returns a ``RequestOutput`` for every request that received a token."""
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.model_runner.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, model_output)
+        for req in updated:
+            stop_str = self.output_processor.update_text(req)
+            if stop_str is not None:
+                req.stop_reason = stop_str
+                if req.status.finished:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        outputs = [self.output_processor.make_output(req) for req in updated]
+        if scheduler_output.scheduled:
+            self.stats.num_preemptions = self.scheduler.num_preemptions
+            self.stats.generation_tokens += len(updated)
+            self.stats.record_step(
+                len(scheduler_output.scheduled),
+                scheduler_output.total_num_scheduled_tokens,
+                self.kv_cache_manager.stats(self.scheduler.running),
+            )
+        return outputs
+
+    def kv_cache_stats(self):
+        """Current ``KVCacheStats`` of the pool."""
+        return self.kv_cache_manager.stats(self.scheduler.running)

@@ -1,0 +1,113 @@
+"""``LLM``: the offline API. ``LLM(model=None, **engine_args).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batched generation over one ``LLMEngine``.
+
+    Args:
+        model: path to a ``.gguf`` file or Hugging Face directory; ``None`` = the default SmolLM2-135M-Instruct.
+        **engine_args: see ``LLMEngine.from_engine_args`` (``block_size``, ``num_kv_blocks``, ``max_num_seqs``,
+            ``scheduling``, ...).
+
+    Raises:
+        ValueError: unknown or invalid engine arguments, or an unloadable model.
+    """
+
+    def __init__(self, model: Optional[str] = None, **engine_args):
+        self.llm_engine = LLMEngine.from_engine_args(model=model, **engine_args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list:
+        """Generate for every prompt; continuous batching runs them together.
+
+        Args:
+            prompts: a str, a list of str, one list of token ids, or a list of token-id lists.
+            sampling_params: one ``SamplingParams`` for all, or a list with one per prompt; default greedy-free
+                ``SamplingParams()``.
+            use_tqdm: show a progress bar (finished requests).
+
+        Returns:
+            ``list[RequestOutput]`` in input order, all finished.
+
+        Raises:
+            ValueError: a bad prompt or parameter (nothing is left queued: requests added before it are aborted).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, add_generation_prompt: bool = True):
+        """Apply the model's chat template, then ``generate``.
+
+        Args:
+            messages: one conversation (a list of ``{"role", "content"}`` dicts) or a list of conversations.
+
+        Returns:
+            ``list[RequestOutput]``, one per conversation.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list, add_generation_prompt: bool = True) -> str:
+        """The prompt text of one conversation under the model's chat template.
+
+        Raises:
+            ValueError: a malformed conversation.
+        """
+        if not isinstance(conversation, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in conversation
+        ) or not conversation:
+            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
+        return self.get_tokenizer().apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list:
+        n = len(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts; they must match")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(engine.add_request(p, sp))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._drain(ids, use_tqdm)
+
+    def _drain(self, ids: list, use_tqdm: bool) -> list:
+        engine = self.llm_engine
+        finished = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix(running=engine.scheduler.num_running, refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]

@@ -1,0 +1,148 @@
+"""Paged attention over a flat token batch (PagedAttention, Kwon et al., SOSP 2023, §4.1).
+
+The KV cache of one layer is ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K at 0, V at 1).
+Token ``t`` of the flat batch writes its K/V to slot ``slot_mapping[t] = block_id * block_size + offset``.
+A request's keys are read back in logical order through its ``block_table`` with one batched gather.
+
+Requests are split into at most two groups per step, built once in ``AttentionMetadata.build``: decode
+requests (one query token each) and prefill requests (a prompt or chunk, padded to the longest). Each group is one
+``scaled_dot_product_attention`` call per layer, so no Python loop runs over requests inside a layer, and a long
+prompt in the batch does not pad every decode request to its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together (one SDPA call).
+
+    Attributes:
+        query_index: ``[b, q_max]`` int64, flat-batch index of each (padded) query row (padding points at row 0).
+        query_valid: ``[b * q_max]`` bool, which padded rows are real tokens.
+        out_index: ``[n_real]`` int64, flat-batch index of each real row, in padded order.
+        block_tables: ``[b, n_blocks]`` int64, physical block ids in logical order (padding with block 0).
+        attn_mask: ``[b, 1, q_max, n_blocks * block_size]`` bool, True where query i may attend key j.
+    """
+
+    query_index: torch.Tensor
+    query_valid: torch.Tensor
+    out_index: torch.Tensor
+    block_tables: torch.Tensor
+    attn_mask: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; built once, used by every layer.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64, cache slot of each flat-batch token.
+        groups: one ``AttentionGroup`` for decode requests and/or one for prefill requests.
+    """
+
+    slot_mapping: torch.Tensor
+    groups: list
+
+    @staticmethod
+    def build(
+        query_start_loc: list,
+        seq_lens: list,
+        block_tables: list,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+    ) -> "AttentionMetadata":
+        """Build the metadata of a flat batch of B requests.
+
+        Args:
+            query_start_loc: ``B + 1`` ints; request b owns flat rows ``[qsl[b], qsl[b+1])``.
+            seq_lens: ``B`` ints, tokens in context after this step (computed before + scheduled now).
+            block_tables: ``B`` lists of block ids (each covers at least ``seq_lens[b]`` tokens).
+            slot_mapping: ``[T]`` int64.
+            block_size: tokens per block.
+
+        Causality: request b's query i sits at position ``seq_lens[b] - q_len + i`` and sees keys ``0..`` that
+        position, so a chunk ``[s, s+q)`` reads exactly the ``s + q`` keys written so far.
+        """
+        q_lens = [query_start_loc[b + 1] - query_start_loc[b] for b in range(len(seq_lens))]
+        decode = [b for b, q in enumerate(q_lens) if q == 1]
+        prefill = [b for b, q in enumerate(q_lens) if q > 1]
+        groups = [
+            _build_group(members, query_start_loc, q_lens, seq_lens, block_tables, block_size)
+            for members in (decode, prefill)
+            if members
+        ]
+        return AttentionMetadata(slot_mapping=slot_mapping, groups=groups)
+
+
+def _build_group(members, query_start_loc, q_lens, seq_lens, block_tables, block_size) -> AttentionGroup:
+    b = len(members)
+    q_max = max(q_lens[i] for i in members)
+    n_blocks = max(-(-seq_lens[i] // block_size) for i in members)
+    q_start = torch.tensor([query_start_loc[i] for i in members])
+    q_len = torch.tensor([q_lens[i] for i in members])
+    s_len = torch.tensor([seq_lens[i] for i in members])
+    rows = torch.arange(q_max)
+    valid = rows[None, :] < q_len[:, None]  # [b, q_max]
+    query_index = torch.where(valid, q_start[:, None] + rows[None, :], torch.zeros((), dtype=torch.long))
+    tables = torch.zeros(b, n_blocks, dtype=torch.long)
+    for r, i in enumerate(members):
+        ids = block_tables[i][:n_blocks]
+        tables[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    # Query row i of request r is at absolute position (s_len - q_len + i); it sees keys j <= that position.
+    q_pos = (s_len - q_len)[:, None] + rows[None, :]  # [b, q_max]
+    keys = torch.arange(n_blocks * block_size)
+    mask = keys[None, None, :] <= q_pos[:, :, None]
+    mask[:, :, 0] = True  # padded rows see key 0 so their (discarded) softmax is finite
+    flat_valid = valid.reshape(-1)
+    return AttentionGroup(
+        query_index=query_index,
+        query_valid=flat_valid,
+        out_index=query_index.reshape(-1)[flat_valid],
+        block_tables=tables,
+        attn_mask=mask[:, None, :, :],
+    )
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's keys and values into their slots.
+
+    Args:
+        kv_cache: ``[2, num_blocks, block_size, H_kv, D]``.
+        k, v: ``[T, H_kv, D]``.
+        slot_mapping: ``[T]`` int64.
+    """
+    h, d = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, h, d).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, h, d).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the flat batch's queries over each request's paged K/V (already written).
+
+    Args:
+        q: ``[T, H_q, D]``.
+        kv_cache: ``[2, num_blocks, block_size, H_kv, D]``.
+        meta: the step's metadata.
+        scale: softmax scale, usually ``D ** -0.5``.
+
+    Returns:
+        ``[T, H_q, D]``, same dtype as ``q``. GQA: ``H_q`` must be a multiple of ``H_kv``.
+    """
+    t, h_q, d = q.shape
+    h_kv = kv_cache.shape[-2]
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        b, q_max = g.query_index.shape
+        qg = q[g.query_index].transpose(1, 2)  # [b, H_q, q_max, D]
+        k = kv_cache[0][g.block_tables].reshape(b, -1, h_kv, d).transpose(1, 2)  # [b, H_kv, L, D]
+        v = kv_cache[1][g.block_tables].reshape(b, -1, h_kv, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.attn_mask, scale=scale, enable_gqa=h_q != h_kv)
+        o = o.transpose(1, 2).reshape(b * q_max, h_q, d)
+        out[g.out_index] = o[g.query_valid]
+    return out

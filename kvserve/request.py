@@ -1,0 +1,102 @@
+"""A request inside the engine: its tokens, its progress through the KV cache, its status and timestamps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """OpenAI's ``finish_reason``: ``"stop"``, ``"length"``, ``"abort"`` or ``None`` while unfinished."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+class Request:
+    """One generation request.
+
+    Attributes:
+        request_id: unique id (str).
+        prompt: the prompt text, or ``None`` when token ids were given.
+        prompt_token_ids: list of int.
+        output_token_ids: generated token ids so far.
+        num_computed_tokens: tokens (prompt + output) whose K/V is in the cache. ``num_tokens -
+            num_computed_tokens`` is what the scheduler still has to compute: the whole prompt at first, then 1
+            per decode step, everything again after a preemption.
+        max_total_tokens: the sequence may not grow past this (``max_model_len``), tokens.
+        generator: a seeded ``torch.Generator`` when ``sampling_params.seed`` is set.
+        arrival_time, first_scheduled_time, first_token_time, finish_time: ``time.monotonic()`` seconds.
+        num_preemptions: how often this request was preempted.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list,
+        sampling_params: SamplingParams,
+        max_total_tokens: int,
+        prompt: Optional[str] = None,
+        arrival_time: Optional[float] = None,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_total_tokens = max_total_tokens
+        self.output_token_ids: list = []
+        self.output_logprobs: list = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason = None
+        self.generator: Optional[torch.Generator] = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.finish_time: Optional[float] = None
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, prompt={self.num_prompt_tokens} tok, out={len(self.output_token_ids)} tok, "
+            f"computed={self.num_computed_tokens}, {self.status.name})"
+        )

@@ -1,0 +1,125 @@
+"""Batched sampling from next-token logits, with per-request parameters and generators.
+
+Order of operations, as in vLLM: raw logprobs (for ``logprobs``) -> min_tokens suppression of stop tokens ->
+repetition / presence / frequency penalties -> greedy rows take the argmax; sampled rows: temperature -> top-k ->
+top-p (nucleus, Holtzman et al. 2020) -> min-p -> one draw per row.
+
+The draw uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. is a sample from ``p``), so each
+seeded request draws its own ``vocab_size`` exponentials from its own ``torch.Generator``: a seeded request's
+tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kvserve.request import Request
+
+
+class Sampler:
+    """Samples one token per row.
+
+    Args:
+        eos_token_ids: tokens suppressed before ``min_tokens`` (unless ``ignore_eos``).
+        generator: the generator used by unseeded requests.
+    """
+
+    def __init__(self, eos_token_ids=(), generator: Optional[torch.Generator] = None):
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list) -> tuple:
+        """Sample a token for each row.
+
+        Args:
+            logits: ``[B, V]`` float32, row b belongs to ``requests[b]``.
+            requests: ``B`` ``Request`` objects (their params, output tokens and generators are used).
+
+        Returns:
+            ``(token_ids, logprobs)``: ``token_ids`` a list of B ints; ``logprobs`` a list of B entries, each
+            ``None`` or a dict ``{token_id: logprob}`` with the sampled token and the top ``logprobs`` tokens
+            (log-softmax of the raw logits).
+        """
+        b, v = logits.shape
+        params = [r.sampling_params for r in requests]
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+        self._suppress_stop_tokens(logits, requests)
+        self._apply_penalties(logits, requests)
+
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = torch.tensor(rows)
+            probs = _processed_probs(logits[idx], [params[i] for i in rows])
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(rows):
+                g = requests[i].generator or self.generator
+                noise[j].exponential_(generator=g)
+            tokens[idx] = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
+
+        token_list = tokens.tolist()
+        logprobs = [None] * b
+        if raw_logprobs is not None:
+            for i, p in enumerate(params):
+                if p.logprobs is None:
+                    continue
+                entry = {}
+                if p.logprobs > 0:
+                    top = raw_logprobs[i].topk(p.logprobs)
+                    entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+                entry[token_list[i]] = float(raw_logprobs[i, token_list[i]])
+                logprobs[i] = entry
+        return token_list, logprobs
+
+    def _suppress_stop_tokens(self, logits: torch.Tensor, requests: list) -> None:
+        for i, r in enumerate(requests):
+            sp = r.sampling_params
+            if len(r.output_token_ids) < sp.min_tokens:
+                banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: list) -> None:
+        for i, r in enumerate(requests):
+            sp = r.sampling_params
+            if sp.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+            if (sp.presence_penalty or sp.frequency_penalty) and r.output_token_ids:
+                counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=logits.shape[1]).to(logits.dtype)
+                logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p over ``[b, V]`` logits -> ``[b, V]`` probabilities (rows sum to 1).
+
+    The most likely token always survives, so tiny ``top_p`` or ``temperature`` never yields an empty row or NaN.
+    """
+    b, v = logits.shape
+    temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    logits = logits / temp[:, None]
+    if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        top_k = torch.tensor([p.top_k if p.top_k_enabled else v for p in params])
+        ranks = torch.arange(v)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits = sorted_logits.masked_fill((mass_before > top_p[:, None]) & (ranks > 0), float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

@@ -1,0 +1,110 @@
+"""``SamplingParams``: how to sample one request, with vLLM's / OpenAI's field names, validated on creation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+#: Temperatures below this are treated as greedy (dividing logits by ~0 would overflow).
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+def _number(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        lo = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {lo}{low}, {high}], got {value!r}")
+
+
+def _integer(name: str, value, low: int, high: Optional[int] = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        rng = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping rules.
+
+    Attributes:
+        n: samples per prompt; only 1 is supported for now.
+        temperature: ``>= 0``; 0 (or below 1e-5) means greedy (argmax).
+        top_p: nucleus mass in ``(0, 1]``; 1 = disabled. The top token is always kept.
+        top_k: keep the k most likely tokens; ``0`` or ``-1`` = disabled (both accepted, as in vLLM).
+        min_p: drop tokens whose probability is below ``min_p * p_max``; in ``[0, 1]``, 0 = disabled.
+        max_tokens: most tokens to generate, ``>= 1`` (default 16, like vLLM).
+        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens exist, ``[0, max_tokens]``.
+        stop: strings that end generation when they appear in the output text (also across token boundaries);
+            cut from the text unless ``include_stop_str_in_output``.
+        stop_token_ids: token ids that end generation (the token is kept in ``token_ids``, not in the text).
+        ignore_eos: keep generating past EOS (for benchmarks).
+        seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
+        repetition_penalty: ``(0, 2]``; >1 discourages tokens already in prompt or output (CTRL, Keskar et al.
+            2019: positive logits divided, negative multiplied).
+        presence_penalty, frequency_penalty: ``[-2, 2]``, OpenAI's definitions over the output tokens.
+        logprobs: number of top logprobs to return per generated token, ``[0, 20]`` (the sampled token's own
+            logprob is always included); ``None`` = none.
+        skip_special_tokens: drop special tokens from the text.
+
+    Raises:
+        ValueError: any field out of range (the message names the field and the range).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: Union[None, str, list] = None
+    stop_token_ids: list = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _integer("n", self.n, 1, 1)
+        _number("temperature", self.temperature, 0.0, 1e4)
+        _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _integer("top_k", self.top_k, -1)
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _integer("max_tokens", self.max_tokens, 1)
+        _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
+        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.seed is not None:
+            _integer("seed", self.seed, 0, 2**63 - 1)
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            _integer("stop_token_ids[]", t, 0)
+        self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature below ``GREEDY_EPS``)."""
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0

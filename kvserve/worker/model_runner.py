@@ -1,0 +1,83 @@
+"""Turns a ``SchedulerOutput`` into one flat batch, runs the model over the paged cache, and samples.
+
+Flat batch of T tokens over B requests (request b owns rows ``query_start_loc[b]:query_start_loc[b+1]``):
+``input_ids [T]``, ``positions [T]``, ``slot_mapping [T]``, ``block_tables`` (B lists), ``seq_lens [B]``,
+``query_start_loc [B+1]``, and ``logits_indices [S]`` for the S requests whose last known token is computed now.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.llama import LlamaModel
+from kvserve.sample.sampler import Sampler
+
+
+class ModelRunner:
+    """Holds the model, the KV cache tensor and the sampler.
+
+    Args:
+        model: the forward.
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        sampler: the ``Sampler``.
+
+    The cache is one zero-initialised tensor ``[layers, 2, num_blocks, block_size, H_kv, D]`` in the model dtype
+    (zeros, not garbage: masked-out keys are multiplied by 0 in attention, and 0 * NaN would be NaN).
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler):
+        self.model = model
+        self.block_size = block_size
+        self.sampler = sampler
+        self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=model.dtype)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns the sampled token (and logprobs) of every request that samples this step."""
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput()
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        query_start_loc, seq_lens, block_tables = [0], [], []
+        logits_indices, sampling_requests = [], []
+        for s in scheduler_output.scheduled:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_scheduled_tokens
+            end = start + n
+            input_ids.extend(_token_slice(req, start, end))
+            positions.extend(range(start, end))
+            table = s.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            block_tables.append(table)
+            if s.samples:
+                logits_indices.append(query_start_loc[-1] - 1)
+                sampling_requests.append(req)
+
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        meta = AttentionMetadata.build(query_start_loc, seq_lens, block_tables, slot_mapping, bs)
+        logits = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            self.kv_cache,
+            meta,
+            torch.tensor(logits_indices, dtype=torch.long),
+        )
+        out = ModelRunnerOutput()
+        if sampling_requests:
+            tokens, logprobs = self.sampler(logits, sampling_requests)
+            for req, tok, lp in zip(sampling_requests, tokens, logprobs):
+                out.sampled_token_ids[req.request_id] = tok
+                if lp is not None:
+                    out.logprobs[req.request_id] = lp
+        return out
+
+
+def _token_slice(req, start: int, end: int) -> list:
+    """Tokens ``[start, end)`` of prompt + output without concatenating the whole sequence."""
+    p = req.num_prompt_tokens
+    if start >= p:
+        return req.output_token_ids[start - p : end - p]
+    return req.prompt_token_ids[start:end] + req.output_token_ids[: max(0, end - p)]
