@@ -1,0 +1,4 @@
+def add_args(p):
+    pass
+def run(args):
+    raise SystemExit("todo")

@@ -1,0 +1,63 @@
+"""``kvserve`` command line: ``kvserve generate`` (the main job) and ``kvserve bench throughput``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine arguments shared by every subcommand (names as in vLLM)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, tokens")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV pool to this many blocks")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool budget in bytes")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="per-step token budget")
+    g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    keys = ("model", "dtype", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
+            "max_num_seqs", "max_num_batched_tokens", "scheduling", "num_threads")
+    return {k: getattr(args, k) for k in keys}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: a paged-KV, continuously batched LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from kvserve.entrypoints import generate_cmd
+    from kvserve.bench import throughput
+
+    gen = sub.add_parser("generate", help="generate answers for chat prompts (default: the built-in set)")
+    add_engine_args(gen)
+    generate_cmd.add_args(gen)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline throughput: static vs continuous (vs transformers)")
+    add_engine_args(tp)
+    throughput.add_args(tp)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return generate_cmd.run(args)
+        if args.command == "bench" and args.bench_command == "throughput":
+            return throughput.run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
