@@ -43,8 +43,10 @@ class LLM:
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
-        return self._run(prompts, sampling_params, use_tqdm)
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a str, a list of str or a list of token-id lists, got "
+                             f"{type(prompts).__name__}")
+        return self._run(list(prompts), sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False, add_generation_prompt: bool = True):
         """Apply the model's chat template, then ``generate``.
