@@ -181,6 +181,11 @@ class LLMEngine:
             )
         return outputs
 
+    def reset_stats(self) -> None:
+        """Start a fresh ``EngineStats`` (e.g. after a warm-up request)."""
+        self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
+        self.scheduler.num_preemptions = 0
+
     def kv_cache_stats(self):
         """Current ``KVCacheStats`` of the pool."""
         return self.kv_cache_manager.stats(self.scheduler.running)

@@ -6,10 +6,10 @@ summation order of the same fp32 ops).
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvserve import SamplingParams
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.hf_reference import to_hf_model
 from kvserve.model.loader import load_model
 
 PROMPTS = [
@@ -24,19 +24,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def hf_model():
-    loaded = load_model()
-    a = loaded.arch
-    cfg = LlamaConfig(
-        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-        num_hidden_layers=a.num_hidden_layers, num_attention_heads=a.num_attention_heads,
-        num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
-        rope_theta=a.rope_theta, max_position_embeddings=a.max_position_embeddings,
-        tie_word_embeddings=a.tie_word_embeddings, bos_token_id=1, eos_token_id=list(loaded.eos_token_ids),
-    )
-    model = LlamaForCausalLM(cfg)
-    model.load_state_dict(loaded.weights, strict=False)
-    model.tie_weights()
-    return model.eval()
+    return to_hf_model(load_model())
 
 
 def hf_greedy(hf_model, ids):
