@@ -18,6 +18,9 @@ DEFAULT_KV_CACHE_MAX_BYTES = 4 * 1024**3
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 SUPPORTED_SCHEDULING = ("continuous", "static")
+SUPPORTED_POLICIES = ("fcfs", "priority")
+DEFAULT_CHUNKED_BUDGET = 512
+DEFAULT_UNCHUNKED_BUDGET = 8192
 
 
 def _check_int(name: str, value, low: int, high: Optional[int] = None) -> None:
@@ -104,21 +107,37 @@ class SchedulerConfig:
 
     Attributes:
         max_num_seqs: most requests running at once (default 64).
-        max_num_batched_tokens: per-step token budget over all requests (default 8192). A prompt is scheduled
-            whole, so a prompt longer than the budget is rejected.
+        max_num_batched_tokens: per-step token budget shared by decode tokens and prefill chunks. Default:
+            ``DEFAULT_CHUNKED_BUDGET`` (512) with chunked prefill, else ``DEFAULT_UNCHUNKED_BUDGET`` (8192, since a
+            prompt longer than the budget can then never run and is rejected).
+        enable_chunked_prefill: split prompts across steps to fit the budget (default on, like vLLM v1).
         scheduling: ``"continuous"`` (iteration-level, Orca) or ``"static"`` (admit a batch, run it until it
             drains: the baseline).
+        scheduling_policy: ``"fcfs"`` (default) or ``"priority"`` (lower ``priority`` value first, ties FCFS;
+            under memory pressure the lowest-priority running request is preempted first).
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: Optional[int] = None
+    enable_chunked_prefill: bool = True
     scheduling: str = "continuous"
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                DEFAULT_CHUNKED_BUDGET if self.enable_chunked_prefill else DEFAULT_UNCHUNKED_BUDGET
+            )
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.scheduling not in SUPPORTED_SCHEDULING:
             raise ValueError(f"scheduling must be one of {SUPPORTED_SCHEDULING}, got {self.scheduling!r}")
+        if self.scheduling_policy not in SUPPORTED_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SUPPORTED_POLICIES}, got {self.scheduling_policy!r}"
+            )
 
 
 @dataclass

@@ -48,6 +48,7 @@ class Request:
         generator: a seeded ``torch.Generator`` when ``sampling_params.seed`` is set.
         arrival_time, first_scheduled_time, first_token_time, finish_time: ``time.monotonic()`` seconds.
         num_preemptions: how often this request was preempted.
+        priority: lower is more urgent (``scheduling_policy="priority"`` only).
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class Request:
         max_total_tokens: int,
         prompt: Optional[str] = None,
         arrival_time: Optional[float] = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -77,6 +79,8 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None
         self.num_preemptions = 0
+        self.priority = priority
+        self.queue_seq = 0  # set by the scheduler: arrival order, the FCFS tie-break
 
     @property
     def num_prompt_tokens(self) -> int:

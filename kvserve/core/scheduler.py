@@ -7,13 +7,16 @@ through ``update_from_output()``, so the scheduler is testable with a fake model
 
 Policies: ``"continuous"`` admits waiting requests every step while ``max_num_seqs``, the token budget
 (``max_num_batched_tokens``) and free blocks allow; ``"static"`` admits a batch only when nothing is running and
-runs it until it drains (the baseline that continuous batching beats).
+runs it until it drains (the baseline that continuous batching beats). With chunked prefill, a prompt longer
+than what is left of the step's budget is split across steps; the chunk [s, s+q) attends to exactly s+q keys.
+Queue order is FCFS, or ``(priority, arrival)`` under ``scheduling_policy="priority"``.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
@@ -62,6 +65,11 @@ class ModelRunnerOutput:
     logprobs: dict = field(default_factory=dict)
 
 
+def _priority_key(req: Request) -> tuple:
+    """Lower ``priority`` value first; ties in arrival order."""
+    return (req.priority, req.queue_seq)
+
+
 class Scheduler:
     """Owns the waiting queue and the running list; allocates KV slots through ``KVCacheManager``.
 
@@ -75,16 +83,26 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque = deque()
+        self.waiting: list = []
+        self._seq = itertools.count()
         self.running: list = []
         self.requests: dict = {}
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
-        """Queue a validated request (FCFS)."""
+        """Queue a validated request (FCFS, or by ``(priority, arrival)`` under the priority policy)."""
+        request.queue_seq = next(self._seq)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, preempted=False)
+
+    def _enqueue(self, req: Request, preempted: bool) -> None:
+        if self.config.scheduling_policy == "priority":
+            bisect.insort(self.waiting, req, key=_priority_key)
+        elif preempted:
+            self.waiting.insert(0, req)
+        else:
+            self.waiting.append(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,45 +117,53 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's work.
+        """Decide this step's work under the token budget ``max_num_batched_tokens``.
 
-        1. Every running request gets its uncomputed tokens (1 when decoding). If its slot cannot be allocated,
-           the newest running request is preempted (blocks freed, ``num_computed_tokens = 0``, front of the
-           waiting queue) and allocation is retried; a request may end up preempting itself.
-        2. If nothing was preempted, waiting requests are admitted in FCFS order while ``max_num_seqs``, the
-           token budget and the free blocks allow (static policy: only when nothing is running). A request is
-           scheduled whole; the first one that does not fit stops admission (no overtaking).
+        1. Running requests first, decodes before unfinished prefills (so a long prompt being prefilled never
+           delays a running request's next token). Each gets its uncomputed tokens (1 when decoding); with
+           chunked prefill a prompt takes what is left of the budget and continues next step (SARATHI, Agrawal et
+           al. 2023). If a slot cannot be allocated, a victim is preempted — the newest running request (fcfs) or
+           the lowest-priority one (priority; ties: the newest) — its blocks freed, ``num_computed_tokens`` reset
+           to 0, and requeued (front of the queue under fcfs); allocation is then retried. A victim already
+           scheduled this step is unscheduled and its tokens go back to the budget.
+        2. If nothing was preempted, waiting requests are admitted in queue order while ``max_num_seqs``, the
+           budget and the free blocks allow (static policy: only when nothing is running). The first one that
+           does not fit stops admission (no overtaking).
         """
         kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput()
+        scheduled: dict = {}
 
-        i = 0
-        while i < len(self.running):
-            req = self.running[i]
-            n = req.num_uncomputed_tokens
-            if n > budget:
-                i += 1
+        for req in sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            n = self._num_new_tokens(req, budget)
+            if n == 0:
                 continue
-            while (new_blocks := kv.allocate_slots(req, n)) is None:
-                victim = self.running.pop()
+            new_blocks = kv.allocate_slots(req, n)
+            while new_blocks is None:
+                victim = self._pick_victim()
                 self._preempt(victim)
                 out.preempted.append(victim)
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id).num_scheduled_tokens
                 if victim is req:
                     break
+                new_blocks = kv.allocate_slots(req, n)
             if new_blocks is None:
-                break
-            out.scheduled.append(ScheduledRequest(req, n, kv.get_block_ids(req)))
+                continue
+            scheduled[req.request_id] = ScheduledRequest(req, n, kv.get_block_ids(req))
             budget -= n
-            i += 1
+        out.scheduled = list(scheduled.values())
 
         may_admit = not out.preempted and (self.config.scheduling == "continuous" or not self.running)
         while may_admit and self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = req.num_uncomputed_tokens
-            if n > budget or kv.allocate_slots(req, n) is None:
+            n = self._num_new_tokens(req, budget)
+            if n == 0 or kv.allocate_slots(req, n) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -146,13 +172,27 @@ class Scheduler:
             budget -= n
         return out
 
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens to compute for ``req`` now: all uncomputed ones, or (chunked prefill) as many as the budget
+        allows; 0 if it cannot be scheduled this step."""
+        n = req.num_uncomputed_tokens
+        if self.config.enable_chunked_prefill:
+            return min(n, budget)
+        return n if n <= budget else 0
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=_priority_key)
+        return self.running[-1]
+
     def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
         self.kv_cache_manager.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, preempted=True)
 
     # ------------------------------------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list:

@@ -61,6 +61,11 @@ class LLMEngine:
         self.pool_tokens = self.num_blocks * self.block_size
         self.max_model_len = mc.max_model_len or loaded.arch.max_position_embeddings
         self.eos_token_ids = loaded.eos_token_ids
+        # No sequence may outgrow the pool, nor (unchunked) the budget, or its recompute after a preemption could
+        # never be scheduled again.
+        self.max_total_tokens = min(self.max_model_len, self.pool_tokens)
+        if not sc.enable_chunked_prefill:
+            self.max_total_tokens = min(self.max_total_tokens, sc.max_num_batched_tokens)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max_model_len %d",
             self.num_blocks, self.block_size, self.pool_tokens,
@@ -76,7 +81,8 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, **engine_args) -> "LLMEngine":
         """Build from flat arguments (``model``, ``dtype``, ``max_model_len``, ``block_size``, ``num_kv_blocks``,
-        ``kv_cache_memory_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``, ``scheduling``, ``num_threads``)."""
+        ``kv_cache_memory_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
+        ``scheduling``, ``scheduling_policy``, ``num_threads``)."""
         return cls(EngineConfig.from_kwargs(**engine_args))
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -107,12 +113,14 @@ class LLMEngine:
         sampling_params: Optional[SamplingParams] = None,
         request_id: Optional[str] = None,
         arrival_time: Optional[float] = None,
+        priority: int = 0,
     ) -> str:
         """Validate and queue a request; returns its id.
 
         Raises:
             ValueError: empty or invalid prompt; prompt longer than ``max_model_len``; prompt needing more KV blocks
-                than the whole pool; prompt longer than ``max_num_batched_tokens``; a duplicate ``request_id``.
+                than the whole pool; without chunked prefill, prompt longer than ``max_num_batched_tokens``; a duplicate
+                ``request_id``; a non-integer ``priority``.
                 Nothing is queued or allocated then.
         """
         sp = sampling_params if sampling_params is not None else SamplingParams()
@@ -127,9 +135,14 @@ class LLMEngine:
                 f"prompt has {n} tokens and needs {blocks_needed(n, self.block_size)} KV blocks, but the pool has "
                 f"only num_kv_blocks={self.num_blocks} (block_size={self.block_size})"
             )
-        budget = self.config.scheduler_config.max_num_batched_tokens
-        if n > budget:
-            raise ValueError(f"prompt has {n} tokens, more than max_num_batched_tokens={budget}")
+        sc = self.config.scheduler_config
+        if not sc.enable_chunked_prefill and n > sc.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt has {n} tokens, more than max_num_batched_tokens={sc.max_num_batched_tokens} "
+                f"(enable chunked prefill to run longer prompts)"
+            )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self.scheduler.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -137,9 +150,10 @@ class LLMEngine:
             rid,
             ids,
             sp,
-            max_total_tokens=min(self.max_model_len, self.pool_tokens),
+            max_total_tokens=self.max_total_tokens,
             prompt=prompt if isinstance(prompt, str) else None,
             arrival_time=arrival_time,
+            priority=priority,
         )
         self.scheduler.add_request(req)
         self.output_processor.add_request(req)

@@ -18,14 +18,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV pool to this many blocks")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool budget in bytes")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="per-step token budget")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="per-step token budget (default 512 with chunked prefill, else 8192)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps under the token budget (default on)")
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("model", "dtype", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
-            "max_num_seqs", "max_num_batched_tokens", "scheduling", "num_threads")
+            "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling", "scheduling_policy",
+            "num_threads")
     return {k: getattr(args, k) for k in keys}
 
 

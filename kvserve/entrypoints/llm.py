@@ -26,7 +26,7 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False, priority=None) -> list:
         """Generate for every prompt; continuous batching runs them together.
 
         Args:
@@ -34,6 +34,7 @@ class LLM:
             sampling_params: one ``SamplingParams`` for all, or a list with one per prompt; default greedy-free
                 ``SamplingParams()``.
             use_tqdm: show a progress bar (finished requests).
+            priority: one int per prompt (lower first) for ``scheduling_policy="priority"``; default all 0.
 
         Returns:
             ``list[RequestOutput]`` in input order, all finished.
@@ -46,7 +47,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a str, a list of str or a list of token-id lists, got "
                              f"{type(prompts).__name__}")
-        return self._run(list(prompts), sampling_params, use_tqdm)
+        return self._run(list(prompts), sampling_params, use_tqdm, priority)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False, add_generation_prompt: bool = True):
         """Apply the model's chat template, then ``generate``.
@@ -76,18 +77,21 @@ class LLM:
             conversation, add_generation_prompt=add_generation_prompt, tokenize=False
         )
 
-    def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list:
+    def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority=None) -> list:
         n = len(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(params) != n:
             raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts; they must match")
+        priorities = [0] * n if priority is None else list(priority)
+        if len(priorities) != n:
+            raise ValueError(f"priority has {len(priorities)} entries for {n} prompts; they must match")
         engine = self.llm_engine
         ids = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(engine.add_request(p, sp))
+            for p, sp, prio in zip(prompts, params, priorities):
+                ids.append(engine.add_request(p, sp, priority=prio))
         except Exception:
             engine.abort_request(ids)
             raise

@@ -70,7 +70,7 @@ def test_bad_prompt_in_a_batch_leaves_nothing_queued(small_llm):
 
 
 def test_prompt_over_token_budget_is_rejected():
-    llm = LLM(num_kv_blocks=64, max_num_batched_tokens=32)
+    llm = LLM(num_kv_blocks=64, max_num_batched_tokens=32, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         llm.generate(list(range(100, 140)), SamplingParams(max_tokens=2))
     serve_normal(llm)
@@ -84,6 +84,8 @@ def test_prompt_over_token_budget_is_rejected():
         (dict(num_kv_blocks=0), "num_kv_blocks"),
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(scheduling="fifo"), "scheduling"),
+        (dict(scheduling_policy="lifo"), "scheduling_policy"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(dtype="float16"), "dtype"),
         (dict(max_model_len=0), "max_model_len"),
         (dict(not_an_arg=1), "not_an_arg"),

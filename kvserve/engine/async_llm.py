@@ -1,0 +1,246 @@
+"""``AsyncLLM``: the engine behind an asyncio server.
+
+One background task owns the engine. Each turn of its loop, under one ``asyncio.Lock``:
+
+    apply pending aborts           # engine.abort_request(ids): their KV blocks return to the pool at once
+    outputs = engine.step()        # in a worker thread (asyncio.to_thread): the event loop never runs model work
+    route outputs                  # each RequestOutput goes to its request's asyncio.Queue
+
+and sleeps on an ``asyncio.Event`` while the engine has nothing to do. ``add_request`` takes the same lock, so the
+engine is never touched by two threads at once; requests that arrive during a step are added before the next one
+(the lock is FIFO). ``RequestStream.abort()`` is synchronous (safe inside ``finally`` of a cancelled task): it
+drops the stream at once and the engine forgets the request before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Optional
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an unexpected error; no request can be served any more."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine is shutting down: a new request is refused, or an in-flight one was aborted by the shutdown."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of ``RequestOutput`` (the last one has ``finished``).
+
+    Iteration raises ``EngineShutdownError`` if the server shuts down first, ``EngineDeadError`` if the engine
+    loop fails. ``abort()`` ends the request early (idempotent; a no-op once finished).
+    """
+
+    def __init__(self, request_id: str, owner: "AsyncLLM"):
+        self.request_id = request_id
+        self.finished = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._owner = owner
+
+    def _put(self, item) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Stop generating for this request; its blocks are freed before the engine's next step."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Async front of one ``LLMEngine``.
+
+    Args:
+        engine: the engine; from now on only this object may call it.
+        stat_logger: optional object with ``record(outputs, engine, now)`` (called after every loop turn, under the
+            lock, with the step's outputs, possibly empty; ``now`` in ``time.monotonic()`` seconds) and
+            ``record_aborts(request_ids)`` (requests the engine dropped unfinished); e.g. ``PrometheusStatLogger``.
+
+    Use ``await start()`` inside the running event loop before ``add_request``, ``await shutdown()`` at the end.
+    """
+
+    def __init__(self, engine: LLMEngine, stat_logger=None):
+        self.engine = engine
+        self.stat_logger = stat_logger
+        self._streams: dict = {}
+        self._pending_aborts: set = set()
+        self._ids = itertools.count()
+        self._lock: Optional[asyncio.Lock] = None
+        self._wake: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+        self._accepting = True
+        self._stopping = False
+        self.dead_error: Optional[BaseException] = None
+
+    @classmethod
+    def from_engine_args(cls, stat_logger=None, **engine_args) -> "AsyncLLM":
+        """Build the engine from flat arguments (see ``LLMEngine.from_engine_args``); loads the model."""
+        return cls(LLMEngine.from_engine_args(**engine_args), stat_logger=stat_logger)
+
+    # ------------------------------------------------------------------------------------------------ state
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop is alive and new requests are accepted."""
+        return self._task is not None and not self._task.done() and self._accepting and self.dead_error is None
+
+    @property
+    def num_streams(self) -> int:
+        """Requests with a live stream (added, not finished, not aborted)."""
+        return len(self._streams)
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Start the background loop (idempotent). Must run inside the event loop that will serve requests."""
+        if self._task is None:
+            self._lock = asyncio.Lock()
+            self._wake = asyncio.Event()
+            self._task = asyncio.create_task(self._run(), name="kvserve-engine-loop")
+
+    async def shutdown(self) -> None:
+        """Refuse new requests, abort every in-flight one (its stream raises ``EngineShutdownError``), let the loop
+        free their blocks, and wait for the loop to end (at most the step that is running)."""
+        self._accepting = False
+        self.abort_all()
+        self._stopping = True
+        if self._task is not None:
+            self._wake.set()
+            await self._task
+
+    def abort_all(self) -> None:
+        """Abort every in-flight request; their streams raise ``EngineShutdownError``."""
+        for rid, stream in list(self._streams.items()):
+            stream.finished = True
+            stream._put(EngineShutdownError(f"request {rid} aborted: the server is shutting down"))
+            self._pending_aborts.add(rid)
+        self._streams.clear()
+        if self._wake is not None:
+            self._wake.set()
+
+    # ------------------------------------------------------------------------------------------------ requests
+    async def add_request(
+        self,
+        prompt,
+        sampling_params: SamplingParams,
+        request_id: Optional[str] = None,
+        arrival_time: Optional[float] = None,
+    ) -> RequestStream:
+        """Queue a request in the engine and return its stream.
+
+        Args:
+            prompt: text or a list of token ids (see ``LLMEngine.add_request``).
+            sampling_params: a validated ``SamplingParams``.
+            request_id: unique id; default a fresh one.
+            arrival_time: ``time.monotonic()`` seconds when the request reached the server (TTFT counts from here);
+                default now.
+
+        Raises:
+            ValueError: the engine rejected the request (bad or too long prompt, duplicate id); nothing is queued.
+            EngineShutdownError: the server is shutting down.
+            EngineDeadError: the engine loop has failed.
+        """
+        self._check_accepting()
+        rid = f"req-{next(self._ids)}" if request_id is None else str(request_id)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        stream = RequestStream(rid, self)
+        async with self._lock:
+            self._check_accepting()
+            self._streams[rid] = stream
+            try:
+                await asyncio.to_thread(self.engine.add_request, prompt, sampling_params, rid, arrival)
+            except ValueError:
+                self._streams.pop(rid, None)  # the engine queued nothing
+                raise
+            except BaseException:
+                # cancelled while the worker thread may still have added it: make sure it is dropped
+                stream.abort()
+                raise
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request by id (synchronous; unknown or finished ids are ignored). The engine frees its blocks
+        before its next step."""
+        self._streams.pop(request_id, None)
+        self._pending_aborts.add(request_id)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _check_accepting(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self.dead_error!r}")
+        if not self._accepting or self._task is None:
+            raise EngineShutdownError("the server is shutting down" if self._task else "AsyncLLM.start() not called")
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    async def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                async with self._lock:
+                    if self._pending_aborts:
+                        ids, self._pending_aborts = list(self._pending_aborts), set()
+                        known = [i for i in ids if i in engine.scheduler.requests]
+                        engine.abort_request(ids)
+                        if self.stat_logger is not None and known:
+                            self.stat_logger.record_aborts(known)
+                    outputs = None
+                    if engine.has_unfinished_requests():
+                        outputs = await asyncio.to_thread(engine.step)
+                    if self.stat_logger is not None:
+                        self.stat_logger.record(outputs or [], engine, time.monotonic())
+                if outputs is None:
+                    if self._stopping and not self._pending_aborts:
+                        return
+                    if not self._pending_aborts:
+                        self._wake.clear()
+                        await self._wake.wait()
+                    continue
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue  # aborted while the step ran; the abort is pending
+                    stream._put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
+                await asyncio.sleep(0)  # let handlers and new requests run between steps
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # an engine bug: fail every request loudly rather than hang them
+            logger.exception("engine loop failed")
+            self.dead_error = e
+            for stream in self._streams.values():
+                stream._put(EngineDeadError(f"the engine loop failed: {e!r}"))
+            self._streams.clear()

@@ -1,0 +1,375 @@
+"""Request handling behind the OpenAI routes: validation into ``SamplingParams``, prompts into token ids,
+generation through ``AsyncLLM``, and responses — one JSON body, or SSE chunks (``data: {json}``, the last chunk
+of each choice with ``finish_reason``, an optional usage chunk with empty ``choices``, then ``data: [DONE]``).
+
+Every request-level problem becomes an ``OpenAIError`` (HTTP 400 with ``param``) before anything is queued. A client
+that goes away has its requests aborted at once (``RequestStream.abort``), streaming or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError, RequestStream
+from kvserve.entrypoints.openai import protocol as p
+from kvserve.sampling_params import SamplingParams
+
+
+class OpenAIError(Exception):
+    """An error answered with ``{"error": {"message", "type", "param", "code"}}`` and ``status`` (400 by default)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 type: str = "invalid_request_error", code=None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        info = p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return p.ErrorResponse(error=info).model_dump()
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+@dataclass
+class PreparedPrompt:
+    """One prompt ready for the engine: ``token_ids`` and the ``text`` used by ``echo``."""
+
+    token_ids: list
+    text: str
+
+
+class OpenAIServing:
+    """The completions and chat-completions logic over one ``AsyncLLM``.
+
+    Args:
+        llm: the started async engine.
+        served_model_name: the only model name accepted in requests (``model`` may also be omitted).
+    """
+
+    def __init__(self, llm: AsyncLLM, served_model_name: str):
+        self.llm = llm
+        self.model_name = served_model_name
+        self.tokenizer = llm.tokenizer
+        self.vocab_size = llm.engine.arch.vocab_size
+        self._token_text_cache: dict = {}
+
+    # ------------------------------------------------------------------------------------------------ checks
+    def check_model(self, model: Optional[str]) -> None:
+        """Raises ``OpenAIError`` (400, ``model_not_found``) unless ``model`` is ``None`` or the served name."""
+        if model is not None and model != self.model_name:
+            raise OpenAIError(f"The model {model!r} does not exist; this server serves {self.model_name!r}",
+                              param="model", code="model_not_found")
+
+    @staticmethod
+    def check_unsupported(req) -> None:
+        """400 for every parameter set to something the engine cannot do (never silently ignored)."""
+        def bad(param: str, why: str):
+            raise OpenAIError(f"{param}: {why}", param=param, code="unsupported_parameter")
+
+        if req.n not in (None, 1):
+            bad("n", f"only n=1 is supported (parallel sampling is not implemented), got {req.n}")
+        if req.logit_bias:
+            bad("logit_bias", "logit_bias is not supported")
+        if req.stream_options is not None and not req.stream:
+            bad("stream_options", "stream_options is only allowed when stream is true")
+        if isinstance(req, p.CompletionRequest):
+            if req.best_of not in (None, 1):
+                bad("best_of", f"only best_of=1 is supported, got {req.best_of}")
+            if req.suffix is not None:
+                bad("suffix", "suffix (insertion) is not supported")
+            if req.echo and req.logprobs is not None:
+                bad("logprobs", "logprobs with echo=true would need prompt logprobs, which are not supported")
+            return
+        for name in ("tools", "functions"):
+            if getattr(req, name):
+                bad(name, f"{name} (tool / function calling) is not supported")
+        for name in ("tool_choice", "function_call"):
+            if getattr(req, name) not in (None, "none"):
+                bad(name, f"{name} is not supported (tool / function calling is not implemented)")
+        if req.parallel_tool_calls:
+            bad("parallel_tool_calls", "tool calling is not supported")
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            bad("response_format", "only response_format {'type': 'text'} is supported")
+        if req.top_logprobs is not None and not req.logprobs:
+            bad("top_logprobs", "top_logprobs needs logprobs=true")
+
+    def sampling_params(self, req, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+        """``SamplingParams`` from the request's fields (``None`` = default).
+
+        Raises:
+            OpenAIError: a value out of range (the message from ``SamplingParams``, ``param`` the field).
+        """
+        kw = dict(max_tokens=max_tokens, logprobs=logprobs)
+        for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("min_tokens", 0),
+                              ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                              ("ignore_eos", False), ("include_stop_str_in_output", False),
+                              ("skip_special_tokens", True), ("stop", None), ("seed", None), ("stop_token_ids", [])):
+            value = getattr(req, name)
+            kw[name] = default if value is None else value
+        bad_ids = [t for t in kw["stop_token_ids"] if not 0 <= t < self.vocab_size]
+        if bad_ids:
+            raise OpenAIError(f"stop_token_ids must be token ids in [0, {self.vocab_size}), got {bad_ids[:5]}",
+                              param="stop_token_ids")
+        if isinstance(kw["top_k"], int) and kw["top_k"] > self.vocab_size:
+            kw["top_k"] = self.vocab_size  # the same distribution: every token kept
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=_param_of(str(e), req)) from None
+
+    def check_length(self, n_prompt: int, max_tokens: Optional[int], prompt_param: str, max_param: str) -> int:
+        """The request's ``max_tokens`` (default: what is left of ``max_model_len``).
+
+        Raises:
+            OpenAIError: the prompt leaves no room, or prompt + ``max_tokens`` exceeds ``max_model_len``.
+        """
+        limit = self.llm.max_model_len
+        if n_prompt >= limit:
+            raise OpenAIError(f"the prompt has {n_prompt} tokens; this model's maximum context length is {limit} "
+                              f"tokens, including at least 1 generated token", param=prompt_param,
+                              code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - n_prompt
+        if isinstance(max_tokens, int) and max_tokens >= 1 and n_prompt + max_tokens > limit:
+            raise OpenAIError(f"this model's maximum context length is {limit} tokens; you requested {n_prompt} "
+                              f"prompt + {max_tokens} completion tokens", param=max_param,
+                              code="context_length_exceeded")
+        return max_tokens
+
+    # ------------------------------------------------------------------------------------------------ prompts
+    async def completion_prompts(self, prompt) -> list:
+        """Normalize ``prompt`` (str, list of str, token ids, list of token-id lists) into ``PreparedPrompt``s.
+
+        Raises:
+            OpenAIError: empty prompt list, an empty prompt, or token ids out of range.
+        """
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise OpenAIError("prompt must not be an empty list", param="prompt")
+        out = []
+        for item in prompts:
+            try:
+                ids = await asyncio.to_thread(self.llm.engine.tokenize, item)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="prompt") from None
+            text = item if isinstance(item, str) else await asyncio.to_thread(self.tokenizer.decode, ids)
+            out.append(PreparedPrompt(ids, text))
+        return out
+
+    async def chat_prompt(self, messages: list) -> PreparedPrompt:
+        """Apply the chat template to ``messages``.
+
+        Raises:
+            OpenAIError: no messages, a non-text content part, or a conversation the template rejects.
+        """
+        if not messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+        conversation = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if content is None:
+                content = ""
+            elif not isinstance(content, str):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.type != "text" or not isinstance(part.text, str):
+                        raise OpenAIError(f"messages[{i}].content[{j}]: only text content parts are supported, got "
+                                          f"type {part.type!r}", param=f"messages[{i}].content")
+                    texts.append(part.text)
+                content = "".join(texts)
+            if m.role not in ("system", "developer", "user", "assistant"):
+                raise OpenAIError(f"messages[{i}].role must be system, developer, user or assistant, got {m.role!r}",
+                                  param=f"messages[{i}].role")
+            conversation.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+
+        def render() -> str:
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+
+        try:
+            text = await asyncio.to_thread(render)
+        except Exception as e:  # a template's raise_exception (jinja2 TemplateError) and the like: bad input
+            raise OpenAIError(f"messages: the chat template rejected the conversation: {e}", param="messages") from None
+        try:  # the same tokenization as the offline LLM.chat
+            ids = await asyncio.to_thread(self.llm.engine.tokenize, text)
+        except ValueError as e:
+            raise OpenAIError(f"messages: {e}", param="messages") from None
+        return PreparedPrompt(ids, text)
+
+    # ------------------------------------------------------------------------------------------------ generation
+    async def start(self, prompts: list, params: list, request_id: str, arrival: float) -> list:
+        """Queue every prompt (ids ``{request_id}-{i}``); all or nothing.
+
+        Raises:
+            OpenAIError: 400 for a request the engine rejects, 503 while shutting down, 500 if the engine died.
+        """
+        streams = []
+        try:
+            for i, (pp, sp) in enumerate(zip(prompts, params)):
+                streams.append(await self.llm.add_request(pp.token_ids, sp, f"{request_id}-{i}", arrival))
+        except BaseException as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, ValueError):
+                raise OpenAIError(str(e), param="prompt") from None
+            if isinstance(e, (EngineShutdownError, EngineDeadError)):
+                raise engine_error(e) from None
+            raise
+        return streams
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (cached)."""
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if len(self._token_text_cache) < 200_000:
+                self._token_text_cache[token_id] = text
+        return text
+
+    def completion_logprobs(self, token_ids: list, entries: list, offset: int) -> p.CompletionLogprobs:
+        """Legacy logprobs for ``token_ids`` with engine entries ``{token_id: logprob}``; text offsets from
+        ``offset`` characters."""
+        lp = p.CompletionLogprobs()
+        for t, entry in zip(token_ids, entries):
+            text = self.token_text(t)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(entry[t])
+            lp.top_logprobs.append({self.token_text(k): v for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return lp
+
+    def chat_logprobs(self, token_ids: list, entries: list, top_n: int) -> p.ChatLogprobs:
+        """Chat logprobs for ``token_ids`` with engine entries ``{token_id: logprob}``, ``top_n`` alternatives."""
+        content = []
+        for t, entry in zip(token_ids, entries):
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+            content.append(p.ChatTokenLogprob(
+                **_top(self.token_text(t), entry[t]),
+                top_logprobs=[p.TopLogprob(**_top(self.token_text(k), v)) for k, v in top],
+            ))
+        return p.ChatLogprobs(content=content)
+
+
+def _top(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+_FIELD_RE = re.compile(r"^([a-z_]+)(\[\])?\b")
+
+
+def _param_of(message: str, req) -> Optional[str]:
+    """The request field a ``SamplingParams`` error names (its message starts with the field name)."""
+    m = _FIELD_RE.match(message)
+    if not m:
+        return None
+    name = m.group(1)
+    if name == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    if name == "logprobs" and isinstance(req, p.ChatCompletionRequest):
+        return "top_logprobs"
+    return name if name in type(req).model_fields else None
+
+
+def engine_error(e: BaseException) -> OpenAIError:
+    """The HTTP error for an engine that is shutting down (503) or dead (500)."""
+    if isinstance(e, EngineShutdownError):
+        return OpenAIError(str(e), status=503, type="server_shutdown", code="aborted")
+    return OpenAIError(f"internal engine error: {e}", status=500, type="internal_server_error")
+
+
+def new_id(prefix: str) -> str:
+    """A fresh response id, e.g. ``cmpl-<32 hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------------------------------------------- streams
+async def merge_streams(streams: list) -> AsyncIterator[tuple]:
+    """Yield ``(index, RequestOutput)`` from several ``RequestStream``s as outputs arrive, until all finish.
+
+    Errors of a stream (shutdown, dead engine) are raised here."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream):
+        try:
+            async for out in s:
+                queue.put_nowait((i, out, None))
+        except BaseException as e:  # forwarded to the consumer
+            queue.put_nowait((i, None, e))
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def wait_for_disconnect(receive) -> None:
+    """Return when the ASGI ``receive`` channel reports ``http.disconnect`` (the request body already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_unless_disconnected(coro, receive, streams: list):
+    """Await ``coro``; if the client disconnects first, abort ``streams`` and raise ``ClientDisconnected``.
+    The streams are aborted on any exit (a no-op for finished ones)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientDisconnected()
+    finally:
+        for s in streams:
+            s.abort()
+        for t in (task, watcher):
+            t.cancel()
+
+
+def sse(obj) -> str:
+    """One server-sent event: ``data: <json>\\n\\n`` (``None`` fields left out)."""
+    if isinstance(obj, dict):
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage_of(prompts: list, finals: list) -> p.UsageInfo:
+    """Token counts of the finished outputs ``finals`` for ``prompts``."""
+    n_prompt = sum(len(pp.token_ids) for pp in prompts)
+    n_out = sum(len(o.outputs[0].token_ids) for o in finals)
+    return p.UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+
+
+def now_s() -> float:
+    """``time.monotonic()`` seconds (the engine's clock for arrival times)."""
+    return time.monotonic()
