@@ -68,11 +68,14 @@ class CacheConfig:
         num_kv_blocks: force the pool to this many blocks (overrides ``kv_cache_memory_bytes``).
         kv_cache_memory_bytes: memory budget for K and V of all layers, bytes. Default:
             ``DEFAULT_KV_CACHE_RAM_FRACTION`` (10%) of available RAM, at most ``DEFAULT_KV_CACHE_MAX_BYTES`` (4 GiB).
+        enable_prefix_caching: share computed full blocks between requests with the same prefix (default on,
+            like vLLM v1).
     """
 
     block_size: int = 16
     num_kv_blocks: Optional[int] = None
     kv_cache_memory_bytes: Optional[int] = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -80,6 +83,8 @@ class CacheConfig:
             _check_int("num_kv_blocks", self.num_kv_blocks, 1)
         if self.kv_cache_memory_bytes is not None:
             _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
         """Number of blocks in the pool, given the bytes one block takes over all layers (K and V).

@@ -21,6 +21,8 @@ class EngineStats:
         peak_naive_reserved_tokens: most tokens that reserving prompt + max_tokens per running request would
             have needed at once; ``peak_allocated_tokens`` is what paging actually held at its peak.
         prompt_tokens, generation_tokens: tokens of finished-or-running requests' prompts and outputs.
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found in the prefix cache at
+            admission (hit rate = hits / queries).
     """
 
     num_blocks: int = 0
@@ -36,6 +38,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_computed_tokens_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     def record_step(self, num_scheduled_reqs: int, num_scheduled_tokens: int, kv: KVCacheStats) -> None:
         self.num_steps += 1
@@ -57,7 +61,13 @@ class EngineStats:
         a = self.sum_allocated_tokens
         return (a - self.sum_stored_tokens) / a if a else 0.0
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of looked-up prompt tokens found in the prefix cache, 0..1."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(mean_batch_size=self.mean_batch_size, kv_waste=self.kv_waste)
+        d.update(mean_batch_size=self.mean_batch_size, kv_waste=self.kv_waste,
+                 prefix_cache_hit_rate=self.prefix_cache_hit_rate)
         return d

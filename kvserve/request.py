@@ -80,6 +80,7 @@ class Request:
         self.finish_time: Optional[float] = None
         self.num_preemptions = 0
         self.priority = priority
+        self.block_hashes: list = []  # chained hashes of full blocks (prefix caching), filled by the manager
         self.queue_seq = 0  # set by the scheduler: arrival order, the FCFS tie-break
 
     @property

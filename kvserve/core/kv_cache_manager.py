@@ -1,8 +1,13 @@
-"""Per-request block tables over the shared ``BlockPool``.
+"""Per-request block tables over the shared ``BlockPool``, with automatic prefix caching.
 
 A request holding ``n`` tokens of K/V owns ``blocks_needed(n, block_size)`` blocks; appending token ``n + 1``
 takes a new block iff ``n % block_size == 0``. Memory is allocated as tokens arrive, never reserved for
 ``max_tokens`` up front (the "naive reservation" that ``KVCacheStats`` reports for comparison).
+
+With ``enable_prefix_caching``, ``get_computed_blocks`` finds the longest chain of cached full blocks matching a
+request's tokens; admission takes references to them and starts ``num_computed_tokens`` after them. Full blocks
+enter the cache once their tokens have been computed (``cache_computed_blocks``, after each step), never
+partial blocks.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvserve.core.block_pool import BlockPool
+from kvserve.core.block_pool import BlockPool, hash_block
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -60,39 +65,102 @@ class KVCacheManager:
     Args:
         num_blocks: size of the pool.
         block_size: tokens per block.
+        enable_prefix_caching: reuse cached full blocks across requests.
+
+    Attributes:
+        prefix_cache_queries, prefix_cache_hits: tokens looked up / found in the cache at admissions.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict = {}
+        self.num_cached_blocks: dict = {}  # request_id -> how many of its leading blocks are in the cache
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
 
-    def allocate_slots(self, request, num_new_tokens: int) -> Optional[list]:
-        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``.
+    def block_hashes(self, request) -> list:
+        """Chained ``BlockHash`` of each full block of the request's known tokens (extended incrementally and
+        kept on ``request.block_hashes``)."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        n_full = request.num_tokens // bs
+        if len(hashes) < n_full:
+            tokens = request.all_token_ids
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), n_full):
+                parent = hash_block(parent, tokens[i * bs : (i + 1) * bs])
+                hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request) -> list:
+        """The longest run of cached blocks matching the request's leading full blocks.
+
+        Capped at ``(num_tokens - 1) // block_size`` blocks so at least the last token is computed (its logits
+        are needed): a fully cached prompt that is an exact multiple of ``block_size`` recomputes its last block.
+        Takes no reference; pass the result to ``allocate_slots``.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in self.block_hashes(request)[: (request.num_tokens - 1) // self.block_size]:
+            block = self.block_pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, request, num_new_tokens: int, computed_blocks=()) -> Optional[list]:
+        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens`` (plus, at admission,
+        after the prefix-cache hits ``computed_blocks``, which are referenced on success).
 
         Returns:
             the ids of the newly taken blocks (possibly ``[]``), or ``None`` if the pool cannot supply them;
-            on ``None`` nothing was allocated.
+            on ``None`` nothing was allocated or referenced.
         """
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        need = blocks_needed(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
-        if need <= 0:
-            return []
-        if need > self.block_pool.num_free_blocks:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        rid = request.request_id
+        held = self.req_to_blocks.get(rid, [])
+        n_hit = len(computed_blocks)
+        total = request.num_computed_tokens + n_hit * self.block_size + num_new_tokens
+        need = blocks_needed(total, self.block_size) - len(held) - n_hit
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # leave the free queue when touched
+        if max(need, 0) > self.block_pool.num_free_blocks - reclaimed:
             return None
-        new = self.block_pool.get_new_blocks(need)
+        blocks = self.req_to_blocks.setdefault(rid, [])
+        if computed_blocks:
+            self.block_pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+            self.num_cached_blocks[rid] = n_hit
+        if request.num_computed_tokens == 0 and self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += n_hit * self.block_size
+        new = self.block_pool.get_new_blocks(need) if need > 0 else []
         blocks.extend(new)
         return [b.block_id for b in new]
 
+    def cache_computed_blocks(self, request) -> None:
+        """Enter the request's full blocks whose tokens are all computed into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        n_full = request.num_computed_tokens // self.block_size
+        start = self.num_cached_blocks.get(rid, 0)
+        if n_full <= start:
+            return
+        blocks, hashes = self.req_to_blocks[rid], self.block_hashes(request)
+        for i in range(start, n_full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[rid] = n_full
+
     def free(self, request) -> None:
-        """Release every block of ``request`` (tail first); a no-op if it holds none."""
+        """Release every block of ``request`` (tail first); cached blocks keep their contents until evicted."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request) -> list:

@@ -138,7 +138,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            n = self._num_new_tokens(req, budget)
+            n = self._num_new_tokens(req.num_uncomputed_tokens, budget)
             if n == 0:
                 continue
             new_blocks = kv.allocate_slots(req, n)
@@ -160,9 +160,11 @@ class Scheduler:
         may_admit = not out.preempted and (self.config.scheduling == "continuous" or not self.running)
         while may_admit and self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = self._num_new_tokens(req, budget)
-            if n == 0 or kv.allocate_slots(req, n) is None:
+            hits = kv.get_computed_blocks(req)
+            n = self._num_new_tokens(req.num_tokens - len(hits) * kv.block_size, budget)
+            if n == 0 or kv.allocate_slots(req, n, hits) is None:
                 break
+            req.num_computed_tokens = len(hits) * kv.block_size
             self.waiting.pop(0)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
@@ -172,10 +174,9 @@ class Scheduler:
             budget -= n
         return out
 
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
-        """Tokens to compute for ``req`` now: all uncomputed ones, or (chunked prefill) as many as the budget
-        allows; 0 if it cannot be scheduled this step."""
-        n = req.num_uncomputed_tokens
+    def _num_new_tokens(self, n: int, budget: int) -> int:
+        """Of ``n`` uncomputed tokens, how many to compute now: all, or (chunked prefill) as many as the budget
+        allows; 0 if the request cannot be scheduled this step."""
         if self.config.enable_chunked_prefill:
             return min(n, budget)
         return n if n <= budget else 0
@@ -210,6 +211,7 @@ class Scheduler:
         for s in scheduler_output.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_scheduled_tokens
+            self.kv_cache_manager.cache_computed_blocks(req)
             token = model_output.sampled_token_ids.get(req.request_id)
             if token is None:
                 continue

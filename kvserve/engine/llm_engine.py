@@ -71,7 +71,7 @@ class LLMEngine:
             self.num_blocks, self.block_size, self.pool_tokens,
             self.num_blocks * self.model.bytes_per_block(self.block_size) / 2**20, self.max_model_len,
         )
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids)
         self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, Sampler(self.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -81,7 +81,7 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, **engine_args) -> "LLMEngine":
         """Build from flat arguments (``model``, ``dtype``, ``max_model_len``, ``block_size``, ``num_kv_blocks``,
-        ``kv_cache_memory_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
+        ``kv_cache_memory_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``enable_prefix_caching``,
         ``scheduling``, ``scheduling_policy``, ``num_threads``)."""
         return cls(EngineConfig.from_kwargs(**engine_args))
 
@@ -187,6 +187,8 @@ class LLMEngine:
         outputs = [self.output_processor.make_output(req) for req in updated]
         if scheduler_output.scheduled:
             self.stats.num_preemptions = self.scheduler.num_preemptions
+            self.stats.prefix_cache_queries = self.kv_cache_manager.prefix_cache_queries
+            self.stats.prefix_cache_hits = self.kv_cache_manager.prefix_cache_hits
             self.stats.generation_tokens += len(updated)
             self.stats.record_step(
                 len(scheduler_output.scheduled),
@@ -199,6 +201,7 @@ class LLMEngine:
         """Start a fresh ``EngineStats`` (e.g. after a warm-up request)."""
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
         self.scheduler.num_preemptions = 0
+        self.kv_cache_manager.prefix_cache_queries = self.kv_cache_manager.prefix_cache_hits = 0
 
     def kv_cache_stats(self):
         """Current ``KVCacheStats`` of the pool."""

@@ -18,8 +18,8 @@ def fake_run(sched_out):
     return out
 
 
-def make_sched(num_blocks=64, block_size=4, **cfg):
-    kv = KVCacheManager(num_blocks, block_size)
+def make_sched(num_blocks=64, block_size=4, enable_prefix_caching=False, **cfg):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     return Scheduler(SchedulerConfig(**cfg), kv, eos_token_ids=[EOS]), kv
 
 
