@@ -142,7 +142,6 @@ class AsyncLLM:
     def abort_all(self) -> None:
         """Abort every in-flight request; their streams raise ``EngineShutdownError``."""
         for rid, stream in list(self._streams.items()):
-            stream.finished = True
             stream._put(EngineShutdownError(f"request {rid} aborted: the server is shutting down"))
             self._pending_aborts.add(rid)
         self._streams.clear()
