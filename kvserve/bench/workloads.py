@@ -80,3 +80,47 @@ def _parse_ts(ts: str) -> float:
     # '2023-11-16 18:15:46.6805900': seven fractional digits, more than datetime parses
     head, _, frac = ts.partition(".")
     return datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp() + float("0." + (frac or "0"))
+
+
+def random_lengths(num_requests: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                   seed: int = 0) -> list:
+    """Random-token prompts with lengths uniform in ``[len * (1 - range_ratio), len * (1 + range_ratio)]``
+    (at least 1), for input and output alike (vLLM's "random" dataset).
+
+    Raises:
+        ValueError: a length below 1 or ``range_ratio`` outside ``[0, 1)``.
+    """
+    if input_len < 1 or output_len < 1 or not 0 <= range_ratio < 1:
+        raise ValueError(f"need input_len, output_len >= 1 and range_ratio in [0, 1), got {input_len}, "
+                         f"{output_len}, {range_ratio}")
+    rng = random.Random(seed)
+
+    def draw(n: int) -> int:
+        return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
+
+    return [BenchRequest(_random_prompt(rng, draw(input_len)), draw(output_len)) for _ in range(num_requests)]
+
+
+def sharegpt_prompts(num_requests: int, seed: int = 0, data_dir=None, max_chars: int = 4000) -> list:
+    """``num_requests`` first-turn human prompts (text) from ``../shared/data/sharegpt/ShareGPT_V3_filtered_1000.json``
+    (a JSON list of ``{"id", "conversations": [{"from": "human", "value": str}, ...]}``), in a seeded random order,
+    skipping empty ones and those longer than ``max_chars``; repeats the list when more are asked than it holds.
+
+    Raises:
+        ValueError: the file is missing or holds no usable prompt.
+    """
+    import json
+
+    path = Path(data_dir or default_data_dir()) / "sharegpt" / "ShareGPT_V3_filtered_1000.json"
+    if not path.exists():
+        raise ValueError(f"ShareGPT sample not found at {str(path)!r}; pass --data-dir")
+    rows = json.loads(path.read_text(encoding="utf-8"))
+    prompts = []
+    for row in rows:
+        turns = row.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and 0 < len(turns[0].get("value") or "") <= max_chars:
+            prompts.append(turns[0]["value"])
+    if not prompts:
+        raise ValueError(f"no usable prompt in {str(path)!r}")
+    random.Random(seed).shuffle(prompts)
+    return [prompts[i % len(prompts)] for i in range(num_requests)]

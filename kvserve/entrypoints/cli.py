@@ -1,4 +1,5 @@
-"""``kvserve`` command line: ``kvserve generate`` (the main job) and ``kvserve bench throughput``."""
+"""``kvserve`` command line: ``kvserve generate`` (the main job), ``kvserve serve`` (the HTTP server), and
+``kvserve bench throughput`` / ``kvserve bench serve``."""
 
 from __future__ import annotations
 
@@ -39,17 +40,25 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from kvserve.entrypoints import generate_cmd
+    from kvserve.bench import serve as bench_serve
     from kvserve.bench import throughput
+    from kvserve.entrypoints.openai import api_server
 
     gen = sub.add_parser("generate", help="generate answers for chat prompts (default: the built-in set)")
     add_engine_args(gen)
     generate_cmd.add_args(gen)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
+    add_engine_args(srv)
+    api_server.add_args(srv)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput: static vs continuous (vs transformers)")
     add_engine_args(tp)
     throughput.add_args(tp)
+    bs = bench_sub.add_parser("serve", help="load-test a running kvserve server over HTTP (TTFT, TPOT, ITL, goodput)")
+    bench_serve.add_args(bs)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -58,6 +67,10 @@ def main(argv=None) -> int:
             return generate_cmd.run(args)
         if args.command == "bench" and args.bench_command == "throughput":
             return throughput.run(args)
+        if args.command == "serve":
+            return api_server.run(args, engine_kwargs(args))
+        if args.command == "bench" and args.bench_command == "serve":
+            return bench_serve.run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -260,6 +260,152 @@ class OpenAIServing:
             ))
         return p.ChatLogprobs(content=content)
 
+    # ------------------------------------------------------------------------------------------------ endpoints
+    async def create_completion(self, req: p.CompletionRequest, receive):
+        """``POST /v1/completions``. Returns a ``CompletionResponse``, an async iterator of SSE strings
+        (``stream``), or ``None`` if the client disconnected (its requests are aborted).
+
+        Raises:
+            OpenAIError: bad input (400), shutdown (503), dead engine (500).
+        """
+        arrival = now_s()
+        self.check_model(req.model)
+        self.check_unsupported(req)
+        prompts = await self.completion_prompts(req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        params = [self.sampling_params(req, self.check_length(len(pp.token_ids), max_tokens, "prompt", "max_tokens"),
+                                       req.logprobs) for pp in prompts]
+        rid = new_id("cmpl")
+        echo = [pp.text if req.echo else "" for pp in prompts]
+        want_lp = req.logprobs is not None
+        streams = await self.start(prompts, params, rid, arrival)
+
+        if not req.stream:
+            finals = await self._collect(streams, receive)
+            if finals is None:
+                return None
+            choices = []
+            for i, out in enumerate(finals):
+                c = out.outputs[0]
+                lp = self.completion_logprobs(c.token_ids, c.logprobs, len(echo[i])) if want_lp else None
+                choices.append(p.CompletionChoice(index=i, text=echo[i] + c.text, logprobs=lp,
+                                                  finish_reason=c.finish_reason))
+            return p.CompletionResponse(id=rid, model=self.model_name, choices=choices,
+                                        usage=usage_of(prompts, finals))
+
+        sent_chars = [0] * len(prompts)  # characters sent per choice (for text_offset)
+        started = [False] * len(prompts)
+
+        def chunk(i: int, out) -> Optional[str]:
+            c = out.outputs[0]
+            head = "" if started[i] else echo[i]
+            started[i] = True
+            text = head + c.delta_text
+            lp = None
+            if want_lp and c.delta_token_ids:
+                entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
+                lp = self.completion_logprobs(c.delta_token_ids, entries, sent_chars[i] + len(head))
+            sent_chars[i] += len(text)
+            if not text and lp is None and not out.finished:
+                return None
+            choice = p.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=c.finish_reason)
+            return sse(p.CompletionResponse(id=rid, model=self.model_name, choices=[choice]))
+
+        def usage_chunk(finals) -> str:
+            return sse(p.CompletionResponse(id=rid, model=self.model_name, choices=[],
+                                            usage=usage_of(prompts, finals)))
+
+        return self._stream(streams, [], chunk, usage_chunk if _include_usage(req) else None)
+
+    async def create_chat_completion(self, req: p.ChatCompletionRequest, receive):
+        """``POST /v1/chat/completions``; returns like ``create_completion`` (``ChatCompletionResponse``)."""
+        arrival = now_s()
+        self.check_model(req.model)
+        self.check_unsupported(req)
+        pp = await self.chat_prompt(req.messages)
+        use_mct = req.max_completion_tokens is not None
+        requested = req.max_completion_tokens if use_mct else req.max_tokens
+        max_tokens = self.check_length(len(pp.token_ids), requested, "messages",
+                                       "max_completion_tokens" if use_mct else "max_tokens")
+        top_n = req.top_logprobs or 0
+        params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None)]
+        rid = new_id("chatcmpl")
+        streams = await self.start([pp], params, rid, arrival)
+
+        if not req.stream:
+            finals = await self._collect(streams, receive)
+            if finals is None:
+                return None
+            c = finals[0].outputs[0]
+            lp = self.chat_logprobs(c.token_ids, c.logprobs, top_n) if req.logprobs else None
+            choice = p.ChatChoice(index=0, message=p.ChatResponseMessage(content=c.text), logprobs=lp,
+                                  finish_reason=c.finish_reason)
+            return p.ChatCompletionResponse(id=rid, model=self.model_name, choices=[choice],
+                                            usage=usage_of([pp], finals))
+
+        def make(choices, usage=None) -> str:
+            return sse(p.ChatCompletionChunk(id=rid, model=self.model_name, choices=choices, usage=usage))
+
+        def chunk(i: int, out) -> Optional[str]:
+            c = out.outputs[0]
+            lp = None
+            if req.logprobs and c.delta_token_ids:
+                entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
+                lp = self.chat_logprobs(c.delta_token_ids, entries, top_n)
+            if not c.delta_text and lp is None and not out.finished:
+                return None
+            delta = p.DeltaMessage(content=c.delta_text) if c.delta_text else p.DeltaMessage()
+            return make([p.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=c.finish_reason)])
+
+        first = make([p.ChatStreamChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))])
+        usage_chunk = (lambda finals: make([], usage_of([pp], finals))) if _include_usage(req) else None
+        return self._stream(streams, [first], chunk, usage_chunk)
+
+    async def _collect(self, streams: list, receive) -> Optional[list]:
+        """The final output of every stream, in order; ``None`` if the client disconnected first."""
+        async def collect():
+            finals = [None] * len(streams)
+            async for i, out in merge_streams(streams):
+                if out.finished:
+                    finals[i] = out
+            return finals
+
+        try:
+            return await run_unless_disconnected(collect(), receive, streams)
+        except ClientDisconnected:
+            return None
+        except (EngineShutdownError, EngineDeadError) as e:
+            raise engine_error(e) from None
+
+    @staticmethod
+    async def _stream(streams: list, head: list, chunk, usage_chunk) -> AsyncIterator[str]:
+        """SSE strings: ``head``, ``chunk(i, output)`` per output (``None`` = nothing to send), the usage chunk,
+        ``[DONE]``. An engine shutdown or failure ends the stream with an error event. If the consumer stops
+        (client disconnected: the response task is cancelled), the requests are aborted."""
+        try:
+            for h in head:
+                yield h
+            finals = [None] * len(streams)
+            async for i, out in merge_streams(streams):
+                text = chunk(i, out)
+                if text is not None:
+                    yield text
+                if out.finished:
+                    finals[i] = out
+            if usage_chunk is not None:
+                yield usage_chunk(finals)
+            yield SSE_DONE
+        except (EngineShutdownError, EngineDeadError) as e:
+            yield sse(engine_error(e).body())
+            yield SSE_DONE
+        finally:
+            for s in streams:
+                s.abort()
+
+
+def _include_usage(req) -> bool:
+    return bool(req.stream_options is not None and req.stream_options.include_usage)
+
 
 def _top(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -1,0 +1,382 @@
+"""``kvserve bench serve``: an async HTTP load generator against a running OpenAI-compatible server (modelled on
+``vllm bench serve``).
+
+Requests are streamed from ``/v1/completions`` (``stream_options.include_usage``). Arrivals: a Poisson process at
+``--request-rate`` requests/s (``inf``: all at once), or, for ``--dataset azure``, the trace's own timestamps times
+``--time-scale``; ``--max-concurrency`` caps requests in flight. Per request it measures, on the client:
+
+- TTFT: send to the first chunk with text; ITL: gaps between later text chunks;
+- TPOT: ``(e2e - TTFT) / (output tokens - 1)`` with the server's token count (usage);
+- e2e latency: send to the last byte.
+
+It reports mean / p50 / p90 / p99 of each (ms), request and output-token throughput, and goodput (requests/s that
+met every ``--goodput`` SLO), prints a table and writes JSON. It only talks to loopback addresses, and is bounded in
+count (``--num-prompts`` <= 10000) and time (``--request-timeout`` per request, ``--max-duration`` for the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import math
+import random
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Union
+from urllib.parse import urlparse
+
+from kvserve.bench.throughput import percentile
+from kvserve.bench.workloads import azure_trace, random_lengths, sharegpt_prompts
+
+MAX_PROMPTS = 10_000
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+@dataclass
+class LoadRequest:
+    """One request to send: ``prompt`` (text or token ids), ``output_len`` (``max_tokens``), ``arrival_s`` after
+    the start (``None``: from ``--request-rate``)."""
+
+    prompt: Union[str, list]
+    output_len: int
+    arrival_s: Optional[float] = None
+
+
+@dataclass
+class RequestResult:
+    """What one request measured (seconds; ``itl`` one entry per gap between text chunks)."""
+
+    success: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list = field(default_factory=list)
+    start_s: float = 0.0
+
+    @property
+    def tpot(self) -> Optional[float]:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only)")
+    p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
+    p.add_argument("--dataset", choices=["random", "sharegpt", "azure"], default="random")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s of a Poisson process; inf = all at once (ignored by --dataset azure)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--random-input-len", type=int, default=64)
+    p.add_argument("--random-output-len", type=int, default=16)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--sharegpt-output-len", type=int, default=64, help="max_tokens for ShareGPT prompts")
+    p.add_argument("--sharegpt-max-chars", type=int, default=4000, help="skip longer ShareGPT prompts")
+    p.add_argument("--azure-kind", choices=["conv", "code"], default="conv")
+    p.add_argument("--length-scale", type=float, default=8.0, help="azure: divide token counts by this")
+    p.add_argument("--time-scale", type=float, default=1.0, help="azure: multiply arrival offsets by this")
+    p.add_argument("--max-input-len", type=int, default=512, help="azure: cap on prompt tokens")
+    p.add_argument("--max-output-len", type=int, default=256, help="azure: cap on output tokens")
+    p.add_argument("--data-dir", default=None, help="default: ../shared/data next to the repository")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly max_tokens (default on)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs for goodput, e.g. ttft:2000 tpot:300 (metrics: ttft, tpot, e2el; milliseconds)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--max-duration", type=float, default=3600.0, help="seconds for the whole run")
+    p.add_argument("--output-json", default=None, help="write the results here")
+    p.add_argument("--quiet", action="store_true", help="no table on stdout")
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def check_loopback(base_url: str) -> None:
+    """Raises ``ValueError`` unless every address ``base_url``'s host resolves to is a loopback address."""
+    parsed = urlparse(base_url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"--base-url must be http(s)://host:port, got {base_url!r}")
+    try:
+        infos = socket.getaddrinfo(parsed.hostname, parsed.port or 80, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve {parsed.hostname!r}: {e}") from None
+    addrs = {info[4][0] for info in infos}
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise ValueError(f"kvserve bench serve only targets loopback servers; {parsed.hostname!r} is {sorted(addrs)}")
+
+
+def parse_goodput(items) -> dict:
+    """``["ttft:2000", "tpot:300"]`` -> ``{"ttft": 2.0, "tpot": 0.3}`` (seconds).
+
+    Raises:
+        ValueError: an unknown metric or a bad number.
+    """
+    slos = {}
+    for item in items or []:
+        name, _, ms = item.partition(":")
+        try:
+            value = float(ms)
+        except ValueError:
+            value = float("nan")
+        if name not in SLO_METRICS or not value > 0 or math.isinf(value):
+            raise ValueError(f"--goodput takes METRIC:MS with METRIC in {SLO_METRICS} and MS > 0, got {item!r}")
+        slos[name] = value / 1000
+    return slos
+
+
+# ------------------------------------------------------------------------------------------------ workload
+def build_requests(args) -> list:
+    """The ``LoadRequest`` list for ``args.dataset``.
+
+    Raises:
+        ValueError: bad counts or a missing data file.
+    """
+    n = args.num_prompts
+    if not 1 <= n <= MAX_PROMPTS:
+        raise ValueError(f"--num-prompts must be in [1, {MAX_PROMPTS}], got {n}")
+    if args.dataset == "random":
+        reqs = random_lengths(n, args.random_input_len, args.random_output_len, args.random_range_ratio, args.seed)
+        return [LoadRequest(r.prompt_token_ids, r.output_len) for r in reqs]
+    if args.dataset == "sharegpt":
+        if args.sharegpt_output_len < 1:
+            raise ValueError("--sharegpt-output-len must be >= 1")
+        texts = sharegpt_prompts(n, args.seed, args.data_dir, max_chars=args.sharegpt_max_chars)
+        return [LoadRequest(text, args.sharegpt_output_len) for text in texts]
+    if args.time_scale < 0:
+        raise ValueError("--time-scale must be >= 0")
+    reqs = azure_trace(n, args.seed, args.data_dir, kind=args.azure_kind, scale=args.length_scale,
+                       max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+                       time_scale=args.time_scale)
+    return [LoadRequest(r.prompt_token_ids, r.output_len, r.arrival_s) for r in reqs]
+
+
+def arrival_times(requests: list, rate: float, seed: int) -> list:
+    """Send offsets (s): the requests' own ``arrival_s`` when set, else a Poisson process at ``rate`` req/s starting
+    at 0 (all 0 for ``inf``).
+
+    Raises:
+        ValueError: ``rate`` not > 0.
+    """
+    if not rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {rate}")
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i, r in enumerate(requests):
+        if r.arrival_s is not None:
+            out.append(r.arrival_s)
+            continue
+        if i and math.isfinite(rate):
+            t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ client
+async def send_request(client, url: str, payload: dict, timeout: float) -> RequestResult:
+    """POST one streaming completion and time it (``httpx.AsyncClient``); never raises for HTTP-level failures."""
+    res = RequestResult()
+    start = time.perf_counter()
+    try:
+        await asyncio.wait_for(_stream_into(res, client, url, payload, start), timeout)
+    except asyncio.TimeoutError:
+        res.success, res.error = False, f"timed out after {timeout} s"
+    except Exception as e:  # connection refused / reset: counted as a failed request
+        res.success, res.error = False, f"{type(e).__name__}: {e}"
+    res.e2el = time.perf_counter() - start
+    if res.success and res.output_tokens == 0:
+        res.success, res.error = False, "no usage chunk in the stream"
+    return res
+
+
+async def _stream_into(res: RequestResult, client, url: str, payload: dict, start: float) -> None:
+    last = start
+    async with client.stream("POST", url, json=payload) as resp:
+        if resp.status_code != 200:
+            res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                res.success = not res.error
+                return
+            obj = json.loads(data)
+            if "error" in obj:
+                res.error = str(obj["error"].get("message", obj["error"]))
+                continue
+            if obj.get("usage"):
+                res.prompt_tokens = obj["usage"]["prompt_tokens"]
+                res.output_tokens = obj["usage"]["completion_tokens"]
+            if any(c.get("text") for c in obj.get("choices", ())):
+                now = time.perf_counter()
+                if res.ttft == 0.0:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+
+
+async def run_benchmark(base_url: str, model: str, requests: list, offsets: list, *, max_concurrency=None,
+                        ignore_eos: bool = True, temperature: float = 0.0, request_timeout: float = 600.0,
+                        max_duration: float = 3600.0) -> tuple:
+    """Send every request at its offset; returns ``(results, duration_s)``. Requests still unsent or running after
+    ``max_duration`` are cancelled and count as failed."""
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    limit = max_concurrency or len(requests)
+    sem = asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(request_timeout, pool=None)) as client:
+        start = time.perf_counter()
+
+        async def one(req: LoadRequest, offset: float) -> RequestResult:
+            delay = offset - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "stream": True,
+                       "stream_options": {"include_usage": True}, "temperature": temperature,
+                       "ignore_eos": ignore_eos}
+            async with sem:
+                res = await send_request(client, url, payload, request_timeout)
+            res.start_s = offset
+            return res
+
+        tasks = [asyncio.ensure_future(one(r, o)) for r, o in zip(requests, offsets)]
+        _, pending = await asyncio.wait(tasks, timeout=max_duration)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = time.perf_counter() - start
+    results = []
+    for t in tasks:
+        if t.cancelled():
+            results.append(RequestResult(error=f"not finished within --max-duration {max_duration} s"))
+        else:
+            results.append(t.result())
+    return results, duration
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _dist(values: list, prefix: str) -> dict:
+    ms = [v * 1000 for v in values]
+    return {
+        f"mean_{prefix}_ms": statistics.fmean(ms) if ms else None,
+        f"median_{prefix}_ms": percentile(ms, 50) if ms else None,
+        f"p90_{prefix}_ms": percentile(ms, 90) if ms else None,
+        f"p99_{prefix}_ms": percentile(ms, 99) if ms else None,
+    }
+
+
+def summarize(results: list, duration: float, slos: dict) -> dict:
+    """Aggregate metrics (latencies in ms, throughputs per second) of one run."""
+    ok = [r for r in results if r.success]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+
+    def meets(r: RequestResult) -> bool:
+        values = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.e2el}
+        return all(values[k] <= v for k, v in slos.items())
+
+    summary = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.success})[:5],
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": out_tokens / duration if duration > 0 else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,
+        "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()},
+        "goodput": (sum(meets(r) for r in ok) / duration if duration > 0 else 0.0) if slos else None,
+    }
+    summary.update(_dist([r.ttft for r in ok], "ttft"))
+    summary.update(_dist([r.tpot for r in ok if r.tpot is not None], "tpot"))
+    summary.update(_dist([x for r in ok for x in r.itl], "itl"))
+    summary.update(_dist([r.e2el for r in ok], "e2el"))
+    return summary
+
+
+def format_table(s: dict) -> str:
+    """The summary as an aligned text table."""
+    def f(v, unit=""):
+        return "n/a" if v is None else (f"{v:.2f}{unit}" if isinstance(v, float) else f"{v}{unit}")
+
+    rows = [
+        ("successful requests", f(s["completed"])),
+        ("failed requests", f(s["failed"])),
+        ("benchmark duration", f(s["duration_s"], " s")),
+        ("input / output tokens", f"{s['total_input_tokens']} / {s['total_output_tokens']}"),
+        ("request throughput", f(s["request_throughput"], " req/s")),
+        ("output token throughput", f(s["output_throughput"], " tok/s")),
+    ]
+    if s["goodput"] is not None:
+        slo = " ".join(f"{k}<={v:g}ms" for k, v in s["goodput_slos_ms"].items())
+        rows.append((f"goodput ({slo})", f(s["goodput"], " req/s")))
+    for key, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
+        rows.append((f"{name} mean / p50 / p90 / p99",
+                     " / ".join(f(s[f"{q}_{key}_ms"]) for q in ("mean", "median", "p90", "p99")) + " ms"))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def fetch_model(base_url: str, timeout: float = 10.0) -> str:
+    """The first model id of ``GET /v1/models``.
+
+    Raises:
+        ValueError: the server cannot be reached or lists no model.
+    """
+    import httpx
+
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"cannot list models at {base_url}: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvserve bench serve``: returns 0 when every request succeeded, 1 otherwise.
+
+    Raises:
+        ValueError: bad arguments, a non-loopback server, an unreachable server.
+    """
+    check_loopback(args.base_url)
+    slos = parse_goodput(args.goodput)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    if not (args.request_timeout > 0 and args.max_duration > 0):
+        raise ValueError("--request-timeout and --max-duration must be > 0")
+    requests = build_requests(args)
+    offsets = arrival_times(requests, args.request_rate, args.seed)
+    model = args.model or fetch_model(args.base_url)
+    results, duration = asyncio.run(run_benchmark(
+        args.base_url, model, requests, offsets, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+        temperature=args.temperature, request_timeout=args.request_timeout, max_duration=args.max_duration))
+    summary = summarize(results, duration, slos)
+    config = {k: getattr(args, k) for k in ("base_url", "dataset", "num_prompts", "request_rate", "max_concurrency",
+                                            "random_input_len", "random_output_len", "random_range_ratio",
+                                            "sharegpt_output_len", "time_scale", "ignore_eos", "temperature", "seed")}
+    config["request_rate"] = str(args.request_rate) if math.isinf(args.request_rate) else args.request_rate
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": model, "config": config, **summary,
+              "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} | {"tpot": r.tpot} for r in results]}
+    if not args.quiet:
+        print(format_table(summary))
+    if args.output_json:
+        with open(args.output_json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    if summary["failed"]:
+        print(f"{summary['failed']} requests failed: {summary['errors']}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,60 @@
+"""``kvserve bench serve`` against the live test server (a few short requests per dataset)."""
+
+import json
+
+import pytest
+
+from kvserve.bench.serve import arrival_times, check_loopback, parse_goodput, LoadRequest
+from kvserve.entrypoints.cli import main
+
+KEYS = ["completed", "failed", "duration_s", "request_throughput", "output_throughput", "goodput"] + [
+    f"{q}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for q in ("mean", "median", "p90", "p99")]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--dataset", "random", "--random-input-len", "16", "--random-output-len", "4", "--request-rate", "inf"],
+    ["--dataset", "sharegpt", "--sharegpt-output-len", "4", "--sharegpt-max-chars", "300", "--request-rate", "20",
+     "--max-concurrency", "2"],
+    ["--dataset", "azure", "--length-scale", "32", "--max-input-len", "128", "--max-output-len", "6",
+     "--time-scale", "0.001"],
+], ids=["random-inf", "sharegpt-rate20", "azure"])
+def test_bench_serve_writes_metrics(server, tmp_path, capsys, extra):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "4", "--goodput", "ttft:60000",
+               "tpot:60000", "--output-json", str(out), *extra])
+    assert rc == 0, capsys.readouterr()
+    data = json.loads(out.read_text())
+    for key in KEYS:
+        assert key in data, key
+    assert data["completed"] == 4 and data["failed"] == 0 and data["total_output_tokens"] >= 4
+    assert data["mean_ttft_ms"] > 0 and data["p99_e2el_ms"] >= data["median_e2el_ms"] > 0
+    assert data["request_throughput"] > 0 and 0 < data["goodput"] <= data["request_throughput"]
+    assert len(data["requests"]) == 4
+    table = capsys.readouterr().out
+    assert "TTFT mean / p50 / p90 / p99" in table and "goodput" in table
+    server.wait_idle()
+
+
+def test_bench_serve_refuses_non_loopback_and_bad_args(capsys):
+    check_loopback("http://127.0.0.1:8000")
+    check_loopback("http://localhost:1")
+    for url in ("http://10.1.2.3:8000", "http://8.8.8.8", "ftp://127.0.0.1"):
+        with pytest.raises(ValueError):
+            check_loopback(url)
+    assert main(["bench", "serve", "--base-url", "http://192.168.0.1:8000"]) == 2
+    assert "loopback" in capsys.readouterr().err
+    assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 0.5, "tpot": 0.05}
+    for bad in (["ttft"], ["foo:1"], ["ttft:-1"]):
+        with pytest.raises(ValueError):
+            parse_goodput(bad)
+
+
+def test_arrival_times():
+    reqs = [LoadRequest("x", 1) for _ in range(2000)]
+    assert arrival_times(reqs[:3], float("inf"), 0) == [0.0, 0.0, 0.0]
+    times = arrival_times(reqs, 4.0, 0)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0 and all(g >= 0 for g in gaps) and abs(sum(gaps) / len(gaps) - 0.25) < 0.03
+    assert arrival_times([LoadRequest("x", 1, 2.5)], 1.0, 0) == [2.5]
+    with pytest.raises(ValueError):
+        arrival_times(reqs, 0.0, 0)
