@@ -41,7 +41,7 @@ def main(argv=None) -> int:
 
     from kvserve.entrypoints import generate_cmd
     from kvserve.bench import serve as bench_serve
-    from kvserve.bench import throughput
+    from kvserve.bench import report, throughput
     from kvserve.entrypoints.openai import api_server
 
     gen = sub.add_parser("generate", help="generate answers for chat prompts (default: the built-in set)")
@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     tp = bench_sub.add_parser("throughput", help="offline throughput: static vs continuous (vs transformers)")
     add_engine_args(tp)
     throughput.add_args(tp)
+    rp = bench_sub.add_parser("report", help="serving-behaviour report: PNG plots and report.md from fixed workloads")
+    report.add_args(rp)
     bs = bench_sub.add_parser("serve", help="load-test a running kvserve server over HTTP (TTFT, TPOT, ITL, goodput)")
     bench_serve.add_args(bs)
 
@@ -67,6 +69,8 @@ def main(argv=None) -> int:
             return generate_cmd.run(args)
         if args.command == "bench" and args.bench_command == "throughput":
             return throughput.run(args)
+        if args.command == "bench" and args.bench_command == "report":
+            return report.run(args)
         if args.command == "serve":
             return api_server.run(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "serve":
