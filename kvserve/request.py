@@ -80,6 +80,9 @@ class Request:
         self.finish_time: Optional[float] = None
         self.num_preemptions = 0
         self.priority = priority
+        self.fork_children: list = []  # the other samples of an n > 1 request, started when its prompt is done
+        self.parent_id: Optional[str] = None  # the user's request id when this is one sample of several
+        self.sample_index = 0
         self.block_hashes: list = []  # chained hashes of full blocks (prefix caching), filled by the manager
         self.queue_seq = 0  # set by the scheduler: arrival order, the FCFS tie-break
 

@@ -9,6 +9,7 @@ from typing import Optional, Union
 #: Temperatures below this are treated as greedy (dividing logits by ~0 would overflow).
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 16
 
 
 def _number(name: str, value, low: float, high: float, low_open: bool = False) -> None:
@@ -31,7 +32,8 @@ class SamplingParams:
     """Per-request sampling and stopping rules.
 
     Attributes:
-        n: samples per prompt; only 1 is supported for now.
+        n: samples per prompt, ``[1, 16]`` (parallel sampling: one prefill, the samples share the prompt's KV
+            blocks copy-on-write; seeded samples use ``seed + i``).
         temperature: ``>= 0``; 0 (or below 1e-5) means greedy (argmax).
         top_p: nucleus mass in ``(0, 1]``; 1 = disabled. The top token is always kept.
         top_k: keep the k most likely tokens; ``0`` or ``-1`` = disabled (both accepted, as in vLLM).
@@ -73,7 +75,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        _integer("n", self.n, 1, 1)
+        _integer("n", self.n, 1, MAX_N)
         _number("temperature", self.temperature, 0.0, 1e4)
         _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _integer("top_k", self.top_k, -1)

@@ -35,7 +35,7 @@ class KVCacheStats:
 
     Attributes (blocks or tokens, as named):
         num_blocks, used_blocks, free_blocks: pool occupancy in blocks.
-        tokens_stored: tokens whose K/V is in the cache (sum of ``num_computed_tokens`` over block holders).
+        tokens_stored: tokens whose K/V is in the blocks of running requests (a shared block counted once).
         tokens_allocated: slots owned by requests, ``used_blocks * block_size``.
         naive_reserved_tokens: what reserving ``prompt + max_tokens`` per running request would take.
     """
@@ -79,6 +79,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict = {}  # request_id -> how many of its leading blocks are in the cache
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.pending_copies: list = []  # (src_block_id, dst_block_id) copy-on-write copies for the next step
 
     @property
     def num_blocks(self) -> int:
@@ -129,8 +130,11 @@ class KVCacheManager:
         total = request.num_computed_tokens + n_hit * self.block_size + num_new_tokens
         need = blocks_needed(total, self.block_size) - len(held) - n_hit
         reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # leave the free queue when touched
-        if max(need, 0) > self.block_pool.num_free_blocks - reclaimed:
+        cow = self._shared_write_block(request, held)
+        if max(need, 0) + (cow is not None) > self.block_pool.num_free_blocks - reclaimed:
             return None
+        if cow is not None:
+            self._copy_on_write(held, cow)
         blocks = self.req_to_blocks.setdefault(rid, [])
         if computed_blocks:
             self.block_pool.touch(computed_blocks)
@@ -142,6 +146,35 @@ class KVCacheManager:
         new = self.block_pool.get_new_blocks(need) if need > 0 else []
         blocks.extend(new)
         return [b.block_id for b in new]
+
+    def _shared_write_block(self, request, held: list) -> Optional[int]:
+        """Index in ``held`` of the partially filled block the next token goes into, if other tables share it."""
+        i, offset = divmod(request.num_computed_tokens, self.block_size)
+        if offset and i < len(held) and held[i].ref_cnt > 1:
+            return i
+        return None
+
+    def _copy_on_write(self, held: list, i: int) -> None:
+        """Give the table a private copy of its shared block ``i`` (the copy itself is queued in
+        ``pending_copies`` and done by the model runner before the step's writes)."""
+        shared = held[i]
+        [private] = self.block_pool.get_new_blocks(1)
+        self.pending_copies.append((shared.block_id, private.block_id))
+        held[i] = private
+        self.block_pool.free_blocks([shared])
+
+    def take_pending_copies(self) -> list:
+        """The copy-on-write ``(src, dst)`` block copies queued since the last call."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def fork(self, parent, child) -> None:
+        """Give ``child`` the same block table as ``parent`` (every block gains a reference): the ``n`` samples of
+        one prompt share its blocks; a later write into a shared partial block is copied first (copy-on-write)."""
+        blocks = self.req_to_blocks[parent.request_id]
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
     def cache_computed_blocks(self, request) -> None:
         """Enter the request's full blocks whose tokens are all computed into the prefix cache."""
@@ -175,10 +208,21 @@ class KVCacheManager:
             block_size=self.block_size,
             used_blocks=used,
             free_blocks=self.block_pool.num_free_blocks,
-            tokens_stored=sum(r.num_computed_tokens for r in running),
+            tokens_stored=self._stored_tokens(running),
             tokens_allocated=used * self.block_size,
             naive_reserved_tokens=sum(r.num_prompt_tokens + r.sampling_params.max_tokens for r in running),
         )
+
+    def _stored_tokens(self, running) -> int:
+        """Tokens with K/V in the blocks the ``running`` requests hold, each shared block counted once."""
+        fill: dict = {}
+        bs = self.block_size
+        for r in running:
+            for i, b in enumerate(self.req_to_blocks.get(r.request_id, ())):
+                n = min(bs, r.num_computed_tokens - i * bs)
+                if n > fill.get(b.block_id, 0):
+                    fill[b.block_id] = n
+        return sum(fill.values())
 
     def check_integrity(self) -> None:
         """Assert the DESIGN.md invariants: sum(ref_cnt) == block-table entries; free + used == total."""

@@ -50,6 +50,7 @@ class SchedulerOutput:
 
     scheduled: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
+    block_copies: list = field(default_factory=list)  # copy-on-write (src_block_id, dst_block_id), before writes
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -94,6 +95,8 @@ class Scheduler:
         """Queue a validated request (FCFS, or by ``(priority, arrival)`` under the priority policy)."""
         request.queue_seq = next(self._seq)
         self.requests[request.request_id] = request
+        for child in request.fork_children:  # registered (for aborts); they start at the fork
+            self.requests[child.request_id] = child
         self._enqueue(request, preempted=False)
 
     def _enqueue(self, req: Request, preempted: bool) -> None:
@@ -158,8 +161,10 @@ class Scheduler:
         out.scheduled = list(scheduled.values())
 
         may_admit = not out.preempted and (self.config.scheduling == "continuous" or not self.running)
-        while may_admit and self.waiting and len(self.running) < self.config.max_num_seqs:
+        while may_admit and self.waiting:
             req = self.waiting[0]
+            if len(self.running) + 1 + len(req.fork_children) > self.config.max_num_seqs:
+                break  # (a parallel-sampling request needs a slot for each of its samples)
             hits = kv.get_computed_blocks(req)
             n = self._num_new_tokens(req.num_tokens - len(hits) * kv.block_size, budget)
             if n == 0 or kv.allocate_slots(req, n, hits) is None:
@@ -172,6 +177,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             out.scheduled.append(ScheduledRequest(req, n, kv.get_block_ids(req)))
             budget -= n
+        out.block_copies = kv.take_pending_copies()
         return out
 
     def _num_new_tokens(self, n: int, budget: int) -> int:
@@ -220,11 +226,30 @@ class Scheduler:
                 req.output_logprobs.append(model_output.logprobs[req.request_id])
             if req.first_token_time is None:
                 req.first_token_time = now
+            children, req.fork_children = req.fork_children, []
+            for child in children:  # parallel sampling: the other samples share the prompt's blocks
+                self.kv_cache_manager.fork(req, child)
             status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
             updated.append(req)
+            for child in children:
+                self._start_fork(req, child, model_output.sampled_token_ids[child.request_id], now)
+                updated.append(child)
         return updated
+
+    def _start_fork(self, parent: Request, child: Request, token: int, now: float) -> None:
+        """Start a forked sample: its blocks are the parent's (``fork``), its first token was sampled from the
+        parent's prompt logits this step."""
+        child.num_computed_tokens = len(child.prompt_token_ids)
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.first_token_time = now
+        child.status = RequestStatus.RUNNING
+        child.output_token_ids.append(token)
+        self.running.append(child)
+        status = self._check_stop(child, token)
+        if status is not None:
+            self._finish(child, status)
 
     def _check_stop(self, req: Request, token: int):
         sp = req.sampling_params

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from typing import Optional, Union
@@ -144,27 +145,37 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         rid = str(next(self._ids)) if request_id is None else str(request_id)
-        if rid in self.scheduler.requests:
+        if rid in self.output_processor.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
-        req = Request(
-            rid,
-            ids,
-            sp,
-            max_total_tokens=self.max_total_tokens,
-            prompt=prompt if isinstance(prompt, str) else None,
-            arrival_time=arrival_time,
-            priority=priority,
-        )
-        self.scheduler.add_request(req)
-        self.output_processor.add_request(req)
+        if sp.n > self.config.scheduler_config.max_num_seqs:
+            raise ValueError(f"n={sp.n} exceeds max_num_seqs={self.config.scheduler_config.max_num_seqs}")
+        samples = [
+            Request(
+                rid if i == 0 else f"{rid}#{i}",
+                ids,
+                sp if i == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i),
+                max_total_tokens=self.max_total_tokens,
+                prompt=prompt if isinstance(prompt, str) else None,
+                arrival_time=arrival_time,
+                priority=priority,
+            )
+            for i in range(sp.n)
+        ]
+        if sp.n > 1:
+            for i, s in enumerate(samples):
+                s.parent_id, s.sample_index = rid, i
+            samples[0].fork_children = samples[1:]
+        self.scheduler.add_request(samples[0])
+        self.output_processor.add_request(samples)
         self.stats.prompt_tokens += n
         return rid
 
     def abort_request(self, request_ids) -> None:
         """Abort requests (a str or an iterable of str); their blocks return to the pool at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
+            samples = self.output_processor.groups.get(rid, ())
+            self.scheduler.finish_requests([s.request_id for s in samples], RequestStatus.FINISHED_ABORTED)
             self.output_processor.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
@@ -184,7 +195,7 @@ class LLMEngine:
                     req.status = RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        outputs = [self.output_processor.make_output(req) for req in updated]
+        outputs = self.output_processor.make_outputs(updated)
         if scheduler_output.scheduled:
             self.stats.num_preemptions = self.scheduler.num_preemptions
             self.stats.prefix_cache_queries = self.kv_cache_manager.prefix_cache_queries

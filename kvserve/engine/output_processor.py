@@ -1,7 +1,12 @@
-"""Per-request output state: incremental text, stop strings, and ``RequestOutput`` construction."""
+"""Per-request output state: incremental text, stop strings, and ``RequestOutput`` construction.
+
+A request with ``n > 1`` runs as n sample requests (``parent_id`` = the user's id, ``sample_index`` 0..n-1);
+their completions are gathered into one ``RequestOutput`` with n ``CompletionOutput`` entries.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
@@ -10,11 +15,12 @@ from kvserve.request import Request, RequestStatus
 
 
 class _State:
-    __slots__ = ("detok", "num_sent_tokens")
+    __slots__ = ("detok", "num_sent_tokens", "last")
 
     def __init__(self, detok: IncrementalDetokenizer):
         self.detok = detok
         self.num_sent_tokens = 0
+        self.last: Optional[CompletionOutput] = None
 
 
 class OutputProcessor:
@@ -23,15 +29,20 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.states: dict = {}
+        self.groups: dict = {}  # user request id -> its sample requests, in sample order
 
-    def add_request(self, req: Request) -> None:
-        sp = req.sampling_params
-        self.states[req.request_id] = _State(
-            IncrementalDetokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens)
-        )
+    def add_request(self, samples: list) -> None:
+        """Track one user request: a list with its single ``Request``, or its n sample requests."""
+        for req in samples:
+            sp = req.sampling_params
+            self.states[req.request_id] = _State(
+                IncrementalDetokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens)
+            )
+        self.groups[samples[0].parent_id or samples[0].request_id] = samples
 
-    def remove(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+    def remove(self, group_id: str) -> None:
+        for req in self.groups.pop(group_id, ()):
+            self.states.pop(req.request_id, None)
 
     def update_text(self, req: Request) -> Optional[str]:
         """Detokenize the request's new tokens; returns the stop string if one matched (the caller finishes it).
@@ -48,8 +59,44 @@ class OutputProcessor:
                 return matched
         return None
 
-    def make_output(self, req: Request) -> RequestOutput:
-        """The request's ``RequestOutput``; drops its state once it is finished."""
+    def make_outputs(self, updated: list) -> list:
+        """One ``RequestOutput`` per user request with a sample among ``updated``; finished ones are forgotten."""
+        for req in updated:
+            self.states[req.request_id].last = self._completion(req)
+        outputs, seen = [], set()
+        for req in updated:
+            gid = req.parent_id or req.request_id
+            if gid in seen:
+                continue
+            seen.add(gid)
+            samples = self.groups[gid]
+            completions = [self._current(s, updated) for s in samples]
+            finished = all(s.status.finished for s in samples)
+            lead = samples[0]
+            times = [s.finish_time for s in samples]
+            firsts = [s.first_token_time for s in samples if s.first_token_time is not None]
+            metrics = RequestMetrics(
+                arrival_time=lead.arrival_time,
+                first_scheduled_time=lead.first_scheduled_time,
+                first_token_time=min(firsts) if firsts else None,
+                finish_time=max(times) if finished else None,
+                num_output_tokens=sum(len(s.output_token_ids) for s in samples),
+                num_preemptions=sum(s.num_preemptions for s in samples),
+            )
+            outputs.append(RequestOutput(gid, lead.prompt, lead.prompt_token_ids, completions, finished, metrics))
+            if finished:
+                self.remove(gid)
+        return outputs
+
+    def _current(self, sample: Request, updated: list) -> CompletionOutput:
+        last = self.states[sample.request_id].last
+        if last is None:  # a sample not started yet
+            return CompletionOutput(index=sample.sample_index, text="", token_ids=[])
+        if sample in updated:
+            return last
+        return dataclasses.replace(last, delta_text="", delta_token_ids=[])
+
+    def _completion(self, req: Request) -> CompletionOutput:
         st = self.states[req.request_id]
         finished = req.status.finished
         if finished:
@@ -58,27 +105,14 @@ class OutputProcessor:
         delta_tokens = req.output_token_ids[st.num_sent_tokens :]
         st.num_sent_tokens = len(req.output_token_ids)
         lps = req.output_logprobs if req.sampling_params.logprobs is not None else None
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=req.sample_index,
             text=st.detok.text[: st.detok.num_emitted_chars],
             token_ids=list(req.output_token_ids),
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
             logprobs=list(lps) if lps is not None else None,
-            cumulative_logprob=(
-                sum(e[t] for e, t in zip(lps, req.output_token_ids)) if lps is not None else None
-            ),
+            cumulative_logprob=sum(e[t] for e, t in zip(lps, req.output_token_ids)) if lps is not None else None,
             delta_text=delta_text,
             delta_token_ids=delta_tokens,
         )
-        metrics = RequestMetrics(
-            arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time,
-            first_token_time=req.first_token_time,
-            finish_time=req.finish_time,
-            num_output_tokens=len(req.output_token_ids),
-            num_preemptions=req.num_preemptions,
-        )
-        if finished:
-            self.remove(req.request_id)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics)

@@ -53,9 +53,12 @@ class ModelRunner:
             seq_lens.append(end)
             block_tables.append(table)
             if s.samples:
-                logits_indices.append(query_start_loc[-1] - 1)
-                sampling_requests.append(req)
+                for r in [req] + req.fork_children:  # n > 1: every sample draws from the prompt's last logits
+                    logits_indices.append(query_start_loc[-1] - 1)
+                    sampling_requests.append(r)
 
+        for src, dst in scheduler_output.block_copies:  # copy-on-write, before this step writes into dst
+            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         meta = AttentionMetadata.build(query_start_loc, seq_lens, block_tables, slot_mapping, bs)
         logits = self.model.forward(

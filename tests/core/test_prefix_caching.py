@@ -150,3 +150,48 @@ def test_scheduler_starts_after_the_hit():
     assert [(s.request.request_id, s.num_scheduled_tokens) for s in so.scheduled] == [("b", 2)]
     assert b.num_computed_tokens == 8
     sched.update_from_output(so, fake_run(so))
+
+
+def test_fork_shares_blocks_and_copy_on_write_gives_a_private_copy():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent = req("p", list(range(10)))  # blocks 0, 1 full; block 2 holds 2 of 4 tokens
+    admit_and_compute(kv, parent)
+    child = req("c", list(range(10)))
+    child.num_computed_tokens = 10
+    kv.fork(parent, child)
+    pool = kv.block_pool
+    assert kv.get_block_ids(child) == [0, 1, 2] and [pool.blocks[i].ref_cnt for i in (0, 1, 2)] == [2, 2, 2]
+    assert pool.num_used_blocks == 3  # shared blocks counted once
+    assert kv.stats([parent, child]).tokens_stored == 10  # and their tokens too
+    # the child writes token 11 into the shared partial block 2: copy-on-write
+    assert kv.allocate_slots(child, 1) == []
+    assert kv.get_block_ids(child) == [0, 1, 3]
+    assert kv.take_pending_copies() == [(2, 3)]
+    assert [pool.blocks[i].ref_cnt for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    # the parent is now the only holder of block 2: it writes in place
+    assert kv.allocate_slots(parent, 1) == [] and kv.get_block_ids(parent) == [0, 1, 2]
+    assert kv.take_pending_copies() == []
+    # full shared blocks are never copied: a fork at a block boundary writes into a fresh block
+    p2 = req("p2", list(range(50, 58)))
+    admit_and_compute(kv, p2)
+    c2 = req("c2", list(range(50, 58)))
+    c2.num_computed_tokens = 8
+    kv.fork(p2, c2)
+    assert kv.allocate_slots(c2, 1) == [6] and kv.take_pending_copies() == []
+    for r in (parent, child, p2, c2):
+        kv.free(r)
+    assert pool.num_free_blocks == 8
+    kv.check_integrity()
+
+
+def test_copy_on_write_failure_leaves_everything_unchanged():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    parent = req("p", list(range(10)))
+    admit_and_compute(kv, parent)
+    child = req("c", list(range(10)))
+    child.num_computed_tokens = 10
+    kv.fork(parent, child)
+    kv.block_pool.get_new_blocks(0)
+    assert kv.block_pool.num_free_blocks == 0
+    assert kv.allocate_slots(child, 1) is None
+    assert kv.get_block_ids(child) == [0, 1, 2] and kv.take_pending_copies() == []

@@ -34,7 +34,8 @@ def serve_normal(llm):
         (dict(logprobs=21), "logprobs"),
         (dict(stop=[""]), "stop"),
         (dict(seed=-1), "seed"),
-        (dict(n=2), "n"),
+        (dict(n=0), "n"),
+        (dict(n=17), "n"),
         (dict(temperature=float("nan")), "temperature"),
     ],
 )
