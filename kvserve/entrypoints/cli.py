@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="per-step token budget (default 512 with chunked prefill, else 8192)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts across steps under the token budget (default on)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share computed KV blocks between requests with a common prefix (default on)")
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -30,8 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("model", "dtype", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
-            "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling", "scheduling_policy",
-            "num_threads")
+            "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "scheduling",
+            "scheduling_policy", "num_threads")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -41,6 +43,7 @@ def main(argv=None) -> int:
 
     from kvserve.entrypoints import generate_cmd
     from kvserve.bench import serve as bench_serve
+    from kvserve.bench import prefix as prefix_bench
     from kvserve.bench import report, throughput
     from kvserve.entrypoints.openai import api_server
 
@@ -57,6 +60,9 @@ def main(argv=None) -> int:
     tp = bench_sub.add_parser("throughput", help="offline throughput: static vs continuous (vs transformers)")
     add_engine_args(tp)
     throughput.add_args(tp)
+    px = bench_sub.add_parser("prefix", help="prefix caching on vs off: few-shot, multi-round, Mooncake, no sharing")
+    add_engine_args(px)
+    prefix_bench.add_args(px)
     rp = bench_sub.add_parser("report", help="serving-behaviour report: PNG plots and report.md from fixed workloads")
     report.add_args(rp)
     bs = bench_sub.add_parser("serve", help="load-test a running kvserve server over HTTP (TTFT, TPOT, ITL, goodput)")
@@ -69,6 +75,8 @@ def main(argv=None) -> int:
             return generate_cmd.run(args)
         if args.command == "bench" and args.bench_command == "throughput":
             return throughput.run(args)
+        if args.command == "bench" and args.bench_command == "prefix":
+            return prefix_bench.run(args)
         if args.command == "bench" and args.bench_command == "report":
             return report.run(args)
         if args.command == "serve":
