@@ -145,6 +145,33 @@ class SchedulerConfig:
             )
 
 
+SUPPORTED_SPEC_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (Leviathan et al. 2023; prompt lookup, Saxena 2023), like vLLM's
+    ``speculative_config={"method": ..., "num_speculative_tokens": k}``.
+
+    Attributes:
+        method: ``"ngram"`` (drafts copied from the prompt + output after the longest matching suffix).
+        num_speculative_tokens: the most drafts per step, ``[1, 16]``; each request adapts its own k below it.
+        prompt_lookup_min, prompt_lookup_max: n-gram lengths tried, longest first, ``1 <= min <= max <= 64``.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in SUPPORTED_SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SUPPORTED_SPEC_METHODS}, got {self.method!r}")
+        _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 16)
+        _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, 1, 64)
+        _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1, self.prompt_lookup_max)
+
+
 @dataclass
 class EngineConfig:
     """All engine settings. Build it with ``EngineConfig.from_kwargs(**engine_args)``."""
@@ -152,6 +179,7 @@ class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative_config: Optional[SpeculativeConfig] = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -160,6 +188,14 @@ class EngineConfig:
         Raises:
             ValueError: on an unknown argument (naming it and listing the known ones) or an invalid value.
         """
+        spec = kwargs.pop("speculative_config", None)
+        if isinstance(spec, dict):
+            unknown = set(spec) - {f.name for f in fields(SpeculativeConfig)}
+            if unknown:
+                raise ValueError(f"unknown speculative_config key(s) {sorted(unknown)}")
+            spec = SpeculativeConfig(**spec)
+        elif spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a dict or None, got {type(spec).__name__}")
         parts = {}
         for part_cls in (ModelConfig, CacheConfig, SchedulerConfig):
             names = {f.name for f in fields(part_cls)}
@@ -171,6 +207,7 @@ class EngineConfig:
             model_config=ModelConfig(**parts[ModelConfig]),
             cache_config=CacheConfig(**parts[CacheConfig]),
             scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
+            speculative_config=spec,
         )
 
 

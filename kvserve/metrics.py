@@ -23,6 +23,8 @@ class EngineStats:
         prompt_tokens, generation_tokens: tokens of finished-or-running requests' prompts and outputs.
         prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found in the prefix cache at
             admission (hit rate = hits / queries).
+        spec_decode: the scheduler's ``SpecDecodeStats`` (drafts, draft / accepted tokens, acceptance per
+            position, mean accepted length) when speculative decoding is on, else ``None``.
     """
 
     num_blocks: int = 0
@@ -40,6 +42,7 @@ class EngineStats:
     num_computed_tokens_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_decode: object = None
 
     def record_step(self, num_scheduled_reqs: int, num_scheduled_tokens: int, kv: KVCacheStats) -> None:
         self.num_steps += 1
@@ -68,6 +71,9 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        spec = self.spec_decode
+        if spec is not None:
+            d["spec_decode"].update(acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length)
         d.update(mean_batch_size=self.mean_batch_size, kv_waste=self.kv_waste,
                  prefix_cache_hit_rate=self.prefix_cache_hit_rate)
         return d

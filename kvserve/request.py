@@ -83,7 +83,9 @@ class Request:
         self.fork_children: list = []  # the other samples of an n > 1 request, started when its prompt is done
         self.parent_id: Optional[str] = None  # the user's request id when this is one sample of several
         self.sample_index = 0
-        self.block_hashes: list = []  # chained hashes of full blocks (prefix caching), filled by the manager
+        self.block_hashes: list = []
+        self.spec_token_ids: list = []  # draft tokens to verify next step (speculative decoding)
+        self.spec_k = 0  # this request's current draft length (adaptive), set by the engine  # chained hashes of full blocks (prefix caching), filled by the manager
         self.queue_seq = 0  # set by the scheduler: arrival order, the FCFS tie-break
 
     @property

@@ -190,6 +190,17 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[rid] = n_full
 
+    def trim(self, request) -> None:
+        """Release the tail blocks that hold no computed token of ``request`` (after rejected draft tokens)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = blocks_needed(request.num_computed_tokens, self.block_size)
+        if len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.block_pool.free_blocks(reversed(extra))
+
     def free(self, request) -> None:
         """Release every block of ``request`` (tail first); cached blocks keep their contents until evicted."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

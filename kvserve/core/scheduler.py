@@ -32,16 +32,20 @@ class ScheduledRequest:
         request: the request (its ``num_computed_tokens`` is the start of this step's tokens).
         num_scheduled_tokens: tokens to compute now, ``>= 1``.
         block_ids: the request's whole block table after allocation, covering all computed + scheduled tokens.
+        spec_token_ids: draft tokens verified this step; they are the last ``len(spec_token_ids)`` of the
+            ``num_scheduled_tokens`` (speculative decoding schedules the last token + k drafts).
     """
 
     request: Request
     num_scheduled_tokens: int
     block_ids: list
+    spec_token_ids: list = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True if this step computes the request's last known token, so a next token is sampled."""
-        return self.request.num_computed_tokens + self.num_scheduled_tokens == self.request.num_tokens
+        r = self.request
+        return r.num_computed_tokens + self.num_scheduled_tokens == r.num_tokens + len(self.spec_token_ids)
 
 
 @dataclass
@@ -59,11 +63,58 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """What the model runner returns: ``sampled_token_ids[request_id] = token`` for each sampling request, and,
-    for requests that asked for logprobs, ``logprobs[request_id] = {token_id: logprob}``."""
+    """What the model runner returns: ``sampled_token_ids[request_id] = token`` for each sampling request;
+    ``verified_token_ids[request_id] = [accepted drafts..., recovered or bonus token]`` for each request that
+    verified drafts; for requests that asked for logprobs, ``logprobs[request_id] = {token_id: logprob}``."""
 
     sampled_token_ids: dict = field(default_factory=dict)
+    verified_token_ids: dict = field(default_factory=dict)
     logprobs: dict = field(default_factory=dict)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative-decoding counters and the adaptive draft length.
+
+    Attributes:
+        max_k: the configured ``num_speculative_tokens``.
+        num_drafts: verification passes with at least one draft token.
+        num_draft_tokens, num_accepted_tokens: draft tokens proposed / accepted.
+        accepted_per_position: ``[max_k]``, how often the draft at position i (0-based) was accepted.
+    """
+
+    max_k: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.max_k
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens, 0..1."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification pass: accepted drafts + the recovered or bonus token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def next_k(self, k: int, num_draft: int, num_accepted: int) -> int:
+        """Adaptive draft length: grow by one after a fully accepted draft, else shrink to what was accepted
+        (at least 1), within ``[1, max_k]``; a request whose drafts keep failing spends one extra token a step."""
+        if num_accepted == num_draft:
+            return min(self.max_k, k + 1)
+        return max(1, min(k, num_accepted + 1) - (num_accepted == 0))
 
 
 def _priority_key(req: Request) -> tuple:
@@ -80,7 +131,8 @@ class Scheduler:
         eos_token_ids: tokens that end a request unless ``ignore_eos``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, eos_token_ids=()):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, eos_token_ids=(),
+                 num_speculative_tokens: int = 0):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -89,6 +141,7 @@ class Scheduler:
         self.running: list = []
         self.requests: dict = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats(num_speculative_tokens)
 
     # ------------------------------------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
@@ -142,8 +195,14 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
             n = self._num_new_tokens(req.num_uncomputed_tokens, budget)
+            drafts, req.spec_token_ids = req.spec_token_ids, []
             if n == 0:
                 continue
+            if drafts and n == req.num_uncomputed_tokens:  # caught up: verify the drafts in the same pass
+                drafts = drafts[: budget - n]
+                n += len(drafts)
+            else:
+                drafts = []
             new_blocks = kv.allocate_slots(req, n)
             while new_blocks is None:
                 victim = self._pick_victim()
@@ -156,7 +215,7 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(req, n)
             if new_blocks is None:
                 continue
-            scheduled[req.request_id] = ScheduledRequest(req, n, kv.get_block_ids(req))
+            scheduled[req.request_id] = ScheduledRequest(req, n, kv.get_block_ids(req), drafts)
             budget -= n
         out.scheduled = list(scheduled.values())
 
@@ -217,19 +276,34 @@ class Scheduler:
         for s in scheduler_output.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_scheduled_tokens
-            self.kv_cache_manager.cache_computed_blocks(req)
-            token = model_output.sampled_token_ids.get(req.request_id)
-            if token is None:
-                continue
-            req.output_token_ids.append(token)
+            tokens = model_output.verified_token_ids.get(req.request_id)
+            if s.spec_token_ids:  # roll back past the rejected drafts and release blocks only they needed
+                accepted = len(tokens) - 1
+                req.num_computed_tokens -= len(s.spec_token_ids) - accepted
+                self.kv_cache_manager.trim(req)
+                self.spec_stats.record(len(s.spec_token_ids), accepted)
+                req.spec_k = self.spec_stats.next_k(req.spec_k, len(s.spec_token_ids), accepted)
+            if tokens is None:
+                token = model_output.sampled_token_ids.get(req.request_id)
+                if token is None:
+                    self.kv_cache_manager.cache_computed_blocks(req)
+                    continue
+                tokens = [token]
             if req.request_id in model_output.logprobs:
                 req.output_logprobs.append(model_output.logprobs[req.request_id])
             if req.first_token_time is None:
                 req.first_token_time = now
+            status = None
+            for token in tokens:
+                req.output_token_ids.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:  # tokens accepted after a stop are dropped, and so is their K/V
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                    break
+            self.kv_cache_manager.cache_computed_blocks(req)
             children, req.fork_children = req.fork_children, []
             for child in children:  # parallel sampling: the other samples share the prompt's blocks
                 self.kv_cache_manager.fork(req, child)
-            status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
             updated.append(req)

@@ -73,8 +73,20 @@ class LLMEngine:
             self.num_blocks * self.model.bytes_per_block(self.block_size) / 2**20, self.max_model_len,
         )
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids)
-        self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, Sampler(self.eos_token_ids))
+        spec = config.speculative_config
+        self.proposer = None
+        rejection_sampler = None
+        if spec is not None:
+            from kvserve.sample.rejection_sampler import RejectionSampler
+            from kvserve.spec_decode.ngram import NgramProposer
+
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            rejection_sampler = RejectionSampler()
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids, self.num_speculative_tokens)
+        self.model_runner = ModelRunner(
+            self.model, self.num_blocks, self.block_size, Sampler(self.eos_token_ids), rejection_sampler
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
         self._ids = itertools.count()
@@ -161,6 +173,8 @@ class LLMEngine:
             )
             for i in range(sp.n)
         ]
+        for s in samples:
+            s.spec_k = self.num_speculative_tokens
         if sp.n > 1:
             for i, s in enumerate(samples):
                 s.parent_id, s.sample_index = rid, i
@@ -196,10 +210,14 @@ class LLMEngine:
                 else:
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         outputs = self.output_processor.make_outputs(updated)
+        if self.proposer is not None:
+            self._propose_drafts(updated)
         if scheduler_output.scheduled:
             self.stats.num_preemptions = self.scheduler.num_preemptions
             self.stats.prefix_cache_queries = self.kv_cache_manager.prefix_cache_queries
             self.stats.prefix_cache_hits = self.kv_cache_manager.prefix_cache_hits
+            if self.proposer is not None:
+                self.stats.spec_decode = self.scheduler.spec_stats
             self.stats.generation_tokens += len(updated)
             self.stats.record_step(
                 len(scheduler_output.scheduled),
@@ -208,10 +226,26 @@ class LLMEngine:
             )
         return outputs
 
+    def _propose_drafts(self, updated: list) -> None:
+        """Draft up to ``spec_k`` tokens for each running request that just got tokens, never past
+        ``max_tokens`` or ``max_model_len``; requests with penalties, logprobs or pending ``min_tokens`` (whose
+        next-token distribution depends on the tokens before it in ways the verifier does not model) do not
+        speculate."""
+        for req in updated:
+            sp = req.sampling_params
+            if req.status is not RequestStatus.RUNNING or sp.logprobs is not None or len(req.output_token_ids) < (
+                sp.min_tokens
+            ) or sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
+                continue
+            k = min(req.spec_k, sp.max_tokens - len(req.output_token_ids) - 1, req.max_total_tokens - req.num_tokens - 1)
+            if k > 0:
+                req.spec_token_ids = self.proposer.propose(req.all_token_ids, k)
+
     def reset_stats(self) -> None:
         """Start a fresh ``EngineStats`` (e.g. after a warm-up request)."""
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
         self.scheduler.num_preemptions = 0
+        self.scheduler.spec_stats = type(self.scheduler.spec_stats)(self.num_speculative_tokens)
         self.kv_cache_manager.prefix_cache_queries = self.kv_cache_manager.prefix_cache_hits = 0
 
     def kv_cache_stats(self):

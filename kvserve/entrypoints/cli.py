@@ -28,12 +28,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("model", "dtype", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
             "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "scheduling",
-            "scheduling_policy", "num_threads")
+            "scheduling_policy", "num_threads", "speculative_config")
     return {k: getattr(args, k) for k in keys}
 
 

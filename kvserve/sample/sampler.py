@@ -77,6 +77,16 @@ class Sampler:
                 logprobs[i] = entry
         return token_list, logprobs
 
+    @torch.inference_mode()
+    def target_probs(self, logits: torch.Tensor, request: Request) -> torch.Tensor:
+        """The distributions a request samples from, for ``[n, V]`` logits rows (speculative verification):
+        temperature, top-k, top-p and min-p applied as in ``__call__``; for greedy requests ``softmax(logits)``,
+        whose argmax is the greedy token. Returns ``[n, V]`` float32."""
+        sp = request.sampling_params
+        if sp.greedy:
+            return logits.float().softmax(dim=-1)
+        return _processed_probs(logits.float(), [sp] * logits.shape[0])
+
     def _suppress_stop_tokens(self, logits: torch.Tensor, requests: list) -> None:
         for i, r in enumerate(requests):
             sp = r.sampling_params

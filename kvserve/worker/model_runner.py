@@ -28,10 +28,12 @@ class ModelRunner:
     (zeros, not garbage: masked-out keys are multiplied by 0 in attention, and 0 * NaN would be NaN).
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler,
+                 rejection_sampler=None):
         self.model = model
         self.block_size = block_size
         self.sampler = sampler
+        self.rejection_sampler = rejection_sampler
         self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=model.dtype)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -41,18 +43,21 @@ class ModelRunner:
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         query_start_loc, seq_lens, block_tables = [0], [], []
-        logits_indices, sampling_requests = [], []
+        logits_indices, sampling_requests, verifying = [], [], []
         for s in scheduler_output.scheduled:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_scheduled_tokens
             end = start + n
-            input_ids.extend(_token_slice(req, start, end))
+            input_ids.extend(_token_slice(req, start, end - len(s.spec_token_ids)) + s.spec_token_ids)
             positions.extend(range(start, end))
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
             block_tables.append(table)
-            if s.samples:
+            if s.samples and s.spec_token_ids:  # the last token + k drafts: k + 1 target distributions
+                verifying.append((s, len(logits_indices)))
+                logits_indices.extend(range(query_start_loc[-1] - 1 - len(s.spec_token_ids), query_start_loc[-1]))
+            elif s.samples:
                 for r in [req] + req.fork_children:  # n > 1: every sample draws from the prompt's last logits
                     logits_indices.append(query_start_loc[-1] - 1)
                     sampling_requests.append(r)
@@ -70,12 +75,38 @@ class ModelRunner:
         )
         out = ModelRunnerOutput()
         if sampling_requests:
-            tokens, logprobs = self.sampler(logits, sampling_requests)
+            rows = torch.tensor([i for i in range(len(logits_indices)) if not _in_spans(i, verifying)])
+            tokens, logprobs = self.sampler(logits[rows], sampling_requests)
             for req, tok, lp in zip(sampling_requests, tokens, logprobs):
                 out.sampled_token_ids[req.request_id] = tok
                 if lp is not None:
                     out.logprobs[req.request_id] = lp
+        if verifying:
+            self._verify(logits, verifying, out)
         return out
+
+    def _verify(self, logits: torch.Tensor, verifying: list, out: ModelRunnerOutput) -> None:
+        """Speculative verification: target distributions of every draft position (processed exactly like normal
+        sampling) -> the rejection sampler -> accepted drafts + recovered/bonus token per request."""
+        k_max = max(len(s.spec_token_ids) for s, _ in verifying)
+        b, v = len(verifying), logits.shape[1]
+        target = torch.zeros(b, k_max + 1, v)
+        drafts = torch.full((b, k_max), -1, dtype=torch.long)
+        for i, (s, row) in enumerate(verifying):
+            k = len(s.spec_token_ids)
+            target[i, : k + 1] = self.sampler.target_probs(logits[row : row + k + 1], s.request)
+            drafts[i, :k] = torch.tensor(s.spec_token_ids)
+        reqs = [s.request for s, _ in verifying]
+        tokens = self.rejection_sampler(
+            drafts, [len(s.spec_token_ids) for s, _ in verifying], None, target,
+            [r.sampling_params.greedy for r in reqs], [r.generator for r in reqs],
+        )
+        for r, row in zip(reqs, tokens.tolist()):
+            out.verified_token_ids[r.request_id] = [t for t in row if t >= 0]
+
+
+def _in_spans(i: int, verifying: list) -> bool:
+    return any(row <= i <= row + len(s.spec_token_ids) for s, row in verifying)
 
 
 def _token_slice(req, start: int, end: int) -> list:

@@ -1,0 +1,77 @@
+"""Speculative decoding (n-gram proposer) on the real model: greedy output identical to no speculation."""
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import assert_pool_clean
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# repetitive text, so prompt lookup finds matches and drafts are accepted
+TEXT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
+        "Repeat the sentence: The quick brown fox")
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    return LLM(num_kv_blocks=128, block_size=16, speculative_config=SPEC)
+
+
+def prompts(llm):
+    chat = llm.apply_chat_template([{"role": "user", "content": "Copy this exactly: " + TEXT}])
+    return [TEXT, chat, "Count: one two three one two three one two", "Name a fruit."]
+
+
+def test_greedy_identical_batch_one_and_mixed(llm, spec_llm):
+    ps = prompts(spec_llm)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
+    single = [spec_llm.generate(p, sp)[0].outputs[0].token_ids for p in ps]
+    assert single == reference
+    stats = spec_llm.llm_engine.stats.spec_decode
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert stats.mean_accepted_length > 1.0
+    # mixed batch: speculating greedy requests next to sampled (seeded and unseeded) ones that do not draft
+    mixed_params = [sp, SamplingParams(temperature=0.8, max_tokens=20, seed=3), sp,
+                    SamplingParams(temperature=1.0, max_tokens=10, repetition_penalty=1.2)]
+    mixed = spec_llm.generate(ps, mixed_params)
+    assert mixed[0].outputs[0].token_ids == reference[0]
+    assert mixed[2].outputs[0].token_ids == reference[2]
+    assert_pool_clean(spec_llm.llm_engine)
+
+
+def test_near_max_tokens_and_block_boundaries(llm, spec_llm):
+    ps = prompts(spec_llm)[:1]
+    for max_tokens in (1, 2, 5, 15, 16, 17):  # drafts shrink near max_tokens; rollback across block edges
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        ref = llm.generate(ps, sp)[0].outputs[0].token_ids
+        got = spec_llm.generate(ps, sp)[0].outputs[0]
+        assert got.token_ids == ref and len(got.token_ids) == max_tokens
+        spec_llm.llm_engine.kv_cache_manager.check_integrity()
+    assert_pool_clean(spec_llm.llm_engine)
+
+
+def test_seeded_sampling_reproducible_with_speculation(spec_llm):
+    sp = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=30, seed=42)
+    p = prompts(spec_llm)[0]
+    a = spec_llm.generate(p, sp)[0].outputs[0].text
+    b = spec_llm.generate([p, "Hello"], [sp, SamplingParams(temperature=0, max_tokens=8)])[0].outputs[0].text
+    assert a == b
+
+
+def test_starved_pool_with_speculation(llm):
+    ps = prompts(llm)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
+    starved = LLM(num_kv_blocks=12, block_size=16, speculative_config=SPEC)
+    outs = starved.generate(ps, sp)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert starved.llm_engine.stats.num_preemptions > 0
+    assert_pool_clean(starved.llm_engine)
+
+
+def test_bad_speculative_config():
+    for cfg, field in (({"method": "medusa"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
+                       ({"bogus": 1}, "bogus")):
+        with pytest.raises(ValueError, match=field):
+            LLM(num_kv_blocks=8, speculative_config=cfg)
