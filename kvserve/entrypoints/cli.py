@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     from kvserve.entrypoints import generate_cmd
     from kvserve.bench import serve as bench_serve
     from kvserve.bench import prefix as prefix_bench
-    from kvserve.bench import report, throughput
+    from kvserve.bench import report, spec as spec_bench, throughput
     from kvserve.entrypoints.openai import api_server
 
     gen = sub.add_parser("generate", help="generate answers for chat prompts (default: the built-in set)")
@@ -75,6 +75,9 @@ def main(argv=None) -> int:
     px = bench_sub.add_parser("prefix", help="prefix caching on vs off: few-shot, multi-round, Mooncake, no sharing")
     add_engine_args(px)
     prefix_bench.add_args(px)
+    sb = bench_sub.add_parser("spec", help="speculative decoding on Spec-Bench: none vs ngram at batch 1 and 8")
+    add_engine_args(sb)
+    spec_bench.add_args(sb)
     rp = bench_sub.add_parser("report", help="serving-behaviour report: PNG plots and report.md from fixed workloads")
     report.add_args(rp)
     bs = bench_sub.add_parser("serve", help="load-test a running kvserve server over HTTP (TTFT, TPOT, ITL, goodput)")
@@ -89,6 +92,8 @@ def main(argv=None) -> int:
             return throughput.run(args)
         if args.command == "bench" and args.bench_command == "prefix":
             return prefix_bench.run(args)
+        if args.command == "bench" and args.bench_command == "spec":
+            return spec_bench.run(args)
         if args.command == "bench" and args.bench_command == "report":
             return report.run(args)
         if args.command == "serve":
