@@ -218,7 +218,7 @@ class LLMEngine:
             self.stats.prefix_cache_hits = self.kv_cache_manager.prefix_cache_hits
             if self.proposer is not None:
                 self.stats.spec_decode = self.scheduler.spec_stats
-            self.stats.generation_tokens += len(updated)
+            self.stats.generation_tokens += sum(len(c.delta_token_ids) for o in outputs for c in o.outputs)
             self.stats.record_step(
                 len(scheduler_output.scheduled),
                 scheduler_output.total_num_scheduled_tokens,
