@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import logging
 import math
 import random
 import socket
@@ -353,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
         ValueError: bad arguments, a non-loopback server, an unreachable server.
     """
     check_loopback(args.base_url)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     slos = parse_goodput(args.goodput)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")

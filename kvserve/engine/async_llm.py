@@ -155,6 +155,7 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: Optional[str] = None,
         arrival_time: Optional[float] = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request in the engine and return its stream.
 
@@ -164,6 +165,7 @@ class AsyncLLM:
             request_id: unique id; default a fresh one.
             arrival_time: ``time.monotonic()`` seconds when the request reached the server (TTFT counts from here);
                 default now.
+            priority: lower is scheduled first under the ``priority`` scheduling policy.
 
         Raises:
             ValueError: the engine rejected the request (bad or too long prompt, duplicate id); nothing is queued.
@@ -178,7 +180,7 @@ class AsyncLLM:
             self._check_accepting()
             self._streams[rid] = stream
             try:
-                await asyncio.to_thread(self.engine.add_request, prompt, sampling_params, rid, arrival)
+                await asyncio.to_thread(self.engine.add_request, prompt, sampling_params, rid, arrival, priority)
             except ValueError:
                 self._streams.pop(rid, None)  # the engine queued nothing
                 raise
@@ -192,10 +194,10 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request by id (synchronous; unknown or finished ids are ignored). The engine frees its blocks
         before its next step."""
-        self._streams.pop(request_id, None)
-        self._pending_aborts.add(request_id)
-        if self._wake is not None:
-            self._wake.set()
+        if self._streams.pop(request_id, None) is not None:
+            self._pending_aborts.add(request_id)
+            if self._wake is not None:
+                self._wake.set()
 
     def _check_accepting(self) -> None:
         if self.dead_error is not None:
@@ -211,10 +213,9 @@ class AsyncLLM:
                 async with self._lock:
                     if self._pending_aborts:
                         ids, self._pending_aborts = list(self._pending_aborts), set()
-                        known = [i for i in ids if i in engine.scheduler.requests]
                         engine.abort_request(ids)
-                        if self.stat_logger is not None and known:
-                            self.stat_logger.record_aborts(known)
+                        if self.stat_logger is not None:
+                            self.stat_logger.record_aborts(ids)
                     outputs = None
                     if engine.has_unfinished_requests():
                         outputs = await asyncio.to_thread(engine.step)
@@ -229,8 +230,10 @@ class AsyncLLM:
                     continue
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue  # aborted while the step ran; the abort is pending
+                    if stream is None:  # aborted while the step ran
+                        if out.finished:  # ... and finished in it: nothing left to abort
+                            self._pending_aborts.discard(out.request_id)
+                        continue
                     stream._put(out)
                     if out.finished:
                         del self._streams[out.request_id]

@@ -94,6 +94,30 @@ def test_echo_stop_logprobs_and_token_prompts(client, model_name, tokenizer):
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_parallel_sampling_n(client, model_name):
+    kw = dict(model=model_name, prompt=["Once upon a time", "Hello"], max_tokens=6, temperature=0.9, seed=5, n=2)
+    full = client.completions.create(**kw)
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    assert 4 <= full.usage.completion_tokens <= 24 and full.usage.prompt_tokens == 4 + 1
+    texts = {}
+    finish = {}
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert texts == {c.index: c.text for c in full.choices}
+    assert finish == {c.index: c.finish_reason for c in full.choices}
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+    greedy = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=5, temperature=0, n=3)
+    assert len({c.message.content for c in greedy.choices}) == 1 and [c.index for c in greedy.choices] == [0, 1, 2]
+    single = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=5, temperature=0)
+    assert greedy.choices[0].message.content == single.choices[0].message.content
+    assert greedy.usage.completion_tokens == 3 * single.usage.completion_tokens
+
+
 def test_32_concurrent_greedy_requests_match_offline(server, model_name, llm):
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(32)]
 
@@ -120,8 +144,9 @@ def _post(server, path, body, **kw):
     ("/v1/completions", "[1, 2]", None),
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "priority": 1}, "priority"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"50256": -100}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
@@ -150,7 +175,7 @@ def _post(server, path, body, **kw):
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 3, "stream": True}, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 0, "stream": True}, "n"),
 ])
 def test_bad_input_is_400_with_openai_error(server, path, body, param):
     r = _post(server, path, body)

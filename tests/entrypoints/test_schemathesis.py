@@ -83,6 +83,7 @@ SAMPLING = st.fixed_dictionaries({}, optional={
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "stream": st.booleans(),
+    "n": st.integers(0, 3),
 })
 
 
@@ -101,7 +102,7 @@ def test_fuzz_sampling_parameters(fuzz_server, body, prompt, max_tokens, logprob
     elif body.get("stream"):
         assert r.text.rstrip().endswith("data: [DONE]") and '"finish_reason"' in r.text
     else:
-        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        assert all(c["finish_reason"] in ("stop", "length") for c in r.json()["choices"])
 
 
 def test_fuzzed_server_is_idle_and_clean(fuzz_server):

@@ -64,7 +64,7 @@ class PrometheusStatLogger:
         then gauges and counters from ``engine`` (``scheduler``, ``kv_cache_stats()``, ``stats``)."""
         for out in outputs:
             rid = out.request_id
-            n_new = len(out.outputs[0].delta_token_ids)
+            n_new = sum(len(c.delta_token_ids) for c in out.outputs)  # n samples, speculative steps
             last = self._last_token_time.get(rid)
             if last is None:
                 if out.metrics.ttft is not None:

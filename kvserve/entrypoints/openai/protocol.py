@@ -2,7 +2,7 @@
 
 Field names follow OpenAI, plus vLLM's sampling extras (``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``). Fields that OpenAI defines but this engine cannot honour (``n`` > 1, ``best_of``,
+``skip_special_tokens``, ``priority``). Fields that OpenAI defines but this engine cannot honour (``best_of`` other than ``n``,
 ``logit_bias``, ``suffix``, tools, ``response_format`` other than text) are declared so that a request using them
 gets a 400 naming them (``serving.check_unsupported``) instead of being silently ignored; any other unknown field is
 rejected by ``extra="forbid"``. Ranges are checked by ``SamplingParams`` (one place), not repeated here.
@@ -50,7 +50,7 @@ class _SamplingRequest(_Strict):
     model: Optional[str] = Field(None, description="the served model name (GET /v1/models); default: it")
     temperature: Optional[float] = Field(None, description="0 = greedy; default 1")
     top_p: Optional[float] = None
-    n: Optional[int] = Field(1, description="only 1 is supported")
+    n: Optional[int] = Field(1, description="samples per prompt, 1..16 (parallel sampling)")
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
@@ -68,6 +68,7 @@ class _SamplingRequest(_Strict):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
+    priority: Optional[int] = Field(None, description="lower runs first; needs --scheduling-policy priority")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -79,7 +80,7 @@ class CompletionRequest(_SamplingRequest):
     echo: Optional[bool] = Field(False, description="prepend the prompt text to the output text")
     logprobs: Optional[int] = Field(None, description="top logprobs per generated token, 0..20")
     suffix: Optional[str] = Field(None, description="not supported (400)")
-    best_of: Optional[int] = Field(None, description="only 1 is supported")
+    best_of: Optional[int] = Field(None, description="only equal to n is supported")
 
 
 class ContentPart(_Open):

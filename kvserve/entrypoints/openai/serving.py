@@ -68,21 +68,21 @@ class OpenAIServing:
             raise OpenAIError(f"The model {model!r} does not exist; this server serves {self.model_name!r}",
                               param="model", code="model_not_found")
 
-    @staticmethod
-    def check_unsupported(req) -> None:
+    def check_unsupported(self, req) -> None:
         """400 for every parameter set to something the engine cannot do (never silently ignored)."""
+        policy = self.llm.engine.config.scheduler_config.scheduling_policy
         def bad(param: str, why: str):
             raise OpenAIError(f"{param}: {why}", param=param, code="unsupported_parameter")
 
-        if req.n not in (None, 1):
-            bad("n", f"only n=1 is supported (parallel sampling is not implemented), got {req.n}")
         if req.logit_bias:
             bad("logit_bias", "logit_bias is not supported")
+        if req.priority and policy != "priority":
+            bad("priority", "priority needs the server to run with --scheduling-policy priority")
         if req.stream_options is not None and not req.stream:
             bad("stream_options", "stream_options is only allowed when stream is true")
         if isinstance(req, p.CompletionRequest):
-            if req.best_of not in (None, 1):
-                bad("best_of", f"only best_of=1 is supported, got {req.best_of}")
+            if req.best_of is not None and req.best_of != (req.n or 1):
+                bad("best_of", f"best_of other than n (ranking extra samples) is not supported, got {req.best_of}")
             if req.suffix is not None:
                 bad("suffix", "suffix (insertion) is not supported")
             if req.echo and req.logprobs is not None:
@@ -108,7 +108,7 @@ class OpenAIServing:
             OpenAIError: a value out of range (the message from ``SamplingParams``, ``param`` the field).
         """
         kw = dict(max_tokens=max_tokens, logprobs=logprobs)
-        for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("min_tokens", 0),
+        for name, default in (("n", 1), ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("min_tokens", 0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                               ("ignore_eos", False), ("include_stop_str_in_output", False),
                               ("skip_special_tokens", True), ("stop", None), ("seed", None), ("stop_token_ids", [])):
@@ -207,8 +207,8 @@ class OpenAIServing:
         return PreparedPrompt(ids, text)
 
     # ------------------------------------------------------------------------------------------------ generation
-    async def start(self, prompts: list, params: list, request_id: str, arrival: float) -> list:
-        """Queue every prompt (ids ``{request_id}-{i}``); all or nothing.
+    async def start(self, req, prompts: list, params: list, request_id: str, arrival: float) -> list:
+        """Queue every prompt of ``req`` (ids ``{request_id}-{i}``); all or nothing.
 
         Raises:
             OpenAIError: 400 for a request the engine rejects, 503 while shutting down, 500 if the engine died.
@@ -216,12 +216,14 @@ class OpenAIServing:
         streams = []
         try:
             for i, (pp, sp) in enumerate(zip(prompts, params)):
-                streams.append(await self.llm.add_request(pp.token_ids, sp, f"{request_id}-{i}", arrival))
+                streams.append(await self.llm.add_request(pp.token_ids, sp, f"{request_id}-{i}", arrival,
+                                                          priority=req.priority or 0))
         except BaseException as e:
             for s in streams:
                 s.abort()
             if isinstance(e, ValueError):
-                raise OpenAIError(str(e), param="prompt") from None
+                default = "prompt" if isinstance(req, p.CompletionRequest) else "messages"
+                raise OpenAIError(str(e), param=_param_of(str(e), req) or default) from None
             if isinstance(e, (EngineShutdownError, EngineDeadError)):
                 raise engine_error(e) from None
             raise
@@ -263,7 +265,8 @@ class OpenAIServing:
     # ------------------------------------------------------------------------------------------------ endpoints
     async def create_completion(self, req: p.CompletionRequest, receive):
         """``POST /v1/completions``. Returns a ``CompletionResponse``, an async iterator of SSE strings
-        (``stream``), or ``None`` if the client disconnected (its requests are aborted).
+        (``stream``), or ``None`` if the client disconnected (its requests are aborted). Choice ``index`` is
+        ``prompt_index * n + sample_index``.
 
         Raises:
             OpenAIError: bad input (400), shutdown (503), dead engine (500).
@@ -275,10 +278,11 @@ class OpenAIServing:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = [self.sampling_params(req, self.check_length(len(pp.token_ids), max_tokens, "prompt", "max_tokens"),
                                        req.logprobs) for pp in prompts]
+        n = params[0].n
         rid = new_id("cmpl")
         echo = [pp.text if req.echo else "" for pp in prompts]
         want_lp = req.logprobs is not None
-        streams = await self.start(prompts, params, rid, arrival)
+        streams = await self.start(req, prompts, params, rid, arrival)
 
         if not req.stream:
             finals = await self._collect(streams, receive)
@@ -286,36 +290,32 @@ class OpenAIServing:
                 return None
             choices = []
             for i, out in enumerate(finals):
-                c = out.outputs[0]
-                lp = self.completion_logprobs(c.token_ids, c.logprobs, len(echo[i])) if want_lp else None
-                choices.append(p.CompletionChoice(index=i, text=echo[i] + c.text, logprobs=lp,
-                                                  finish_reason=c.finish_reason))
+                for c in out.outputs:
+                    lp = self.completion_logprobs(c.token_ids, c.logprobs, len(echo[i])) if want_lp else None
+                    choices.append(p.CompletionChoice(index=i * n + c.index, text=echo[i] + c.text, logprobs=lp,
+                                                      finish_reason=c.finish_reason))
             return p.CompletionResponse(id=rid, model=self.model_name, choices=choices,
                                         usage=usage_of(prompts, finals))
 
-        sent_chars = [0] * len(prompts)  # characters sent per choice (for text_offset)
-        started = [False] * len(prompts)
+        sent_chars: dict = {}  # choice index -> characters sent (for text_offset)
 
-        def chunk(i: int, out) -> Optional[str]:
-            c = out.outputs[0]
-            head = "" if started[i] else echo[i]
-            started[i] = True
-            text = head + c.delta_text
+        def chunk(i: int, c, first: bool) -> str:
+            k = i * n + c.index
+            head = echo[i] if first else ""
             lp = None
             if want_lp and c.delta_token_ids:
                 entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
-                lp = self.completion_logprobs(c.delta_token_ids, entries, sent_chars[i] + len(head))
-            sent_chars[i] += len(text)
-            if not text and lp is None and not out.finished:
-                return None
-            choice = p.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=c.finish_reason)
+                lp = self.completion_logprobs(c.delta_token_ids, entries, sent_chars.get(k, 0) + len(head))
+            sent_chars[k] = sent_chars.get(k, 0) + len(head) + len(c.delta_text)
+            choice = p.CompletionChoice(index=k, text=head + c.delta_text, logprobs=lp, finish_reason=c.finish_reason)
             return sse(p.CompletionResponse(id=rid, model=self.model_name, choices=[choice]))
 
         def usage_chunk(finals) -> str:
             return sse(p.CompletionResponse(id=rid, model=self.model_name, choices=[],
                                             usage=usage_of(prompts, finals)))
 
-        return self._stream(streams, [], chunk, usage_chunk if _include_usage(req) else None)
+        return self._stream(streams, [], chunk, usage_chunk if _include_usage(req) else None,
+                            always_first=bool(req.echo), with_logprobs=want_lp)
 
     async def create_chat_completion(self, req: p.ChatCompletionRequest, receive):
         """``POST /v1/chat/completions``; returns like ``create_completion`` (``ChatCompletionResponse``)."""
@@ -330,36 +330,35 @@ class OpenAIServing:
         top_n = req.top_logprobs or 0
         params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None)]
         rid = new_id("chatcmpl")
-        streams = await self.start([pp], params, rid, arrival)
+        streams = await self.start(req, [pp], params, rid, arrival)
 
         if not req.stream:
             finals = await self._collect(streams, receive)
             if finals is None:
                 return None
-            c = finals[0].outputs[0]
-            lp = self.chat_logprobs(c.token_ids, c.logprobs, top_n) if req.logprobs else None
-            choice = p.ChatChoice(index=0, message=p.ChatResponseMessage(content=c.text), logprobs=lp,
-                                  finish_reason=c.finish_reason)
-            return p.ChatCompletionResponse(id=rid, model=self.model_name, choices=[choice],
+            choices = []
+            for c in finals[0].outputs:
+                lp = self.chat_logprobs(c.token_ids, c.logprobs, top_n) if req.logprobs else None
+                choices.append(p.ChatChoice(index=c.index, message=p.ChatResponseMessage(content=c.text), logprobs=lp,
+                                            finish_reason=c.finish_reason))
+            return p.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
                                             usage=usage_of([pp], finals))
 
         def make(choices, usage=None) -> str:
             return sse(p.ChatCompletionChunk(id=rid, model=self.model_name, choices=choices, usage=usage))
 
-        def chunk(i: int, out) -> Optional[str]:
-            c = out.outputs[0]
+        def chunk(i: int, c, first: bool) -> str:
             lp = None
             if req.logprobs and c.delta_token_ids:
                 entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
                 lp = self.chat_logprobs(c.delta_token_ids, entries, top_n)
-            if not c.delta_text and lp is None and not out.finished:
-                return None
             delta = p.DeltaMessage(content=c.delta_text) if c.delta_text else p.DeltaMessage()
-            return make([p.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=c.finish_reason)])
+            return make([p.ChatStreamChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=c.finish_reason)])
 
-        first = make([p.ChatStreamChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))])
+        head = [make([p.ChatStreamChoice(index=j, delta=p.DeltaMessage(role="assistant", content=""))])
+                for j in range(params[0].n)]
         usage_chunk = (lambda finals: make([], usage_of([pp], finals))) if _include_usage(req) else None
-        return self._stream(streams, [first], chunk, usage_chunk)
+        return self._stream(streams, head, chunk, usage_chunk, always_first=False, with_logprobs=bool(req.logprobs))
 
     async def _collect(self, streams: list, receive) -> Optional[list]:
         """The final output of every stream, in order; ``None`` if the client disconnected first."""
@@ -378,18 +377,28 @@ class OpenAIServing:
             raise engine_error(e) from None
 
     @staticmethod
-    async def _stream(streams: list, head: list, chunk, usage_chunk) -> AsyncIterator[str]:
-        """SSE strings: ``head``, ``chunk(i, output)`` per output (``None`` = nothing to send), the usage chunk,
-        ``[DONE]``. An engine shutdown or failure ends the stream with an error event. If the consumer stops
-        (client disconnected: the response task is cancelled), the requests are aborted."""
+    async def _stream(streams: list, head: list, chunk, usage_chunk, always_first: bool,
+                      with_logprobs: bool) -> AsyncIterator[str]:
+        """SSE strings: ``head``; then for each new output of prompt ``i`` and each of its samples ``c`` with
+        something to send (new text, new tokens when ``with_logprobs``, its first chunk when ``always_first``, or
+        its finish), ``chunk(i, c, first)``; the usage chunk; ``[DONE]``. An engine shutdown or failure ends the
+        stream with an error event. If the consumer stops (client disconnected: the response task is cancelled),
+        the requests are aborted."""
         try:
             for h in head:
                 yield h
             finals = [None] * len(streams)
+            started, done = set(), set()
             async for i, out in merge_streams(streams):
-                text = chunk(i, out)
-                if text is not None:
-                    yield text
+                for c in out.outputs:
+                    key = (i, c.index)
+                    first = key not in started
+                    finishing = c.finish_reason is not None and key not in done
+                    if c.delta_text or finishing or (first and always_first) or (with_logprobs and c.delta_token_ids):
+                        started.add(key)
+                        if finishing:
+                            done.add(key)
+                        yield chunk(i, c, first)
                 if out.finished:
                     finals[i] = out
             if usage_chunk is not None:
@@ -512,7 +521,7 @@ SSE_DONE = "data: [DONE]\n\n"
 def usage_of(prompts: list, finals: list) -> p.UsageInfo:
     """Token counts of the finished outputs ``finals`` for ``prompts``."""
     n_prompt = sum(len(pp.token_ids) for pp in prompts)
-    n_out = sum(len(o.outputs[0].token_ids) for o in finals)
+    n_out = sum(len(c.token_ids) for o in finals for c in o.outputs)
     return p.UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
 
 
