@@ -108,9 +108,9 @@ class OpenAIServing:
             OpenAIError: a value out of range (the message from ``SamplingParams``, ``param`` the field).
         """
         kw = dict(max_tokens=max_tokens, logprobs=logprobs)
-        for name, default in (("n", 1), ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("min_tokens", 0),
-                              ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                              ("ignore_eos", False), ("include_stop_str_in_output", False),
+        for name, default in (("n", 1), ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                              ("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", 1.0), ("ignore_eos", False), ("include_stop_str_in_output", False),
                               ("skip_special_tokens", True), ("stop", None), ("seed", None), ("stop_token_ids", [])):
             value = getattr(req, name)
             kw[name] = default if value is None else value
