@@ -5,7 +5,8 @@ Field names follow OpenAI, plus vLLM's sampling extras (``top_k``, ``min_p``, ``
 ``skip_special_tokens``, ``priority``). Fields that OpenAI defines but this engine cannot honour (``best_of``
 other than ``n``, ``logit_bias``, ``suffix``, tools, ``response_format`` other than text) are declared so that a
 request using them gets a 400 naming them (``serving.check_unsupported``) instead of being silently ignored; any
-other unknown field is rejected by ``extra="forbid"``. Ranges are checked by ``SamplingParams`` (one place), not repeated here.
+other unknown field is rejected by ``extra="forbid"``. Ranges are checked by ``SamplingParams`` (one place), not
+repeated here.
 """
 
 from __future__ import annotations
