@@ -147,6 +147,7 @@ def _post(server, path, body, **kw):
     ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "priority": 1}, "priority"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "logprobs": 0}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"50256": -100}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
@@ -174,6 +175,7 @@ def _post(server, path, body, **kw):
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "n": 2}, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 0, "stream": True}, "n"),
 ])
