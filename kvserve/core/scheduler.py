@@ -308,11 +308,12 @@ class Scheduler:
                 self._finish(req, status)
             updated.append(req)
             for child in children:
-                self._start_fork(req, child, model_output.sampled_token_ids[child.request_id], now)
+                self._start_fork(req, child, model_output.sampled_token_ids[child.request_id],
+                                 model_output.logprobs.get(child.request_id), now)
                 updated.append(child)
         return updated
 
-    def _start_fork(self, parent: Request, child: Request, token: int, now: float) -> None:
+    def _start_fork(self, parent: Request, child: Request, token: int, logprobs, now: float) -> None:
         """Start a forked sample: its blocks are the parent's (``fork``), its first token was sampled from the
         parent's prompt logits this step."""
         child.num_computed_tokens = len(child.prompt_token_ids)
@@ -320,6 +321,8 @@ class Scheduler:
         child.first_token_time = now
         child.status = RequestStatus.RUNNING
         child.output_token_ids.append(token)
+        if logprobs is not None:
+            child.output_logprobs.append(logprobs)
         self.running.append(child)
         status = self._check_stop(child, token)
         if status is not None:

@@ -47,3 +47,12 @@ def test_parallel_sampling_with_preemption_and_abort():
     engine.step()
     engine.abort_request(rid)
     assert_pool_clean(engine)
+
+
+def test_parallel_sampling_with_logprobs(llm):
+    out = llm.generate("The capital of France is", SamplingParams(temperature=1.0, max_tokens=4, n=3, seed=1,
+                                                                  logprobs=2))[0]
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids) == 4
+        assert all(t in e for t, e in zip(c.token_ids, c.logprobs))
+        assert c.cumulative_logprob == sum(e[t] for e, t in zip(c.logprobs, c.token_ids))
