@@ -78,9 +78,6 @@ class OpenAIServing:
             bad("logit_bias", "logit_bias is not supported")
         if req.priority and policy != "priority":
             bad("priority", "priority needs the server to run with --scheduling-policy priority")
-        if (req.n or 1) > 1 and (req.logprobs is not None and req.logprobs is not False):
-            # the engine cannot yet give forked samples their own logprobs (it fails on the combination)
-            bad("logprobs", "logprobs together with n > 1 is not supported yet")
         if req.stream_options is not None and not req.stream:
             bad("stream_options", "stream_options is only allowed when stream is true")
         if isinstance(req, p.CompletionRequest):
