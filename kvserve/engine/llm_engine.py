@@ -139,6 +139,9 @@ class LLMEngine:
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
+        bad_stop = [t for t in sp.stop_token_ids if t >= self.arch.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be in [0, {self.arch.vocab_size}), got {bad_stop[:5]}")
         ids = self.tokenize(prompt)
         n = len(ids)
         if n > self.max_model_len:

@@ -118,7 +118,7 @@ def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     logits = logits / temp[:, None]
     if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        top_k = torch.tensor([p.top_k if p.top_k_enabled else v for p in params])
+        top_k = torch.tensor([min(p.top_k, v) if p.top_k_enabled else v for p in params])
         ranks = torch.arange(v)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
         top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)

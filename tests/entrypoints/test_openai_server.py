@@ -212,3 +212,10 @@ def test_metrics_names(server, client, model_name):
     m = server.metrics()
     assert m["kvserve:time_to_first_token_seconds_count"] >= 1 and m["kvserve:generation_tokens_total"] >= 3
     assert m['kvserve:request_success_total{finished_reason="length"}'] >= 1
+    # the same prompt twice: the second finds the first's full blocks in the prefix cache
+    long_prompt = "The history of the printing press begins with movable type. " * 6
+    for _ in range(2):
+        client.completions.create(model=model_name, prompt=long_prompt, max_tokens=1, temperature=0)
+    m = server.metrics()
+    assert m["kvserve:prefix_cache_hits_total"] >= 48
+    assert m["kvserve:prefix_cache_queries_total"] > m["kvserve:prefix_cache_hits_total"]

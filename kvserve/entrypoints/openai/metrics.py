@@ -4,7 +4,10 @@ Histograms (seconds): ``kvserve:time_to_first_token_seconds``, ``kvserve:inter_t
 ``kvserve:e2e_request_latency_seconds``. Gauges: ``kvserve:num_requests_running``, ``kvserve:num_requests_waiting``,
 ``kvserve:kv_cache_usage_perc`` (fraction of KV blocks in use, 0..1, as in vLLM). Counters:
 ``kvserve:num_preemptions_total``, ``kvserve:prompt_tokens_total``, ``kvserve:generation_tokens_total``,
-``kvserve:request_success_total{finished_reason="stop"|"length"|"abort"}``. Every series carries ``model_name``.
+``kvserve:request_success_total{finished_reason="stop"|"length"|"abort"}``, ``kvserve:prefix_cache_queries_total``,
+``kvserve:prefix_cache_hits_total`` (tokens), ``kvserve:spec_decode_num_drafts_total``,
+``kvserve:spec_decode_num_draft_tokens_total``, ``kvserve:spec_decode_num_accepted_tokens_total``. Every series
+carries ``model_name``.
 """
 
 from __future__ import annotations
@@ -51,13 +54,18 @@ class PrometheusStatLogger:
         self.preemptions = counter("kvserve:num_preemptions", "Preemptions (by recompute) so far.")
         self.prompt_tokens = counter("kvserve:prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = counter("kvserve:generation_tokens", "Generated tokens.")
+        self.prefix_queries = counter("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_drafts = counter("kvserve:spec_decode_num_drafts", "Speculative verification passes.")
+        self.spec_draft_tokens = counter("kvserve:spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted = counter("kvserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self._success = Counter("kvserve:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
         self._last_token_time: dict = {}
-        self._seen = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._seen: dict = {}
 
     def record(self, outputs: list, engine, now: float) -> None:
         """Observe one loop turn: per-request latencies from ``outputs`` (``RequestOutput`` list, possibly empty),
@@ -84,13 +92,18 @@ class PrometheusStatLogger:
         self.waiting.set(sched.num_waiting)
         self.kv_usage.set(engine.kv_cache_stats().usage)
         stats = engine.stats
-        for key, counter, value in (("preemptions", self.preemptions, stats.num_preemptions),
-                                    ("prompt_tokens", self.prompt_tokens, stats.prompt_tokens),
-                                    ("generation_tokens", self.generation_tokens, stats.generation_tokens)):
-            delta = value - self._seen[key]
+        spec = stats.spec_decode
+        totals = [(self.preemptions, stats.num_preemptions), (self.prompt_tokens, stats.prompt_tokens),
+                  (self.generation_tokens, stats.generation_tokens),
+                  (self.prefix_queries, stats.prefix_cache_queries), (self.prefix_hits, stats.prefix_cache_hits)]
+        if spec is not None:
+            totals += [(self.spec_drafts, spec.num_drafts), (self.spec_draft_tokens, spec.num_draft_tokens),
+                       (self.spec_accepted, spec.num_accepted_tokens)]
+        for counter, value in totals:
+            delta = value - self._seen.get(id(counter), 0)
             if delta > 0:
                 counter.inc(delta)
-            self._seen[key] = value
+            self._seen[id(counter)] = value
 
     def record_aborts(self, request_ids: list) -> None:
         """Count requests aborted before they finished (client gone or shutdown) and drop their state."""
