@@ -75,8 +75,10 @@ class ModelRunner:
         )
         out = ModelRunnerOutput()
         if sampling_requests:
-            rows = torch.tensor([i for i in range(len(logits_indices)) if not _in_spans(i, verifying)])
-            tokens, logprobs = self.sampler(logits[rows], sampling_requests)
+            rows = logits
+            if verifying:  # the rows of plain sampling requests, without the verification spans
+                rows = logits[torch.tensor([i for i in range(len(logits_indices)) if not _in_spans(i, verifying)])]
+            tokens, logprobs = self.sampler(rows, sampling_requests)
             for req, tok, lp in zip(sampling_requests, tokens, logprobs):
                 out.sampled_token_ids[req.request_id] = tok
                 if lp is not None:
