@@ -125,6 +125,7 @@ class KVCacheManager:
             on ``None`` nothing was allocated or referenced.
         """
         rid = request.request_id
+        first = rid not in self.req_to_blocks  # (a static batch member is allocated before its first chunk runs)
         held = self.req_to_blocks.get(rid, [])
         n_hit = len(computed_blocks)
         total = request.num_computed_tokens + n_hit * self.block_size + num_new_tokens
@@ -140,7 +141,7 @@ class KVCacheManager:
             self.block_pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
             self.num_cached_blocks[rid] = n_hit
-        if request.num_computed_tokens == 0 and self.enable_prefix_caching:
+        if first and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += n_hit * self.block_size
         new = self.block_pool.get_new_blocks(need) if need > 0 else []

@@ -183,8 +183,10 @@ class Scheduler:
            to 0, and requeued (front of the queue under fcfs); allocation is then retried. A victim already
            scheduled this step is unscheduled and its tokens go back to the budget.
         2. If nothing was preempted, waiting requests are admitted in queue order while ``max_num_seqs``, the
-           budget and the free blocks allow (static policy: only when nothing is running). The first one that
-           does not fit stops admission (no overtaking).
+           budget and the free blocks allow. The first one that does not fit stops admission (no overtaking).
+           Static policy: only when nothing is running, and then a whole batch of up to ``max_num_seqs``
+           requests whose prompts' blocks fit (the token budget only paces their prefill over the next steps),
+           which then runs until its last request finishes.
         """
         kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
@@ -225,8 +227,14 @@ class Scheduler:
             if len(self.running) + 1 + len(req.fork_children) > self.config.max_num_seqs:
                 break  # (a parallel-sampling request needs a slot for each of its samples)
             hits = kv.get_computed_blocks(req)
-            n = self._num_new_tokens(req.num_tokens - len(hits) * kv.block_size, budget)
-            if n == 0 or kv.allocate_slots(req, n, hits) is None:
+            uncomputed = req.num_tokens - len(hits) * kv.block_size
+            n = self._num_new_tokens(uncomputed, budget)
+            if self.config.scheduling == "static":
+                # A static batch is formed whole: its prompts' blocks are taken now, their prefill (chunks) runs
+                # as the budget allows in this and the next steps.
+                if kv.allocate_slots(req, uncomputed, hits) is None:
+                    break
+            elif n == 0 or kv.allocate_slots(req, n, hits) is None:
                 break
             req.num_computed_tokens = len(hits) * kv.block_size
             self.waiting.pop(0)
@@ -234,8 +242,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
-            out.scheduled.append(ScheduledRequest(req, n, kv.get_block_ids(req)))
-            budget -= n
+            if n:
+                out.scheduled.append(ScheduledRequest(req, n, kv.get_block_ids(req)))
+                budget -= n
         out.block_copies = kv.take_pending_copies()
         return out
 

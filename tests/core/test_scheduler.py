@@ -118,6 +118,34 @@ def test_static_admits_only_when_drained():
     assert [s.request.request_id for s in so.scheduled] == ["b"]  # c waits for the batch to drain
 
 
+def test_static_forms_a_whole_batch_beyond_the_token_budget():
+    # 4 prompts of 10 tokens, budget 16, chunked: all 4 join the batch at once (their blocks are taken now) and
+    # their prefill is paced by the budget: 16 tokens per step, decodes first, no newcomer until the batch drains.
+    sched, kv = make_sched(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                           enable_chunked_prefill=True, scheduling="static")
+    for i in range(5):
+        add(sched, i, prompt_len=10, max_tokens=3)
+    so = sched.schedule()
+    assert len(sched.running) == 4 and [r.request_id for r in sched.waiting] == ["4"]
+    assert [(s.request.request_id, s.num_scheduled_tokens) for s in so.scheduled] == [("0", 10), ("1", 6)]
+    assert kv.block_pool.num_used_blocks == 4 * 3  # every prompt's 3 blocks, taken at admission
+    sched.update_from_output(so, fake_run(so))
+    so = sched.schedule()
+    assert [(s.request.request_id, s.num_scheduled_tokens) for s in so.scheduled] == [("0", 1), ("1", 4), ("2", 10), ("3", 1)]
+    run_to_end(sched, kv)
+    assert kv.block_pool.num_free_blocks == 64
+    assert kv.prefix_cache_queries == 0  # caching off; and with it on, each prompt is queried once (below)
+
+
+def test_static_batch_counts_each_prefix_cache_query_once():
+    sched, kv = make_sched(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                           enable_chunked_prefill=True, scheduling="static", enable_prefix_caching=True)
+    for i in range(4):
+        add(sched, i, prompt_len=10, max_tokens=2)
+    run_to_end(sched, kv)
+    assert kv.prefix_cache_queries == 4 * 10
+
+
 def test_preemption_by_recompute_when_pool_runs_dry():
     # 6 blocks of 4 tokens; three requests of 8-token prompts growing to 8 + 12 tokens cannot all fit
     sched, kv = make_sched(num_blocks=6, block_size=4, max_num_seqs=3)
