@@ -13,6 +13,7 @@ prompt in the batch does not pad every decode request to its length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,15 @@ class AttentionGroup:
         query_index: ``[b, q_max]`` int64, flat-batch index of each (padded) query row (padding points at row 0).
         query_valid: ``[b * q_max]`` bool, which padded rows are real tokens.
         out_index: ``[n_real]`` int64, flat-batch index of each real row, in padded order.
-        block_tables: ``[b, n_blocks]`` int64, physical block ids in logical order (padding with block 0).
+        block_tables: ``[b * n_blocks]`` int64, each member's physical block ids in logical order, flattened
+            (padding with block 0).
         attn_mask: ``[b, 1, q_max, n_blocks * block_size]`` bool, True where query i may attend key j.
+        rows: ``(start, stop)`` when the group's queries are exactly flat rows ``start..stop-1`` in order with no
+            padding (e.g. the decode group, scheduled first): then they are read and written as a slice, without
+            gather/scatter copies; else ``None``.
+        is_causal: every member is a whole fresh prompt (no earlier context), so the mask is plain top-left
+            causal and SDPA can use ``is_causal=True`` (its kernel then skips the masked half) instead of
+            ``attn_mask``.
     """
 
     query_index: torch.Tensor
@@ -35,6 +43,8 @@ class AttentionGroup:
     out_index: torch.Tensor
     block_tables: torch.Tensor
     attn_mask: torch.Tensor
+    rows: Optional[tuple] = None
+    is_causal: bool = False
 
 
 @dataclass
@@ -100,12 +110,17 @@ def _build_group(members, query_start_loc, q_lens, seq_lens, block_tables, block
     mask = keys[None, None, :] <= q_pos[:, :, None]
     mask[:, :, 0] = True  # padded rows see key 0 so their (discarded) softmax is finite
     flat_valid = valid.reshape(-1)
+    out_index = query_index.reshape(-1)[flat_valid]
+    first = query_start_loc[members[0]]
+    dense = bool(flat_valid.all()) and out_index.equal(torch.arange(first, first + len(out_index)))
     return AttentionGroup(
         query_index=query_index,
         query_valid=flat_valid,
-        out_index=query_index.reshape(-1)[flat_valid],
-        block_tables=tables,
+        out_index=out_index,
+        block_tables=tables.reshape(-1),
         attn_mask=mask[:, None, :, :],
+        rows=(first, first + len(out_index)) if dense else None,
+        is_causal=q_max > 1 and bool((s_len == q_len).all()),
     )
 
 
@@ -139,10 +154,20 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     out = torch.empty_like(q)
     for g in meta.groups:
         b, q_max = g.query_index.shape
-        qg = q[g.query_index].transpose(1, 2)  # [b, H_q, q_max, D]
-        k = kv_cache[0][g.block_tables].reshape(b, -1, h_kv, d).transpose(1, 2)  # [b, H_kv, L, D]
-        v = kv_cache[1][g.block_tables].reshape(b, -1, h_kv, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.attn_mask, scale=scale, enable_gqa=h_q != h_kv)
+        if g.rows is not None:
+            qg = q[g.rows[0] : g.rows[1]].view(b, q_max, h_q, d).transpose(1, 2)  # [b, H_q, q_max, D]
+        else:
+            qg = q[g.query_index].transpose(1, 2)
+        # index_select on the block dimension: one contiguous copy per block, ~2x faster than advanced indexing
+        k = kv_cache[0].index_select(0, g.block_tables).view(b, -1, h_kv, d).transpose(1, 2)  # [b, H_kv, L, D]
+        v = kv_cache[1].index_select(0, g.block_tables).view(b, -1, h_kv, d).transpose(1, 2)
+        if g.is_causal:  # row i sees keys 0..i (top-left aligned); padded rows' outputs are discarded
+            o = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=scale, enable_gqa=h_q != h_kv)
+        else:
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.attn_mask, scale=scale, enable_gqa=h_q != h_kv)
         o = o.transpose(1, 2).reshape(b * q_max, h_q, d)
-        out[g.out_index] = o[g.query_valid]
+        if g.rows is not None:
+            out[g.rows[0] : g.rows[1]] = o
+        else:
+            out[g.out_index] = o[g.query_valid]
     return out
