@@ -155,7 +155,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     for g in meta.groups:
         b, q_max = g.query_index.shape
         if g.rows is not None:
-            qg = q[g.rows[0] : g.rows[1]].view(b, q_max, h_q, d).transpose(1, 2)  # [b, H_q, q_max, D]
+            qg = q[g.rows[0] : g.rows[1]].reshape(b, q_max, h_q, d).transpose(1, 2)  # [b, H_q, q_max, D]
         else:
             qg = q[g.query_index].transpose(1, 2)
         # index_select on the block dimension: one contiguous copy per block, ~2x faster than advanced indexing

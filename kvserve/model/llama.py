@@ -26,6 +26,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) computed in float32: ``x / rms(x) * weight``. ``x``: ``[T, hidden]``."""
+    if x.dtype == torch.float32:  # one fused op, bit-identical to the formula below in float32
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -111,10 +113,9 @@ class LlamaModel:
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w["attn_norm"], a.rms_norm_eps)
             qkv = linear(x, w["qkv"])
-            q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
-            q = self._apply_rope(q.view(-1, n_q, d), cos, sin)
-            k = self._apply_rope(k.view(-1, n_kv, d), cos, sin)
-            write_kv(kv_cache[i], k, v.view(-1, n_kv, d), meta.slot_mapping)
+            qk = self._apply_rope(qkv[:, : (n_q + n_kv) * d].view(-1, n_q + n_kv, d), cos, sin)  # q and k at once
+            q, k = qk[:, :n_q], qk[:, n_q:]
+            write_kv(kv_cache[i], k, qkv[:, (n_q + n_kv) * d :].view(-1, n_kv, d), meta.slot_mapping)
             attn = paged_attention(q, kv_cache[i], meta, scale)
             h = h + linear(attn.reshape(-1, n_q * d), w["o"])
             x = rms_norm(h, w["mlp_norm"], a.rms_norm_eps)
