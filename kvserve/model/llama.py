@@ -11,17 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.model.linear import Linear
 from kvserve.model.loader import ModelArch
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` for ``x [T, in]``, ``w [out, in]`` -> ``[T, out]``.
-
-    Computed as ``(w @ x.T).T``: on this project's CPUs (MKL on AMD EPYC, 2 cores) that orientation is 1.5-4x
-    faster than ``F.linear`` for the skinny ``x`` of decode steps and the same for large ``T`` (measured with
-    ``kvserve bench matmul``-style micro-benchmarks over the model's shapes).
-    """
-    return torch.mm(w, x.t()).t().contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,7 +36,7 @@ class LlamaModel:
         self.arch = arch
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = weights.get("lm_head.weight", self.embed)
+        self.lm_head = Linear(weights.get("lm_head.weight", self.embed))
         self.final_norm = weights["model.norm.weight"]
         self.layers = []
         for i in range(arch.num_hidden_layers):
@@ -53,11 +44,11 @@ class LlamaModel:
             self.layers.append(
                 dict(
                     attn_norm=weights[p + "input_layernorm.weight"],
-                    qkv=torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).contiguous(),
-                    o=weights[p + "self_attn.o_proj.weight"],
+                    qkv=Linear(torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
+                    o=Linear(weights[p + "self_attn.o_proj.weight"]),
                     mlp_norm=weights[p + "post_attention_layernorm.weight"],
-                    gate_up=torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
-                    down=weights[p + "mlp.down_proj.weight"],
+                    gate_up=Linear(torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])),
+                    down=Linear(weights[p + "mlp.down_proj.weight"]),
                 )
             )
         d = arch.head_dim
@@ -112,14 +103,14 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w["attn_norm"], a.rms_norm_eps)
-            qkv = linear(x, w["qkv"])
+            qkv = w["qkv"](x)
             qk = self._apply_rope(qkv[:, : (n_q + n_kv) * d].view(-1, n_q + n_kv, d), cos, sin)  # q and k at once
             q, k = qk[:, :n_q], qk[:, n_q:]
             write_kv(kv_cache[i], k, qkv[:, (n_q + n_kv) * d :].view(-1, n_kv, d), meta.slot_mapping)
             attn = paged_attention(q, kv_cache[i], meta, scale)
-            h = h + linear(attn.reshape(-1, n_q * d), w["o"])
+            h = h + w["o"](attn.reshape(-1, n_q * d))
             x = rms_norm(h, w["mlp_norm"], a.rms_norm_eps)
-            gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, w["down"])
+            gate, up = w["gate_up"](x).chunk(2, dim=-1)
+            h = h + w["down"](F.silu(gate) * up)
         h = rms_norm(h[logits_indices], self.final_norm, a.rms_norm_eps)
-        return linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
