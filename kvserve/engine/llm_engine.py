@@ -88,6 +88,9 @@ class LLMEngine:
             self.proposer = self._make_proposer(spec, mc, sc, sampler)
             rejection_sampler = RejectionSampler()
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        # A draft model's pass is not free: a request starts with one draft and earns longer ones by having them
+        # accepted (SpecDecodeStats.next_k grows k by one after a full acceptance); n-gram drafts start at k.
+        self.initial_spec_k = 1 if spec is not None and spec.method == "draft_model" else self.num_speculative_tokens
         self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids, self.num_speculative_tokens)
         self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, rejection_sampler)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -216,7 +219,7 @@ class LLMEngine:
             for i in range(sp.n)
         ]
         for s in samples:
-            s.spec_k = self.num_speculative_tokens
+            s.spec_k = self.initial_spec_k
         if sp.n > 1:
             for i, s in enumerate(samples):
                 s.parent_id, s.sample_index = rid, i

@@ -25,8 +25,12 @@ Back-off: a draft pass costs a sizeable fraction of a target pass (for an early 
 LM head, which for SmolLM2 is 28M of its 134M multiply-adds per token), so a request whose drafts are rarely
 accepted would run slower than with no speculation at all. Each request keeps an exponential moving average of
 its per-draft-token acceptance; while it is below the break-even rate (the draft's relative cost plus a margin
-for the extra verified token, ``min_acceptance``), the request stops drafting for ``pause`` steps, then probes
-with a fresh draft; each failed probe doubles the pause (up to ``max_pause``), each passed one halves it.
+for the extra verified token, ``min_acceptance``), the request drafts only on every ``pause``-th step; each failed
+draft doubles its pause (up to ``max_pause``), each passed one halves it. Probes are aligned on a step counter
+shared by all requests (a request with pause ``P`` drafts on steps ``s`` with ``s % P == 0``), so the requests
+that are backing off probe together and share one draft pass and one verification step instead of each paying
+for its own; a new request starts at the median pause of the live ones, or of the last one to finish (what the
+draft has earned on this workload so far).
 """
 
 from __future__ import annotations
@@ -102,17 +106,17 @@ class _DraftSeq:
         num_computed_tokens: leading tokens of the request whose K/V is in the draft cache.
         fed_from: ``len(tokens)`` when the last drafts were made: ``drafts[j]`` sits at position ``fed_from + j``.
         drafts: the last call's drafts (the first ``len - 1`` of them have draft K/V).
-        accept_ema: moving average of the fraction of draft tokens accepted, 0..1.
-        pause, pause_left: back-off length (steps) and steps still to skip.
+        accept_ema: moving average (weight 1/2 on the newest) of the fraction of draft tokens accepted, 0..1;
+            starts at 0.5, so a first draft with nothing accepted pauses a request whose break-even is above 0.25.
+        pause: draft only on steps that are a multiple of this (1: every step); a power of two.
     """
 
     request_id: str
     num_computed_tokens: int = 0
     fed_from: int = 0
     drafts: list = field(default_factory=list)
-    accept_ema: float = 1.0
+    accept_ema: float = 0.5
     pause: int = 1
-    pause_left: int = 0
 
 
 class DraftModelProposer:
@@ -127,7 +131,7 @@ class DraftModelProposer:
         block_size: tokens per block.
         sampler: the engine's ``Sampler`` (its ``target_probs`` processes logits exactly as the target's).
         min_acceptance: per-draft-token acceptance rate below which a request backs off, 0..1.
-        max_pause: the longest back-off, in steps.
+        max_pause: the longest back-off, in steps; a power of two.
         generator: draws for unseeded sampled requests (seeded ones use their own generator); default a CPU
             generator seeded with 0.
     """
@@ -137,12 +141,16 @@ class DraftModelProposer:
         self.model = model
         self.block_size = block_size
         self.sampler = sampler
+        if max_pause < 1 or max_pause & (max_pause - 1):
+            raise ValueError(f"max_pause must be a power of two >= 1, got {max_pause}")
         self.min_acceptance = min_acceptance
         self.max_pause = max_pause
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=model.dtype)
         self.seqs: dict = {}  # request_id -> _DraftSeq
+        self.num_calls = 0  # propose() calls so far: the shared step counter of the back-off
+        self.recent_pause = 1  # the pause of the last request released
         self.num_forward_passes = 0
 
     # ------------------------------------------------------------------------------------------------ propose
@@ -165,18 +173,18 @@ class DraftModelProposer:
             raise ValueError(f"requests and max_num_tokens differ in length: {len(requests)} vs {len(max_num_tokens)}")
         if any(k < 0 for k in max_num_tokens):
             raise ValueError(f"max_num_tokens must be >= 0, got {min(max_num_tokens)}")
+        self.num_calls += 1
         out = [DraftProposal([]) for _ in requests]
         active = []  # (index, request, seq, k, tokens)
         for i, (req, k) in enumerate(zip(requests, max_num_tokens)):
             seq = self.seqs.get(req.request_id)
             if seq is None:
-                seq = self.seqs[req.request_id] = _DraftSeq(req.request_id)
+                seq = self.seqs[req.request_id] = _DraftSeq(req.request_id, pause=self._typical_pause())
             tokens = req.all_token_ids
             self._observe(seq, tokens)
             if k == 0:
                 continue
-            if seq.pause_left > 0:
-                seq.pause_left -= 1
+            if self.num_calls % seq.pause:  # backing off
                 continue
             # K/V for positions [num_computed, n) plus k - 1 drafts; the last token is always recomputed
             seq.num_computed_tokens = min(seq.num_computed_tokens, len(tokens) - 1)
@@ -249,12 +257,16 @@ class DraftModelProposer:
         if len(actual) > accepted or len(actual) == n:  # the verification outcome is known
             seq.accept_ema = 0.5 * seq.accept_ema + 0.5 * accepted / n
             if seq.accept_ema < self.min_acceptance:
-                seq.pause_left = seq.pause
                 seq.pause = min(2 * seq.pause, self.max_pause)
                 seq.accept_ema = self.min_acceptance  # one passed probe is then enough to resume
             else:
                 seq.pause = max(1, seq.pause // 2)
         seq.drafts = []
+
+    def _typical_pause(self) -> int:
+        """The median pause of the live requests, or (none live) the last released request's pause."""
+        pauses = sorted(seq.pause for seq in self.seqs.values())
+        return pauses[len(pauses) // 2] if pauses else self.recent_pause
 
     # ------------------------------------------------------------------------------------------------ lifetime
     def release_all_but(self, running_ids) -> None:
@@ -267,6 +279,7 @@ class DraftModelProposer:
     def _release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
+            self.recent_pause = seq.pause
             self.kv_cache_manager.free(seq)
 
     @property
