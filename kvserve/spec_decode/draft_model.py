@@ -26,10 +26,10 @@ LM head, which for SmolLM2 is 28M of its 134M multiply-adds per token), so a req
 accepted would run slower than with no speculation at all. Each request keeps an exponential moving average of
 its per-draft-token acceptance; while it is below the break-even rate (the draft's relative cost plus a margin
 for the extra verified token, ``min_acceptance``), the request drafts only on every ``pause``-th step; each failed
-draft doubles its pause (up to ``max_pause``), each passed one halves it. Probes are aligned on a step counter
+draft multiplies its pause by 4 (up to ``max_pause``), each passed one divides it by 4. Probes are aligned on a step counter
 shared by all requests (a request with pause ``P`` drafts on steps ``s`` with ``s % P == 0``), so the requests
 that are backing off probe together and share one draft pass and one verification step instead of each paying
-for its own; a new request starts at the median pause of the live ones, or of the last one to finish (what the
+for its own; a new request starts at the median pause of the live ones, or of the last 8 to finish (what the
 draft has earned on this workload so far).
 """
 
@@ -108,7 +108,7 @@ class _DraftSeq:
         drafts: the last call's drafts (the first ``len - 1`` of them have draft K/V).
         accept_ema: moving average (weight 1/2 on the newest) of the fraction of draft tokens accepted, 0..1;
             starts at 0.5, so a first draft with nothing accepted pauses a request whose break-even is above 0.25.
-        pause: draft only on steps that are a multiple of this (1: every step); a power of two.
+        pause: draft only on steps that are a multiple of this (1: every step); a power of 4.
     """
 
     request_id: str
@@ -131,26 +131,32 @@ class DraftModelProposer:
         block_size: tokens per block.
         sampler: the engine's ``Sampler`` (its ``target_probs`` processes logits exactly as the target's).
         min_acceptance: per-draft-token acceptance rate below which a request backs off, 0..1.
-        max_pause: the longest back-off, in steps; a power of two.
+        max_pause: the longest back-off, in steps; a power of 4.
+        max_catch_up_tokens: the most tokens one catch-up pass feeds (a long prompt's draft prefill is split
+            into passes of this size, like chunked prefill, so its attention scores stay small); >= 1.
         generator: draws for unseeded sampled requests (seeded ones use their own generator); default a CPU
             generator seeded with 0.
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler,
-                 min_acceptance: float = 0.0, max_pause: int = 32, generator: Optional[torch.Generator] = None):
+                 min_acceptance: float = 0.0, max_pause: int = 64, max_catch_up_tokens: int = 512,
+                 generator: Optional[torch.Generator] = None):
         self.model = model
         self.block_size = block_size
         self.sampler = sampler
-        if max_pause < 1 or max_pause & (max_pause - 1):
-            raise ValueError(f"max_pause must be a power of two >= 1, got {max_pause}")
+        if isinstance(max_catch_up_tokens, bool) or not isinstance(max_catch_up_tokens, int) or max_catch_up_tokens < 1:
+            raise ValueError(f"max_catch_up_tokens must be an integer >= 1, got {max_catch_up_tokens!r}")
+        if max_pause < 1 or max_pause & (max_pause - 1) or max_pause.bit_length() % 2 == 0:
+            raise ValueError(f"max_pause must be a power of 4 >= 1, got {max_pause}")
         self.min_acceptance = min_acceptance
         self.max_pause = max_pause
+        self.max_catch_up_tokens = max_catch_up_tokens
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=model.dtype)
         self.seqs: dict = {}  # request_id -> _DraftSeq
         self.num_calls = 0  # propose() calls so far: the shared step counter of the back-off
-        self.recent_pause = 1  # the pause of the last request released
+        self.recent_pauses: list = []  # the pauses of the last 8 requests released
         self.num_forward_passes = 0
 
     # ------------------------------------------------------------------------------------------------ propose
@@ -199,7 +205,19 @@ class DraftModelProposer:
 
         drafts = {i: [] for i, *_ in active}
         probs = {i: [] for i, *_ in active}
-        # pass 0: catch up on the tokens without draft K/V (a prefill the first time), sample d_1
+        # catch up on the tokens without draft K/V (a prefill the first time) in passes of at most
+        # max_catch_up_tokens (bounded attention memory), keeping each request's last token for pass 0
+        backlog = [(i, req, seq, tokens[seq.num_computed_tokens : -1]) for i, req, seq, k, tokens in active]
+        while 0 < sum(len(b[3]) for b in backlog) > self.max_catch_up_tokens - len(backlog):
+            feed, room = [], self.max_catch_up_tokens
+            for j, (i, req, seq, rest) in enumerate(backlog):
+                take = min(len(rest), room)
+                if take:
+                    feed.append((i, req, seq, rest[:take]))
+                    backlog[j] = (i, req, seq, rest[take:])
+                    room -= take
+            self._step(feed, drafts, probs, sample=False)
+        # pass 0: the rest of the catch-up and the last token, sample d_1
         feed = [(i, req, seq, tokens[seq.num_computed_tokens:]) for i, req, seq, k, tokens in active]
         self._step(feed, drafts, probs)
         for j in range(1, max(k for *_, k, _ in active)):  # pass j: feed d_j, sample d_{j+1}
@@ -211,9 +229,9 @@ class DraftModelProposer:
             out[i] = DraftProposal(drafts[i], torch.stack(probs[i]) if probs[i] else None)
         return out
 
-    def _step(self, feed: list, drafts: dict, probs: dict) -> None:
-        """One flat forward over ``feed`` = ``[(index, request, seq, new token ids)]``: write their K/V, sample one
-        draft token per request from the logits of its last row, advance each ``seq.num_computed_tokens``."""
+    def _step(self, feed: list, drafts: dict, probs: dict, sample: bool = True) -> None:
+        """One flat forward over ``feed`` = ``[(index, request, seq, new token ids)]``: write their K/V, advance each
+        ``seq.num_computed_tokens``, and (``sample``) draw one draft token per request from its last row's logits."""
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         for _, _, seq, new in feed:
@@ -228,11 +246,14 @@ class DraftModelProposer:
             seq.num_computed_tokens += len(new)
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         meta = AttentionMetadata.build(qsl, seq_lens, tables, slot_mapping, bs)
+        logits_indices = torch.tensor(qsl[1:], dtype=torch.long) - 1 if sample else torch.zeros(0, dtype=torch.long)
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), self.kv_cache,
-            meta, torch.tensor(qsl[1:], dtype=torch.long) - 1,
+            meta, logits_indices,
         )
         self.num_forward_passes += 1
+        if not sample:
+            return
         tokens = logits.argmax(dim=-1).tolist()
         for row, (i, req, _, _) in enumerate(feed):
             if not req.sampling_params.greedy:  # sample d ~ q with the request's own generator (exponential race)
@@ -257,16 +278,16 @@ class DraftModelProposer:
         if len(actual) > accepted or len(actual) == n:  # the verification outcome is known
             seq.accept_ema = 0.5 * seq.accept_ema + 0.5 * accepted / n
             if seq.accept_ema < self.min_acceptance:
-                seq.pause = min(2 * seq.pause, self.max_pause)
+                seq.pause = min(4 * seq.pause, self.max_pause)
                 seq.accept_ema = self.min_acceptance  # one passed probe is then enough to resume
             else:
-                seq.pause = max(1, seq.pause // 2)
+                seq.pause = max(1, seq.pause // 4)
         seq.drafts = []
 
     def _typical_pause(self) -> int:
-        """The median pause of the live requests, or (none live) the last released request's pause."""
-        pauses = sorted(seq.pause for seq in self.seqs.values())
-        return pauses[len(pauses) // 2] if pauses else self.recent_pause
+        """The median pause of the live requests, or (none live) of the last 8 released, or 1."""
+        pauses = sorted(seq.pause for seq in self.seqs.values()) or sorted(self.recent_pauses) or [1]
+        return pauses[len(pauses) // 2]
 
     # ------------------------------------------------------------------------------------------------ lifetime
     def release_all_but(self, running_ids) -> None:
@@ -279,7 +300,7 @@ class DraftModelProposer:
     def _release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
-            self.recent_pause = seq.pause
+            self.recent_pauses = (self.recent_pauses + [seq.pause])[-8:]
             self.kv_cache_manager.free(seq)
 
     @property

@@ -83,6 +83,30 @@ def test_near_max_tokens_and_block_boundaries(llm, dm_llm):
     assert_both_pools_clean(dm_llm)
 
 
+def test_long_catch_up_split_into_passes(llm, dm_llm):
+    """A draft prefill longer than max_catch_up_tokens runs in several passes and drafts the same tokens."""
+    ps = prompts(dm_llm)[:2]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    proposer, engine = dm_llm.llm_engine.proposer, dm_llm.llm_engine
+
+    def run(max_catch_up):
+        proposer.max_catch_up_tokens = max_catch_up
+        engine.reset_stats()
+        passes = proposer.num_forward_passes
+        outs = [o.outputs[0].token_ids for o in dm_llm.generate(ps, sp)]
+        st = engine.stats.spec_decode
+        return outs, (st.num_draft_tokens, st.num_accepted_tokens), proposer.num_forward_passes - passes
+
+    try:
+        whole, stats_whole, passes_whole = run(512)
+        split, stats_split, passes_split = run(7)
+    finally:
+        proposer.max_catch_up_tokens = 512
+    assert whole == split == [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
+    assert stats_split == stats_whole and passes_split > passes_whole
+    assert_both_pools_clean(dm_llm)
+
+
 def test_seeded_sampling_reproducible_with_draft_model(dm_llm):
     sp = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=24, seed=42)
     p = prompts(dm_llm)[0]
