@@ -24,8 +24,8 @@ from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model
 from kvserve.request import Request, RequestStatus
 from kvserve.sample.sampler import Sampler
-from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
