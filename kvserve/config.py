@@ -145,24 +145,40 @@ class SchedulerConfig:
             )
 
 
-SUPPORTED_SPEC_METHODS = ("ngram",)
+SUPPORTED_SPEC_METHODS = ("ngram", "draft_model")
+#: Layers of the self-speculative early-exit draft when ``draft_num_layers`` is not given (measured choice: see
+#: ``kvserve.spec_decode.draft_model``).
+DEFAULT_DRAFT_NUM_LAYERS = 1
 
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding (Leviathan et al. 2023; prompt lookup, Saxena 2023), like vLLM's
-    ``speculative_config={"method": ..., "num_speculative_tokens": k}``.
+    """Speculative decoding (Leviathan et al. 2023), like vLLM's
+    ``speculative_config={"method": ..., "num_speculative_tokens": k, ...}``.
 
     Attributes:
-        method: ``"ngram"`` (drafts copied from the prompt + output after the longest matching suffix).
+        method: ``"ngram"`` (drafts copied from the prompt + output after the longest matching suffix; Saxena
+            2023) or ``"draft_model"`` (a smaller model with the target's vocabulary drafts autoregressively, with
+            its own paged KV cache; see ``kvserve.spec_decode.draft_model``).
         num_speculative_tokens: the most drafts per step, ``[1, 16]``; each request adapts its own k below it.
-        prompt_lookup_min, prompt_lookup_max: n-gram lengths tried, longest first, ``1 <= min <= max <= 64``.
+        prompt_lookup_min, prompt_lookup_max: n-gram lengths tried, longest first, ``1 <= min <= max <= 64``
+            (``"ngram"`` only).
+        model: ``"draft_model"`` only: path to the draft model (a ``.gguf`` file or a Hugging Face directory),
+            which must have the target's vocabulary (checked when the engine starts). ``None`` (default): a
+            self-speculative early-exit draft, the target's first ``draft_num_layers`` layers + its final norm
+            and LM head, sharing the target's weights (Zhang et al. 2023 "Draft & Verify"; Elhoushi et al. 2024
+            "LayerSkip").
+        draft_num_layers: ``"draft_model"`` without ``model`` only: layers of the early-exit draft, ``1 <= L <
+            target layers`` (checked when the engine starts, as the target's depth is known only then); ``None``
+            = ``DEFAULT_DRAFT_NUM_LAYERS`` (capped at target layers - 1).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    model: Optional[str] = None
+    draft_num_layers: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.method not in SUPPORTED_SPEC_METHODS:
@@ -170,6 +186,18 @@ class SpeculativeConfig:
         _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 16)
         _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, 1, 64)
         _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1, self.prompt_lookup_max)
+        if self.method != "draft_model":
+            for name in ("model", "draft_num_layers"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} applies to method 'draft_model' only, "
+                                     f"not {self.method!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model must be a path (str) or None, got {self.model!r}")
+        if self.draft_num_layers is not None:
+            if self.model is not None:
+                raise ValueError("speculative_config.draft_num_layers applies to the early-exit draft only "
+                                 "(speculative_config.model unset), not to a separate draft model")
+            _check_int("speculative_config.draft_num_layers", self.draft_num_layers, 1)
 
 
 @dataclass

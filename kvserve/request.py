@@ -85,7 +85,9 @@ class Request:
         self.sample_index = 0
         self.block_hashes: list = []
         self.spec_token_ids: list = []  # draft tokens to verify next step (speculative decoding)
-        self.spec_k = 0  # this request's current draft length (adaptive), set by the engine  # chained hashes of full blocks (prefix caching), filled by the manager
+        # [len(spec_token_ids), V] float32 draft distributions q (draft-model proposer, sampled requests), or None
+        self.spec_draft_probs: Optional[torch.Tensor] = None
+        self.spec_k = 0  # this request's current draft length (adaptive), set by the engine
         self.queue_seq = 0  # set by the scheduler: arrival order, the FCFS tie-break
 
     @property

@@ -18,6 +18,7 @@ import bisect
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -34,12 +35,15 @@ class ScheduledRequest:
         block_ids: the request's whole block table after allocation, covering all computed + scheduled tokens.
         spec_token_ids: draft tokens verified this step; they are the last ``len(spec_token_ids)`` of the
             ``num_scheduled_tokens`` (speculative decoding schedules the last token + k drafts).
+        spec_draft_probs: ``[len(spec_token_ids), V]`` float32, the distributions the drafts were sampled from
+            (draft-model proposer, sampled requests), or ``None`` (deterministic drafts: ``q`` one-hot).
     """
 
     request: Request
     num_scheduled_tokens: int
     block_ids: list
     spec_token_ids: list = field(default_factory=list)
+    spec_draft_probs: Optional[object] = None
 
     @property
     def samples(self) -> bool:
@@ -198,6 +202,7 @@ class Scheduler:
                 continue  # preempted as a victim earlier in this loop
             n = self._num_new_tokens(req.num_uncomputed_tokens, budget)
             drafts, req.spec_token_ids = req.spec_token_ids, []
+            draft_probs, req.spec_draft_probs = req.spec_draft_probs, None
             if n == 0:
                 continue
             if drafts and n == req.num_uncomputed_tokens:  # caught up: verify the drafts in the same pass
@@ -205,6 +210,8 @@ class Scheduler:
                 n += len(drafts)
             else:
                 drafts = []
+            if draft_probs is not None:  # q rows stay aligned with the (possibly truncated) drafts
+                draft_probs = draft_probs[: len(drafts)] if drafts else None
             new_blocks = kv.allocate_slots(req, n)
             while new_blocks is None:
                 victim = self._pick_victim()
@@ -217,7 +224,7 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(req, n)
             if new_blocks is None:
                 continue
-            scheduled[req.request_id] = ScheduledRequest(req, n, kv.get_block_ids(req), drafts)
+            scheduled[req.request_id] = ScheduledRequest(req, n, kv.get_block_ids(req), drafts, draft_probs)
             budget -= n
         out.scheduled = list(scheduled.values())
 
@@ -264,6 +271,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv_cache_manager.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids, req.spec_draft_probs = [], None  # drafts for a position it may not reach as planned
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

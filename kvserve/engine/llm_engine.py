@@ -25,11 +25,16 @@ from kvserve.model.loader import load_model
 from kvserve.request import Request, RequestStatus
 from kvserve.sample.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list]
+
+#: Added to the draft model's relative cost to get the acceptance rate below which a request backs off from
+#: drafting: the target's verification of one more token per request is not free either.
+DRAFT_VERIFY_MARGIN = 0.1
 
 
 class LLMEngine:
@@ -76,20 +81,57 @@ class LLMEngine:
         spec = config.speculative_config
         self.proposer = None
         rejection_sampler = None
+        sampler = Sampler(self.eos_token_ids)
         if spec is not None:
             from kvserve.sample.rejection_sampler import RejectionSampler
-            from kvserve.spec_decode.ngram import NgramProposer
 
-            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            self.proposer = self._make_proposer(spec, mc, sc, sampler)
             rejection_sampler = RejectionSampler()
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        # A draft model's pass is not free: a request starts with one draft and earns longer ones by having them
+        # accepted (SpecDecodeStats.next_k grows k by one after a full acceptance); n-gram drafts start at k.
+        self.initial_spec_k = 1 if spec is not None and spec.method == "draft_model" else self.num_speculative_tokens
         self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids, self.num_speculative_tokens)
-        self.model_runner = ModelRunner(
-            self.model, self.num_blocks, self.block_size, Sampler(self.eos_token_ids), rejection_sampler
-        )
+        self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, rejection_sampler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
         self._ids = itertools.count()
+
+    def _make_proposer(self, spec, mc, sc, sampler):
+        """The n-gram proposer, or the draft-model proposer with its own model view and KV pool.
+
+        Raises:
+            ValueError: ``draft_num_layers`` out of range, or a draft model whose vocabulary differs from the
+                target's (the message names both paths and sizes).
+        """
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        from kvserve.config import DEFAULT_DRAFT_NUM_LAYERS
+        from kvserve.spec_decode.draft_model import (DraftModelProposer, draft_pool_blocks, early_exit_model,
+                                                     relative_cost)
+
+        if spec.model is None:
+            layers = spec.draft_num_layers
+            if layers is None:
+                layers = min(DEFAULT_DRAFT_NUM_LAYERS, self.arch.num_hidden_layers - 1)
+            draft = early_exit_model(self.model, layers)
+        else:
+            loaded = load_model(spec.model, mc.dtype)
+            if loaded.arch.vocab_size != self.arch.vocab_size or (
+                loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab()
+            ):
+                raise ValueError(
+                    f"speculative_config.model {str(loaded.path)!r} has a different vocabulary "
+                    f"(vocab_size {loaded.arch.vocab_size}) from the target {str(self.model_path)!r} "
+                    f"(vocab_size {self.arch.vocab_size}); a draft model must share the target's tokenizer"
+                )
+            draft = LlamaModel(loaded.arch, loaded.weights)
+        num_blocks = draft_pool_blocks(self.num_blocks, sc.max_num_seqs, spec.num_speculative_tokens, self.block_size)
+        cost = relative_cost(draft, self.model)
+        logger.info("draft model: %d layers, %.2f of the target's cost per token; draft KV pool %d blocks",
+                    draft.arch.num_hidden_layers, cost, num_blocks)
+        return DraftModelProposer(draft, num_blocks, self.block_size, sampler,
+                                  min_acceptance=min(1.0, cost + DRAFT_VERIFY_MARGIN))
 
     @classmethod
     def from_engine_args(cls, **engine_args) -> "LLMEngine":
@@ -177,7 +219,7 @@ class LLMEngine:
             for i in range(sp.n)
         ]
         for s in samples:
-            s.spec_k = self.num_speculative_tokens
+            s.spec_k = self.initial_spec_k
         if sp.n > 1:
             for i, s in enumerate(samples):
                 s.parent_id, s.sample_index = rid, i
@@ -194,6 +236,8 @@ class LLMEngine:
             samples = self.output_processor.groups.get(rid, ())
             self.scheduler.finish_requests([s.request_id for s in samples], RequestStatus.FINISHED_ABORTED)
             self.output_processor.remove(rid)
+        if self.proposer is not None and not isinstance(self.proposer, NgramProposer):
+            self.proposer.release_all_but(r.request_id for r in self.scheduler.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -233,7 +277,10 @@ class LLMEngine:
         """Draft up to ``spec_k`` tokens for each running request that just got tokens, never past
         ``max_tokens`` or ``max_model_len``; requests with penalties, logprobs or pending ``min_tokens`` (whose
         next-token distribution depends on the tokens before it in ways the verifier does not model) do not
-        speculate."""
+        speculate. The draft-model proposer drafts for all of them in one batch (and releases the draft cache of
+        requests no longer running)."""
+        batched = not isinstance(self.proposer, NgramProposer)
+        eligible, budgets = [], []
         for req in updated:
             sp = req.sampling_params
             if req.status is not RequestStatus.RUNNING or sp.logprobs is not None or len(req.output_token_ids) < (
@@ -241,8 +288,17 @@ class LLMEngine:
             ) or sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
                 continue
             k = min(req.spec_k, sp.max_tokens - len(req.output_token_ids) - 1, req.max_total_tokens - req.num_tokens - 1)
-            if k > 0:
+            if k <= 0:
+                continue
+            if batched:
+                eligible.append(req)
+                budgets.append(k)
+            else:
                 req.spec_token_ids = self.proposer.propose(req.all_token_ids, k)
+        if batched:  # the draft model drafts for every eligible request in one batch of forward passes
+            for req, proposal in zip(eligible, self.proposer.propose(eligible, budgets)):
+                req.spec_token_ids, req.spec_draft_probs = proposal.token_ids, proposal.probs
+            self.proposer.release_all_but(r.request_id for r in self.scheduler.running)
 
     def reset_stats(self) -> None:
         """Start a fresh ``EngineStats`` (e.g. after a warm-up request)."""

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     px = bench_sub.add_parser("prefix", help="prefix caching on vs off: few-shot, multi-round, Mooncake, no sharing")
     add_engine_args(px)
     prefix_bench.add_args(px)
-    sb = bench_sub.add_parser("spec", help="speculative decoding on Spec-Bench: none vs ngram at batch 1 and 8")
+    sb = bench_sub.add_parser("spec", help="speculative decoding on Spec-Bench: none vs ngram vs draft_model at batch 1 and 8")
     add_engine_args(sb)
     spec_bench.add_args(sb)
     rp = bench_sub.add_parser("report", help="serving-behaviour report: PNG plots and report.md from fixed workloads")

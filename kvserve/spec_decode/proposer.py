@@ -16,10 +16,10 @@ class Proposer(abc.ABC):
     request's prompt + output token ids and draft deterministically (one-hot ``q``: the rejection sampler is
     called with ``draft_probs=None``).
 
-    A draft-model proposer (a smaller model with its own paged KV cache, or an early-exit view of the target)
-    cannot run one request at a time efficiently; it will implement a batched variant instead, taking the
-    scheduled requests of a step and returning, per request, the draft token ids and their ``[n, V]`` draft
-    probabilities ``q`` for the rejection sampler.
+    The draft-model proposer (a smaller model with its own paged KV cache, or an early-exit view of the target)
+    cannot run one request at a time efficiently; ``kvserve.spec_decode.draft_model.DraftModelProposer`` is the
+    batched variant: ``propose(requests, max_num_tokens)`` takes the step's eligible requests and returns, per
+    request, the draft token ids and their ``[n, V]`` draft probabilities ``q`` for the rejection sampler.
     """
 
     @abc.abstractmethod

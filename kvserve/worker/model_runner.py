@@ -89,18 +89,28 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, verifying: list, out: ModelRunnerOutput) -> None:
         """Speculative verification: target distributions of every draft position (processed exactly like normal
-        sampling) -> the rejection sampler -> accepted drafts + recovered/bonus token per request."""
+        sampling) -> the rejection sampler -> accepted drafts + recovered/bonus token per request.
+
+        Draft distributions: when any row carries ``spec_draft_probs`` (a draft model's ``q``), a ``[B, k, V]``
+        ``draft_probs`` is built, one-hot on the drafted token for rows without one (deterministic drafts, or
+        greedy rows, which ignore ``q``); otherwise ``draft_probs=None``."""
         k_max = max(len(s.spec_token_ids) for s, _ in verifying)
         b, v = len(verifying), logits.shape[1]
         target = torch.zeros(b, k_max + 1, v)
         drafts = torch.full((b, k_max), -1, dtype=torch.long)
+        with_q = any(s.spec_draft_probs is not None for s, _ in verifying)
+        draft_probs = torch.zeros(b, k_max, v) if with_q else None
         for i, (s, row) in enumerate(verifying):
             k = len(s.spec_token_ids)
             target[i, : k + 1] = self.sampler.target_probs(logits[row : row + k + 1], s.request)
             drafts[i, :k] = torch.tensor(s.spec_token_ids)
+            if with_q and s.spec_draft_probs is not None:
+                draft_probs[i, :k] = s.spec_draft_probs[:k]
+            elif with_q:
+                draft_probs[i, torch.arange(k), drafts[i, :k]] = 1.0
         reqs = [s.request for s, _ in verifying]
         tokens = self.rejection_sampler(
-            drafts, [len(s.spec_token_ids) for s, _ in verifying], None, target,
+            drafts, [len(s.spec_token_ids) for s, _ in verifying], draft_probs, target,
             [r.sampling_params.greedy for r in reqs], [r.generator for r in reqs],
         )
         for r, row in zip(reqs, tokens.tolist()):
