@@ -53,6 +53,10 @@ class Linear:
             except (RuntimeError, AttributeError):  # an op missing from this build: stay on MKL
                 pass
 
+    def numel(self) -> int:
+        """Weights (= multiply-adds per row): ``out_features * in_features``."""
+        return self.out_features * self.in_features
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
