@@ -23,6 +23,7 @@ from typing import Optional
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
+from kvserve.spec_decode.gate import SpecGate
 
 
 @dataclass
@@ -299,6 +300,7 @@ class Scheduler:
                 req.num_computed_tokens -= len(s.spec_token_ids) - accepted
                 self.kv_cache_manager.trim(req)
                 self.spec_stats.record(len(s.spec_token_ids), accepted)
+                SpecGate.observe_verified(req, len(s.spec_token_ids), accepted)
                 req.spec_k = self.spec_stats.next_k(req.spec_k, len(s.spec_token_ids), accepted)
             if tokens is None:
                 token = model_output.sampled_token_ids.get(req.request_id)

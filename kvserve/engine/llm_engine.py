@@ -25,6 +25,7 @@ from kvserve.model.loader import load_model
 from kvserve.request import Request, RequestStatus
 from kvserve.sample.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.gate import SpecGate
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.worker.model_runner import ModelRunner
 
@@ -88,6 +89,7 @@ class LLMEngine:
             self.proposer = self._make_proposer(spec, mc, sc, sampler)
             rejection_sampler = RejectionSampler()
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        self.spec_gate = SpecGate()
         # A draft model's pass is not free: a request starts with one draft and earns longer ones by having them
         # accepted (SpecDecodeStats.next_k grows k by one after a full acceptance); n-gram drafts start at k.
         self.initial_spec_k = 1 if spec is not None and spec.method == "draft_model" else self.num_speculative_tokens
@@ -293,8 +295,10 @@ class LLMEngine:
             if batched:
                 eligible.append(req)
                 budgets.append(k)
-            else:
-                req.spec_token_ids = self.proposer.propose(req.all_token_ids, k)
+            else:  # n-gram: free to propose, verified only while it pays at this batch size
+                self.spec_gate.observe_shadow(req)
+                draft = self.proposer.propose(req.all_token_ids, k)
+                req.spec_token_ids = self.spec_gate.admit(req, draft, len(self.scheduler.running))
         if batched:  # the draft model drafts for every eligible request in one batch of forward passes
             for req, proposal in zip(eligible, self.proposer.propose(eligible, budgets)):
                 req.spec_token_ids, req.spec_draft_probs = proposal.token_ids, proposal.probs

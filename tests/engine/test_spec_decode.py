@@ -3,6 +3,7 @@
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.spec_decode.gate import VERIFY_COST_PER_TOKEN
 from tests.conftest import assert_pool_clean
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -75,3 +76,20 @@ def test_bad_speculative_config():
                        ({"bogus": 1}, "bogus")):
         with pytest.raises(ValueError, match=field):
             LLM(num_kv_blocks=8, speculative_config=cfg)
+
+
+def test_held_back_drafts_do_not_change_output(llm, spec_llm):
+    # A step cost model where a verified token costs as much as the whole step (c = 1: break-even acceptance
+    # 0.89 at batch 8): drafts are mostly held back and shadow-checked instead of verified; output unchanged.
+    ps = prompts(spec_llm) + ["Name a colour.", "What is 2 + 2?", "Say hello in French.", "List three animals."]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
+    gate = spec_llm.llm_engine.spec_gate
+    held_before = gate.num_held_back
+    gate.verify_cost_per_token = 1.0
+    try:
+        assert [o.outputs[0].token_ids for o in spec_llm.generate(ps, sp)] == reference
+    finally:
+        gate.verify_cost_per_token = VERIFY_COST_PER_TOKEN
+    assert gate.num_held_back > held_before
+    assert_pool_clean(spec_llm.llm_engine)
