@@ -93,7 +93,8 @@ METHODS = ("none", "ngram", "draft_model")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--per-category", type=int, default=4)
+    p.add_argument("--per-category", type=int, default=4,
+                   help="questions per category (batch b uses max(this, b), so its batches are full)")
     p.add_argument("--categories", default=",".join(CATEGORIES))
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -134,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.cli import engine_kwargs
 
     engine_args = {k: v for k, v in engine_kwargs(args).items() if k != "speculative_config"}
-    questions = load_questions(Path(args.data_dir) if args.data_dir else default_data_dir(), args.per_category)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    # a batch of b needs b questions: batch b runs the first max(--per-category, b) of each category
+    questions = load_questions(Path(args.data_dir) if args.data_dir else default_data_dir(),
+                               max([args.per_category] + batch_sizes))
     configs = spec_configs(args)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
@@ -144,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
     for cat in [c.strip() for c in args.categories.split(",") if c.strip()]:
         if cat not in questions:
             raise ValueError(f"unknown category {cat!r}; choose from {CATEGORIES}")
-        for batch in [int(b) for b in args.batch_sizes.split(",")]:
-            runs = run_interleaved(engine_args, configs, questions[cat], args.max_tokens, batch, args.repeats)
+        for batch in batch_sizes:
+            prompts = questions[cat][: max(args.per_category, batch)]
+            runs = run_interleaved(engine_args, configs, prompts, args.max_tokens, batch, args.repeats)
             base = runs.get("none")
             for name, r in runs.items():
                 r.update(category=cat, batch=batch, method=name,
