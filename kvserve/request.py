@@ -89,7 +89,7 @@ class Request:
         self.spec_draft_probs: Optional[torch.Tensor] = None
         self.spec_k = 0  # this request's current draft length (adaptive), set by the engine
         self.spec_acceptance = 0.5  # moving-average acceptance rate (SpecGate, n-gram proposer)
-        self.spec_shadow: Optional[tuple] = None  # (output index, token) of a held-back draft's first token
+        self.spec_shadow: Optional[tuple] = None  # (output index, draft ids) of a held-back draft (SpecGate)
         self.queue_seq = 0  # set by the scheduler: arrival order, the FCFS tie-break
 
     @property

@@ -11,9 +11,11 @@ draft pass added to ``F``, is why adaptive speculation lengths matter; see Levia
 
 ``SpecGate`` keeps, per request, an exponential moving average of its acceptance rate and lets an n-gram draft
 through only while that estimate is above the break-even rate of the current batch size. A draft held back is
-not wasted: its first token is compared with the token the request actually gets next (a "shadow" check, free for
-a proposer without a model), and ``P(next token == draft) = p(draft)`` is exactly the acceptance probability of a
-one-hot draft, so the estimate keeps learning and the request resumes drafting when its text starts to repeat.
+not wasted: it is compared with the tokens the request actually gets next (a "shadow" check, free for a proposer
+without a model). The length of the matching prefix is distributed exactly like the number of drafts the rejection
+sampler would have accepted (for a one-hot draft, token i is accepted with probability ``p(d_i)``, the probability
+that sampling produces ``d_i``), so ``matched / drafted`` is an unbiased observation of the same acceptance rate,
+the estimate keeps learning, and the request resumes drafting when its text starts to repeat.
 The gate is deterministic (no timings), so a seeded request's output is reproducible; it does depend on how many
 requests are running, like any batch-size-aware policy.
 """
@@ -46,7 +48,7 @@ class SpecGate:
     """Per-request acceptance estimates and the draft / hold-back decision for a free (model-less) proposer.
 
     State lives on the request: ``spec_acceptance`` (the moving average, starts at ``INITIAL_ACCEPTANCE``) and
-    ``spec_shadow`` (``(output index, token)`` of a held-back draft's first token, or ``None``).
+    ``spec_shadow`` (``(output index, draft token ids)`` of a held-back draft, or ``None``).
     """
 
     def __init__(self, verify_cost_per_token: float = VERIFY_COST_PER_TOKEN):
@@ -61,14 +63,17 @@ class SpecGate:
 
     @staticmethod
     def observe_shadow(req) -> None:
-        """If a held-back draft's position has been generated since, fold "did the first draft token come
-        true" into the estimate and clear it."""
+        """Once the tokens a held-back draft predicted have been generated (or one of them came out different),
+        fold ``matched prefix / drafted`` into the estimate and clear the shadow."""
         if req.spec_shadow is None:
             return
-        index, token = req.spec_shadow
-        if index < len(req.output_token_ids):
-            hit = float(req.output_token_ids[index] == token)
-            req.spec_acceptance += EMA_WEIGHT * (hit - req.spec_acceptance)
+        index, draft = req.spec_shadow
+        actual = req.output_token_ids[index : index + len(draft)]
+        matched = 0
+        while matched < len(actual) and actual[matched] == draft[matched]:
+            matched += 1
+        if matched < len(actual) or len(actual) == len(draft):  # a miss, or the whole draft came true
+            req.spec_acceptance += EMA_WEIGHT * (matched / len(draft) - req.spec_acceptance)
             req.spec_shadow = None
 
     def admit(self, req, draft: list, batch_size: int) -> list:
@@ -78,6 +83,7 @@ class SpecGate:
             return []
         if req.spec_acceptance > break_even_acceptance(batch_size, self.verify_cost_per_token):
             return draft
-        req.spec_shadow = (len(req.output_token_ids), draft[0])
+        if req.spec_shadow is None:  # one shadow check at a time
+            req.spec_shadow = (len(req.output_token_ids), list(draft))
         self.num_held_back += 1
         return []

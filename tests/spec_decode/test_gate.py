@@ -26,20 +26,23 @@ def test_hold_back_then_shadow_checks_bring_drafting_back():
     gate.observe_verified(req, num_drafted=4, num_accepted=1)
     assert req.spec_acceptance == pytest.approx(0.45)
     assert gate.admit(req, [], batch_size=1) == []
-    # at batch 16 the break-even rate is 0.615: held back, its first token remembered for a shadow check
+    # at batch 16 the break-even rate is 0.615: held back, the draft remembered for a shadow check
     assert gate.admit(req, [11, 12], batch_size=16) == []
-    assert req.spec_shadow == (0, 11) and gate.num_held_back == 1
-    gate.observe_shadow(req)  # nothing generated yet at index 0: no update
-    assert req.spec_acceptance == pytest.approx(0.45)
-    req.output_token_ids.append(11)  # the held-back draft came true
+    assert req.spec_shadow == (0, [11, 12]) and gate.num_held_back == 1
+    assert gate.admit(req, [13], batch_size=16) == [] and req.spec_shadow == (0, [11, 12])  # one at a time
+    gate.observe_shadow(req)  # nothing generated yet: no update
+    req.output_token_ids.append(11)
+    gate.observe_shadow(req)  # first token came true, second not generated yet: still pending
+    assert req.spec_acceptance == pytest.approx(0.45) and req.spec_shadow is not None
+    req.output_token_ids.append(12)  # the whole draft came true: observation 2/2
     gate.observe_shadow(req)
     assert req.spec_shadow is None and req.spec_acceptance == pytest.approx(0.56)
-    assert gate.admit(req, [12], batch_size=16) == [] and req.spec_shadow == (1, 12)  # 0.56 < 0.615: still held
-    req.output_token_ids.append(12)
+    assert gate.admit(req, [14, 15, 16, 17], batch_size=16) == []  # 0.56 < 0.615: still held
+    req.output_token_ids += [14, 15, 99]  # 2 of 4 matched, then a miss: observation 0.5, known already
     gate.observe_shadow(req)
-    assert req.spec_acceptance == pytest.approx(0.648)
-    assert gate.admit(req, [13], batch_size=16) == [13]  # 0.648 > 0.615: drafting again
-    req.spec_shadow = (len(req.output_token_ids), 4)
-    req.output_token_ids.append(5)  # a miss lowers the estimate
+    assert req.spec_shadow is None and req.spec_acceptance == pytest.approx(0.548)
+    assert gate.admit(req, [1], batch_size=16) == []
+    req.output_token_ids.append(1)
     gate.observe_shadow(req)
-    assert req.spec_acceptance == pytest.approx(0.648 * 0.8)
+    assert req.spec_acceptance == pytest.approx(0.6384)
+    assert gate.admit(req, [13], batch_size=16) == [13]  # 0.6384 > 0.615: drafting again
