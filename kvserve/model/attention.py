@@ -4,10 +4,11 @@ The KV cache of one layer is ``kv_cache[2, num_blocks, block_size, num_kv_heads,
 Token ``t`` of the flat batch writes its K/V to slot ``slot_mapping[t] = block_id * block_size + offset``.
 A request's keys are read back in logical order through its ``block_table`` with one batched gather.
 
-Requests are split into at most two groups per step, built once in ``AttentionMetadata.build``: decode
-requests (one query token each) and prefill requests (a prompt or chunk, padded to the longest). Each group is one
+Requests are split into at most three groups per step, built once in ``AttentionMetadata.build``: decode
+requests (one query token each), short queries (2..``SHORT_QUERY_TOKENS`` tokens: speculative verification spans,
+short chunks) and prefill requests (a prompt or chunk), each padded to its group's longest. Each group is one
 ``scaled_dot_product_attention`` call per layer, so no Python loop runs over requests inside a layer, and a long
-prompt in the batch does not pad every decode request to its length.
+prompt in the batch does not pad every decode or verifying request to its length.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+
+# Queries of at most this many tokens (speculative verification spans: last token + drafts, short prompt tails)
+# form their own group, so they are not padded to the length of a long prompt chunk in the same step.
+SHORT_QUERY_TOKENS = 32
 
 
 @dataclass
@@ -81,10 +87,11 @@ class AttentionMetadata:
         """
         q_lens = [query_start_loc[b + 1] - query_start_loc[b] for b in range(len(seq_lens))]
         decode = [b for b, q in enumerate(q_lens) if q == 1]
-        prefill = [b for b, q in enumerate(q_lens) if q > 1]
+        short = [b for b, q in enumerate(q_lens) if 1 < q <= SHORT_QUERY_TOKENS]
+        prefill = [b for b, q in enumerate(q_lens) if q > SHORT_QUERY_TOKENS]
         groups = [
             _build_group(members, query_start_loc, q_lens, seq_lens, block_tables, block_size)
-            for members in (decode, prefill)
+            for members in (decode, short, prefill)
             if members
         ]
         return AttentionMetadata(slot_mapping=slot_mapping, groups=groups)
