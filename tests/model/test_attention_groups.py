@@ -1,0 +1,48 @@
+"""Paged attention over a flat batch mixing a decode token, a 5-token verification span and a 40-token chunk
+(three groups) equals plain causal attention computed per request. No model: random K/V in a small pool."""
+
+import pytest
+import torch
+
+from kvserve.model.attention import SHORT_QUERY_TOKENS, AttentionMetadata, paged_attention, write_kv
+
+
+@pytest.mark.parametrize("reqs, num_groups, causal", [
+    ([(9, 1), (13, 5), (7, 40)], 3, False),  # decode + verification span + chunk with earlier context
+    ([(0, 40), (0, 33)], 1, True),  # fresh prompts of different lengths: SDPA is_causal with padded rows
+])
+def test_groups_match_per_request_causal_attention(reqs, num_groups, causal):
+    g = torch.Generator().manual_seed(0)
+    bs, h_q, h_kv, d = 4, 6, 2, 8
+    cache = torch.zeros(2, 64, bs, h_kv, d)
+    # reqs: (tokens already in the cache, new query tokens) per request
+    assert max(q for _, q in reqs) > SHORT_QUERY_TOKENS
+    tables, next_block = [], 0
+    for ctx, q in reqs:
+        n = -(-(ctx + q) // bs)
+        tables.append(list(range(next_block + n - 1, next_block - 1, -1)))  # scattered (reversed) blocks
+        next_block += n
+    ks, vs, qs, slots, qsl, seq_lens = [], [], [], [], [0], []
+    for (ctx, q), table in zip(reqs, tables):
+        k = torch.randn(ctx + q, h_kv, d, generator=g)
+        v = torch.randn(ctx + q, h_kv, d, generator=g)
+        if ctx:  # the earlier context, already computed
+            old = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)], dtype=torch.long)
+            write_kv(cache, k[:ctx], v[:ctx], old)
+        ks.append(k), vs.append(v), qs.append(torch.randn(q, h_q, d, generator=g))
+        slots += [table[p // bs] * bs + p % bs for p in range(ctx, ctx + q)]
+        qsl.append(qsl[-1] + q)
+        seq_lens.append(ctx + q)
+    slot_mapping = torch.tensor(slots, dtype=torch.long)
+    meta = AttentionMetadata.build(qsl, seq_lens, tables, slot_mapping, bs)
+    assert len(meta.groups) == num_groups and meta.groups[-1].is_causal == causal
+    write_kv(cache, torch.cat([k[c:] for k, (c, _) in zip(ks, reqs)]),
+             torch.cat([v[c:] for v, (c, _) in zip(vs, reqs)]), slot_mapping)
+    out = paged_attention(torch.cat(qs), cache, meta, d**-0.5)
+    for i, ((ctx, q), k, v, qq) in enumerate(zip(reqs, ks, vs, qs)):
+        mask = torch.arange(ctx + q)[None, :] <= (ctx + torch.arange(q))[:, None]  # [q, ctx + q]
+        kk = k.repeat_interleave(h_q // h_kv, dim=1).transpose(0, 1)  # [H_q, L, D]
+        vv = v.repeat_interleave(h_q // h_kv, dim=1).transpose(0, 1)
+        scores = (qq.transpose(0, 1) @ kk.transpose(1, 2)) * d**-0.5
+        ref = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vv  # [H_q, q, D]
+        torch.testing.assert_close(out[qsl[i] : qsl[i + 1]], ref.transpose(0, 1), rtol=1e-4, atol=1e-5)
