@@ -92,6 +92,40 @@ def run_interleaved(engine_args: dict, configs: dict, prompts: list, max_tokens:
 METHODS = ("none", "ngram", "draft_model")
 
 
+def replay_passes(prompt_ids: list, output_ids: list, proposer, max_k: int = 64) -> int:
+    """Target passes greedy speculation would need for a known greedy output, drafting up to ``max_k`` tokens a
+    pass with ``proposer`` (a pass emits the matching draft prefix + one token). ``len(output_ids) / passes`` bounds
+    the tokens per target pass — and so the speedup — of that proposer on that text, whatever verification costs."""
+    passes = i = 0
+    while i < len(output_ids):
+        k = min(max_k, len(output_ids) - i - 1)
+        draft = proposer.propose(list(prompt_ids) + list(output_ids[:i]), k) if k > 0 else []
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == output_ids[i + accepted]:
+            accepted += 1
+        i += accepted + 1
+        passes += 1
+    return passes
+
+
+def run_bound(args: argparse.Namespace, engine_args: dict, questions: dict, categories: list) -> int:
+    """``--acceptance-bound``: per category, generate greedy without speculation, replay the outputs through the
+    n-gram proposer with an unlimited draft length and print the bound on tokens per target pass."""
+    from kvserve import SamplingParams
+    from kvserve.spec_decode.ngram import NgramProposer
+
+    llm = make_llm(engine_args, None)
+    proposer = NgramProposer(1, 3)
+    print(f"{'category':<16}{'questions':>10}{'tokens':>8}{'bound tokens/pass':>19}")
+    for cat in categories:
+        texts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in questions[cat][: args.per_category]]
+        outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        passes = sum(replay_passes(o.prompt_token_ids, o.outputs[0].token_ids, proposer) for o in outs)
+        print(f"{cat:<16}{len(outs):>10}{tokens:>8}{tokens / passes:>19.2f}", flush=True)
+    return 0
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-category", type=int, default=4,
                    help="questions per category (batch b uses max(this, b), so its batches are full)")
@@ -107,6 +141,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="draft_model: layers of the early-exit draft (default: kvserve's DEFAULT_DRAFT_NUM_LAYERS)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per configuration, interleaved; the fastest is reported (noisy shared machines)")
+    p.add_argument("--acceptance-bound", action="store_true",
+                   help="instead: replay greedy outputs through the n-gram proposer (prompt_lookup 1..3, unlimited "
+                        "draft length) and print the bound on tokens per target pass per category")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--output-json", default=None)
 
@@ -139,15 +176,19 @@ def run(args: argparse.Namespace) -> int:
     # a batch of b needs b questions: batch b runs the first max(--per-category, b) of each category
     questions = load_questions(Path(args.data_dir) if args.data_dir else default_data_dir(),
                                max([args.per_category] + batch_sizes))
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()]
+    unknown = [c for c in categories if c not in questions]
+    if unknown:
+        raise ValueError(f"unknown category {unknown[0]!r}; choose from {CATEGORIES}")
+    if args.acceptance_bound:
+        return run_bound(args, engine_args, questions, categories)
     configs = spec_configs(args)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     results = []
     print(f"{'category':<16}{'batch':>6}{'method':>12}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc len':>9}"
           f"{'steps/tok':>11}{'draft/tok':>11}{'cpu speedup':>13}")
-    for cat in [c.strip() for c in args.categories.split(",") if c.strip()]:
-        if cat not in questions:
-            raise ValueError(f"unknown category {cat!r}; choose from {CATEGORIES}")
+    for cat in categories:
         for batch in batch_sizes:
             prompts = questions[cat][: max(args.per_category, batch)]
             runs = run_interleaved(engine_args, configs, prompts, args.max_tokens, batch, args.repeats)
