@@ -5,7 +5,10 @@ import json
 import pytest
 
 from kvserve.bench.serve import arrival_times, check_loopback, parse_goodput, LoadRequest
+from kvserve.bench.workloads import default_data_dir
 from kvserve.entrypoints.cli import main
+
+NO_DATA = pytest.mark.skipif(not default_data_dir().exists(), reason="../shared/data not present")
 
 KEYS = ["completed", "failed", "duration_s", "request_throughput", "output_throughput", "goodput"] + [
     f"{q}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for q in ("mean", "median", "p90", "p99")]
@@ -13,10 +16,10 @@ KEYS = ["completed", "failed", "duration_s", "request_throughput", "output_throu
 
 @pytest.mark.parametrize("extra", [
     ["--dataset", "random", "--random-input-len", "16", "--random-output-len", "4", "--request-rate", "inf"],
-    ["--dataset", "sharegpt", "--sharegpt-output-len", "4", "--sharegpt-max-chars", "300", "--request-rate", "20",
-     "--max-concurrency", "2"],
-    ["--dataset", "azure", "--length-scale", "32", "--max-input-len", "128", "--max-output-len", "6",
-     "--time-scale", "0.001"],
+    pytest.param(["--dataset", "sharegpt", "--sharegpt-output-len", "4", "--sharegpt-max-chars", "300",
+                  "--request-rate", "20", "--max-concurrency", "2"], marks=NO_DATA),
+    pytest.param(["--dataset", "azure", "--length-scale", "32", "--max-input-len", "128", "--max-output-len", "6",
+                  "--time-scale", "0.001"], marks=NO_DATA),
 ], ids=["random-inf", "sharegpt-rate20", "azure"])
 def test_bench_serve_writes_metrics(server, tmp_path, capsys, extra):
     out = tmp_path / "bench.json"
