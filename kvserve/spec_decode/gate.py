@@ -24,9 +24,8 @@ from __future__ import annotations
 
 # c = m / F measured on the 2-core CPU (see the module docstring); a GPU path would set it near 0.
 VERIFY_COST_PER_TOKEN = 0.1
-# Weight of one observation in the moving average, and the estimate a new request starts from.
+# Weight of one observation in the moving average (a new request starts from ``Request.spec_acceptance`` = 0.5).
 EMA_WEIGHT = 0.2
-INITIAL_ACCEPTANCE = 0.5
 
 
 def break_even_acceptance(batch_size: int, verify_cost_per_token: float = VERIFY_COST_PER_TOKEN) -> float:
@@ -47,7 +46,7 @@ def break_even_acceptance(batch_size: int, verify_cost_per_token: float = VERIFY
 class SpecGate:
     """Per-request acceptance estimates and the draft / hold-back decision for a free (model-less) proposer.
 
-    State lives on the request: ``spec_acceptance`` (the moving average, starts at ``INITIAL_ACCEPTANCE``) and
+    State lives on the request: ``spec_acceptance`` (the moving average, starts at 0.5) and
     ``spec_shadow`` (``(output index, draft token ids)`` of a held-back draft, or ``None``).
     """
 
