@@ -20,7 +20,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.metrics import EngineStats
-from kvserve.model import cpu_gemm
+from kvserve.model import cpu_kernels
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model
 from kvserve.request import Request, RequestStatus
@@ -64,7 +64,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.arch = loaded.arch
         self.model = LlamaModel(loaded.arch, loaded.weights)
-        reason = cpu_gemm.unavailable_reason()
+        reason = cpu_kernels.unavailable_reason()
         logger.info("matmul path: %s%s", self.model.lm_head.path, f" (kvserve kernel unavailable: {reason})" if reason else "")
         self.block_size = cc.block_size
         self.num_blocks = cc.resolve_num_blocks(self.model.bytes_per_block(cc.block_size))

@@ -1,6 +1,6 @@
 """Dense projections ``y = x @ W.T`` on the CPU, by the fastest path that passes a self-check at load:
 
-1. ``cpu_gemm`` (kvserve's own AVX2 kernel, ``gemm_avx2.c``) for float32: weights packed into 16-feature panels.
+1. ``cpu_kernels`` (kvserve's own AVX2 kernel, ``gemm_avx2.c``) for float32: weights packed into 16-feature panels.
    Measured side by side on this model's shapes (2-core AMD EPYC, AVX2), against oneDNN with packed weights:
    the 3072 x 576 MLP projection at 1 row 0.39 vs 0.53 ms, 4 rows 0.45 vs 0.65, 10 rows 0.64 vs 0.93, 16 rows
    0.96 vs 1.29; the 49152 x 576 LM head at 10 rows 10.0 vs 15.1 ms; equal at 64 and 512 rows (~70 GFLOP/s).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.model import cpu_gemm
+from kvserve.model import cpu_kernels
 
 # Batch-size hint for oneDNN's weight layout; the packed weight works for any number of rows.
 _PACK_HINT_ROWS = 16
@@ -44,8 +44,8 @@ class Linear:
         if not (pack and weight.dtype == torch.float32 and weight.device.type == "cpu"):
             return
         candidates = []
-        if cpu_gemm.load() is not None:
-            candidates.append(("kvserve", cpu_gemm.pack))
+        if cpu_kernels.load() is not None:
+            candidates.append(("kvserve", cpu_kernels.pack))
         if _onednn_ok(weight):
             candidates.append(("onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)))
         g = torch.Generator().manual_seed(0)
@@ -70,7 +70,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "kvserve":
-            return cpu_gemm.gemm(x, self.packed, self.out_features)
+            return cpu_kernels.gemm(x, self.packed, self.out_features)
         if self.path == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return torch.mm(self.weight, x.t()).t().contiguous()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvserve.model.linear import Linear
 from kvserve.model.loader import ModelArch
@@ -17,11 +18,25 @@ from kvserve.model.loader import ModelArch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) computed in float32: ``x / rms(x) * weight``. ``x``: ``[T, hidden]``."""
-    if x.dtype == torch.float32:  # one fused op, bit-identical to the formula below in float32
+    if x.dtype == torch.float32:
+        if cpu_kernels.load() is not None:
+            y = cpu_kernels.rms_norm(x, weight, eps)  # one pass instead of PyTorch's five ops
+            if y is not None:
+                return y
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU (Shazeer 2020): ``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) -> ``[T, I]``."""
+    if gate_up.dtype == torch.float32 and cpu_kernels.load() is not None:
+        y = cpu_kernels.silu_mul(gate_up)
+        if y is not None:
+            return y
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class LlamaModel:
@@ -110,7 +125,6 @@ class LlamaModel:
             attn = paged_attention(q, kv_cache[i], meta, scale)
             h = h + w["o"](attn.reshape(-1, n_q * d))
             x = rms_norm(h, w["mlp_norm"], a.rms_norm_eps)
-            gate, up = w["gate_up"](x).chunk(2, dim=-1)
-            h = h + w["down"](F.silu(gate) * up)
+            h = h + w["down"](silu_mul(w["gate_up"](x)))
         h = rms_norm(h[logits_indices], self.final_norm, a.rms_norm_eps)
         return self.lm_head(h).float()

@@ -1,17 +1,29 @@
-"""Paged attention over a flat batch mixing a decode token, a 5-token verification span and a 40-token chunk
-(three groups) equals plain causal attention computed per request. No model: random K/V in a small pool."""
+"""Paged attention over a flat batch mixing decode tokens, a 5-token verification span and a 40-token chunk
+(three groups) equals plain causal attention computed per request, with kvserve's in-place kernel for the decode
+and short groups and without it (gather + SDPA). No model: random K/V in a small pool."""
 
 import pytest
 import torch
 
+from kvserve.model import cpu_kernels
 from kvserve.model.attention import SHORT_QUERY_TOKENS, AttentionMetadata, paged_attention, write_kv
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "sdpa"])
 @pytest.mark.parametrize("reqs, num_groups, causal", [
-    ([(9, 1), (13, 5), (7, 40)], 3, False),  # decode + verification span + chunk with earlier context
+    # decodes (one at a block edge) + verification spans + a chunk with earlier context
+    ([(9, 1), (13, 5), (7, 40), (31, 1), (2, 3)], 3, False),
     ([(0, 40), (0, 33)], 1, True),  # fresh prompts of different lengths: SDPA is_causal with padded rows
 ])
-def test_groups_match_per_request_causal_attention(reqs, num_groups, causal):
+def test_groups_match_per_request_causal_attention(reqs, num_groups, causal, use_kernel, monkeypatch):
+    kernel_calls = []
+    if use_kernel:
+        if cpu_kernels.load() is None:
+            pytest.skip(cpu_kernels.unavailable_reason())
+        real = cpu_kernels.paged_attention
+        monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a: kernel_calls.append(1) or real(*a))
+    else:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     g = torch.Generator().manual_seed(0)
     bs, h_q, h_kv, d = 4, 6, 2, 8
     cache = torch.zeros(2, 64, bs, h_kv, d)
@@ -38,7 +50,10 @@ def test_groups_match_per_request_causal_attention(reqs, num_groups, causal):
     assert len(meta.groups) == num_groups and meta.groups[-1].is_causal == causal
     write_kv(cache, torch.cat([k[c:] for k, (c, _) in zip(ks, reqs)]),
              torch.cat([v[c:] for v, (c, _) in zip(vs, reqs)]), slot_mapping)
-    out = paged_attention(torch.cat(qs), cache, meta, d**-0.5)
+    q_all = torch.cat(qs)
+    qk = torch.cat([q_all, torch.randn(len(q_all), h_kv, d, generator=g)], dim=1)  # q as a strided view, as in the model
+    out = paged_attention(qk[:, :h_q], cache, meta, d**-0.5)
+    assert len(kernel_calls) == (num_groups - 1 if use_kernel else 0)  # every group but the long chunks
     for i, ((ctx, q), k, v, qq) in enumerate(zip(reqs, ks, vs, qs)):
         mask = torch.arange(ctx + q)[None, :] <= (ctx + torch.arange(q))[:, None]  # [q, ctx + q]
         kk = k.repeat_interleave(h_q // h_kv, dim=1).transpose(0, 1)  # [H_q, L, D]

@@ -6,25 +6,25 @@ import shutil
 import pytest
 import torch
 
-from kvserve.model import cpu_gemm
+from kvserve.model import cpu_kernels
 from kvserve.model.linear import Linear
 
 
 def test_kernel_is_built_and_used_on_an_avx2_machine_with_a_compiler():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or not shutil.which("cc"):
         pytest.skip("no AVX2 or no C compiler: the fallback paths are tested below")
-    assert cpu_gemm.unavailable_reason() is None
+    assert cpu_kernels.unavailable_reason() is None
     assert Linear(torch.randn(32, 16)).path == "kvserve"
 
 
 @pytest.mark.parametrize("path", ["kvserve", "onednn"])
 def test_packed_paths_match_matmul_for_any_row_count(path, monkeypatch):
-    if path == "kvserve" and cpu_gemm.load() is None:
-        pytest.skip(cpu_gemm.unavailable_reason())
+    if path == "kvserve" and cpu_kernels.load() is None:
+        pytest.skip(cpu_kernels.unavailable_reason())
     if path == "onednn":
         if not torch.backends.mkldnn.is_available():
             pytest.skip("no oneDNN in this PyTorch build")
-        monkeypatch.setattr(cpu_gemm, "load", lambda: None)
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 64, generator=g)  # 300 is not a multiple of the 16-feature panel: padded, then cut
     lin = Linear(w.clone())
@@ -38,7 +38,7 @@ def test_packed_paths_match_matmul_for_any_row_count(path, monkeypatch):
 
 def test_kernel_packs_panels_of_16_features():
     w = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
-    p = cpu_gemm.pack(w)
+    p = cpu_kernels.pack(w)
     assert p.shape == (2, 3, 16)  # ceil(20 / 16) panels of [K, 16]
     assert p[0, 2, 5] == w[5, 2] and p[1, 1, 3] == w[19, 1]
     assert p[1, :, 4:].abs().sum() == 0  # zero rows pad 20 features up to 32

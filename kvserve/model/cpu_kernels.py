@@ -1,0 +1,168 @@
+"""kvserve's own float32 CPU kernels (``csrc/``): the matmul of every projection (``gemm_avx2.c``), paged
+attention for short queries (``paged_attention.c``) and one-pass RMSNorm and silu * up (``elementwise.c``), built with the system C compiler on first use and loaded with
+``ctypes`` (which releases the GIL during a call).
+
+The shared library is compiled once per source version into ``$KVSERVE_CACHE_DIR`` (default
+``~/.cache/kvserve``), atomically, so concurrent processes share it; the call costs ~1 s once. Nothing is built
+where it cannot run: the CPU must report AVX2 (PyTorch's ``get_cpu_capability``) and a C compiler with OpenMP must
+exist (``$CC``, default ``cc``). Set ``KVSERVE_CPU_GEMM=0`` to turn it off. When it is unavailable,
+``kvserve.model.linear`` uses oneDNN or MKL instead; ``unavailable_reason()`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_SOURCES = [Path(__file__).with_name("csrc") / n for n in ("gemm_avx2.c", "paged_attention.c", "elementwise.c")]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+#: Output features per packed panel (``NR`` in gemm_avx2.c).
+PANEL = 16
+
+_lib = None
+_reason: Optional[str] = None
+_loaded = False
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
+
+
+def _build() -> Path:
+    src = b"".join(p.read_bytes() for p in _SOURCES)
+    cc = os.environ.get("CC", "cc")
+    tag = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"libkvserve_cpu_{tag}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise OSError(f"{cc} failed: {proc.stderr.strip()[:500]}")
+        os.replace(tmp, out)  # atomic: another process sees either nothing or the whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load():
+    """The loaded library, or ``None`` when it cannot be used here (see ``unavailable_reason``). Cached."""
+    global _lib, _reason, _loaded
+    if _loaded:
+        return _lib
+    _loaded = True
+    if os.environ.get("KVSERVE_CPU_GEMM", "1") == "0":
+        _reason = "KVSERVE_CPU_GEMM=0"
+    elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        _reason = f"CPU capability {torch.backends.cpu.get_cpu_capability()} (needs AVX2)"
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build()))
+            lib.kvserve_gemm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+            lib.kvserve_gemm_f32.restype = None
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            lib.kvserve_paged_attention_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [
+                ctypes.c_float, ptr, i64]
+            lib.kvserve_paged_attention_f32.restype = ctypes.c_int
+            lib.kvserve_rms_norm_f32.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+            lib.kvserve_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
+            if lib.kvserve_gemm_panel() != PANEL:
+                raise OSError("panel width mismatch between gemm_avx2.c and cpu_kernels.py")
+            _lib = lib
+        except (OSError, subprocess.SubprocessError) as e:
+            _reason = f"build or load failed: {e}"
+    return _lib
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why ``load()`` returned ``None``; ``None`` when the library is in use."""
+    load()
+    return _reason
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` float32 -> panels ``[ceil(N / 16), K, 16]`` (zero rows pad N up to a multiple of 16)."""
+    n, k = weight.shape
+    n_pad = -(-n // PANEL) * PANEL
+    if n_pad != n:
+        weight = torch.cat([weight, weight.new_zeros(n_pad - n, k)])
+    return weight.reshape(n_pad // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x [M, K]`` float32 times the packed weight -> ``[M, out_features]`` float32 (``x @ W.T``).
+
+    Requires ``load()`` to have returned the library. ``x`` is made contiguous if it is not.
+    """
+    x = x.contiguous()
+    m, k = x.shape
+    n_pad = packed.shape[0] * PANEL
+    y = torch.empty(m, n_pad, dtype=torch.float32)
+    if m:
+        _lib.kvserve_gemm_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n_pad, k)
+    return y if n_pad == out_features else y[:, :out_features]
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, q_start: torch.Tensor,
+                    q_len: torch.Tensor, seq_len: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
+    """Causal attention of B requests' query rows over their paged K/V, written into ``out`` (``paged_attention.c``).
+
+    Args:
+        q: ``[T, H_q, D]`` float32 (rows may be strided; each head's D floats contiguous).
+        kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` float32 contiguous, one layer.
+        block_tables: ``[B, max_blocks]`` int64 contiguous.
+        q_start, q_len, seq_len: ``[B]`` int64: request b's rows are ``q_start[b] .. + q_len[b]``; it has
+            ``seq_len[b]`` keys, this step's included.
+        out: ``[T, H_q, D]`` float32 contiguous; only the requests' rows are written.
+
+    Returns:
+        ``False`` (nothing written) when the kernel cannot take these tensors (dtype, layout, D not a multiple of
+        8) or could not allocate scratch memory; the caller then computes the group another way.
+    """
+    t, h_q, d = q.shape
+    _, _, bs, h_kv, _ = kv_cache.shape
+    if (q.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous()
+            or d % 8 or h_q % h_kv or q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous()):
+        return False
+    b, max_blocks = block_tables.shape
+    rc = _lib.kvserve_paged_attention_f32(
+        q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
+        max_blocks, q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), b, h_q, h_kv, d, bs, scale,
+        out.data_ptr(), out.stride(0))
+    return rc == 0
+
+
+def _rows_ok(*tensors) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[-1] % 8 == 0 for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
+    """RMSNorm of ``x [T, H]`` float32 with ``weight [H]`` -> ``[T, H]``, in one pass; ``None`` when the kernel
+    cannot take these tensors (dtype, layout, H not a multiple of 8)."""
+    if not _rows_ok(x, weight):
+        return None
+    y = torch.empty_like(x)
+    _lib.kvserve_rms_norm_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+    """SwiGLU's ``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) float32 -> ``[T, I]``; ``None`` when the
+    kernel cannot take it."""
+    if not _rows_ok(gate_up) or gate_up.shape[1] % 16:
+        return None
+    t, i2 = gate_up.shape
+    y = torch.empty(t, i2 // 2, dtype=torch.float32)
+    _lib.kvserve_silu_mul_f32(gate_up.data_ptr(), y.data_ptr(), t, i2 // 2)
+    return y
