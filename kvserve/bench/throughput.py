@@ -26,6 +26,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="continuous,static", help="comma-separated scheduling policies")
     p.add_argument("--compare", choices=["transformers"], default=None)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--step-costs", action="store_true",
+                   help="also time one decode step at batch 1, 2, 4, ... max_num_seqs (where batching stops paying)")
     p.set_defaults(max_num_seqs=16)
 
 
@@ -98,6 +100,38 @@ def run_transformers(engine_args: dict, requests: list, batch_size: int) -> dict
             "output_tokens_per_s": n_out / wall}
 
 
+def step_costs(engine_args: dict, max_batch: int, context: int = 128, repeats: int = 9) -> list:
+    """Median wall time of one decode step at batch sizes 1, 2, 4, ... ``max_batch`` (each request at ~``context``
+    tokens of context), on a fresh engine. Returns ``[{"batch", "step_ms", "ms_per_token"}]``.
+
+    While ``step_ms`` stays flat the step is bound by reading the weights, and extra requests ride along almost
+    free; once it grows linearly the step is compute-bound and batching no longer raises throughput.
+    """
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(**{**engine_args, "max_num_seqs": max_batch})
+    engine = llm.llm_engine
+    out, b = [], 1
+    while b <= max_batch:
+        sp = SamplingParams(temperature=0, max_tokens=repeats + 4, ignore_eos=True)
+        for i in range(b):
+            engine.add_request(list(range(1000 + i, 1000 + i + context)), sp, request_id=f"step-cost-{b}-{i}")
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
+                engine.scheduler.waiting:
+            engine.step()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        while engine.has_unfinished_requests():
+            engine.step()
+        step_ms = 1000 * statistics.median(times)
+        out.append({"batch": b, "step_ms": step_ms, "ms_per_token": step_ms / b})
+        b *= 2
+    return out
+
+
 def format_table(results: list) -> str:
     def ms(v):
         return "-" if v is None else f"{v * 1000:.0f}"
@@ -141,7 +175,11 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(results))
     for k, v in ratios.items():
         print(f"{k:<40} {v:.2f}x output tokens/s")
+    costs = step_costs(engine_args, args.max_num_seqs) if args.step_costs else []
+    if costs:
+        print("decode step cost: " + ", ".join(f"b={c['batch']} {c['step_ms']:.0f} ms ({c['ms_per_token']:.1f}/token)"
+                                               for c in costs))
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"args": vars(args), "results": results, "ratios": ratios}, f, indent=2)
+            json.dump({"args": vars(args), "results": results, "ratios": ratios, "step_costs": costs}, f, indent=2)
     return 0

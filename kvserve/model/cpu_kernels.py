@@ -1,12 +1,17 @@
-"""kvserve's own float32 CPU kernels (``csrc/``): the matmul of every projection (``gemm_avx2.c``), paged
-attention for short queries (``paged_attention.c``) and one-pass RMSNorm and silu * up (``elementwise.c``), built with the system C compiler on first use and loaded with
-``ctypes`` (which releases the GIL during a call).
+"""kvserve's own float32 CPU kernels (``csrc/``), one shared library built with the system C compiler on first
+use and loaded with ``ctypes`` (which releases the GIL during a call):
 
-The shared library is compiled once per source version into ``$KVSERVE_CACHE_DIR`` (default
-``~/.cache/kvserve``), atomically, so concurrent processes share it; the call costs ~1 s once. Nothing is built
-where it cannot run: the CPU must report AVX2 (PyTorch's ``get_cpu_capability``) and a C compiler with OpenMP must
-exist (``$CC``, default ``cc``). Set ``KVSERVE_CPU_GEMM=0`` to turn it off. When it is unavailable,
-``kvserve.model.linear`` uses oneDNN or MKL instead; ``unavailable_reason()`` says why.
+- ``gemm_avx2.c``: the matmul of every projection (``kvserve.model.linear``);
+- ``paged_attention.c``: attention of decode tokens and short queries, read in place from the KV blocks
+  (``kvserve.model.attention``);
+- ``elementwise.c``: one-pass RMSNorm and SwiGLU's silu(gate) * up (``kvserve.model.llama``).
+
+The library is compiled once per source version into ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``),
+atomically, so concurrent processes share it; the first build takes ~2 s. Nothing is built where it cannot run:
+the CPU must report AVX2 (PyTorch's ``get_cpu_capability``) and a C compiler with OpenMP must exist (``$CC``,
+default ``cc``). ``KVSERVE_CPU_KERNELS=0`` turns it off. Without it every caller falls back to PyTorch ops
+(oneDNN/MKL matmuls, gather + SDPA attention), with the same results to float32 rounding;
+``unavailable_reason()`` says why.
 """
 
 from __future__ import annotations
@@ -31,22 +36,34 @@ _reason: Optional[str] = None
 _loaded = False
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
+def _cache_dirs() -> list:
+    """Where the library may be built: ``$KVSERVE_CACHE_DIR`` or ``~/.cache/kvserve``, then the temp folder."""
+    first = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
+    return [first, Path(tempfile.gettempdir()) / f"kvserve-{os.getuid()}"]
 
 
 def _build() -> Path:
     src = b"".join(p.read_bytes() for p in _SOURCES)
     cc = os.environ.get("CC", "cc")
     tag = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"libkvserve_cpu_{tag}.so"
+    errors = []
+    for folder in _cache_dirs():  # a read-only home falls back to the temp folder
+        try:
+            return _build_into(folder / f"libkvserve_cpu_{tag}.so", cc)
+        except OSError as e:
+            errors.append(f"{folder}: {e}")
+    raise OSError("; ".join(errors))
+
+
+def _build_into(out: Path, cc: str) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        cmd = [cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise OSError(f"{cc} failed: {proc.stderr.strip()[:500]}")
         os.replace(tmp, out)  # atomic: another process sees either nothing or the whole library
@@ -62,8 +79,8 @@ def load():
     if _loaded:
         return _lib
     _loaded = True
-    if os.environ.get("KVSERVE_CPU_GEMM", "1") == "0":
-        _reason = "KVSERVE_CPU_GEMM=0"
+    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        _reason = "KVSERVE_CPU_KERNELS=0"
     elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         _reason = f"CPU capability {torch.backends.cpu.get_cpu_capability()} (needs AVX2)"
     else:

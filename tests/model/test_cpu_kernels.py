@@ -35,3 +35,12 @@ def test_kernels_decline_what_they_cannot_take():
     assert cpu_kernels.rms_norm(torch.randn(2, 16).double(), torch.randn(16).double(), 1e-5) is None
     assert cpu_kernels.silu_mul(torch.randn(2, 24)) is None  # I = 12
     assert cpu_kernels.silu_mul(torch.randn(16, 2).t()) is None  # not contiguous
+
+
+def test_build_falls_back_to_the_temp_folder_when_the_cache_dir_is_unusable(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(blocker / "cache"))  # under a file: cannot be created
+    monkeypatch.setattr(cpu_kernels.tempfile, "gettempdir", lambda: str(tmp_path))
+    path = cpu_kernels._build()
+    assert path.parent == tmp_path / f"kvserve-{__import__('os').getuid()}" and path.stat().st_size > 0

@@ -98,3 +98,30 @@ def test_mixed_prefill_and_decode_batch_matches_separate_runs(llm):
         meta = AttentionMetadata.build([0, t], [t], [table], torch.tensor(slots(table, 0, t)), bs)
         refs.append(model.forward(torch.tensor(seq), torch.arange(t), kv2, meta, torch.tensor([t - 1]))[0])
     assert (mixed - torch.stack(refs)).abs().max().item() < 1e-4
+
+
+_FALLBACK_SCRIPT = """
+import json, sys
+from kvserve import LLM, SamplingParams
+from kvserve.model import cpu_kernels
+llm = LLM(num_kv_blocks=64)
+assert cpu_kernels.load() is None and llm.llm_engine.model.lm_head.path != "kvserve"
+outs = llm.generate(json.loads(sys.argv[1]), SamplingParams(temperature=0.0, max_tokens=int(sys.argv[2])))
+print(json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+def test_pytorch_fallback_without_kvserve_kernels_matches_transformers(hf_model, tokenizer):
+    """KVSERVE_CPU_KERNELS=0 (as on a machine without AVX2 or a C compiler): oneDNN matmuls, gather + SDPA
+    attention and PyTorch norms give the same greedy tokens, batched."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    env = {**os.environ, "KVSERVE_CPU_KERNELS": "0"}
+    proc = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT, json.dumps(ids), str(NEW_TOKENS)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [hf_greedy(hf_model, i) for i in ids]
