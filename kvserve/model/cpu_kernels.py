@@ -26,7 +26,9 @@ from typing import Optional
 
 import torch
 
-_SOURCES = [Path(__file__).with_name("csrc") / n for n in ("gemm_avx2.c", "paged_attention.c", "elementwise.c")]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / n for n in ("gemm_avx2.c", "paged_attention.c", "elementwise.c")]
+_HEADERS = [_CSRC / "simd.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 #: Output features per packed panel (``NR`` in gemm_avx2.c).
 PANEL = 16
@@ -43,7 +45,7 @@ def _cache_dirs() -> list:
 
 
 def _build() -> Path:
-    src = b"".join(p.read_bytes() for p in _SOURCES)
+    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)  # a header change rebuilds too
     cc = os.environ.get("CC", "cc")
     tag = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
     errors = []
