@@ -12,12 +12,11 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import DEFAULT_DRAFT_NUM_LAYERS
 from kvserve.model.loader import load_model
 from tests.conftest import assert_pool_clean
+from tests.engine.spec_common import TEXT, greedy_reference_and_single, prompts
 
 # The early exit at 29 of 30 layers agrees with the target on about half the tokens, so drafts are both accepted
 # and rejected; the back-off is switched off (min_acceptance 0) so that every eligible step drafts.
 SPEC = {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 29}
-TEXT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
-        "Repeat the sentence: The quick brown fox")
 
 
 def make_llm(**kwargs):
@@ -29,11 +28,6 @@ def make_llm(**kwargs):
 @pytest.fixture(scope="module")
 def dm_llm():
     return make_llm()
-
-
-def prompts(llm):
-    chat = llm.apply_chat_template([{"role": "user", "content": "Copy this exactly: " + TEXT}])
-    return [TEXT, chat, "Count: one two three one two three one two", "Name a fruit."]
 
 
 def assert_both_pools_clean(llm):
@@ -48,9 +42,7 @@ def assert_both_pools_clean(llm):
 def test_greedy_identical_batch_one_and_mixed(llm, dm_llm):
     ps = prompts(dm_llm)
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
-    single = [dm_llm.generate(p, sp)[0].outputs[0].token_ids for p in ps]
-    assert single == reference
+    reference = greedy_reference_and_single(llm, dm_llm, ps, sp)
     stats = dm_llm.llm_engine.stats.spec_decode
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert_both_pools_clean(dm_llm)

@@ -5,11 +5,9 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.spec_decode.gate import VERIFY_COST_PER_TOKEN
 from tests.conftest import assert_pool_clean
+from tests.engine.spec_common import greedy_reference_and_single, prompts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-# repetitive text, so prompt lookup finds matches and drafts are accepted
-TEXT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
-        "Repeat the sentence: The quick brown fox")
 
 
 @pytest.fixture(scope="module")
@@ -17,17 +15,10 @@ def spec_llm():
     return LLM(num_kv_blocks=128, block_size=16, speculative_config=SPEC)
 
 
-def prompts(llm):
-    chat = llm.apply_chat_template([{"role": "user", "content": "Copy this exactly: " + TEXT}])
-    return [TEXT, chat, "Count: one two three one two three one two", "Name a fruit."]
-
-
 def test_greedy_identical_batch_one_and_mixed(llm, spec_llm):
     ps = prompts(spec_llm)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
-    single = [spec_llm.generate(p, sp)[0].outputs[0].token_ids for p in ps]
-    assert single == reference
+    reference = greedy_reference_and_single(llm, spec_llm, ps, sp)
     stats = spec_llm.llm_engine.stats.spec_decode
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     assert stats.mean_accepted_length > 1.0
