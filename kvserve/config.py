@@ -1,8 +1,10 @@
 """Engine configuration: ``EngineConfig = ModelConfig + CacheConfig + SchedulerConfig``.
 
 Every value is validated once, in ``__post_init__``, with a ``ValueError`` that names the field and the allowed
-range; derived values (the effective ``max_model_len``, the pool size) are computed in one place,
-``EngineConfig.finalize``, once the model and the pool are known. Field names follow vLLM's engine arguments.
+range (``kvserve.validation``). Values that need the model (the effective ``max_model_len``, the pool size from
+``CacheConfig.resolve_num_blocks``) are derived once, when ``LLMEngine`` has loaded it. Field names follow vLLM's
+engine arguments; each field's ``metadata["help"]`` is the help text of its command-line flag
+(``kvserve.engine.arg_utils``).
 """
 
 from __future__ import annotations
@@ -11,25 +13,24 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+from kvserve.validation import check_bool, check_choice, check_int
+
 #: Share of the machine's available RAM given to the KV cache when neither ``kv_cache_memory_bytes`` nor
 #: ``num_kv_blocks`` is set, and the cap on that default (bytes).
 DEFAULT_KV_CACHE_RAM_FRACTION = 0.10
 DEFAULT_KV_CACHE_MAX_BYTES = 4 * 1024**3
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+SUPPORTED_DEVICES = ("cpu",)
 SUPPORTED_SCHEDULING = ("continuous", "static")
 SUPPORTED_POLICIES = ("fcfs", "priority")
 DEFAULT_CHUNKED_BUDGET = 512
 DEFAULT_UNCHUNKED_BUDGET = 8192
 
 
-def _check_int(name: str, value, low: int, high: Optional[int] = None) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int in ``[low, high]`` (``high=None``: no upper bound)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+def _field(default, help: str, choices: Optional[tuple] = None):
+    """A config field whose help text (and choices) the command line reuses."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -43,20 +44,22 @@ class ModelConfig:
         max_model_len: longest sequence (prompt + output, tokens) a request may reach; ``None`` = the model's
             context length (further capped to what the KV pool holds).
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
+        device: where weights, the KV pool and the step's tensors live: ``"cpu"`` (no other backend is built).
     """
 
-    model: Optional[str] = None
-    dtype: str = "float32"
-    max_model_len: Optional[int] = None
-    num_threads: Optional[int] = None
+    model: Optional[str] = _field(None, "a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    dtype: str = _field("float32", "weight and KV-cache dtype", SUPPORTED_DTYPES)
+    max_model_len: Optional[int] = _field(None, "longest prompt + output, tokens (default: the model's context)")
+    num_threads: Optional[int] = _field(None, "torch CPU threads (default: torch's)")
+    device: str = _field("cpu", "device for weights, KV pool and step tensors", SUPPORTED_DEVICES)
 
     def __post_init__(self) -> None:
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        check_choice("dtype", self.dtype, SUPPORTED_DTYPES)
+        check_choice("device", self.device, SUPPORTED_DEVICES)
         if self.max_model_len is not None:
-            _check_int("max_model_len", self.max_model_len, 1)
+            check_int("max_model_len", self.max_model_len, 1)
         if self.num_threads is not None:
-            _check_int("num_threads", self.num_threads, 1)
+            check_int("num_threads", self.num_threads, 1)
 
 
 @dataclass
@@ -72,19 +75,19 @@ class CacheConfig:
             like vLLM v1).
     """
 
-    block_size: int = 16
-    num_kv_blocks: Optional[int] = None
-    kv_cache_memory_bytes: Optional[int] = None
-    enable_prefix_caching: bool = True
+    block_size: int = _field(16, "tokens per KV block, 1 to 1024")
+    num_kv_blocks: Optional[int] = _field(None, "force the KV pool to this many blocks")
+    kv_cache_memory_bytes: Optional[int] = _field(None, "KV pool budget in bytes (default: 10% of available RAM, "
+                                                        "at most 4 GiB)")
+    enable_prefix_caching: bool = _field(True, "share computed KV blocks between requests with a common prefix")
 
     def __post_init__(self) -> None:
-        _check_int("block_size", self.block_size, 1, 1024)
+        check_int("block_size", self.block_size, 1, 1024)
         if self.num_kv_blocks is not None:
-            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+            check_int("num_kv_blocks", self.num_kv_blocks, 1)
         if self.kv_cache_memory_bytes is not None:
-            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+            check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
         """Number of blocks in the pool, given the bytes one block takes over all layers (K and V).
@@ -122,27 +125,25 @@ class SchedulerConfig:
             under memory pressure the lowest-priority running request is preempted first).
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: Optional[int] = None
-    enable_chunked_prefill: bool = True
-    scheduling: str = "continuous"
-    scheduling_policy: str = "fcfs"
+    max_num_seqs: int = _field(64, "most requests running at once")
+    max_num_batched_tokens: Optional[int] = _field(None, "per-step token budget (default 512 with chunked prefill, "
+                                                         "else 8192)")
+    enable_chunked_prefill: bool = _field(True, "split long prompts across steps under the token budget")
+    scheduling: str = _field("continuous", "iteration-level batching, or static batches (the baseline)",
+                             SUPPORTED_SCHEDULING)
+    scheduling_policy: str = _field("fcfs", "queue order: arrival, or per-request priority (lower first)",
+                                    SUPPORTED_POLICIES)
 
     def __post_init__(self) -> None:
-        _check_int("max_num_seqs", self.max_num_seqs, 1)
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
-        if self.max_num_batched_tokens is None:
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        if self.max_num_batched_tokens is None:  # the one derived default, computed here
             self.max_num_batched_tokens = (
                 DEFAULT_CHUNKED_BUDGET if self.enable_chunked_prefill else DEFAULT_UNCHUNKED_BUDGET
             )
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        if self.scheduling not in SUPPORTED_SCHEDULING:
-            raise ValueError(f"scheduling must be one of {SUPPORTED_SCHEDULING}, got {self.scheduling!r}")
-        if self.scheduling_policy not in SUPPORTED_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SUPPORTED_POLICIES}, got {self.scheduling_policy!r}"
-            )
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_choice("scheduling", self.scheduling, SUPPORTED_SCHEDULING)
+        check_choice("scheduling_policy", self.scheduling_policy, SUPPORTED_POLICIES)
 
 
 SUPPORTED_SPEC_METHODS = ("ngram", "draft_model")
@@ -181,11 +182,10 @@ class SpeculativeConfig:
     draft_num_layers: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.method not in SUPPORTED_SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SUPPORTED_SPEC_METHODS}, got {self.method!r}")
-        _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 16)
-        _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, 1, 64)
-        _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1, self.prompt_lookup_max)
+        check_choice("speculative_config.method", self.method, SUPPORTED_SPEC_METHODS)
+        check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 16)
+        check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, 1, 64)
+        check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1, self.prompt_lookup_max)
         if self.method != "draft_model":
             for name in ("model", "draft_num_layers"):
                 if getattr(self, name) is not None:
@@ -197,7 +197,7 @@ class SpeculativeConfig:
             if self.model is not None:
                 raise ValueError("speculative_config.draft_num_layers applies to the early-exit draft only "
                                  "(speculative_config.model unset), not to a separate draft model")
-            _check_int("speculative_config.draft_num_layers", self.draft_num_layers, 1)
+            check_int("speculative_config.draft_num_layers", self.draft_num_layers, 1)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from kvserve.core.sched_output import SamplingState
 from kvserve.sampling_params import SamplingParams
 
 
@@ -46,6 +47,9 @@ class Request:
             per decode step, everything again after a preemption.
         max_total_tokens: the sequence may not grow past this (``max_model_len``), tokens.
         generator: a seeded ``torch.Generator`` when ``sampling_params.seed`` is set.
+        sampling_state: the ``SamplingState`` the samplers see (params, token lists by reference, generator).
+        spec_token_ids: draft tokens to verify in the next step (set by the ``Speculator``, read by the scheduler).
+        spec_draft_probs: ``[len(spec_token_ids), V]`` float32 draft distributions ``q``, or ``None``.
         arrival_time, first_scheduled_time, first_token_time, finish_time: ``time.monotonic()`` seconds.
         num_preemptions: how often this request was preempted.
         priority: lower is more urgent (``scheduling_policy="priority"`` only).
@@ -63,33 +67,31 @@ class Request:
     ):
         self.request_id = request_id
         self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_total_tokens = max_total_tokens
-        self.output_token_ids: list = []
-        self.output_logprobs: list = []
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, float]] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason = None
         self.generator: Optional[torch.Generator] = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        self.sampling_state = SamplingState(request_id, sampling_params, self.prompt_token_ids,
+                                            self.output_token_ids, self.generator)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None
         self.num_preemptions = 0
         self.priority = priority
-        self.fork_children: list = []  # the other samples of an n > 1 request, started when its prompt is done
+        self.fork_children: list[Request] = []  # the other samples of an n > 1 request, started after the prompt
         self.parent_id: Optional[str] = None  # the user's request id when this is one sample of several
         self.sample_index = 0
-        self.block_hashes: list = []
-        self.spec_token_ids: list = []  # draft tokens to verify next step (speculative decoding)
-        # [len(spec_token_ids), V] float32 draft distributions q (draft-model proposer, sampled requests), or None
+        self.block_hashes: list[int] = []
+        self.spec_token_ids: list[int] = []
         self.spec_draft_probs: Optional[torch.Tensor] = None
-        self.spec_k = 0  # this request's current draft length (adaptive), set by the engine
-        self.spec_acceptance = 0.5  # moving-average acceptance rate (SpecGate, n-gram proposer)
-        self.spec_shadow: Optional[tuple] = None  # (output index, draft ids) of a held-back draft (SpecGate)
         self.queue_seq = 0  # set by the scheduler: arrival order, the FCFS tie-break
 
     @property
@@ -102,8 +104,15 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list:
+    def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output, without concatenating the whole sequence."""
+        p = self.num_prompt_tokens
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
 
     @property
     def num_uncomputed_tokens(self) -> int:

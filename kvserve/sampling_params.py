@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
+
+from kvserve.validation import check_int as _integer
+from kvserve.validation import check_number as _number
 
 #: Temperatures below this are treated as greedy (dividing logits by ~0 would overflow).
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_N = 16
-
-
-def _number(name: str, value, low: float, high: float, low_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        lo = "(" if low_open else "["
-        raise ValueError(f"{name} must be in {lo}{low}, {high}], got {value!r}")
-
-
-def _integer(name: str, value, low: int, high: Optional[int] = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        rng = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
 
 
 @dataclass

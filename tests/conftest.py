@@ -23,3 +23,19 @@ def assert_pool_clean(engine):
     assert not engine.has_unfinished_requests()
     engine.kv_cache_manager.check_integrity()
     assert engine.kv_cache_manager.block_pool.num_free_blocks == engine.num_blocks
+
+
+def flat_batch(requests, block_size, logits_rows=None):
+    """An ``InputBatch`` for raw requests ``[(token_ids, start_pos, block_table), ...]`` through the engine's own
+    batch builder; logits of each request's last row, or of the flat rows ``logits_rows`` when given."""
+    import torch
+
+    from kvserve.core.sched_output import ScheduledRequest
+    from kvserve.worker.input_batch import build_input_batch
+
+    plan = [ScheduledRequest(str(i), list(ids), start, list(table), samples=True)
+            for i, (ids, start, table) in enumerate(requests)]
+    batch = build_input_batch(plan, block_size)
+    if logits_rows is not None:
+        batch.logits_indices = torch.as_tensor(logits_rows, dtype=torch.long)
+    return batch

@@ -153,7 +153,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.entrypoints.cli import engine_kwargs
+    from kvserve.engine.arg_utils import engine_kwargs
     from kvserve.model.loader import load_model
 
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()

@@ -54,7 +54,7 @@ def run_config(llm, prompts: list, max_tokens: int, batch: int) -> dict:
     engine = llm.llm_engine
     engine.kv_cache_manager.block_pool.reset_prefix_cache()  # every run prefills its prompts again
     engine.reset_stats()
-    draft_passes_0 = getattr(engine.proposer, "num_forward_passes", 0)
+    draft_passes_0 = getattr(engine.speculator and engine.speculator.proposer, "num_forward_passes", 0)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     texts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     start, cpu_start = time.monotonic(), time.process_time()
@@ -63,7 +63,7 @@ def run_config(llm, prompts: list, max_tokens: int, batch: int) -> dict:
         n_out += sum(len(o.outputs[0].token_ids) for o in llm.generate(texts[i : i + batch], sp))
     wall, cpu = time.monotonic() - start, time.process_time() - cpu_start
     st = engine.stats.spec_decode
-    draft_passes = getattr(engine.proposer, "num_forward_passes", None)
+    draft_passes = getattr(engine.speculator and engine.speculator.proposer, "num_forward_passes", None)
     return {
         "draft_passes_per_token": None if draft_passes is None else (draft_passes - draft_passes_0) / n_out,
         "output_tokens": n_out, "wall_s": wall, "output_tokens_per_s": n_out / wall,
@@ -99,7 +99,7 @@ def replay_passes(prompt_ids: list, output_ids: list, proposer, max_k: int = 64)
     passes = i = 0
     while i < len(output_ids):
         k = min(max_k, len(output_ids) - i - 1)
-        draft = proposer.propose(list(prompt_ids) + list(output_ids[:i]), k) if k > 0 else []
+        draft = proposer.lookup(list(prompt_ids) + list(output_ids[:i]), k) if k > 0 else []
         accepted = 0
         while accepted < len(draft) and draft[accepted] == output_ids[i + accepted]:
             accepted += 1
@@ -169,7 +169,7 @@ def spec_configs(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.entrypoints.cli import engine_kwargs
+    from kvserve.engine.arg_utils import engine_kwargs
 
     engine_args = {k: v for k, v in engine_kwargs(args).items() if k != "speculative_config"}
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

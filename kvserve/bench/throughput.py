@@ -149,7 +149,7 @@ def format_table(results: list) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.entrypoints.cli import engine_kwargs
+    from kvserve.engine.arg_utils import engine_kwargs
 
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")

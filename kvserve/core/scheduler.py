@@ -17,109 +17,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.request import Request, RequestStatus
-from kvserve.spec_decode.gate import SpecGate
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step.
-
-    Attributes:
-        request: the request (its ``num_computed_tokens`` is the start of this step's tokens).
-        num_scheduled_tokens: tokens to compute now, ``>= 1``.
-        block_ids: the request's whole block table after allocation, covering all computed + scheduled tokens.
-        spec_token_ids: draft tokens verified this step; they are the last ``len(spec_token_ids)`` of the
-            ``num_scheduled_tokens`` (speculative decoding schedules the last token + k drafts).
-        spec_draft_probs: ``[len(spec_token_ids), V]`` float32, the distributions the drafts were sampled from
-            (draft-model proposer, sampled requests), or ``None`` (deterministic drafts: ``q`` one-hot).
-    """
-
-    request: Request
-    num_scheduled_tokens: int
-    block_ids: list
-    spec_token_ids: list = field(default_factory=list)
-    spec_draft_probs: Optional[object] = None
-
-    @property
-    def samples(self) -> bool:
-        """True if this step computes the request's last known token, so a next token is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_scheduled_tokens == r.num_tokens + len(self.spec_token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    """What to run this step: running requests first (admission order), then newly admitted ones."""
-
-    scheduled: list = field(default_factory=list)
-    preempted: list = field(default_factory=list)
-    block_copies: list = field(default_factory=list)  # copy-on-write (src_block_id, dst_block_id), before writes
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.scheduled)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the model runner returns: ``sampled_token_ids[request_id] = token`` for each sampling request;
-    ``verified_token_ids[request_id] = [accepted drafts..., recovered or bonus token]`` for each request that
-    verified drafts; for requests that asked for logprobs, ``logprobs[request_id] = {token_id: logprob}``."""
-
-    sampled_token_ids: dict = field(default_factory=dict)
-    verified_token_ids: dict = field(default_factory=dict)
-    logprobs: dict = field(default_factory=dict)
-
-
-@dataclass
-class SpecDecodeStats:
-    """Speculative-decoding counters and the adaptive draft length.
-
-    Attributes:
-        max_k: the configured ``num_speculative_tokens``.
-        num_drafts: verification passes with at least one draft token.
-        num_draft_tokens, num_accepted_tokens: draft tokens proposed / accepted.
-        accepted_per_position: ``[max_k]``, how often the draft at position i (0-based) was accepted.
-    """
-
-    max_k: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.accepted_per_position = [0] * self.max_k
-
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / proposed draft tokens, 0..1."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per verification pass: accepted drafts + the recovered or bonus token."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    def next_k(self, k: int, num_draft: int, num_accepted: int) -> int:
-        """Adaptive draft length: grow by one after a fully accepted draft, else shrink to what was accepted
-        (at least 1), within ``[1, max_k]``; a request whose drafts keep failing spends one extra token a step."""
-        if num_accepted == num_draft:
-            return min(self.max_k, k + 1)
-        return max(1, min(k, num_accepted + 1) - (num_accepted == 0))
 
 
 def _priority_key(req: Request) -> tuple:
@@ -136,17 +39,15 @@ class Scheduler:
         eos_token_ids: tokens that end a request unless ``ignore_eos``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, eos_token_ids=(),
-                 num_speculative_tokens: int = 0):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, eos_token_ids: tuple = ()):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: list = []
+        self.waiting: list[Request] = []
         self._seq = itertools.count()
-        self.running: list = []
-        self.requests: dict = {}
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.spec_stats = SpecDecodeStats(num_speculative_tokens)
 
     # ------------------------------------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
@@ -196,7 +97,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput()
-        scheduled: dict = {}
+        scheduled: dict[str, ScheduledRequest] = {}
 
         for req in sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1):
             if req.status is not RequestStatus.RUNNING:
@@ -217,7 +118,7 @@ class Scheduler:
             while new_blocks is None:
                 victim = self._pick_victim()
                 self._preempt(victim)
-                out.preempted.append(victim)
+                out.preempted.append(victim.request_id)
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id).num_scheduled_tokens
                 if victim is req:
@@ -225,7 +126,7 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(req, n)
             if new_blocks is None:
                 continue
-            scheduled[req.request_id] = ScheduledRequest(req, n, kv.get_block_ids(req), drafts, draft_probs)
+            scheduled[req.request_id] = self._plan(req, n, drafts, draft_probs)
             budget -= n
         out.scheduled = list(scheduled.values())
 
@@ -251,10 +152,19 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             if n:
-                out.scheduled.append(ScheduledRequest(req, n, kv.get_block_ids(req)))
+                out.scheduled.append(self._plan(req, n))
                 budget -= n
         out.block_copies = kv.take_pending_copies()
         return out
+
+    def _plan(self, req: Request, n: int, drafts: Optional[list[int]] = None, draft_probs=None) -> ScheduledRequest:
+        """The self-contained plan entry of ``req`` computing ``n`` tokens (the last ``len(drafts)`` are drafts)."""
+        drafts = drafts or []
+        start = req.num_computed_tokens
+        samples = start + n == req.num_tokens + len(drafts)
+        states = [req.sampling_state] + [c.sampling_state for c in req.fork_children] if samples else []
+        return ScheduledRequest(req.request_id, req.token_slice(start, start + n - len(drafts)) + drafts, start,
+                                self.kv_cache_manager.get_block_ids(req), drafts, draft_probs, samples, states)
 
     def _num_new_tokens(self, n: int, budget: int) -> int:
         """Of ``n`` uncomputed tokens, how many to compute now: all, or (chunked prefill) as many as the budget
@@ -279,37 +189,36 @@ class Scheduler:
         self._enqueue(req, preempted=True)
 
     # ------------------------------------------------------------------------------------------------ update
-    def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list:
-        """Advance ``num_computed_tokens``, append sampled tokens, and retire finished requests at once.
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_output: ModelRunnerOutput) -> list[Request]:
+        """Advance ``num_computed_tokens``, append the step's tokens, and retire finished requests at once.
 
+        A request that verified ``k`` drafts and got ``a + 1`` tokens (``a`` accepted + the recovered or bonus one)
+        is rolled back by the ``k - a`` rejected drafts, and blocks only they needed are released. Tokens are
+        appended one by one; the first that finishes the request ends it and the rest are dropped with their K/V.
         A request finishes with ``"stop"`` on EOS (unless ``ignore_eos``) or a ``stop_token_ids`` token (both only
         after ``min_tokens``), and with ``"length"`` at ``max_tokens`` or ``max_model_len``. Finished requests'
         blocks are freed here, so the next step can reuse them.
 
         Returns:
-            the requests that received a token this step (finished ones included), in schedule order.
+            the requests that received tokens this step (finished ones and newly started forks included), in
+            schedule order.
         """
         now = time.monotonic()
+        kv = self.kv_cache_manager
         updated = []
         for s in scheduler_output.scheduled:
-            req = s.request
+            req = self.requests[s.request_id]
             req.num_computed_tokens += s.num_scheduled_tokens
-            tokens = model_output.verified_token_ids.get(req.request_id)
-            if s.spec_token_ids:  # roll back past the rejected drafts and release blocks only they needed
-                accepted = len(tokens) - 1
-                req.num_computed_tokens -= len(s.spec_token_ids) - accepted
-                self.kv_cache_manager.trim(req)
-                self.spec_stats.record(len(s.spec_token_ids), accepted)
-                SpecGate.observe_verified(req, len(s.spec_token_ids), accepted)
-                req.spec_k = self.spec_stats.next_k(req.spec_k, len(s.spec_token_ids), accepted)
-            if tokens is None:
-                token = model_output.sampled_token_ids.get(req.request_id)
-                if token is None:
-                    self.kv_cache_manager.cache_computed_blocks(req)
-                    continue
-                tokens = [token]
-            if req.request_id in model_output.logprobs:
-                req.output_logprobs.append(model_output.logprobs[req.request_id])
+            tokens = model_output.sampled_token_ids.get(s.request_id, [])
+            if s.spec_token_ids:
+                req.num_computed_tokens -= len(s.spec_token_ids) - (len(tokens) - 1)
+                kv.trim(req)
+            if not tokens:  # a prompt chunk that does not reach the end
+                kv.cache_computed_blocks(req)
+                continue
+            if s.request_id in model_output.logprobs:
+                req.output_logprobs.append(model_output.logprobs[s.request_id])
             if req.first_token_time is None:
                 req.first_token_time = now
             status = None
@@ -319,15 +228,15 @@ class Scheduler:
                 if status is not None:  # tokens accepted after a stop are dropped, and so is their K/V
                     req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
                     break
-            self.kv_cache_manager.cache_computed_blocks(req)
+            kv.cache_computed_blocks(req)
             children, req.fork_children = req.fork_children, []
             for child in children:  # parallel sampling: the other samples share the prompt's blocks
-                self.kv_cache_manager.fork(req, child)
+                kv.fork(req, child)
             if status is not None:
                 self._finish(req, status)
             updated.append(req)
             for child in children:
-                self._start_fork(req, child, model_output.sampled_token_ids[child.request_id],
+                self._start_fork(req, child, model_output.sampled_token_ids[child.request_id][0],
                                  model_output.logprobs.get(child.request_id), now)
                 updated.append(child)
         return updated

@@ -4,6 +4,7 @@
     model_output     = model_runner.execute_model(...)         # one flat batch over the paged cache + sampling
     updated          = scheduler.update_from_output(...)       # append tokens, stop checks, free finished blocks
     outputs          = output processor (text, stop strings)   # RequestOutput objects
+    speculator.step(...)                                       # (speculative decoding) drafts for the next step
 """
 
 from __future__ import annotations
@@ -20,23 +21,18 @@ from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.metrics import EngineStats
-from kvserve.model import cpu_kernels
-from kvserve.model.llama import LlamaModel
+from kvserve.model.backends import select_backends
 from kvserve.model.loader import load_model
+from kvserve.model.registry import build_model
 from kvserve.request import Request, RequestStatus
 from kvserve.sample.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.gate import SpecGate
-from kvserve.spec_decode.ngram import NgramProposer
+from kvserve.spec_decode.speculator import Speculator
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list]
-
-#: Added to the draft model's relative cost to get the acceptance rate below which a request backs off from
-#: drafting: the target's verification of one more token per request is not free either.
-DRAFT_VERIFY_MARGIN = 0.1
 
 
 class LLMEngine:
@@ -63,9 +59,9 @@ class LLMEngine:
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.arch = loaded.arch
-        self.model = LlamaModel(loaded.arch, loaded.weights)
-        reason = cpu_kernels.unavailable_reason()
-        logger.info("matmul path: %s%s", self.model.lm_head.path, f" (kvserve kernel unavailable: {reason})" if reason else "")
+        self.backends = select_backends(mc.device, loaded.weights["model.embed_tokens.weight"].dtype)
+        self.model = build_model(loaded, self.backends)
+        logger.info("%s: %s", self.arch.architecture, self.backends.describe(self.model.lm_head))
         self.block_size = cc.block_size
         self.num_blocks = cc.resolve_num_blocks(self.model.bytes_per_block(cc.block_size))
         self.pool_tokens = self.num_blocks * self.block_size
@@ -82,35 +78,34 @@ class LLMEngine:
             self.num_blocks * self.model.bytes_per_block(self.block_size) / 2**20, self.max_model_len,
         )
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cc.enable_prefix_caching)
-        spec = config.speculative_config
-        self.proposer = None
-        rejection_sampler = None
         sampler = Sampler(self.eos_token_ids)
-        if spec is not None:
-            from kvserve.sample.rejection_sampler import RejectionSampler
-
-            self.proposer = self._make_proposer(spec, mc, sc, sampler)
-            rejection_sampler = RejectionSampler()
-        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
-        self.spec_gate = SpecGate()
-        # A draft model's pass is not free: a request starts with one draft and earns longer ones by having them
-        # accepted (SpecDecodeStats.next_k grows k by one after a full acceptance); n-gram drafts start at k.
-        self.initial_spec_k = 1 if spec is not None and spec.method == "draft_model" else self.num_speculative_tokens
-        self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids, self.num_speculative_tokens)
-        self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, rejection_sampler)
+        spec = config.speculative_config
+        self.speculator = self._make_speculator(spec, mc, sc, sampler) if spec is not None else None
+        self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids)
+        self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, device=mc.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
         self._ids = itertools.count()
 
-    def _make_proposer(self, spec, mc, sc, sampler):
-        """The n-gram proposer, or the draft-model proposer with its own model view and KV pool.
+    def _make_speculator(self, spec, mc, sc, sampler) -> Speculator:
+        """The n-gram proposer, or the draft-model proposer with its own model view and KV pool, with the policy.
 
         Raises:
             ValueError: ``draft_num_layers`` out of range, or a draft model whose vocabulary differs from the
                 target's (the message names both paths and sizes).
         """
+        from kvserve.spec_decode.policy import SpecPolicy
+
         if spec.method == "ngram":
-            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            from kvserve.spec_decode.ngram import NgramProposer
+
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+        else:
+            proposer = self._make_draft_proposer(spec, mc, sc, sampler)
+        policy = SpecPolicy(spec.num_speculative_tokens, proposer.initial_k, proposer.free, proposer.cost)
+        return Speculator(proposer, policy)
+
+    def _make_draft_proposer(self, spec, mc, sc, sampler):
         from kvserve.config import DEFAULT_DRAFT_NUM_LAYERS
         from kvserve.spec_decode.draft_model import (DraftModelProposer, draft_pool_blocks, early_exit_model,
                                                      relative_cost)
@@ -130,13 +125,12 @@ class LLMEngine:
                     f"(vocab_size {loaded.arch.vocab_size}) from the target {str(self.model_path)!r} "
                     f"(vocab_size {self.arch.vocab_size}); a draft model must share the target's tokenizer"
                 )
-            draft = LlamaModel(loaded.arch, loaded.weights)
+            draft = build_model(loaded, self.backends)
         num_blocks = draft_pool_blocks(self.num_blocks, sc.max_num_seqs, spec.num_speculative_tokens, self.block_size)
         cost = relative_cost(draft, self.model)
         logger.info("draft model: %d layers, %.2f of the target's cost per token; draft KV pool %d blocks",
                     draft.arch.num_hidden_layers, cost, num_blocks)
-        return DraftModelProposer(draft, num_blocks, self.block_size, sampler,
-                                  min_acceptance=min(1.0, cost + DRAFT_VERIFY_MARGIN))
+        return DraftModelProposer(draft, num_blocks, self.block_size, sampler, cost=cost)
 
     @classmethod
     def from_engine_args(cls, **engine_args) -> "LLMEngine":
@@ -223,8 +217,6 @@ class LLMEngine:
             )
             for i in range(sp.n)
         ]
-        for s in samples:
-            s.spec_k = self.initial_spec_k
         if sp.n > 1:
             for i, s in enumerate(samples):
                 s.parent_id, s.sample_index = rid, i
@@ -241,8 +233,8 @@ class LLMEngine:
             samples = self.output_processor.groups.get(rid, ())
             self.scheduler.finish_requests([s.request_id for s in samples], RequestStatus.FINISHED_ABORTED)
             self.output_processor.remove(rid)
-        if self.proposer is not None and not isinstance(self.proposer, NgramProposer):
-            self.proposer.release_all_but(r.request_id for r in self.scheduler.running)
+            if self.speculator is not None:
+                self.speculator.abort([s.request_id for s in samples], self.scheduler.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -262,14 +254,14 @@ class LLMEngine:
                 else:
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         outputs = self.output_processor.make_outputs(updated)
-        if self.proposer is not None:
-            self._propose_drafts(updated)
+        if self.speculator is not None:
+            self.speculator.step(scheduler_output, model_output, updated, self.scheduler.running)
         if scheduler_output.scheduled:
             self.stats.num_preemptions = self.scheduler.num_preemptions
             self.stats.prefix_cache_queries = self.kv_cache_manager.prefix_cache_queries
             self.stats.prefix_cache_hits = self.kv_cache_manager.prefix_cache_hits
-            if self.proposer is not None:
-                self.stats.spec_decode = self.scheduler.spec_stats
+            if self.speculator is not None:
+                self.stats.spec_decode = self.speculator.stats
             self.stats.generation_tokens += sum(len(c.delta_token_ids) for o in outputs for c in o.outputs)
             self.stats.record_step(
                 len(scheduler_output.scheduled),
@@ -278,40 +270,12 @@ class LLMEngine:
             )
         return outputs
 
-    def _propose_drafts(self, updated: list) -> None:
-        """Draft up to ``spec_k`` tokens for each running request that just got tokens, never past
-        ``max_tokens`` or ``max_model_len``; requests with penalties, logprobs or pending ``min_tokens`` (whose
-        next-token distribution depends on the tokens before it in ways the verifier does not model) do not
-        speculate. The draft-model proposer drafts for all of them in one batch (and releases the draft cache of
-        requests no longer running)."""
-        batched = not isinstance(self.proposer, NgramProposer)
-        eligible, budgets = [], []
-        for req in updated:
-            sp = req.sampling_params
-            if req.status is not RequestStatus.RUNNING or sp.logprobs is not None or len(req.output_token_ids) < (
-                sp.min_tokens
-            ) or sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
-                continue
-            k = min(req.spec_k, sp.max_tokens - len(req.output_token_ids) - 1, req.max_total_tokens - req.num_tokens - 1)
-            if k <= 0:
-                continue
-            if batched:
-                eligible.append(req)
-                budgets.append(k)
-            else:  # n-gram: free to propose, verified only while it pays at this batch size
-                self.spec_gate.observe_shadow(req)
-                draft = self.proposer.propose(req.all_token_ids, k)
-                req.spec_token_ids = self.spec_gate.admit(req, draft, len(self.scheduler.running))
-        if batched:  # the draft model drafts for every eligible request in one batch of forward passes
-            for req, proposal in zip(eligible, self.proposer.propose(eligible, budgets)):
-                req.spec_token_ids, req.spec_draft_probs = proposal.token_ids, proposal.probs
-            self.proposer.release_all_but(r.request_id for r in self.scheduler.running)
-
     def reset_stats(self) -> None:
         """Start a fresh ``EngineStats`` (e.g. after a warm-up request)."""
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
         self.scheduler.num_preemptions = 0
-        self.scheduler.spec_stats = type(self.scheduler.spec_stats)(self.num_speculative_tokens)
+        if self.speculator is not None:
+            self.speculator.stats = type(self.speculator.stats)(self.speculator.policy.max_k)
         self.kv_cache_manager.prefix_cache_queries = self.kv_cache_manager.prefix_cache_hits = 0
 
     def kv_cache_stats(self):

@@ -1,52 +1,13 @@
-"""``kvserve`` command line: ``kvserve generate`` (the main job), ``kvserve serve`` (the HTTP server), and
+"""``kvserve`` command line (dispatch only; engine flags come from ``kvserve.engine.arg_utils``): ``kvserve generate`` (the main job), ``kvserve serve`` (the HTTP server), and
 ``kvserve bench throughput`` / ``kvserve bench serve``."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine arguments shared by every subcommand (names as in vLLM)."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, tokens")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV pool to this many blocks")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool budget in bytes")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="per-step token budget (default 512 with chunked prefill, else 8192)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts across steps under the token budget (default on)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share computed KV blocks between requests with a common prefix (default on)")
-    g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--speculative-config", type=_json_object, default=None,
-                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ("model", "dtype", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
-            "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "scheduling",
-            "scheduling_policy", "num_threads", "speculative_config")
-    return {k: getattr(args, k) for k in keys}
+from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
 
 
 def main(argv=None) -> int:

@@ -99,7 +99,7 @@ def format_summary(s: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
-    from kvserve.entrypoints.cli import engine_kwargs
+    from kvserve.engine.arg_utils import engine_kwargs
 
     if args.prompts_file:
         items = load_prompts_file(args.prompts_file)

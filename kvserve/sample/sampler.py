@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from kvserve.request import Request
+from kvserve.core.sched_output import SamplingState
 
 
 class Sampler:
@@ -31,12 +31,12 @@ class Sampler:
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list) -> tuple:
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], list]:
         """Sample a token for each row.
 
         Args:
-            logits: ``[B, V]`` float32, row b belongs to ``requests[b]``.
-            requests: ``B`` ``Request`` objects (their params, output tokens and generators are used).
+            logits: ``[B, V]`` float32, row b belongs to ``states[b]``.
+            states: ``B`` ``SamplingState`` views (params, token history, generator).
 
         Returns:
             ``(token_ids, logprobs)``: ``token_ids`` a list of B ints; ``logprobs`` a list of B entries, each
@@ -44,13 +44,13 @@ class Sampler:
             (log-softmax of the raw logits).
         """
         b, v = logits.shape
-        params = [r.sampling_params for r in requests]
+        params = [r.params for r in states]
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = logits.clone()
-        self._suppress_stop_tokens(logits, requests)
-        self._apply_penalties(logits, requests)
+        self._suppress_stop_tokens(logits, states)
+        self._apply_penalties(logits, states)
 
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -59,7 +59,7 @@ class Sampler:
             probs = _processed_probs(logits[idx], [params[i] for i in rows])
             noise = torch.empty_like(probs)
             for j, i in enumerate(rows):
-                g = requests[i].generator or self.generator
+                g = states[i].generator or self.generator
                 noise[j].exponential_(generator=g)
             tokens[idx] = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
 
@@ -78,27 +78,27 @@ class Sampler:
         return token_list, logprobs
 
     @torch.inference_mode()
-    def target_probs(self, logits: torch.Tensor, request: Request) -> torch.Tensor:
+    def target_probs(self, logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
         """The distributions a request samples from, for ``[n, V]`` logits rows (speculative verification):
         temperature, top-k, top-p and min-p applied as in ``__call__``; for greedy requests ``softmax(logits)``,
         whose argmax is the greedy token. Returns ``[n, V]`` float32."""
-        sp = request.sampling_params
+        sp = state.params
         if sp.greedy:
             return logits.float().softmax(dim=-1)
         return _processed_probs(logits.float(), [sp] * logits.shape[0])
 
-    def _suppress_stop_tokens(self, logits: torch.Tensor, requests: list) -> None:
-        for i, r in enumerate(requests):
-            sp = r.sampling_params
+    def _suppress_stop_tokens(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+        for i, r in enumerate(states):
+            sp = r.params
             if len(r.output_token_ids) < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, banned] = float("-inf")
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, requests: list) -> None:
-        for i, r in enumerate(requests):
-            sp = r.sampling_params
+    def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
+        for i, r in enumerate(states):
+            sp = r.params
             if sp.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long)
                 vals = logits[i, seen]

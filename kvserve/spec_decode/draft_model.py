@@ -23,14 +23,9 @@ actual tokens, so it needs no hook into the scheduler's rollback.
 
 Back-off: a draft pass costs a sizeable fraction of a target pass (for an early exit, ``L`` layers plus the whole
 LM head, which for SmolLM2 is 28M of its 134M multiply-adds per token), so a request whose drafts are rarely
-accepted would run slower than with no speculation at all. Each request keeps an exponential moving average of
-its per-draft-token acceptance; while it is below the break-even rate (the draft's relative cost plus a margin
-for the extra verified token, ``min_acceptance``), the request drafts only on every ``pause``-th step; each failed
-draft multiplies its pause by 4 (up to ``max_pause``), each passed one divides it by 4. Probes are aligned on a step counter
-shared by all requests (a request with pause ``P`` drafts on steps ``s`` with ``s % P == 0``), so the requests
-that are backing off probe together and share one draft pass and one verification step instead of each paying
-for its own; a new request starts at the median pause of the live ones, or of the last 8 to finish (what the
-draft has earned on this workload so far).
+accepted would run slower than with no speculation at all. ``cost`` (``relative_cost``) feeds the speculation
+policy's break-even rate; ``kvserve.spec_decode.policy`` decides when a request drafts (its pause) and how many
+tokens it asks for.
 """
 
 from __future__ import annotations
@@ -43,9 +38,11 @@ from typing import Optional
 import torch
 
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
-from kvserve.model.attention import AttentionMetadata
+from kvserve.core.sched_output import ScheduledRequest
 from kvserve.model.llama import LlamaModel
 from kvserve.sample.sampler import Sampler
+from kvserve.spec_decode.proposer import DraftProposal, Proposer, check_budgets
+from kvserve.worker.input_batch import build_input_batch
 
 
 def early_exit_model(target: LlamaModel, num_layers: int) -> LlamaModel:
@@ -82,21 +79,6 @@ def relative_cost(draft: LlamaModel, target: LlamaModel) -> float:
 
 
 @dataclass
-class DraftProposal:
-    """One request's draft.
-
-    Attributes:
-        token_ids: the drafted token ids (``n`` ints, ``0 <= n <= k``).
-        probs: ``[n, V]`` float32, the distributions ``q`` the drafts were sampled from (after the request's
-            temperature / top-k / top-p / min-p), for the rejection sampler; ``None`` for greedy requests, whose
-            verification needs no ``q``.
-    """
-
-    token_ids: list
-    probs: Optional[torch.Tensor] = None
-
-
-@dataclass
 class _DraftSeq:
     """A request's state in the draft model's cache; also the ``request`` object the draft ``KVCacheManager``
     allocates for (it reads ``request_id`` and ``num_computed_tokens``).
@@ -106,20 +88,15 @@ class _DraftSeq:
         num_computed_tokens: leading tokens of the request whose K/V is in the draft cache.
         fed_from: ``len(tokens)`` when the last drafts were made: ``drafts[j]`` sits at position ``fed_from + j``.
         drafts: the last call's drafts (the first ``len - 1`` of them have draft K/V).
-        accept_ema: moving average (weight 1/2 on the newest) of the fraction of draft tokens accepted, 0..1;
-            starts at 0.5, so a first draft with nothing accepted pauses a request whose break-even is above 0.25.
-        pause: draft only on steps that are a multiple of this (1: every step); a power of 4.
     """
 
     request_id: str
     num_computed_tokens: int = 0
     fed_from: int = 0
-    drafts: list = field(default_factory=list)
-    accept_ema: float = 0.5
-    pause: int = 1
+    drafts: list[int] = field(default_factory=list)
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Batched draft-model proposer with its own paged KV cache (see the module docstring).
 
     Args:
@@ -130,67 +107,44 @@ class DraftModelProposer:
             get blocks simply does not draft this step and its draft blocks are released.
         block_size: tokens per block.
         sampler: the engine's ``Sampler`` (its ``target_probs`` processes logits exactly as the target's).
-        min_acceptance: per-draft-token acceptance rate below which a request backs off, 0..1.
-        max_pause: the longest back-off, in steps; a power of 4.
+        cost: a draft token's multiply-adds over a target token's (``relative_cost``), 0..1.
         max_catch_up_tokens: the most tokens one catch-up pass feeds (a long prompt's draft prefill is split
             into passes of this size, like chunked prefill, so its attention scores stay small); >= 1.
         generator: draws for unseeded sampled requests (seeded ones use their own generator); default a CPU
             generator seeded with 0.
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler,
-                 min_acceptance: float = 0.0, max_pause: int = 64, max_catch_up_tokens: int = 512,
-                 generator: Optional[torch.Generator] = None):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler, cost: float = 0.0,
+                 max_catch_up_tokens: int = 512, generator: Optional[torch.Generator] = None):
         self.model = model
         self.block_size = block_size
         self.sampler = sampler
         if isinstance(max_catch_up_tokens, bool) or not isinstance(max_catch_up_tokens, int) or max_catch_up_tokens < 1:
             raise ValueError(f"max_catch_up_tokens must be an integer >= 1, got {max_catch_up_tokens!r}")
-        if max_pause < 1 or max_pause & (max_pause - 1) or max_pause.bit_length() % 2 == 0:
-            raise ValueError(f"max_pause must be a power of 4 >= 1, got {max_pause}")
-        self.min_acceptance = min_acceptance
-        self.max_pause = max_pause
+        self.cost = cost
         self.max_catch_up_tokens = max_catch_up_tokens
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=model.dtype)
-        self.seqs: dict = {}  # request_id -> _DraftSeq
-        self.num_calls = 0  # propose() calls so far: the shared step counter of the back-off
-        self.recent_pauses: list = []  # the pauses of the last 8 requests released
+        self.seqs: dict[str, _DraftSeq] = {}
         self.num_forward_passes = 0
 
     # ------------------------------------------------------------------------------------------------ propose
     @torch.inference_mode()
-    def propose(self, requests: list, max_num_tokens: list) -> list:
-        """Draft for a batch of running requests at once.
-
-        Args:
-            requests: ``B`` running ``Request`` objects that just received their latest token(s).
-            max_num_tokens: ``B`` ints >= 0, the most tokens to draft for each (``0``: none).
-
-        Returns:
-            ``B`` ``DraftProposal`` objects (empty ``token_ids`` for a request that drafts nothing this step: its
-            budget is 0, it is backing off, or the draft pool is exhausted).
-
-        Raises:
-            ValueError: ``len(requests) != len(max_num_tokens)`` or a negative budget.
-        """
-        if len(requests) != len(max_num_tokens):
-            raise ValueError(f"requests and max_num_tokens differ in length: {len(requests)} vs {len(max_num_tokens)}")
-        if any(k < 0 for k in max_num_tokens):
-            raise ValueError(f"max_num_tokens must be >= 0, got {min(max_num_tokens)}")
-        self.num_calls += 1
+    def propose(self, requests: list, max_num_tokens: list[int]) -> list[DraftProposal]:
+        """Draft for a batch of running requests at once (``Proposer.propose``). Every request passed in, budget 0
+        included, has its draft K/V brought in line with its accepted tokens; a request gets no draft when its
+        budget is 0 or the draft pool is exhausted."""
+        check_budgets(requests, max_num_tokens)
         out = [DraftProposal([]) for _ in requests]
         active = []  # (index, request, seq, k, tokens)
         for i, (req, k) in enumerate(zip(requests, max_num_tokens)):
             seq = self.seqs.get(req.request_id)
             if seq is None:
-                seq = self.seqs[req.request_id] = _DraftSeq(req.request_id, pause=self._typical_pause())
+                seq = self.seqs[req.request_id] = _DraftSeq(req.request_id)
             tokens = req.all_token_ids
             self._observe(seq, tokens)
             if k == 0:
-                continue
-            if self.num_calls % seq.pause:  # backing off
                 continue
             # K/V for positions [num_computed, n) plus k - 1 drafts; the last token is always recomputed
             seq.num_computed_tokens = min(seq.num_computed_tokens, len(tokens) - 1)
@@ -232,41 +186,31 @@ class DraftModelProposer:
     def _step(self, feed: list, drafts: dict, probs: dict, sample: bool = True) -> None:
         """One flat forward over ``feed`` = ``[(index, request, seq, new token ids)]``: write their K/V, advance each
         ``seq.num_computed_tokens``, and (``sample``) draw one draft token per request from its last row's logits."""
-        bs = self.block_size
-        input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
-        for _, _, seq, new in feed:
-            start = seq.num_computed_tokens
-            table = self.kv_cache_manager.get_block_ids(seq)
-            input_ids.extend(new)
-            positions.extend(range(start, start + len(new)))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(new)))
-            qsl.append(qsl[-1] + len(new))
-            seq_lens.append(start + len(new))
-            tables.append(table)
+        entries = []
+        for _, req, seq, new in feed:
+            states = [req.sampling_state] if sample else []
+            entries.append(ScheduledRequest(seq.request_id, list(new), seq.num_computed_tokens,
+                                            self.kv_cache_manager.get_block_ids(seq), samples=sample,
+                                            sampling_states=states))
             seq.num_computed_tokens += len(new)
-        slot_mapping = torch.tensor(slots, dtype=torch.long)
-        meta = AttentionMetadata.build(qsl, seq_lens, tables, slot_mapping, bs)
-        logits_indices = torch.tensor(qsl[1:], dtype=torch.long) - 1 if sample else torch.zeros(0, dtype=torch.long)
-        logits = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), self.kv_cache,
-            meta, logits_indices,
-        )
+        logits = self.model.forward(build_input_batch(entries, self.block_size, self.kv_cache.device.type),
+                                    self.kv_cache)
         self.num_forward_passes += 1
         if not sample:
             return
         tokens = logits.argmax(dim=-1).tolist()
         for row, (i, req, _, _) in enumerate(feed):
             if not req.sampling_params.greedy:  # sample d ~ q with the request's own generator (exponential race)
-                q = self.sampler.target_probs(logits[row : row + 1], req)[0]
+                q = self.sampler.target_probs(logits[row : row + 1], req.sampling_state)[0]
                 g = req.generator or self.generator
                 noise = torch.empty_like(q).exponential_(generator=g)
                 tokens[row] = int((q / noise.clamp_min(1e-20)).argmax())
                 probs[i].append(q)
             drafts[i].append(tokens[row])
 
-    def _observe(self, seq: _DraftSeq, tokens: list) -> None:
+    def _observe(self, seq: _DraftSeq, tokens: list[int]) -> None:
         """Compare the last drafts with what the request actually produced: keep the draft K/V of the accepted
-        ones (positions ``fed_from ..``), and update the acceptance average and the back-off."""
+        ones (positions ``fed_from ..``)."""
         if not seq.drafts:
             return
         n = len(seq.drafts)
@@ -275,19 +219,7 @@ class DraftModelProposer:
         while accepted < len(actual) and actual[accepted] == seq.drafts[accepted]:
             accepted += 1
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.fed_from + accepted)
-        if len(actual) > accepted or len(actual) == n:  # the verification outcome is known
-            seq.accept_ema = 0.5 * seq.accept_ema + 0.5 * accepted / n
-            if seq.accept_ema < self.min_acceptance:
-                seq.pause = min(4 * seq.pause, self.max_pause)
-                seq.accept_ema = self.min_acceptance  # one passed probe is then enough to resume
-            else:
-                seq.pause = max(1, seq.pause // 4)
         seq.drafts = []
-
-    def _typical_pause(self) -> int:
-        """The median pause of the live requests, or (none live) of the last 8 released, or 1."""
-        pauses = sorted(seq.pause for seq in self.seqs.values()) or sorted(self.recent_pauses) or [1]
-        return pauses[len(pauses) // 2]
 
     # ------------------------------------------------------------------------------------------------ lifetime
     def release_all_but(self, running_ids) -> None:
@@ -300,7 +232,6 @@ class DraftModelProposer:
     def _release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
-            self.recent_pauses = (self.recent_pauses + [seq.pause])[-8:]
             self.kv_cache_manager.free(seq)
 
     @property

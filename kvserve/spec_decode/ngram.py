@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvserve.spec_decode.proposer import Proposer
+from kvserve.spec_decode.proposer import DraftProposal, Proposer, check_budgets
 
 
 class NgramProposer(Proposer):
@@ -21,7 +21,7 @@ class NgramProposer(Proposer):
     propose the up to ``max_num_tokens`` tokens that followed it (fewer when the sequence ends first). The first
     (longest) ``n`` with a match wins; ``[]`` if none matches.
 
-    Cost: one vectorised pass over the history per call, ``O(prompt_lookup_max * len(token_ids))`` numpy work
+    Free (``Proposer.free``): held-back drafts are checked in shadow. Cost: one vectorised pass over the history per call, ``O(prompt_lookup_max * len(token_ids))`` numpy work
     (about 0.5 ms for 4000 tokens, most of it converting the list).
 
     Args:
@@ -32,7 +32,9 @@ class NgramProposer(Proposer):
         ValueError: an argument is out of range (the message names it and the range).
     """
 
-    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3):
+    free = True
+
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3, num_speculative_tokens: int = 4):
         if not isinstance(prompt_lookup_min, int) or prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be an integer >= 1, got {prompt_lookup_min!r}")
         if not isinstance(prompt_lookup_max, int) or prompt_lookup_max < prompt_lookup_min:
@@ -42,8 +44,14 @@ class NgramProposer(Proposer):
             )
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
+        self.initial_k = num_speculative_tokens  # free to draft: start at the longest draft
 
-    def propose(self, token_ids: list, max_num_tokens: int) -> list:
+    def propose(self, requests: list, max_num_tokens: list[int]) -> list[DraftProposal]:
+        """``lookup`` for each request's prompt + output tokens (see ``Proposer.propose``)."""
+        check_budgets(requests, max_num_tokens)
+        return [DraftProposal(self.lookup(r.all_token_ids, k) if k else []) for r, k in zip(requests, max_num_tokens)]
+
+    def lookup(self, token_ids: list[int], max_num_tokens: int) -> list[int]:
         """Draft up to ``max_num_tokens`` tokens (see the class docstring for the rule).
 
         Args:

@@ -2,7 +2,7 @@
 
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from tests.core.test_scheduler import add, fake_run, make_sched, run_to_end
+from tests.core.conftest import add, fake_run, make_sched, run_to_end
 
 
 def step(sched):
@@ -12,7 +12,7 @@ def step(sched):
 
 
 def chunks(so):
-    return [(s.request.request_id, s.num_scheduled_tokens) for s in so.scheduled]
+    return [(s.request_id, s.num_scheduled_tokens) for s in so.scheduled]
 
 
 def test_long_prompt_is_split_and_decodes_go_first():
@@ -80,7 +80,7 @@ def test_priority_admission_order_and_fcfs_ties():
         sched._enqueue(r, preempted=False)
     while sched.has_unfinished_requests():
         so = step(sched)
-        order += [s.request.request_id for s in so.scheduled]
+        order += [s.request_id for s in so.scheduled]
     assert order == ["high", "high2", "mid", "low"]
 
 
@@ -94,7 +94,7 @@ def test_priority_preempts_lowest_priority_first():
     so = step(sched)
     assert sorted(chunks(so)) == [("p1", 8), ("p5", 8), ("p9", 8)]
     so = sched.schedule()  # each needs a third block for token 9; 0 free: the lowest priority (p9) goes first
-    assert so.preempted[0].request_id == "p9"
+    assert so.preempted[0] == "p9"
     assert reqs["p9"].status is RequestStatus.PREEMPTED
     sched.update_from_output(so, fake_run(so))
     run_to_end(sched, kv)
@@ -115,6 +115,6 @@ def test_fcfs_victim_already_scheduled_gives_back_its_budget():
     new.output_token_ids = [100]
     kv.allocate_slots(new, 1)
     so = sched.schedule()
-    assert [v.request_id for v in so.preempted] == ["new"]
+    assert so.preempted == ["new"]
     assert chunks(so) == [("old", 4)]
     kv.check_integrity()

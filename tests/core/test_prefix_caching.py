@@ -4,7 +4,7 @@ from kvserve.core.block_pool import BlockHash, BlockPool, hash_block
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from tests.core.test_scheduler import fake_run, make_sched, run_to_end
+from tests.core.conftest import fake_run, make_sched, run_to_end
 
 
 def req(rid, tokens, max_tokens=1):
@@ -147,7 +147,7 @@ def test_scheduler_starts_after_the_hit():
     b = Request("b", list(range(10)), SamplingParams(max_tokens=1), 10**6)
     sched.add_request(b)
     so = sched.schedule()
-    assert [(s.request.request_id, s.num_scheduled_tokens) for s in so.scheduled] == [("b", 2)]
+    assert [(s.request_id, s.num_scheduled_tokens) for s in so.scheduled] == [("b", 2)]
     assert b.num_computed_tokens == 8
     sched.update_from_output(so, fake_run(so))
 

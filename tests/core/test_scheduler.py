@@ -1,47 +1,8 @@
 """Scheduler with a fake model runner: limits, completion, preemption, continuous vs static. No model."""
 
-from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.scheduler import ModelRunnerOutput, Scheduler
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-
-EOS = 2
-
-
-def fake_run(sched_out):
-    """Sample token 100 + (number of outputs so far) for every request that samples."""
-    out = ModelRunnerOutput()
-    for s in sched_out.scheduled:
-        if s.samples:
-            out.sampled_token_ids[s.request.request_id] = 100 + len(s.request.output_token_ids)
-    return out
-
-
-def make_sched(num_blocks=64, block_size=4, enable_prefix_caching=False, **cfg):
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(SchedulerConfig(**cfg), kv, eos_token_ids=[EOS]), kv
-
-
-def add(sched, rid, prompt_len, max_tokens):
-    req = Request(str(rid), list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                  max_total_tokens=10**6)
-    sched.add_request(req)
-    return req
-
-
-def run_to_end(sched, kv, max_steps=10_000, check=None):
-    steps = 0
-    while sched.has_unfinished_requests():
-        so = sched.schedule()
-        if check:
-            check(so)
-        sched.update_from_output(so, fake_run(so))
-        kv.check_integrity()
-        steps += 1
-        assert steps < max_steps, "scheduler did not drain"
-    return steps
-
+from tests.core.conftest import add, fake_run, make_sched, run_to_end
 
 def test_limits_hold_and_every_request_finishes():
     sched, kv = make_sched(num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=20)
@@ -63,7 +24,7 @@ def test_prefill_then_one_token_per_decode_step():
     sched, kv = make_sched(max_num_seqs=4)
     r = add(sched, "a", prompt_len=10, max_tokens=3)
     so = sched.schedule()
-    assert [(s.request.request_id, s.num_scheduled_tokens) for s in so.scheduled] == [("a", 10)]
+    assert [(s.request_id, s.num_scheduled_tokens) for s in so.scheduled] == [("a", 10)]
     assert so.scheduled[0].block_ids == [0, 1, 2]
     sched.update_from_output(so, fake_run(so))
     assert r.num_computed_tokens == 10 and r.output_token_ids == [100]
@@ -110,12 +71,12 @@ def test_static_admits_only_when_drained():
     add(sched, "b", 4, 8)
     add(sched, "c", 4, 2)
     so = sched.schedule()
-    assert [s.request.request_id for s in so.scheduled] == ["a", "b"]
+    assert [s.request_id for s in so.scheduled] == ["a", "b"]
     sched.update_from_output(so, fake_run(so))
     so = sched.schedule()
     sched.update_from_output(so, fake_run(so))  # a finishes here
     so = sched.schedule()
-    assert [s.request.request_id for s in so.scheduled] == ["b"]  # c waits for the batch to drain
+    assert [s.request_id for s in so.scheduled] == ["b"]  # c waits for the batch to drain
 
 
 def test_static_forms_a_whole_batch_beyond_the_token_budget():
@@ -127,11 +88,11 @@ def test_static_forms_a_whole_batch_beyond_the_token_budget():
         add(sched, i, prompt_len=10, max_tokens=3)
     so = sched.schedule()
     assert len(sched.running) == 4 and [r.request_id for r in sched.waiting] == ["4"]
-    assert [(s.request.request_id, s.num_scheduled_tokens) for s in so.scheduled] == [("0", 10), ("1", 6)]
+    assert [(s.request_id, s.num_scheduled_tokens) for s in so.scheduled] == [("0", 10), ("1", 6)]
     assert kv.block_pool.num_used_blocks == 4 * 3  # every prompt's 3 blocks, taken at admission
     sched.update_from_output(so, fake_run(so))
     so = sched.schedule()
-    assert [(s.request.request_id, s.num_scheduled_tokens) for s in so.scheduled] == [("0", 1), ("1", 4), ("2", 10), ("3", 1)]
+    assert [(s.request_id, s.num_scheduled_tokens) for s in so.scheduled] == [("0", 1), ("1", 4), ("2", 10), ("3", 1)]
     run_to_end(sched, kv)
     assert kv.block_pool.num_free_blocks == 64
     assert kv.prefix_cache_queries == 0  # caching off; and with it on, each prompt is queried once (below)
@@ -154,10 +115,11 @@ def test_preemption_by_recompute_when_pool_runs_dry():
 
     def check(so):
         for s in so.scheduled:
-            r = s.request
+            r = sched.requests[s.request_id]
             if r.num_preemptions and r.num_computed_tokens == 0:
                 seen_recompute.append((r.request_id, s.num_scheduled_tokens, r.num_tokens))
-        for v in so.preempted:
+        for rid in so.preempted:
+            v = next(r for r in reqs if r.request_id == rid)
             assert v.num_computed_tokens == 0 and kv.get_block_ids(v) == []
 
     run_to_end(sched, kv, check=check)
@@ -177,8 +139,8 @@ def test_newest_running_request_is_preempted_first():
     sched.update_from_output(so, fake_run(so))
     # both hold 2 blocks; token 9 of "a" needs a third block: "b" (newest) is preempted
     so = sched.schedule()
-    assert [v.request_id for v in so.preempted] == ["b"]
-    assert [s.request.request_id for s in so.scheduled] == ["a"]
+    assert so.preempted == ["b"]
+    assert [s.request_id for s in so.scheduled] == ["a"]
     assert sched.waiting[0] is b and b.status is RequestStatus.PREEMPTED
 
 

@@ -15,13 +15,13 @@ from tests.conftest import assert_pool_clean
 from tests.engine.spec_common import TEXT, greedy_reference_and_single, prompts
 
 # The early exit at 29 of 30 layers agrees with the target on about half the tokens, so drafts are both accepted
-# and rejected; the back-off is switched off (min_acceptance 0) so that every eligible step drafts.
+# and rejected; the back-off is switched off (break-even acceptance 0) so that every eligible step drafts.
 SPEC = {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 29}
 
 
 def make_llm(**kwargs):
     llm = LLM(**{"num_kv_blocks": 128, "block_size": 16, "speculative_config": SPEC, **kwargs})
-    llm.llm_engine.proposer.min_acceptance = 0.0
+    llm.llm_engine.speculator.policy.draft_cost = llm.llm_engine.speculator.policy.verify_cost_per_token = 0.0
     return llm
 
 
@@ -33,7 +33,7 @@ def dm_llm():
 def assert_both_pools_clean(llm):
     engine = llm.llm_engine
     assert_pool_clean(engine)
-    proposer = engine.proposer
+    proposer = engine.speculator.proposer
     proposer.check_integrity()
     assert not proposer.seqs
     assert proposer.num_free_blocks == proposer.num_blocks
@@ -71,7 +71,7 @@ def test_near_max_tokens_and_block_boundaries(llm, dm_llm):
             got = dm_llm.generate([base[:n_prompt]], sp)[0].outputs[0]
             assert got.token_ids == ref and len(got.token_ids) == max_tokens
             dm_llm.llm_engine.kv_cache_manager.check_integrity()
-            dm_llm.llm_engine.proposer.check_integrity()
+            dm_llm.llm_engine.speculator.proposer.check_integrity()
     assert_both_pools_clean(dm_llm)
 
 
@@ -79,7 +79,7 @@ def test_long_catch_up_split_into_passes(llm, dm_llm):
     """A draft prefill longer than max_catch_up_tokens runs in several passes and drafts the same tokens."""
     ps = prompts(dm_llm)[:2]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    proposer, engine = dm_llm.llm_engine.proposer, dm_llm.llm_engine
+    proposer, engine = dm_llm.llm_engine.speculator.proposer, dm_llm.llm_engine
 
     def run(max_catch_up):
         proposer.max_catch_up_tokens = max_catch_up
@@ -124,7 +124,7 @@ def test_starved_pool_preemption_and_abort(llm):
     rid = engine.add_request(ps[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    assert engine.proposer.seqs
+    assert engine.speculator.proposer.seqs
     engine.abort_request(rid)
     assert_both_pools_clean(starved)
 
@@ -133,8 +133,8 @@ def test_default_early_exit_backs_off(llm):
     """Default config (early exit at DEFAULT_DRAFT_NUM_LAYERS): output unchanged; a request whose drafts keep
     failing stops drafting for a while, so there are far fewer drafts than decode steps."""
     dm = LLM(num_kv_blocks=64, speculative_config={"method": "draft_model", "num_speculative_tokens": 4})
-    assert dm.llm_engine.proposer.model.arch.num_hidden_layers == DEFAULT_DRAFT_NUM_LAYERS
-    assert dm.llm_engine.proposer.model.layers[0]["qkv"] is dm.llm_engine.model.layers[0]["qkv"]  # shared
+    assert dm.llm_engine.speculator.proposer.model.arch.num_hidden_layers == DEFAULT_DRAFT_NUM_LAYERS
+    assert dm.llm_engine.speculator.proposer.model.layers[0]["qkv"] is dm.llm_engine.model.layers[0]["qkv"]  # shared
     p = dm.apply_chat_template([{"role": "user", "content": "Name three planets."}])
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert dm.generate(p, sp)[0].outputs[0].token_ids == llm.generate(p, sp)[0].outputs[0].token_ids
@@ -172,8 +172,8 @@ def test_separate_draft_model_path(tmp_path, llm):
     same = write_tiny_model(tmp_path / "same_vocab", llm.llm_engine.arch.vocab_size, tok)
     dm = LLM(num_kv_blocks=64, speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
                                                    "model": same})
-    assert dm.llm_engine.proposer.model.arch.hidden_size == 64
-    dm.llm_engine.proposer.min_acceptance = 0.0
+    assert dm.llm_engine.speculator.proposer.model.arch.hidden_size == 64
+    dm.llm_engine.speculator.policy.draft_cost = dm.llm_engine.speculator.policy.verify_cost_per_token = 0.0
     ps = prompts(llm)[2:]
     sp = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.9, max_tokens=12, seed=7)]

@@ -3,7 +3,7 @@
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.spec_decode.gate import VERIFY_COST_PER_TOKEN
+from kvserve.spec_decode.policy import VERIFY_COST_PER_TOKEN
 from tests.conftest import assert_pool_clean
 from tests.engine.spec_common import greedy_reference_and_single, prompts
 
@@ -75,12 +75,12 @@ def test_held_back_drafts_do_not_change_output(llm, spec_llm):
     ps = prompts(spec_llm) + ["Name a colour.", "What is 2 + 2?", "Say hello in French.", "List three animals."]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     reference = [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
-    gate = spec_llm.llm_engine.spec_gate
-    held_before = gate.num_held_back
-    gate.verify_cost_per_token = 1.0
+    policy = spec_llm.llm_engine.speculator.policy
+    held_before = policy.num_held_back
+    policy.verify_cost_per_token = 1.0
     try:
         assert [o.outputs[0].token_ids for o in spec_llm.generate(ps, sp)] == reference
     finally:
-        gate.verify_cost_per_token = VERIFY_COST_PER_TOKEN
-    assert gate.num_held_back > held_before
+        policy.verify_cost_per_token = VERIFY_COST_PER_TOKEN
+    assert policy.num_held_back > held_before
     assert_pool_clean(spec_llm.llm_engine)

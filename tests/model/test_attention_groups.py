@@ -5,8 +5,10 @@ and short groups and without it (gather + SDPA). No model: random K/V in a small
 import pytest
 import torch
 
+from kvserve.attention.cpu import CPUKernelAttentionBackend
+from kvserve.attention.torch_sdpa import SHORT_QUERY_TOKENS, TorchSDPABackend
 from kvserve.model import cpu_kernels
-from kvserve.model.attention import SHORT_QUERY_TOKENS, AttentionMetadata, paged_attention, write_kv
+from tests.conftest import flat_batch
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "sdpa"])
@@ -24,8 +26,7 @@ def test_groups_match_per_request_causal_attention(reqs, num_groups, causal, use
             pytest.skip(cpu_kernels.unavailable_reason())
         real = cpu_kernels.paged_attention
         monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a: kernel_calls.append(1) or real(*a))
-    else:
-        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    backend = CPUKernelAttentionBackend() if use_kernel else TorchSDPABackend()
     g = torch.Generator().manual_seed(0)
     bs, h_q, h_kv, d = 4, 6, 2, 8
     cache = torch.zeros(2, 64, bs, h_kv, d)
@@ -35,25 +36,22 @@ def test_groups_match_per_request_causal_attention(reqs, num_groups, causal, use
         n = -(-(ctx + q) // bs)
         tables.append(list(range(next_block + n - 1, next_block - 1, -1)))  # scattered (reversed) blocks
         next_block += n
-    ks, vs, qs, slots, qsl, seq_lens = [], [], [], [], [0], []
+    ks, vs, qs, qsl = [], [], [], [0]
     for (ctx, q), table in zip(reqs, tables):
         k = torch.randn(ctx + q, h_kv, d, generator=g)
         v = torch.randn(ctx + q, h_kv, d, generator=g)
         if ctx:  # the earlier context, already computed
-            old = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)], dtype=torch.long)
-            write_kv(cache, k[:ctx], v[:ctx], old)
+            backend.write_kv(cache, k[:ctx], v[:ctx], flat_batch([([0] * ctx, 0, table)], bs))
         ks.append(k), vs.append(v), qs.append(torch.randn(q, h_q, d, generator=g))
-        slots += [table[p // bs] * bs + p % bs for p in range(ctx, ctx + q)]
         qsl.append(qsl[-1] + q)
-        seq_lens.append(ctx + q)
-    slot_mapping = torch.tensor(slots, dtype=torch.long)
-    meta = AttentionMetadata.build(qsl, seq_lens, tables, slot_mapping, bs)
+    batch = flat_batch([([0] * q, ctx, table) for (ctx, q), table in zip(reqs, tables)], bs)
+    meta = backend.build_metadata(batch)
     assert len(meta.groups) == num_groups and meta.groups[-1].is_causal == causal
-    write_kv(cache, torch.cat([k[c:] for k, (c, _) in zip(ks, reqs)]),
-             torch.cat([v[c:] for v, (c, _) in zip(vs, reqs)]), slot_mapping)
+    backend.write_kv(cache, torch.cat([k[c:] for k, (c, _) in zip(ks, reqs)]),
+                     torch.cat([v[c:] for v, (c, _) in zip(vs, reqs)]), batch)
     q_all = torch.cat(qs)
     qk = torch.cat([q_all, torch.randn(len(q_all), h_kv, d, generator=g)], dim=1)  # q as a strided view, as in the model
-    out = paged_attention(qk[:, :h_q], cache, meta, d**-0.5)
+    out = backend.forward(qk[:, :h_q], cache, meta, d**-0.5)
     short_groups = sum(1 for grp in meta.groups if grp.query_index.shape[1] <= SHORT_QUERY_TOKENS)
     assert len(kernel_calls) == (short_groups if use_kernel else 0)  # every group but the long chunks
     for i, ((ctx, q), k, v, qq) in enumerate(zip(reqs, ks, vs, qs)):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve.model import cpu_kernels
-from kvserve.model.linear import Linear
+from kvserve.layers.linear import Linear
 
 
 def test_kernel_is_built_and_used_on_an_avx2_machine_with_a_compiler():

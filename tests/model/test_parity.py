@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvserve import SamplingParams
-from kvserve.model.attention import AttentionMetadata
 from kvserve.model.hf_reference import to_hf_model
 from kvserve.model.loader import load_model
+from tests.conftest import flat_batch
 
 PROMPTS = [
     "Once upon a time",
@@ -58,9 +58,7 @@ def test_logits_close_to_transformers(llm, hf_model):
         t = len(ids)
         kv = torch.zeros(model.kv_cache_shape(64, bs))
         table = list(range(63, 63 - (t + bs - 1) // bs, -1))  # scattered, descending physical blocks
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(t)])
-        meta = AttentionMetadata.build([0, t], [t], [table], slots, bs)
-        ours = model.forward(ids, torch.arange(t), kv, meta, torch.arange(t))
+        ours = model.forward(flat_batch([(ids.tolist(), 0, table)], bs, logits_rows=range(t)), kv)
         with torch.no_grad():
             ref = hf_model(ids[None]).logits[0]
         assert (ours - ref).abs().max().item() < 1e-3
@@ -77,26 +75,16 @@ def test_mixed_prefill_and_decode_batch_matches_separate_runs(llm):
     ta = list(range(0, 12))
     tb = list(range(20, 40))
 
-    def slots(table, start, end):
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
     # step 1: prefill a[:-1] alone
     n = len(a) - 1
-    meta = AttentionMetadata.build([0, n], [n], [ta], torch.tensor(slots(ta, 0, n)), bs)
-    model.forward(torch.tensor(a[:-1]), torch.arange(n), kv, meta, torch.tensor([n - 1]))
+    model.forward(flat_batch([(a[:-1], 0, ta)], bs), kv)
     # step 2: a's last token (decode) + all of b (prefill) in one flat batch
-    ids = torch.tensor([a[-1]] + b)
-    pos = torch.tensor([n] + list(range(len(b))))
-    sm = torch.tensor(slots(ta, n, n + 1) + slots(tb, 0, len(b)))
-    meta = AttentionMetadata.build([0, 1, 1 + len(b)], [n + 1, len(b)], [ta, tb], sm, bs)
-    mixed = model.forward(ids, pos, kv, meta, torch.tensor([0, len(b)]))
+    mixed = model.forward(flat_batch([(a[-1:], n, ta), (b, 0, tb)], bs), kv)
     # reference: each alone in a fresh cache
     refs = []
     for seq, table in ((a, ta), (b, tb)):
         kv2 = torch.zeros_like(kv)
-        t = len(seq)
-        meta = AttentionMetadata.build([0, t], [t], [table], torch.tensor(slots(table, 0, t)), bs)
-        refs.append(model.forward(torch.tensor(seq), torch.arange(t), kv2, meta, torch.tensor([t - 1]))[0])
+        refs.append(model.forward(flat_batch([(seq, 0, table)], bs), kv2)[0])
     assert (mixed - torch.stack(refs)).abs().max().item() < 1e-4
 
 

@@ -38,7 +38,7 @@ from kvserve.spec_decode import NgramProposer, Proposer
     ],
 )
 def test_exact_proposals(lookup, tokens, k, expected):
-    assert NgramProposer(*lookup).propose(tokens, k) == expected
+    assert NgramProposer(*lookup).lookup(tokens, k) == expected
 
 
 def reference(tokens, k, lo, hi):
@@ -61,7 +61,7 @@ def test_matches_brute_force_on_random_sequences():
         tokens = [rng.randrange(rng.choice([2, 4, 30])) for _ in range(rng.randrange(0, 40))]
         k = rng.randrange(0, 6)
         for (lo, hi), proposer in proposers.items():
-            got = proposer.propose(tokens, k)
+            got = proposer.lookup(tokens, k)
             assert got == reference(tokens, k, lo, hi), (tokens, k, lo, hi)
             hits += bool(got)
     assert hits > 500  # the random sequences exercise matches, not only misses
@@ -72,10 +72,10 @@ def test_long_context_is_fast():
     tokens = [rng.randrange(50_000) for _ in range(4000)]
     tokens += tokens[1000:1010]  # the last 3 tokens occurred at 1007..1009
     proposer = NgramProposer(1, 3)
-    assert proposer.propose(tokens, 5) == tokens[1010:1015]
+    assert proposer.lookup(tokens, 5) == tokens[1010:1015]
     start = time.perf_counter()
     for _ in range(50):
-        proposer.propose(tokens, 5)
+        proposer.lookup(tokens, 5)
     assert (time.perf_counter() - start) / 50 < 0.02  # measured ~0.5 ms per call
 
 
@@ -100,4 +100,4 @@ def test_bad_arguments(args, message):
 
 def test_negative_max_num_tokens():
     with pytest.raises(ValueError, match="max_num_tokens must be >= 0, got -1"):
-        NgramProposer().propose([1, 2, 1], -1)
+        NgramProposer().lookup([1, 2, 1], -1)

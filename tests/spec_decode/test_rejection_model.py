@@ -10,10 +10,11 @@ the full vocabulary checks the real token ids come back.
 import pytest
 import torch
 
-from kvserve.model.attention import AttentionMetadata
-from kvserve.model.llama import LlamaModel
+from kvserve.model.backends import select_backends
 from kvserve.model.loader import load_model
+from kvserve.model.registry import build_model
 from kvserve.sample.rejection_sampler import RejectionSampler
+from tests.conftest import flat_batch
 from tests.spec_decode.stats import chi_square
 
 PROMPT = "My favourite colour is"
@@ -25,12 +26,11 @@ TOP_P_TOKENS, TOP_Q_TOKENS = 20, 64
 def next_token_logits():
     """``[V]`` float32 logits for the token after PROMPT."""
     loaded = load_model()
-    model = LlamaModel(loaded.arch, dict(loaded.weights))
-    ids = torch.tensor(loaded.tokenizer.encode(PROMPT))
-    t, bs = len(ids), 16
+    model = build_model(loaded, select_backends("cpu", torch.float32))
+    ids = loaded.tokenizer.encode(PROMPT)
+    bs = 16
     kv = torch.zeros(model.kv_cache_shape(1, bs))
-    meta = AttentionMetadata.build([0, t], [t], [[0]], torch.arange(t), bs)
-    return model.forward(ids, torch.arange(t), kv, meta, torch.tensor([t - 1]))[0]
+    return model.forward(flat_batch([(ids, 0, [0])], bs), kv)[0]
 
 
 def distributions(logits):

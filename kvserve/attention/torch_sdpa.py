@@ -1,0 +1,161 @@
+"""The device-agnostic reference backend: gather each request's blocks, then PyTorch's SDPA.
+
+Requests are split into at most three groups per step, built once in ``build_metadata``: decode requests (one
+query token each), short queries (2..``SHORT_QUERY_TOKENS`` tokens: speculative verification spans, short chunks)
+and prefill requests (a prompt or chunk), each padded to its group's longest. Each group is one
+``scaled_dot_product_attention`` call per layer, so no Python loop runs over requests inside a layer, and a long
+prompt in the batch does not pad every decode or verifying request to its length. A group's K/V is gathered
+through its block tables into a padded copy first (``index_select`` over whole blocks); the CPU-kernel backend
+(``kvserve.attention.cpu``) reads the decode and short groups in place instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.base import AttentionBackend
+from kvserve.worker.input_batch import InputBatch
+
+# Queries of at most this many tokens (speculative verification spans: last token + drafts, short prompt tails)
+# form their own group, so they are not padded to the length of a long prompt chunk in the same step.
+SHORT_QUERY_TOKENS = 32
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together (one SDPA call).
+
+    Attributes:
+        query_index: ``[b, q_max]`` int64, flat-batch index of each (padded) query row (padding points at row 0).
+        query_valid: ``[b * q_max]`` bool, which padded rows are real tokens.
+        out_index: ``[n_real]`` int64, flat-batch index of each real row, in padded order.
+        block_tables: ``[b * n_blocks]`` int64, each member's physical block ids in logical order, flattened
+            (padding with block 0).
+        attn_mask: ``[b, 1, q_max, n_blocks * block_size]`` bool, True where query i may attend key j.
+        rows: ``(start, stop)`` when the group's queries are exactly flat rows ``start..stop-1`` in order with no
+            padding (e.g. the decode group, scheduled first): then they are read and written as a slice, without
+            gather/scatter copies; else ``None``.
+        is_causal: every member is a whole fresh prompt (no earlier context), so the mask is plain top-left
+            causal and SDPA can use ``is_causal=True`` (its kernel then skips the masked half) instead of
+            ``attn_mask``.
+        q_start, q_len, seq_len: ``[b]`` int64, each member's first flat row, query rows and keys (for the
+            in-place kernel).
+    """
+
+    query_index: torch.Tensor
+    query_valid: torch.Tensor
+    out_index: torch.Tensor
+    block_tables: torch.Tensor
+    attn_mask: torch.Tensor
+    rows: Optional[tuple] = None
+    is_causal: bool = False
+    q_start: Optional[torch.Tensor] = None
+    q_len: Optional[torch.Tensor] = None
+    seq_len: Optional[torch.Tensor] = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; built once, used by every layer.
+
+    Attributes:
+        groups: up to three ``AttentionGroup`` objects (decode, short, prefill), the ones with members.
+    """
+
+    groups: list[AttentionGroup]
+
+
+def build_groups(batch: InputBatch) -> AttentionMetadata:
+    """Split the batch's requests into the decode / short / prefill groups (see the module docstring).
+
+    Causality: request b's query i sits at position ``seq_lens[b] - q_len + i`` and sees keys ``0..`` that
+    position, so a chunk ``[s, s+q)`` reads exactly the ``s + q`` keys written so far.
+    """
+    q_lens = batch.query_lens
+    decode = [b for b, q in enumerate(q_lens) if q == 1]
+    short = [b for b, q in enumerate(q_lens) if 1 < q <= SHORT_QUERY_TOKENS]
+    prefill = [b for b, q in enumerate(q_lens) if q > SHORT_QUERY_TOKENS]
+    return AttentionMetadata([_build_group(m, batch) for m in (decode, short, prefill) if m])
+
+
+def _build_group(members: list[int], batch: InputBatch) -> AttentionGroup:
+    bs = batch.block_size
+    b = len(members)
+    idx = torch.tensor(members)
+    q_start = batch.query_start_loc[idx]
+    q_len = batch.query_start_loc[idx + 1] - q_start
+    s_len = batch.seq_lens[idx]
+    q_max = max(batch.query_lens[i] for i in members)
+    n_blocks = max(-(-batch.context_lens[i] // bs) for i in members)
+    rows = torch.arange(q_max)
+    valid = rows[None, :] < q_len[:, None]  # [b, q_max]
+    query_index = torch.where(valid, q_start[:, None] + rows[None, :], torch.zeros((), dtype=torch.long))
+    tables = batch.block_tables[idx, :n_blocks].contiguous()
+    # Query row i of request r is at absolute position (s_len - q_len + i); it sees keys j <= that position.
+    q_pos = (s_len - q_len)[:, None] + rows[None, :]  # [b, q_max]
+    keys = torch.arange(n_blocks * bs)
+    mask = keys[None, None, :] <= q_pos[:, :, None]
+    mask[:, :, 0] = True  # padded rows see key 0 so their (discarded) softmax is finite
+    flat_valid = valid.reshape(-1)
+    out_index = query_index.reshape(-1)[flat_valid]
+    first = int(q_start[0])
+    dense = bool(flat_valid.all()) and out_index.equal(torch.arange(first, first + len(out_index)))
+    return AttentionGroup(
+        query_index=query_index,
+        query_valid=flat_valid,
+        out_index=out_index,
+        block_tables=tables.reshape(-1),
+        attn_mask=mask[:, None, :, :],
+        rows=(first, first + len(out_index)) if dense else None,
+        is_causal=q_max > 1 and bool((s_len == q_len).all()),
+        q_start=q_start,
+        q_len=q_len,
+        seq_len=s_len,
+    )
+
+
+class TorchSDPABackend(AttentionBackend):
+    """Gather + ``scaled_dot_product_attention`` per group; runs on any device and dtype."""
+
+    name = "torch-sdpa"
+
+    def build_metadata(self, batch: InputBatch) -> AttentionMetadata:
+        return build_groups(batch)
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            if not self._forward_group_in_place(q, kv_cache, g, scale, out):
+                _sdpa_group(q, kv_cache, g, scale, out)
+        return out
+
+    def _forward_group_in_place(self, q, kv_cache, group, scale, out) -> bool:
+        """Hook for backends that read some groups in place; ``False``: use the gather + SDPA path."""
+        return False
+
+
+def _sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale: float, out: torch.Tensor) -> None:
+    """One group: gather its blocks into a padded copy, one SDPA call, scatter the real rows into ``out``."""
+    h_q, d = q.shape[1:]
+    h_kv = kv_cache.shape[-2]
+    b, q_max = g.query_index.shape
+    if g.rows is not None:
+        qg = q[g.rows[0] : g.rows[1]].reshape(b, q_max, h_q, d).transpose(1, 2)  # [b, H_q, q_max, D]
+    else:
+        qg = q[g.query_index].transpose(1, 2)
+    # index_select on the block dimension: one contiguous copy per block, ~2x faster than advanced indexing
+    k = kv_cache[0].index_select(0, g.block_tables).view(b, -1, h_kv, d).transpose(1, 2)  # [b, H_kv, L, D]
+    v = kv_cache[1].index_select(0, g.block_tables).view(b, -1, h_kv, d).transpose(1, 2)
+    if g.is_causal:  # row i sees keys 0..i (top-left aligned); padded rows' outputs are discarded
+        o = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=scale, enable_gqa=h_q != h_kv)
+    else:
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.attn_mask, scale=scale, enable_gqa=h_q != h_kv)
+    o = o.transpose(1, 2).reshape(b * q_max, h_q, d)
+    if g.rows is not None:
+        out[g.rows[0] : g.rows[1]] = o
+    else:
+        out[g.out_index] = o[g.query_valid]

@@ -1,0 +1,72 @@
+"""What every model family implements, and the hyperparameters the loaders read.
+
+A model is a forward over the flat batch (``kvserve.worker.input_batch.InputBatch``) and the paged KV cache,
+built through ``kvserve.model.registry.build_model`` with the backends chosen at start-up; it returns logits only
+for the rows that sample. Adding a family is one module implementing ``CausalLM`` plus one registry line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvserve.worker.input_batch import InputBatch
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Hyperparameters of a decoder, read from the model's own metadata.
+
+    Attributes:
+        architecture: the registry name (Hugging Face's ``architectures[0]``), e.g. ``"LlamaForCausalLM"``.
+        attention_bias: Q, K and V projections carry a bias (Qwen2).
+        Others: as in Hugging Face's configs (sizes in features, ``rope_theta`` the RoPE base).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    architecture: str = "LlamaForCausalLM"
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+
+class CausalLM(Protocol):
+    """The protocol a model family implements.
+
+    Attributes:
+        arch: its ``ModelArch``.
+        dtype: weight, activation and KV-cache dtype.
+    """
+
+    arch: ModelArch
+    dtype: torch.dtype
+
+    def forward(self, batch: InputBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run the flat batch, writing its K/V into ``kv_cache`` (``kv_cache_shape``); returns
+        ``[len(batch.logits_indices), vocab_size]`` float32 logits of the rows ``batch.logits_indices``."""
+        ...
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of the whole KV pool for ``num_blocks`` blocks of ``block_size`` tokens."""
+        ...
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes one KV block takes over all layers, K and V."""
+        ...

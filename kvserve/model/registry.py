@@ -1,0 +1,35 @@
+"""Architecture name -> model class, and ``build_model``. One line per model family."""
+
+from __future__ import annotations
+
+import importlib
+
+from kvserve.model.backends import ModelBackends
+from kvserve.model.base import CausalLM
+
+#: Hugging Face architecture name -> ``"module:Class"`` (imported on first use).
+_MODELS = {
+    "LlamaForCausalLM": "kvserve.model.llama:LlamaModel",
+    "Qwen2ForCausalLM": "kvserve.model.qwen2:Qwen2Model",
+}
+SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+
+
+def model_class(architecture: str) -> type:
+    """The class implementing ``architecture``.
+
+    Raises:
+        ValueError: an architecture not in ``SUPPORTED_ARCHITECTURES``.
+    """
+    if architecture not in _MODELS:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
+    module, name = _MODELS[architecture].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_model(loaded, backends: ModelBackends) -> CausalLM:
+    """Build the model of a ``LoadedModel`` (``kvserve.model.loader``) with the chosen backends.
+
+    ``loaded.weights`` is read, not consumed: fused copies are made (several engines in one process share a load).
+    """
+    return model_class(loaded.arch.architecture)(loaded.arch, loaded.weights, backends)

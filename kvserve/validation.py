@@ -1,0 +1,36 @@
+"""The one home of argument checks: each raises ``ValueError`` naming the field and the allowed range."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+
+def check_int(name: str, value, low: int, high: Optional[int] = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int (not a bool) in ``[low, high]`` (``high=None``: unbounded)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        rng = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
+
+
+def check_number(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite int or float (not a bool) in ``[low, high]``
+    (``(low, high]`` with ``low_open``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        lo = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {lo}{low}, {high}], got {value!r}")
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    """Raise ``ValueError`` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")

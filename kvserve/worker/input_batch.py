@@ -1,0 +1,119 @@
+"""The one flat-batch builder: a step plan -> the tensors a forward pass over the paged cache reads.
+
+Flat batch of ``T`` tokens over ``B`` requests (request ``b`` owns rows ``query_start_loc[b] : query_start_loc[b+1]``,
+the layout of vLLM's ``InputBatch`` / FlashAttention's varlen API). Used by the model runner for the target model and
+by the draft-model proposer for its own cache, so there is one copy of the slot arithmetic.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+
+class BatchEntry(Protocol):
+    """What the builder reads of one request's share of a step (``ScheduledRequest`` is one)."""
+
+    token_ids: list[int]  # tokens to feed, at positions start_pos ..
+    start_pos: int  # tokens of the request already in the cache
+    block_ids: list[int]  # its block table, covering start_pos + len(token_ids) tokens
+    spec_token_ids: list[int]  # the last len(spec_token_ids) of token_ids are drafts to verify
+    samples: bool  # a next token is sampled from the last row (from every draft row too, when verifying)
+    sampling_states: list  # samples drawn from the last row (n > 1 forks: several), when ``samples``
+
+
+@dataclass
+class InputBatch:
+    """The step's flat batch, on ``device``.
+
+    Attributes:
+        input_ids: ``[T]`` int64 token ids.
+        positions: ``[T]`` int64 absolute position of each token in its sequence.
+        slot_mapping: ``[T]`` int64 cache slot of each token, ``block_id * block_size + position % block_size``.
+        query_start_loc: ``[B + 1]`` int64 prefix sums of the query lengths.
+        seq_lens: ``[B]`` int64 tokens in context after this step (computed before + scheduled now).
+        block_tables: ``[B, max_blocks]`` int64, each request's block ids in logical order, padded with 0.
+        logits_indices: ``[S]`` int64 flat rows whose next-token logits are wanted: the last row of each sampling
+            request (repeated once per sample of an ``n > 1`` fork), or the last ``k + 1`` rows of a request
+            verifying ``k`` drafts.
+        block_size: tokens per block.
+        query_lens, context_lens: ``B`` ints on the host (query tokens, and ``seq_lens``), for metadata builders.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+    block_size: int
+    query_lens: list[int]
+    context_lens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+
+def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: str = "cpu") -> InputBatch:
+    """Flatten ``B >= 1`` plan entries into an ``InputBatch``, vectorised over tokens (one Python pass over the
+    requests for their token lists and block tables).
+
+    Args:
+        entries: the scheduled requests, in flat-batch order; each feeds ``>= 1`` token.
+        block_size: tokens per KV block.
+        device: where the tensors go (``"cpu"``, ``"cuda"``).
+
+    Raises:
+        ValueError: an entry feeds no token, or its block table is too short for its positions.
+    """
+    query_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=len(entries))
+    if len(entries) == 0 or (query_lens < 1).any():
+        raise ValueError("every batch entry must feed at least one token")
+    starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=len(entries))
+    qsl = np.zeros(len(entries) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=qsl[1:])
+    t = int(qsl[-1])
+    input_ids = np.fromiter(itertools.chain.from_iterable(e.token_ids for e in entries), dtype=np.int64, count=t)
+    req_index = np.repeat(np.arange(len(entries)), query_lens)
+    positions = np.arange(t, dtype=np.int64) - qsl[req_index] + starts[req_index]
+    seq_lens = starts + query_lens
+    max_blocks = max(len(e.block_ids) for e in entries)
+    tables = np.zeros((len(entries), max_blocks), dtype=np.int64)
+    for b, e in enumerate(entries):
+        if len(e.block_ids) * block_size < seq_lens[b]:
+            raise ValueError(f"entry {b}: {len(e.block_ids)} blocks cannot hold {seq_lens[b]} tokens")
+        tables[b, : len(e.block_ids)] = e.block_ids
+    slot_mapping = tables[req_index, positions // block_size] * block_size + positions % block_size
+    logits_indices = []
+    for b, e in enumerate(entries):
+        if not e.samples:
+            continue
+        end = int(qsl[b + 1])
+        k = len(e.spec_token_ids)
+        logits_indices.extend(range(end - 1 - k, end) if k else [end - 1] * max(1, len(e.sampling_states)))
+
+    def tensor(a) -> torch.Tensor:
+        return torch.as_tensor(a, dtype=torch.long).to(device)
+
+    return InputBatch(
+        input_ids=tensor(input_ids),
+        positions=tensor(positions),
+        slot_mapping=tensor(slot_mapping),
+        query_start_loc=tensor(qsl),
+        seq_lens=tensor(seq_lens),
+        block_tables=tensor(tables),
+        logits_indices=tensor(np.asarray(logits_indices, dtype=np.int64)),
+        block_size=block_size,
+        query_lens=query_lens.tolist(),
+        context_lens=seq_lens.tolist(),
+    )

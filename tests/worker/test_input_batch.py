@@ -1,0 +1,42 @@
+"""The one flat-batch builder: exact tensors for a plan mixing decodes, a prompt chunk and a draft span."""
+
+import pytest
+import torch
+
+from kvserve.core.sched_output import SamplingState, ScheduledRequest
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.input_batch import build_input_batch
+
+
+def state(rid):
+    return SamplingState(rid, SamplingParams(), [], [])
+
+
+def test_mixed_plan_gives_exact_tensors():
+    plan = [
+        ScheduledRequest("dec", [11], 5, [3, 7], samples=True, sampling_states=[state("dec")]),
+        ScheduledRequest("chunk", [20, 21, 22], 4, [1, 2]),  # positions 4..6 of a longer prompt: no sampling
+        ScheduledRequest("spec", [30, 31, 32], 2, [5, 6], spec_token_ids=[31, 32], samples=True,
+                         sampling_states=[state("spec")]),
+        ScheduledRequest("fork", [40], 0, [9], samples=True, sampling_states=[state("fork"), state("fork#1")]),
+    ]
+    b = build_input_batch(plan, block_size=4)
+    assert b.input_ids.tolist() == [11, 20, 21, 22, 30, 31, 32, 40]
+    assert b.positions.tolist() == [5, 4, 5, 6, 2, 3, 4, 0]
+    # slot = block_table[pos // 4] * 4 + pos % 4
+    assert b.slot_mapping.tolist() == [7 * 4 + 1, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 5 * 4 + 2, 5 * 4 + 3, 6 * 4 + 0,
+                                       9 * 4 + 0]
+    assert b.query_start_loc.tolist() == [0, 1, 4, 7, 8]
+    assert b.seq_lens.tolist() == [6, 7, 5, 1]
+    assert b.block_tables.tolist() == [[3, 7], [1, 2], [5, 6], [9, 0]]
+    # decode: its row; chunk: none; 2 drafts: 3 rows (k + 1); the fork's 2 samples both read row 7
+    assert b.logits_indices.tolist() == [0, 4, 5, 6, 7, 7]
+    assert (b.query_lens, b.context_lens, b.num_tokens, b.num_reqs) == ([1, 3, 3, 1], [6, 7, 5, 1], 8, 4)
+    assert all(t.dtype == torch.long for t in (b.input_ids, b.positions, b.slot_mapping, b.block_tables))
+
+
+def test_bad_plans_are_refused():
+    with pytest.raises(ValueError, match="at least one token"):
+        build_input_batch([ScheduledRequest("x", [], 0, [0])], block_size=4)
+    with pytest.raises(ValueError, match="1 blocks cannot hold 5 tokens"):
+        build_input_batch([ScheduledRequest("x", [1, 2], 3, [0])], block_size=4)
