@@ -76,7 +76,8 @@ class CacheConfig:
     """
 
     block_size: int = _field(16, "tokens per KV block, 1 to 1024")
-    num_kv_blocks: Optional[int] = _field(None, "force the KV pool to this many blocks")
+    num_kv_blocks: Optional[int] = _field(None, "force the KV pool to this many blocks (default: sized from the "
+                                                "memory budget)")
     kv_cache_memory_bytes: Optional[int] = _field(None, "KV pool budget in bytes (default: 10% of available RAM, "
                                                         "at most 4 GiB)")
     enable_prefix_caching: bool = _field(True, "share computed KV blocks between requests with a common prefix")
@@ -147,8 +148,8 @@ class SchedulerConfig:
 
 
 SUPPORTED_SPEC_METHODS = ("ngram", "draft_model")
-#: Layers of the self-speculative early-exit draft when ``draft_num_layers`` is not given (measured choice: see
-#: ``kvserve.spec_decode.draft_model``).
+#: Layers of the self-speculative early-exit draft when ``draft_num_layers`` is not given (a measured choice:
+#: docs/benchmarks.md, "Speculative decoding").
 DEFAULT_DRAFT_NUM_LAYERS = 1
 
 

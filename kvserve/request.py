@@ -89,7 +89,7 @@ class Request:
         self.fork_children: list[Request] = []  # the other samples of an n > 1 request, started after the prompt
         self.parent_id: Optional[str] = None  # the user's request id when this is one sample of several
         self.sample_index = 0
-        self.block_hashes: list[int] = []
+        self.block_hashes: list = []  # chained BlockHash of each full block (KVCacheManager.block_hashes)
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: Optional[torch.Tensor] = None
         self.queue_seq = 0  # set by the scheduler: arrival order, the FCFS tie-break

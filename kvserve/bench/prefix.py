@@ -21,7 +21,7 @@ import random
 import statistics
 from pathlib import Path
 
-from kvserve.bench.report import TimedRequest, drive
+from kvserve.bench.driver import TimedRequest, drive
 from kvserve.bench.throughput import percentile
 from kvserve.bench.workloads import SAFE_TOKEN_RANGE, default_data_dir
 

@@ -1,7 +1,8 @@
 """``kvserve bench report --out DIR``: the serving-behaviour report — fixed workloads on the real model, PNG plots
 and a markdown summary (``DIR/report.md``, numbers also in ``DIR/report.json``).
 
-Every run drives an ``LLMEngine`` directly and records a per-step timeline from outside the engine: wall-clock
+The report (experiments, ``report.md``, ``report.json``); the driver is ``kvserve.bench.driver``, the figures
+``kvserve.bench.plots``. Every run drives an ``LLMEngine`` directly and records a per-step timeline from outside the engine: wall-clock
 time around each ``step()``, ``kv_cache_stats()`` after it, how many requests and tokens it scheduled (from
 ``engine.stats``) and which requests received a token. Four experiments:
 
@@ -25,12 +26,14 @@ import os
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from kvserve.bench.driver import TimedRequest, drive, latency_summary, poisson_arrivals, rate_key
+from kvserve.bench.plots import plot_batch_occupancy, plot_itl, plot_kv_memory, plot_throughput_latency
 from kvserve.bench.throughput import percentile
-from kvserve.bench.workloads import SAFE_TOKEN_RANGE, BenchRequest, synthetic_skewed
+from kvserve.bench.workloads import SAFE_TOKEN_RANGE, synthetic_skewed
 
 
 # ------------------------------------------------------------------------------------------------ configuration
@@ -84,141 +87,6 @@ QUICK = ReportConfig(
     sweep_num_requests=3, sweep_max_num_seqs=4, sweep_input=(16, 32), sweep_output=(2, 3), sweep_fractions=(0.5,),
     num_kv_blocks=64,
 )
-
-
-# ------------------------------------------------------------------------------------------------ timelines
-@dataclass
-class TimedRequest:
-    """A request of a driven run: added once the run reaches ``at`` (seconds after the start when driving by
-    time, a step index when driving by steps). Greedy, ``ignore_eos``, exactly ``output_len`` tokens."""
-
-    request_id: str
-    prompt_token_ids: list
-    output_len: int
-    at: float = 0.0
-
-
-@dataclass
-class StepRecord:
-    """One engine step seen from outside (times in seconds since the run's start, sizes in tokens).
-
-    Attributes:
-        start_s, end_s: wall clock around ``step()``.
-        num_scheduled: requests the step computed (``max_num_seqs`` bounds it); ``num_tokens``: tokens it computed.
-        num_running, num_waiting: queue sizes after the step.
-        used_blocks, tokens_stored, tokens_allocated, naive_reserved_tokens: ``kv_cache_stats()`` after the step.
-        new_tokens: request id -> tokens it received in this step.
-    """
-
-    start_s: float
-    end_s: float
-    num_scheduled: int
-    num_tokens: int
-    num_running: int
-    num_waiting: int
-    used_blocks: int
-    tokens_stored: int
-    tokens_allocated: int
-    naive_reserved_tokens: int
-    new_tokens: dict = field(default_factory=dict)
-
-
-@dataclass
-class Timeline:
-    """A driven run: its steps, when each request received each token, and its final outputs.
-
-    Attributes:
-        steps: ``StepRecord`` per step.
-        token_times: request id -> end time (s since start) of the step that produced each of its tokens.
-        arrival_s: request id -> when it was added (s since start; its scheduled arrival when driving by time).
-        finished: request id -> final ``RequestOutput``.
-        wall_s: start to the last request's finish.
-    """
-
-    steps: list
-    token_times: dict
-    arrival_s: dict
-    finished: dict
-    wall_s: float
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(len(v) for v in self.token_times.values())
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    def ttft(self, request_id: str) -> float:
-        """Seconds from the request's arrival to its first token."""
-        return self.token_times[request_id][0] - self.arrival_s[request_id]
-
-    def itl(self, request_ids) -> list:
-        """Gaps (seconds) between consecutive tokens of each of ``request_ids``, all together."""
-        gaps = []
-        for rid in request_ids:
-            t = self.token_times.get(rid, [])
-            gaps.extend(b - a for a, b in zip(t, t[1:]))
-        return gaps
-
-
-def drive(engine, requests: list, by: str = "time", poll_s: float = 0.005) -> Timeline:
-    """Run ``requests`` (``TimedRequest``) on ``engine`` until all finish, recording a ``Timeline``.
-
-    Args:
-        engine: an idle ``LLMEngine``.
-        requests: what to add and when.
-        by: ``"time"``: a request is added once ``at`` seconds have passed (the engine steps meanwhile and sleeps
-            ``poll_s`` when idle), with ``arrival_time`` set to its scheduled arrival so TTFT includes the wait for
-            a step in progress; ``"step"``: it is added just before step number ``at`` (0-based) runs.
-
-    Raises:
-        ValueError: ``by`` is neither ``"time"`` nor ``"step"``, or the engine rejects a request.
-    """
-    from kvserve.sampling_params import SamplingParams
-
-    if by not in ("time", "step"):
-        raise ValueError(f"by must be 'time' or 'step', got {by!r}")
-    pending = sorted(requests, key=lambda r: r.at)
-    steps: list = []
-    token_times: dict = {r.request_id: [] for r in requests}
-    arrival_s: dict = {}
-    finished: dict = {}
-    t0 = time.monotonic()
-    while pending or engine.has_unfinished_requests():
-        now = time.monotonic() - t0
-        while pending and (pending[0].at <= (now if by == "time" else len(steps))
-                           or (by == "step" and not engine.has_unfinished_requests())):
-            r = pending.pop(0)
-            arrival = r.at if by == "time" else now
-            sp = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
-            engine.add_request(r.prompt_token_ids, sp, request_id=r.request_id, arrival_time=t0 + arrival)
-            arrival_s[r.request_id] = arrival
-        if not engine.has_unfinished_requests():
-            time.sleep(min(poll_s, max(0.0, pending[0].at - (time.monotonic() - t0))))
-            continue
-        before = engine.stats
-        running0, tokens0 = before.sum_running, before.num_computed_tokens_total
-        start = time.monotonic()
-        outs = engine.step()
-        end = time.monotonic()
-        kv = engine.kv_cache_stats()
-        after = engine.stats
-        rec = StepRecord(
-            start - t0, end - t0, after.sum_running - running0, after.num_computed_tokens_total - tokens0,
-            engine.scheduler.num_running, engine.scheduler.num_waiting, kv.used_blocks, kv.tokens_stored,
-            kv.tokens_allocated, kv.naive_reserved_tokens,
-        )
-        for o in outs:
-            n = len(o.outputs[0].delta_token_ids)
-            if n:
-                rec.new_tokens[o.request_id] = n
-                token_times[o.request_id].extend([end - t0] * n)
-            if o.finished:
-                finished[o.request_id] = o
-        steps.append(rec)
-    last = max((v[-1] for v in token_times.values() if v), default=0.0)
-    return Timeline(steps, token_times, arrival_s, finished, last)
 
 
 def _random_prompt(rng: random.Random, n: int) -> list:
@@ -336,28 +204,6 @@ def chunked_prefill_itl(engines: _Engines, cfg: ReportConfig, seed: int) -> tupl
     return summary, timelines
 
 
-def poisson_arrivals(requests: list, rate: float, seed: int = 0) -> list:
-    """Copies of ``requests`` (``BenchRequest``) with Poisson arrivals at ``rate`` requests/s (exponential gaps,
-    the first at 0); ``rate=inf`` puts every arrival at 0."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for i, r in enumerate(requests):
-        if i and rate != float("inf"):
-            t += rng.expovariate(rate)
-        out.append(BenchRequest(r.prompt_token_ids, r.output_len, t))
-    return out
-
-
-def latency_summary(tl: Timeline) -> dict:
-    """TTFT and TPOT p50/p99 (s), output tokens, tokens/s and wall time (s) of a driven run; TPOT per request is
-    (last token - first token) / (output tokens - 1)."""
-    ttft = [tl.ttft(rid) for rid, t in tl.token_times.items() if t]
-    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in tl.token_times.values() if len(t) > 1]
-    return {"p50_ttft_s": percentile(ttft, 50), "p99_ttft_s": percentile(ttft, 99),
-            "p50_tpot_s": percentile(tpot, 50), "p99_tpot_s": percentile(tpot, 99),
-            "output_tokens": tl.output_tokens, "output_tokens_per_s": tl.output_tokens_per_s, "wall_s": tl.wall_s}
-
-
 def rate_sweep(engines: _Engines, cfg: ReportConfig, seed: int) -> dict:
     """Experiment 4: every request at once (the capacity point), then Poisson arrivals at
     ``cfg.sweep_fractions`` x that request throughput. Each point uses fresh random prompts.
@@ -383,119 +229,6 @@ def rate_sweep(engines: _Engines, cfg: ReportConfig, seed: int) -> dict:
     return {"max_num_seqs": cfg.sweep_max_num_seqs, "points": points}
 
 
-def _rate_key(point: dict) -> float:
-    return float("inf") if point["rate_req_s"] is None else point["rate_req_s"]
-
-
-# ------------------------------------------------------------------------------------------------ plots
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _style(ax, xlabel: str, ylabel: str) -> None:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-
-
-def _save(plt, fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def plot_kv_memory(tl: Timeline, summary: dict, path: Path) -> None:
-    """Experiment 1 figure: naive reserved vs paged allocated vs stored tokens per step."""
-    plt = _pyplot()
-    x = range(len(tl.steps))
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    ax.plot(x, [s.naive_reserved_tokens for s in tl.steps], label="naive reservation (prompt + max_tokens)",
-            color="tab:red")
-    ax.plot(x, [s.tokens_allocated for s in tl.steps], label="paged: allocated (blocks x block_size)",
-            color="tab:blue")
-    ax.fill_between(x, [s.tokens_stored for s in tl.steps], color="tab:green", alpha=0.35,
-                    label="actually used (tokens with K/V)")
-    _style(ax, "engine step", "KV cache (tokens)")
-    ax.set_title(f"KV memory, continuous batching: waste {summary['paged_waste']:.1%} paged vs "
-                 f"{summary['naive_waste']:.1%} naive", fontsize=10)
-    _save(plt, fig, path)
-
-
-def plot_batch_occupancy(timelines: dict, summary: dict, path: Path) -> None:
-    """Experiment 2 figure: requests computed per step, static vs continuous."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    for policy, color in (("continuous", "tab:blue"), ("static", "tab:orange")):
-        steps = timelines[policy].steps
-        run = summary["runs"][policy]
-        ax.step(range(len(steps)), [s.num_scheduled for s in steps], where="post", color=color,
-                label=f"{policy}: {run['steps']} steps, mean batch {run['mean_batch_size']:.1f}")
-    ax.axhline(summary["max_num_seqs"], color="gray", ls=":", label="max_num_seqs")
-    _style(ax, "engine step", "requests in the batch")
-    ax.set_title(f"Batch occupancy, {summary['num_requests']} requests with skewed output lengths", fontsize=10)
-    _save(plt, fig, path)
-
-
-def plot_itl(timelines: dict, summary: dict, path: Path) -> None:
-    """Experiment 3 figure: each short request's inter-token gaps over time, unchunked above, chunked below, with
-    the long prompts' arrivals (dashed) and first tokens (solid)."""
-    plt = _pyplot()
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
-
-    fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True, sharey=True)
-    for ax, mode, color in zip(axes, ("unchunked", "chunked"), ("tab:red", "tab:blue")):
-        tl, s = timelines[mode], summary[mode]
-        for rid, times in tl.token_times.items():
-            if rid.startswith("short") and len(times) > 1:
-                ax.plot(times[1:], [b - a for a, b in zip(times, times[1:])], ".", ms=3, color=color)
-        for rid, times in tl.token_times.items():
-            if rid.startswith("long"):
-                ax.axvline(tl.arrival_s[rid], color="gray", ls="--", lw=1)
-                if times:
-                    ax.axvline(times[0], color="black", lw=1)
-        ax.axhline(s["p99_itl_s"], color=color, ls=":", lw=1)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(ScalarFormatter())
-        ax.yaxis.set_minor_formatter(NullFormatter())
-        ax.set_ylabel("ITL (s)")
-        ax.set_title(f"{mode} (budget {s['max_num_batched_tokens']} tokens): p99 ITL {s['p99_itl_s']:.2f} s, "
-                     f"max stall {s['max_stall_s']:.2f} s, {s['output_tokens_per_s']:.1f} tok/s, "
-                     f"long-prompt TTFT {s['long_ttft_s']:.1f} s", fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[1].set_xlabel("time since start (s); dashed: a long prompt arrives, solid: its first token")
-    n_long = len(summary["long_arrival_steps"])
-    fig.suptitle(f"{summary['num_short']} running decodes, {n_long} prompt{'s' if n_long > 1 else ''} of "
-                 f"{summary['long_prompt_tokens']} tokens arriving: p99 ITL {summary['p99_itl_ratio']:.1f}x lower "
-                 f"chunked", fontsize=10)
-    _save(plt, fig, path)
-
-
-def plot_throughput_latency(sweep: dict, path: Path) -> None:
-    """Experiment 4 figure: TTFT and TPOT p50/p99 (ms) against output tokens/s, one point per request rate."""
-    plt = _pyplot()
-    pts = sorted(sweep["points"], key=_rate_key)
-    x = [p["output_tokens_per_s"] for p in pts]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    for ax, metric in zip(axes, ("ttft", "tpot")):
-        for q, style in (("p50", "o-"), ("p99", "s--")):
-            ax.plot(x, [p[f"{q}_{metric}_s"] * 1000 for p in pts], style, label=f"{metric.upper()} {q}")
-        for p, xi in zip(pts, x):
-            rate = "all at once" if p["rate_req_s"] is None else f"{p['rate_req_s']:.2f} req/s"
-            ax.annotate(rate, (xi, p[f"p99_{metric}_s"] * 1000), fontsize=7, textcoords="offset points",
-                        xytext=(3, 4))
-        _style(ax, "output throughput (tokens/s)", f"{metric.upper()} (ms)")
-    fig.suptitle(f"Throughput vs latency, Poisson arrivals ({pts[0]['num_requests']} requests per rate, "
-                 f"max_num_seqs {sweep['max_num_seqs']})", fontsize=10)
-    _save(plt, fig, path)
-
-
-# ------------------------------------------------------------------------------------------------ markdown
 def render_markdown(summary: dict) -> str:
     """``report.md``: the four figures with their numbers (``summary`` as returned by ``run_report``)."""
     kv, itl, sw = summary["kv"], summary["itl"], summary["sweep"]
@@ -573,7 +306,7 @@ def render_markdown(summary: dict) -> str:
         "| rate req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for p in sorted(sw["points"], key=_rate_key):
+    for p in sorted(sw["points"], key=rate_key):
         rate = "all at once" if p["rate_req_s"] is None else f"{p['rate_req_s']:.2f}"
         lines.append(f"| {rate} | {p['output_tokens_per_s']:.1f} | {ms(p['p50_ttft_s'])} | {ms(p['p99_ttft_s'])} | "
                      f"{ms(p['p50_tpot_s'])} | {ms(p['p99_tpot_s'])} |")

@@ -13,9 +13,21 @@ partial blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional, Protocol
 
-from kvserve.core.block_pool import BlockPool, hash_block
+from kvserve.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block
+
+
+class SeqLike(Protocol):
+    """What the manager reads of a request (``Request``, or the draft proposer's ``_DraftSeq``).
+
+    ``request_id`` keys its block table; ``num_computed_tokens`` is how many of its tokens have K/V. Prefix caching
+    (``block_hashes``, ``get_computed_blocks``, ``cache_computed_blocks``) also reads ``num_tokens``,
+    ``all_token_ids`` and the ``block_hashes`` list it extends.
+    """
+
+    request_id: str
+    num_computed_tokens: int
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -75,17 +87,17 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
-        self.req_to_blocks: dict = {}
-        self.num_cached_blocks: dict = {}  # request_id -> how many of its leading blocks are in the cache
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # request_id -> how many of its leading blocks are in the cache
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self.pending_copies: list = []  # (src_block_id, dst_block_id) copy-on-write copies for the next step
+        self.pending_copies: list[tuple[int, int]] = []  # (src_block_id, dst_block_id) copy-on-write copies for the next step
 
     @property
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
 
-    def block_hashes(self, request) -> list:
+    def block_hashes(self, request: SeqLike) -> list[BlockHash]:
         """Chained ``BlockHash`` of each full block of the request's known tokens (extended incrementally and
         kept on ``request.block_hashes``)."""
         hashes = request.block_hashes
@@ -99,7 +111,7 @@ class KVCacheManager:
                 hashes.append(parent)
         return hashes
 
-    def get_computed_blocks(self, request) -> list:
+    def get_computed_blocks(self, request: SeqLike) -> list[KVCacheBlock]:
         """The longest run of cached blocks matching the request's leading full blocks.
 
         Capped at ``(num_tokens - 1) // block_size`` blocks so at least the last token is computed (its logits
@@ -116,7 +128,8 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate_slots(self, request, num_new_tokens: int, computed_blocks=()) -> Optional[list]:
+    def allocate_slots(self, request: SeqLike, num_new_tokens: int,
+                       computed_blocks: Iterable[KVCacheBlock] = ()) -> Optional[list[int]]:
         """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens`` (plus, at admission,
         after the prefix-cache hits ``computed_blocks``, which are referenced on success).
 
@@ -148,14 +161,14 @@ class KVCacheManager:
         blocks.extend(new)
         return [b.block_id for b in new]
 
-    def _shared_write_block(self, request, held: list) -> Optional[int]:
+    def _shared_write_block(self, request: SeqLike, held: list[KVCacheBlock]) -> Optional[int]:
         """Index in ``held`` of the partially filled block the next token goes into, if other tables share it."""
         i, offset = divmod(request.num_computed_tokens, self.block_size)
         if offset and i < len(held) and held[i].ref_cnt > 1:
             return i
         return None
 
-    def _copy_on_write(self, held: list, i: int) -> None:
+    def _copy_on_write(self, held: list[KVCacheBlock], i: int) -> None:
         """Give the table a private copy of its shared block ``i`` (the copy itself is queued in
         ``pending_copies`` and done by the model runner before the step's writes)."""
         shared = held[i]
@@ -164,12 +177,12 @@ class KVCacheManager:
         held[i] = private
         self.block_pool.free_blocks([shared])
 
-    def take_pending_copies(self) -> list:
+    def take_pending_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write ``(src, dst)`` block copies queued since the last call."""
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def fork(self, parent, child) -> None:
+    def fork(self, parent: SeqLike, child: SeqLike) -> None:
         """Give ``child`` the same block table as ``parent`` (every block gains a reference): the ``n`` samples of
         one prompt share its blocks; a later write into a shared partial block is copied first (copy-on-write)."""
         blocks = self.req_to_blocks[parent.request_id]
@@ -177,7 +190,7 @@ class KVCacheManager:
         self.req_to_blocks[child.request_id] = list(blocks)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
-    def cache_computed_blocks(self, request) -> None:
+    def cache_computed_blocks(self, request: SeqLike) -> None:
         """Enter the request's full blocks whose tokens are all computed into the prefix cache."""
         if not self.enable_prefix_caching:
             return
@@ -191,7 +204,7 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[rid] = n_full
 
-    def trim(self, request) -> None:
+    def trim(self, request: SeqLike) -> None:
         """Release the tail blocks that hold no computed token of ``request`` (after rejected draft tokens)."""
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
@@ -202,17 +215,17 @@ class KVCacheManager:
             del blocks[keep:]
             self.block_pool.free_blocks(reversed(extra))
 
-    def free(self, request) -> None:
+    def free(self, request: SeqLike) -> None:
         """Release every block of ``request`` (tail first); cached blocks keep their contents until evicted."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
-    def get_block_ids(self, request) -> list:
+    def get_block_ids(self, request: SeqLike) -> list[int]:
         """The request's block table: physical block ids in logical order."""
         return [b.block_id for b in self.req_to_blocks.get(request.request_id, ())]
 
-    def stats(self, running=()) -> KVCacheStats:
+    def stats(self, running: Iterable = ()) -> KVCacheStats:
         """Snapshot of the pool; ``running`` (requests with blocks) gives stored tokens and the naive reservation."""
         used = self.block_pool.num_used_blocks
         return KVCacheStats(

@@ -33,7 +33,10 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple = ()) -> None:
                 continue
             flag = "--" + f.name.replace("_", "-")
             default = None if f.default is MISSING else f.default
-            help_text = (f.metadata.get("help", "") + f" (default: {default})").replace("%", "%%")
+            help_text = f.metadata.get("help", "")
+            if "default" not in help_text:
+                help_text += f" (default: {default})"
+            help_text = help_text.replace("%", "%%")
             kind = _base_type(typing.cast(str, f.type))
             if kind == "bool":
                 g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)

@@ -1,8 +1,8 @@
 /* Row-wise float32 ops of the Llama block, AVX2 + FMA: RMSNorm and SwiGLU's silu(gate) * up.
  *
  * PyTorch runs RMSNorm in float32 on the CPU as five separate ops (pow, mean, add, rsqrt, mul) and silu * up as
- * two, each a pass over memory plus a dispatch; on a decode step of 16 tokens that was ~10 ms of ~120. Each
- * function here is one pass. Rows are split across OpenMP threads only when there is enough work.
+ * two, each a pass over memory plus a dispatch (their share of a decode step: docs/benchmarks.md, "CPU kernels").
+ * Each function here is one pass. Rows are split across OpenMP threads only when there is enough work.
  */
 #include <immintrin.h>
 #include <math.h>

@@ -7,9 +7,9 @@
  * High-Performance Matrix Multiplication", ACM TOMS 2008, with the weight as the packed panel). Panels are split
  * across OpenMP threads (the same libgomp runtime as PyTorch's, so torch.set_num_threads applies).
  *
- * Why: on this project's 2-core AVX2 CPUs, oneDNN and MKL reach 30-45 GFLOP/s for the skinny x of decode steps
- * (M = 4..16 rows) where this loop reaches 50-60, the machine's memory or FMA bound; for M >= 64 both are at the
- * FMA bound (~70 GFLOP/s).
+ * Why: for the skinny x of decode steps (M = 4..16 rows) oneDNN and MKL stay well below the machine's memory or
+ * FMA bound where this loop comes close; from M = 64 both are at the FMA bound. Measurements: docs/benchmarks.md,
+ * "CPU kernels".
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -1,0 +1,65 @@
+"""The model registry: a second family (Qwen2, Q/K/V biases) added as one file + one registry line, checked for
+parity with ``transformers`` on a tiny randomly initialised model written to a temp dir by ``transformers``."""
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.backends import select_backends
+from kvserve.model.loader import load_model
+from kvserve.model.qwen2 import Qwen2Model
+from kvserve.model.registry import SUPPORTED_ARCHITECTURES, build_model, model_class
+from tests.conftest import flat_batch
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # random biases (the default init leaves them at 0, which would hide a missing bias)
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+    return path, model
+
+
+def test_registry_lists_both_families():
+    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM")
+    assert model_class("Qwen2ForCausalLM") is Qwen2Model
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        model_class("GPT2LMHeadModel")
+
+
+def test_qwen2_logits_and_greedy_tokens_match_transformers(tiny_qwen2, tokenizer):
+    path, hf = tiny_qwen2
+    loaded = load_model(str(path))
+    assert loaded.arch.architecture == "Qwen2ForCausalLM" and loaded.arch.attention_bias
+    model = build_model(loaded, select_backends("cpu", torch.float32))
+    assert isinstance(model, Qwen2Model) and model.layers[0]["qkv_bias"].shape == (64 + 2 * 32,)
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        kv = torch.zeros(model.kv_cache_shape(16, 4))
+        table = list(range(15, 15 - (len(ids) + 3) // 4, -1))
+        ours = model.forward(flat_batch([(ids, 0, table)], 4, logits_rows=range(len(ids))), kv)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        assert (ours - ref).abs().max().item() < 1e-4
+
+    llm = LLM(model=str(path), num_kv_blocks=64)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, sp)):
+        ids = tokenizer.encode(prompt)
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                   max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == expected[0, len(ids):].tolist()
