@@ -21,6 +21,19 @@ def _number(name: str, value, low: float, high: float, low_open: bool = False) -
         raise ValueError(f"{name} must be in {lo}{low}, {high}], got {value!r}")
 
 
+def check_text(name: str, value: str) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is valid Unicode text (encodable as UTF-8).
+
+    JSON can carry a lone UTF-16 surrogate (``"\\ud800"``); it is no character, so no tokenizer, chat template or
+    stop-string match can take it. Every client-controlled string that reaches those is checked here first.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: a lone surrogate {value[e.start]!a} at character "
+                         f"{e.start} (it cannot be encoded as UTF-8)") from None
+
+
 def _integer(name: str, value, low: int, high: Optional[int] = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         rng = f"[{low}, {high}]" if high is not None else f">= {low}"
@@ -39,9 +52,12 @@ class SamplingParams:
         top_k: keep the k most likely tokens; ``0`` or ``-1`` = disabled (both accepted, as in vLLM).
         min_p: drop tokens whose probability is below ``min_p * p_max``; in ``[0, 1]``, 0 = disabled.
         max_tokens: most tokens to generate, ``>= 1`` (default 16, like vLLM).
-        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens exist, ``[0, max_tokens]``.
+        min_tokens: EOS, ``stop_token_ids`` and stop strings do not end the request until this many tokens exist,
+            ``[0, max_tokens]``.
         stop: strings that end generation when they appear in the output text (also across token boundaries);
-            cut from the text unless ``include_stop_str_in_output``.
+            cut from the text unless ``include_stop_str_in_output``. With ``min_tokens``, only a stop string
+            completed by a token after the first ``min_tokens`` counts (the same rule as EOS and
+            ``stop_token_ids``). Must be valid Unicode (no lone surrogates).
         stop_token_ids: token ids that end generation (the token is kept in ``token_ids``, not in the text).
         ignore_eos: keep generating past EOS (for benchmarks).
         seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
@@ -96,6 +112,8 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
+        for s in self.stop:
+            check_text("stop", s)
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for t in self.stop_token_ids:

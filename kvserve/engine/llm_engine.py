@@ -25,7 +25,7 @@ from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model
 from kvserve.request import Request, RequestStatus
 from kvserve.sample.sampler import Sampler
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, check_text
 from kvserve.spec_decode.gate import SpecGate
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.worker.model_runner import ModelRunner
@@ -150,11 +150,13 @@ class LLMEngine:
         """Token ids of a text prompt (the tokenizer's own special-token rule), or validated ids as given.
 
         Raises:
-            ValueError: empty prompt, wrong type, or ids outside ``[0, vocab_size)``.
+            ValueError: empty prompt, text that is not valid Unicode (a lone surrogate), wrong type, or ids outside
+                ``[0, vocab_size)``.
         """
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            check_text("prompt", prompt)
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
