@@ -293,6 +293,13 @@ class KVServeServer(uvicorn.Server):
         """Serve on ``sockets``, else on the socket given at construction, else on ``config.host:port``."""
         await super().serve(sockets=sockets or ([self.sock] if self.sock is not None else None))
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if sockets and self.started:  # uvicorn announces only the sockets it binds itself
+            host, port = sockets[0].getsockname()[:2]
+            logging.getLogger("uvicorn.error").info(
+                "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", f"[{host}]" if ":" in host else host, port)
+
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True  # a second Ctrl-C: do not wait any more
