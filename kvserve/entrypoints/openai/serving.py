@@ -267,7 +267,7 @@ class OpenAIServing:
         params = [self.sampling_params(req, self.check_length(len(pp.token_ids), max_tokens, "prompt", "max_tokens"),
                                        req.logprobs) for pp in prompts]
         n = params[0].n
-        rid = new_id("cmpl")
+        rid, created = new_id("cmpl"), int(time.time())  # one timestamp for every chunk
         echo = [pp.text if req.echo else "" for pp in prompts]
         want_lp = req.logprobs is not None
         streams = await self.start(req, prompts, params, rid, arrival)
@@ -285,7 +285,7 @@ class OpenAIServing:
                         lp = self.completion_logprobs(c.token_ids, c.logprobs, offsets)
                     choices.append(p.CompletionChoice(index=i * n + c.index, text=echo[i] + c.text, logprobs=lp,
                                                       finish_reason=c.finish_reason))
-            return p.CompletionResponse(id=rid, model=self.model_name, choices=choices,
+            return p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                         usage=usage_of(prompts, finals))
 
         chars: dict = {}  # choice index -> text offset after its tokens so far (for text_offset)
@@ -302,10 +302,11 @@ class OpenAIServing:
                                                             skip_special)
                 lp = self.completion_logprobs(c.delta_token_ids, entries, offsets)
             choice = p.CompletionChoice(index=k, text=head + c.delta_text, logprobs=lp, finish_reason=c.finish_reason)
-            return sse(p.CompletionResponse(id=rid, model=self.model_name, choices=[choice], **usage_null))
+            return sse(p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
+                                            **usage_null))
 
         def usage_chunk(finals) -> str:
-            return sse(p.CompletionResponse(id=rid, model=self.model_name, choices=[],
+            return sse(p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                             usage=usage_of(prompts, finals)))
 
         return self._stream(streams, [], chunk, usage_chunk if _include_usage(req) else None,
@@ -323,7 +324,7 @@ class OpenAIServing:
                                        "max_completion_tokens" if use_mct else "max_tokens")
         top_n = req.top_logprobs or 0
         params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None)]
-        rid = new_id("chatcmpl")
+        rid, created = new_id("chatcmpl"), int(time.time())
         streams = await self.start(req, [pp], params, rid, arrival)
 
         if not req.stream:
@@ -335,14 +336,14 @@ class OpenAIServing:
                 lp = self.chat_logprobs(c.token_ids, c.logprobs, top_n) if req.logprobs else None
                 choices.append(p.ChatChoice(index=c.index, message=p.ChatResponseMessage(content=c.text), logprobs=lp,
                                             finish_reason=c.finish_reason))
-            return p.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
+            return p.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                             usage=usage_of([pp], finals))
 
         usage_null = {"usage": None} if _include_usage(req) else {}
 
         def make(choices, usage=None) -> str:
             extra = {"usage": usage} if usage is not None else usage_null
-            return sse(p.ChatCompletionChunk(id=rid, model=self.model_name, choices=choices, **extra))
+            return sse(p.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, **extra))
 
         def chunk(i: int, c, first: bool) -> str:
             lp = None
