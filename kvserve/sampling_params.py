@@ -34,6 +34,11 @@ def check_text(name: str, value: str) -> None:
                          f"{e.start} (it cannot be encoded as UTF-8)") from None
 
 
+def _boolean(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
 def _integer(name: str, value, low: int, high: Optional[int] = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         rng = f"[{low}, {high}]" if high is not None else f">= {low}"
@@ -101,6 +106,8 @@ class SamplingParams:
         _number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
         _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _boolean(name, getattr(self, name))
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.seed is not None:

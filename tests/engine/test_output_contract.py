@@ -120,3 +120,10 @@ def test_token_vocab_bytes_names_and_offsets(tokenizer):
     assert vocab.token_name(im_end) == "<|im_end|>"
     assert vocab.text_offsets([im_end, ids[0]], 0, skip_special_tokens=True) == ([0, 0], 2)
     assert vocab.text_offsets([im_end, ids[0]], 0, skip_special_tokens=False) == ([0, 10], 12)
+
+
+@pytest.mark.parametrize("field", ["include_stop_str_in_output", "ignore_eos", "skip_special_tokens"])
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_sampling_params_flags_are_booleans(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be true or false"):
+        SamplingParams(**{field: value})
