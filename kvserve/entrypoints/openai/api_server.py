@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import hashlib
 import hmac
 import json
 import logging
@@ -66,9 +67,10 @@ def error_response(e: "OpenAIError", headers: Optional[dict] = None) -> ErrorJSO
 
 class APIKeyMiddleware:
     """ASGI middleware: every HTTP request needs ``Authorization: Bearer <api_key>`` unless its path is in
-    ``exempt``; otherwise a 401 with OpenAI's error body (``code: invalid_api_key``). The key is compared with
-    ``hmac.compare_digest`` (time independent of where the strings differ). Pure ASGI (no request wrapping), so
-    streaming and disconnect detection are untouched.
+    ``exempt``; otherwise a 401 with OpenAI's error body (``code: invalid_api_key``). The SHA-256 digests of the
+    sent and the expected key are compared with ``hmac.compare_digest``: the time depends neither on where they
+    differ nor on the key's length. Pure ASGI (no request wrapping), so streaming and disconnect detection are
+    untouched.
 
     Args:
         app: the ASGI app.
@@ -78,7 +80,7 @@ class APIKeyMiddleware:
 
     def __init__(self, app, api_key: str, exempt: frozenset):
         self.app = app
-        self.key = api_key.encode("utf-8")
+        self.key_digest = hashlib.sha256(api_key.encode("utf-8")).digest()
         self.exempt = exempt
 
     async def __call__(self, scope, receive, send) -> None:
@@ -95,7 +97,8 @@ class APIKeyMiddleware:
         value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, token = value.partition(b" ")
         # compare even when the scheme is wrong, so the time does not tell which part failed
-        return bool(hmac.compare_digest(token.strip(), self.key) & (scheme.lower() == b"bearer"))
+        digest = hashlib.sha256(token.strip()).digest()
+        return bool(hmac.compare_digest(digest, self.key_digest) & (scheme.lower() == b"bearer"))
 _STREAM_DOC = {"description": "JSON, or with stream=true server-sent events (data: {chunk} ... data: [DONE])",
                "content": {"text/event-stream": {"schema": {"type": "string"}}}}
 
@@ -145,7 +148,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
 
     @app.exception_handler(ValidationError)
     async def _model_validation_error(request: Request, e: ValidationError):  # a body validated in a handler
-        return error_response(validation_error(RequestValidationError(e.errors()), request.headers.get("content-type")))
+        err = validation_error(RequestValidationError(e.errors()), request.headers.get("content-type"))
+        return error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):

@@ -48,8 +48,9 @@ class _Response(BaseModel):
 
 # ---------------------------------------------------------------------------------------------------- errors
 class ErrorInfo(BaseModel):
-    """OpenAI's error object. ``type``: ``invalid_request_error`` (400), ``not_found_error`` (404),
-    ``server_shutdown`` (503), ``internal_server_error`` (500); ``param``: the offending field, if one."""
+    """OpenAI's error object. ``type``: ``invalid_request_error`` (400; 401 with ``code: invalid_api_key``),
+    ``not_found_error`` (404), ``server_shutdown`` (503), ``internal_server_error`` (500); ``param``: the
+    offending field, if one."""
 
     message: str
     type: str
