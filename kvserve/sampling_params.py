@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from kvserve.validation import check_bool as _boolean
 from kvserve.validation import check_int as _integer
 from kvserve.validation import check_number as _number
+from kvserve.validation import check_text
 
 #: Temperatures below this are treated as greedy (dividing logits by ~0 would overflow).
 GREEDY_EPS = 1e-5
@@ -26,9 +28,12 @@ class SamplingParams:
         top_k: keep the k most likely tokens; ``0`` or ``-1`` = disabled (both accepted, as in vLLM).
         min_p: drop tokens whose probability is below ``min_p * p_max``; in ``[0, 1]``, 0 = disabled.
         max_tokens: most tokens to generate, ``>= 1`` (default 16, like vLLM).
-        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens exist, ``[0, max_tokens]``.
+        min_tokens: EOS, ``stop_token_ids`` and stop strings do not end the request until this many tokens exist,
+            ``[0, max_tokens]``.
         stop: strings that end generation when they appear in the output text (also across token boundaries);
-            cut from the text unless ``include_stop_str_in_output``.
+            cut from the text unless ``include_stop_str_in_output``. With ``min_tokens``, only a stop string
+            completed by a token after the first ``min_tokens`` counts (the same rule as EOS and
+            ``stop_token_ids``). Must be valid Unicode (no lone surrogates).
         stop_token_ids: token ids that end generation (the token is kept in ``token_ids``, not in the text).
         ignore_eos: keep generating past EOS (for benchmarks).
         seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
@@ -72,6 +77,8 @@ class SamplingParams:
         _number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
         _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _boolean(name, getattr(self, name))
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.seed is not None:
@@ -83,6 +90,8 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
+        for s in self.stop:
+            check_text("stop", s)
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for t in self.stop_token_ids:

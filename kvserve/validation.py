@@ -33,4 +33,17 @@ def check_choice(name: str, value, choices: tuple) -> None:
 def check_bool(name: str, value) -> None:
     """Raise ``ValueError`` unless ``value`` is a bool."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def check_text(name: str, value: str) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is valid Unicode text (encodable as UTF-8).
+
+    JSON can carry a lone UTF-16 surrogate (``"\\ud800"``); it is no character, so no tokenizer, chat template or
+    stop-string match can take it. Every client-controlled string that reaches those is checked here first.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: a lone surrogate {value[e.start]!a} at character "
+                         f"{e.start} (it cannot be encoded as UTF-8)") from None

@@ -28,6 +28,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.sample.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.speculator import Speculator
+from kvserve.validation import check_text
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -144,11 +145,13 @@ class LLMEngine:
         """Token ids of a text prompt (the tokenizer's own special-token rule), or validated ids as given.
 
         Raises:
-            ValueError: empty prompt, wrong type, or ids outside ``[0, vocab_size)``.
+            ValueError: empty prompt, text that is not valid Unicode (a lone surrogate), wrong type, or ids outside
+                ``[0, vocab_size)``.
         """
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            check_text("prompt", prompt)
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)

@@ -36,7 +36,8 @@ class OutputProcessor:
         for req in samples:
             sp = req.sampling_params
             self.states[req.request_id] = _State(
-                IncrementalDetokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens)
+                IncrementalDetokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens,
+                                       sp.min_tokens)
             )
         self.groups[samples[0].parent_id or samples[0].request_id] = samples
 

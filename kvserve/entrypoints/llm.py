@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.chat_utils import conversation_from_messages
 from kvserve.sampling_params import SamplingParams
 
 
@@ -57,6 +58,9 @@ class LLM:
 
         Returns:
             ``list[RequestOutput]``, one per conversation.
+
+        Raises:
+            ValueError: a malformed message (see ``apply_chat_template``) or a bad parameter.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
@@ -65,16 +69,16 @@ class LLM:
     def apply_chat_template(self, conversation: list, add_generation_prompt: bool = True) -> str:
         """The prompt text of one conversation under the model's chat template.
 
+        Messages follow ``kvserve.entrypoints.chat_utils`` (the server's rule too): roles system, developer, user,
+        assistant; content a string or a list of ``{"type": "text", "text": str}`` parts, ``None`` only in an
+        assistant message; valid Unicode.
+
         Raises:
-            ValueError: a malformed conversation.
+            ValueError: a malformed conversation (the message names the field, e.g. ``messages[0].content``).
         """
-        if not isinstance(conversation, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in conversation
-        ) or not conversation:
-            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
+        messages = conversation_from_messages(conversation)
         return self.get_tokenizer().apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
         )
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority=None) -> list:

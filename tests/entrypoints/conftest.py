@@ -14,8 +14,10 @@ from kvserve.entrypoints.openai.api_server import build_server
 class LiveServer:
     """A ``KVServeServer`` run by uvicorn in a daemon thread (its own event loop); ``url`` once started."""
 
-    def __init__(self, **engine_args):
-        self.server = build_server(engine_args, host="127.0.0.1", port=0, log_level="warning", access_log=False)
+    def __init__(self, server_kwargs: dict = None, **engine_args):
+        """``server_kwargs``: extra ``build_server`` arguments (``api_key``, ``metrics_auth``)."""
+        self.server = build_server(engine_args, host="127.0.0.1", port=0, log_level="warning", access_log=False,
+                                   **(server_kwargs or {}))
         self.llm = self.server.llm
         self.llm_model_name = self.server.config.app.state.served_model_name
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)

@@ -22,8 +22,9 @@ def fuzz_server():
     s.stop()
 
 
-OPERATIONS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"),
-              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+OPERATIONS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("GET", "/v1/models"),
+              ("GET", "/v1/models/{model_id}"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+              ("POST", "/tokenize"), ("POST", "/detokenize")]
 
 
 @pytest.fixture(scope="module")

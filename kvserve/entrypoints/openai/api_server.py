@@ -1,10 +1,16 @@
 """``kvserve serve``: the OpenAI-compatible HTTP server (FastAPI on uvicorn) over one ``AsyncLLM``.
 
-Routes: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/models``, ``GET /v1/models/{id}``,
-``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``); the OpenAPI schema
-at ``/openapi.json``. Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (bad
-JSON, unknown model, invalid or unsupported parameter, prompt too long), 404 for an unknown route, 405 for a wrong
-method, 503 while shutting down; 500 only for a server bug.
+Routes: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with
+``"stream": true``), ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes); the OpenAPI schema at
+``/openapi.json``. Every ``GET`` route answers ``HEAD`` too. Every error is
+``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (bad JSON, unknown model, invalid or
+unsupported parameter, prompt too long), 401 for a missing or wrong API key, 404 for an unknown route, 405 for a
+wrong method, 503 while shutting down; 500 only for a server bug.
+
+API keys (``--api-key`` or ``KVSERVE_API_KEY``): ``APIKeyMiddleware`` wraps the whole app, so every route — those
+added later included — needs ``Authorization: Bearer <key>``, except ``/health`` (and ``/metrics`` with
+``--no-metrics-auth``).
 
 SIGINT / SIGTERM: stop accepting connections, abort in-flight requests (a stream ends with an error event, a
 pending JSON response is a 503), free their KV blocks, stop the engine loop, exit 0.
@@ -14,20 +20,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import hashlib
+import hmac
+import json
 import logging
+import os
 import signal
+import socket
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Optional
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import kvserve
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
@@ -37,17 +50,69 @@ logger = logging.getLogger(__name__)
 
 _ERRORS = {400: {"model": p.ErrorResponse, "description": "bad input"},
            503: {"model": p.ErrorResponse, "description": "shutting down"}}
+API_KEY_ENV = "KVSERVE_API_KEY"
+
+
+class ErrorJSONResponse(JSONResponse):
+    """An error body as ASCII JSON: a message may quote client text, which can hold a lone surrogate (valid in
+    JSON, not encodable as UTF-8); escaped, it can never turn a 400 into a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def error_response(e: "OpenAIError", headers: Optional[dict] = None) -> ErrorJSONResponse:
+    return ErrorJSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class APIKeyMiddleware:
+    """ASGI middleware: every HTTP request needs ``Authorization: Bearer <api_key>`` unless its path is in
+    ``exempt``; otherwise a 401 with OpenAI's error body (``code: invalid_api_key``). The SHA-256 digests of the
+    sent and the expected key are compared with ``hmac.compare_digest``: the time depends neither on where they
+    differ nor on the key's length. Pure ASGI (no request wrapping), so streaming and disconnect detection are
+    untouched.
+
+    Args:
+        app: the ASGI app.
+        api_key: the key clients must send.
+        exempt: paths served without a key (``/health``; ``/metrics`` with ``--no-metrics-auth``).
+    """
+
+    def __init__(self, app, api_key: str, exempt: frozenset):
+        self.app = app
+        self.key_digest = hashlib.sha256(api_key.encode("utf-8")).digest()
+        self.exempt = exempt
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.exempt or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        given = any(k == b"authorization" for k, _ in scope["headers"])
+        message = ("Incorrect API key provided." if given else
+                   "You didn't provide an API key: send it in an Authorization header (Authorization: Bearer KEY).")
+        err = OpenAIError(message, status=401, type="invalid_request_error", code="invalid_api_key")
+        await error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = value.partition(b" ")
+        # compare even when the scheme is wrong, so the time does not tell which part failed
+        digest = hashlib.sha256(token.strip()).digest()
+        return bool(hmac.compare_digest(digest, self.key_digest) & (scheme.lower() == b"bearer"))
 _STREAM_DOC = {"description": "JSON, or with stream=true server-sent events (data: {chunk} ... data: [DONE])",
                "content": {"text/event-stream": {"schema": {"type": "string"}}}}
 
 
-def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None) -> FastAPI:
+def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None,
+              api_key: Optional[str] = None, metrics_auth: bool = True) -> FastAPI:
     """The FastAPI app. Its lifespan starts ``llm`` and shuts it down.
 
     Args:
         llm: the async engine (``stat_logger`` should already be attached to it as ``llm.stat_logger``).
         served_model_name: the model id clients must use (or omit).
         stat_logger: what ``/metrics`` exposes; default ``llm.stat_logger``.
+        api_key: if set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
+        metrics_auth: with ``api_key``, whether ``/metrics`` needs it too (default yes).
     """
     stat_logger = stat_logger or llm.stat_logger
 
@@ -61,38 +126,52 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
                   description="OpenAI-compatible completions and chat completions over the kvserve engine.")
     serving = OpenAIServing(llm, served_model_name)
     app.state.served_model_name = served_model_name
+    if api_key is not None:
+        exempt = {"/health"} | (set() if metrics_auth else {"/metrics"})
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, exempt=frozenset(exempt))
+
+    def get(path: str, **kw):
+        """``@app.get`` that answers ``HEAD`` as well (same handler; the server sends no body)."""
+        def register(fn):
+            app.head(path, include_in_schema=False)(fn)
+            return app.get(path, **kw)(fn)
+        return register
 
     # -------------------------------------------------------------------------------------------- errors
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, e: OpenAIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
-        return JSONResponse(validation_error(e).body(), status_code=400)
+        return error_response(validation_error(e, request.headers.get("content-type")))
+
+    @app.exception_handler(ValidationError)
+    async def _model_validation_error(request: Request, e: ValidationError):  # a body validated in a handler
+        err = validation_error(RequestValidationError(e.errors()), request.headers.get("content-type"))
+        return error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         message = f"{e.detail}: {request.method} {request.url.path}"
-        return JSONResponse(OpenAIError(message, status=e.status_code, type=kind).body(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
+        return error_response(OpenAIError(message, status=e.status_code, type=kind), getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         err = OpenAIError(f"internal server error: {type(e).__name__}", status=500, type="internal_server_error")
-        return JSONResponse(err.body(), status_code=500)
+        return error_response(err)
 
     # -------------------------------------------------------------------------------------------- routes
-    @app.get("/health", responses={503: _ERRORS[503]})
+    @get("/health", responses={503: _ERRORS[503]})
     async def health():
         """200 while the engine loop runs and accepts requests, else 503."""
         if llm.is_running:
             return {"status": "ok"}
         raise OpenAIError("the engine is not running", status=503, type="server_shutdown")
 
-    @app.get("/metrics", response_class=Response,
+    @get("/metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         """Prometheus text format (see ``kvserve.entrypoints.openai.metrics``)."""
@@ -101,11 +180,16 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
     def card() -> p.ModelCard:
         return p.ModelCard(id=served_model_name, max_model_len=llm.max_model_len)
 
-    @app.get("/v1/models", response_model=p.ModelList)
+    @get("/version", response_model=p.VersionResponse)
+    async def version():
+        """The kvserve version."""
+        return p.VersionResponse(version=kvserve.__version__)
+
+    @get("/v1/models", response_model=p.ModelList)
     async def list_models():
         return p.ModelList(data=[card()])
 
-    @app.get("/v1/models/{model_id:path}", response_model=p.ModelCard, responses={404: {"model": p.ErrorResponse}})
+    @get("/v1/models/{model_id:path}", response_model=p.ModelCard, responses={404: {"model": p.ErrorResponse}})
     async def get_model(model_id: str):
         if model_id != served_model_name:
             raise OpenAIError(f"The model {model_id!r} does not exist", param="model", status=404,
@@ -120,6 +204,19 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
               responses={200: _STREAM_DOC, **_ERRORS})
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         return _to_response(await serving.create_chat_completion(body, request.receive))
+
+    @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: dict = Body(..., description="a TokenizeCompletionRequest {prompt, add_special_tokens, "
+                                                           "return_token_strs} or a TokenizeChatRequest {messages, "
+                                                           "add_generation_prompt, continue_final_message, "
+                                                           "add_special_tokens, return_token_strs}")):
+        """Token ids of a prompt, or of a conversation under the chat template (vLLM's shapes)."""
+        return _to_response(await serving.tokenize(body))
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: p.DetokenizeRequest):
+        """The text of token ids."""
+        return _to_response(await serving.detokenize(body))
 
     def openapi() -> dict:
         # FastAPI documents validation failures as 422; this server answers them with 400 (OpenAI's way)
@@ -140,7 +237,7 @@ def _to_response(result):
     if result is None:  # the client is gone; nothing will read this
         return Response(status_code=499)
     if isinstance(result, BaseModel):
-        return JSONResponse(result.model_dump())
+        return JSONResponse(result.model_dump(mode="json"))
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -151,19 +248,27 @@ _UNION_HINTS = {
 }
 
 
-def validation_error(e: RequestValidationError) -> OpenAIError:
-    """One 400 ``OpenAIError`` from pydantic's errors: the first offending top-level field as ``param``."""
+def validation_error(e: RequestValidationError, content_type: Optional[str] = None) -> OpenAIError:
+    """One 400 ``OpenAIError`` from pydantic's errors: the first offending top-level field as ``param``; a body
+    that is not a JSON object sent without ``Content-Type: application/json`` says so."""
     errors = e.errors()
     if not errors:
         return OpenAIError("invalid request body")
     first = errors[0]
     kind = first.get("type")
     loc = [x for x in first.get("loc", ()) if x != "body"]
+    media = (content_type or "").split(";")[0].strip().lower()
+    hint = "" if media == "application/json" or media.endswith("+json") else (
+        f"; send a JSON object with the header Content-Type: application/json (this request has "
+        f"{'no Content-Type' if not media else 'Content-Type: ' + media})")
     if kind == "json_invalid":
-        return OpenAIError(f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}",
+        return OpenAIError(f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}{hint}",
                            code="json_invalid")
+    if kind == "string_unicode":  # a lone surrogate where pydantic needs a real string (an object key)
+        return OpenAIError("the request body holds a string that is not valid Unicode text (a lone surrogate)",
+                           param=str(loc[0]) if loc else None)
     if not loc:
-        return OpenAIError(f"the request body must be a JSON object ({first.get('msg')})")
+        return OpenAIError(f"the request body must be a JSON object ({first.get('msg')}){hint}")
     param = str(loc[0])
     if kind == "extra_forbidden":
         return OpenAIError(f"unrecognized request argument: {'.'.join(map(str, loc))}", param=param,
@@ -180,11 +285,24 @@ def validation_error(e: RequestValidationError) -> OpenAIError:
 class KVServeServer(uvicorn.Server):
     """uvicorn's server with kvserve's shutdown: on SIGINT / SIGTERM (or ``should_exit``), abort in-flight requests
     before waiting for connections to close, and return normally (exit code 0; uvicorn would re-raise the signal).
+    ``sock``: a socket bound before the model loaded (``bind_socket``), served on by ``serve()``.
     """
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM):
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, sock: Optional[socket.socket] = None):
         super().__init__(config)
         self.llm = llm
+        self.sock = sock
+
+    async def serve(self, sockets=None) -> None:
+        """Serve on ``sockets``, else on the socket given at construction, else on ``config.host:port``."""
+        await super().serve(sockets=sockets or ([self.sock] if self.sock is not None else None))
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if sockets and self.started:  # uvicorn announces only the sockets it binds itself
+            host, port = sockets[0].getsockname()[:2]
+            logging.getLogger("uvicorn.error").info(
+                "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", f"[{host}]" if ":" in host else host, port)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
@@ -204,8 +322,13 @@ class KVServeServer(uvicorn.Server):
 
 def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: Optional[str] = None, log_level: str = "info",
-                 access_log: bool = True) -> KVServeServer:
+                 access_log: bool = True, api_key: Optional[str] = None, metrics_auth: bool = True,
+                 sock: Optional[socket.socket] = None) -> KVServeServer:
     """Load the model and build the server (not started). ``served_model_name`` defaults to the model file's stem.
+
+    Args:
+        api_key, metrics_auth: see ``build_app``.
+        sock: an already bound socket (``bind_socket``) to serve on; ``host`` and ``port`` then only name it.
 
     Raises:
         ValueError: bad engine arguments or an unloadable model.
@@ -213,10 +336,47 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
     llm = AsyncLLM.from_engine_args(**engine_args)
     name = served_model_name or Path(llm.engine.model_path).stem
     llm.stat_logger = PrometheusStatLogger(name)
-    app = build_app(llm, name)
+    app = build_app(llm, name, api_key=api_key, metrics_auth=metrics_auth)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_keep_alive=5, timeout_graceful_shutdown=30)
-    return KVServeServer(config, llm)
+    return KVServeServer(config, llm, sock)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``SO_REUSEADDR``, as uvicorn binds), before the model loads, so a port
+    in use is reported at once.
+
+    Raises:
+        ValueError: the address cannot be bound (in use, not local, permission denied).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        busy = " (another server is using it)" if e.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}{busy}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def api_key_from(args: argparse.Namespace) -> Optional[str]:
+    """``--api-key``, else ``$KVSERVE_API_KEY`` (empty = not set), else ``None`` (no authentication).
+
+    Raises:
+        ValueError: ``--api-key ""``.
+    """
+    if args.api_key is not None:
+        if not args.api_key:
+            raise ValueError("--api-key must not be empty")
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -227,11 +387,28 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: "
+                             f"${API_KEY_ENV} if set, else no authentication)")
+    parser.add_argument("--no-metrics-auth", action="store_true",
+                        help="with an API key, serve /metrics without it (for a Prometheus scraper)")
 
 
 def run(args: argparse.Namespace, engine_args: dict) -> int:
-    """Serve until SIGINT / SIGTERM; returns 0 after a clean shutdown."""
-    server = build_server(engine_args, host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          log_level=args.uvicorn_log_level, access_log=not args.no_access_log)
+    """Serve until SIGINT / SIGTERM; returns 0 after a clean shutdown.
+
+    Raises:
+        ValueError: the address cannot be bound (checked before the model loads), an empty ``--api-key``, bad
+            engine arguments.
+    """
+    api_key = api_key_from(args)
+    sock = bind_socket(args.host, args.port)
+    try:
+        server = build_server(engine_args, host=args.host, port=args.port, served_model_name=args.served_model_name,
+                              log_level=args.uvicorn_log_level, access_log=not args.no_access_log, api_key=api_key,
+                              metrics_auth=not args.no_metrics_auth, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
     asyncio.run(server.serve())
     return 0

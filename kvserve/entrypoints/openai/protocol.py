@@ -2,33 +2,55 @@
 
 Field names follow OpenAI, plus vLLM's sampling extras (``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``priority``). Fields that OpenAI defines but this engine cannot honour (``best_of``
-other than ``n``, ``logit_bias``, ``suffix``, tools, ``response_format`` other than text) are declared so that a
-request using them gets a 400 naming them (``serving.check_unsupported``) instead of being silently ignored; any
-other unknown field is rejected by ``extra="forbid"``. Ranges are checked by ``SamplingParams`` (one place), not
-repeated here.
+``skip_special_tokens``, ``priority``) and vLLM's tokenizer routes. Fields that OpenAI defines but this engine
+cannot honour (``best_of`` other than ``n``, ``logit_bias``, ``suffix``, tools, ``response_format`` other than
+text) are declared so that a request using them gets a 400 naming them (``serving.check_unsupported``) instead of
+being silently ignored; any other unknown field is rejected by ``extra="forbid"``.
+
+Requests are validated strictly, as OpenAI's API does: no type coercion (``"max_tokens": "4"`` or ``true``,
+``"stream": "yes"``, ``"prompt": [true]`` are 400s); an integer is accepted where a number is expected. Ranges are
+checked by ``SamplingParams`` (one place), not repeated here.
+
+Responses always carry OpenAI's required fields, ``null`` included (``finish_reason: null`` on every chunk but
+a choice's last, ``logprobs: null``); a field OpenAI marks optional is left out while unset (``_Response``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class _Response(BaseModel):
+    """A response model. Fields named in ``_omit_if_unset`` (optional in OpenAI's schema) are left out of the
+    JSON when ``None`` and not set explicitly; every other field is always written, ``null`` included."""
+
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler):
+        data = handler(self)
+        for name in self._omit_if_unset:
+            if data.get(name) is None and name not in self.model_fields_set:
+                data.pop(name, None)
+        return data
 
 
 # ---------------------------------------------------------------------------------------------------- errors
 class ErrorInfo(BaseModel):
-    """OpenAI's error object. ``type``: ``invalid_request_error`` (400), ``not_found_error`` (404),
-    ``server_shutdown`` (503), ``internal_server_error`` (500); ``param``: the offending field, if one."""
+    """OpenAI's error object. ``type``: ``invalid_request_error`` (400; 401 with ``code: invalid_api_key``),
+    ``not_found_error`` (404), ``server_shutdown`` (503), ``internal_server_error`` (500); ``param``: the
+    offending field, if one."""
 
     message: str
     type: str
@@ -85,7 +107,8 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Open):
-    """A message content part; only ``{"type": "text", "text": ...}`` is supported."""
+    """A message content part; only ``{"type": "text", "text": str}`` is supported (checked in
+    ``chat_utils.conversation_from_messages``, one rule with the offline ``LLM.chat``)."""
 
     type: str
     text: Optional[str] = None
@@ -93,7 +116,8 @@ class ContentPart(_Open):
 
 class ChatMessage(_Strict):
     role: str = Field(..., description="system, developer, user or assistant")
-    content: Optional[Union[str, list[ContentPart]]] = None
+    content: Optional[Union[str, list[ContentPart]]] = Field(
+        None, description="a string or a list of text parts; null only for an assistant message")
     name: Optional[str] = None
 
 
@@ -118,7 +142,7 @@ def _now() -> int:
     return int(time.time())
 
 
-class ModelCard(BaseModel):
+class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
@@ -126,19 +150,21 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class ModelList(BaseModel):
+class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
-class UsageInfo(BaseModel):
+class UsageInfo(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
-class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs, one entry per generated token (``text_offset`` in characters)."""
+class CompletionLogprobs(_Response):
+    """Legacy completions logprobs, one entry per generated token: ``tokens`` (the token's name:
+    ``TokenVocab.token_name``), its logprob, the top alternatives keyed by name, and ``text_offset``, the
+    character offset of the token in the choice's text (``echo`` included)."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float] = Field(default_factory=list)
@@ -146,14 +172,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_Response):
+    """A completion choice (also in stream chunks): ``logprobs`` and ``finish_reason`` are always present,
+    ``null`` when not requested / until the choice's last chunk."""
+
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Response):
+    """A completion, or one stream chunk of it. ``usage`` is left out unless set: stream chunks carry
+    ``usage: null`` only with ``stream_options.include_usage`` (OpenAI's rule), and the final usage chunk."""
+
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ("usage",)
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
@@ -162,33 +195,38 @@ class CompletionResponse(BaseModel):
     usage: Optional[UsageInfo] = None
 
 
-class TopLogprob(BaseModel):
+class TopLogprob(_Response):
+    """``token``: the token's name (``TokenVocab.token_name``); ``bytes``: its raw bytes, so that the bytes of a
+    choice's tokens concatenate to its content's UTF-8."""
+
     token: str
     logprob: float
-    bytes: list[int]
+    bytes: Optional[list[int]]
 
 
 class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] = Field(default_factory=list)
+class ChatLogprobs(_Response):
+    content: Optional[list[ChatTokenLogprob]] = Field(default_factory=list)
+    refusal: Optional[list[ChatTokenLogprob]] = None
 
 
-class ChatResponseMessage(BaseModel):
+class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    refusal: Optional[str] = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Response):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Response):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -197,22 +235,76 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Response):
+    """What a chunk adds to the message: ``role`` in a choice's first chunk, then ``content``; both optional in
+    OpenAI's schema, so left out unless set (a choice's last chunk may have an empty delta ``{}``)."""
+
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ("role", "content")
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_Response):
+    """One choice of a chat chunk: ``logprobs`` and ``finish_reason`` are always present (``null`` until set)."""
+
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Response):
+    """A chat stream chunk; ``usage`` as in ``CompletionResponse`` chunks."""
+
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ("usage",)
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizer
+class TokenizeCompletionRequest(_Strict):
+    """``POST /tokenize`` with a ``prompt`` (vLLM's shape)."""
+
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (e.g. BOS), if any")
+    return_token_strs: Optional[bool] = Field(False, description="also return the vocabulary's token strings")
+
+
+class TokenizeChatRequest(_Strict):
+    """``POST /tokenize`` with ``messages``: the chat template's tokens, as ``/v1/chat/completions`` would run."""
+
+    model: Optional[str] = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = Field(True, description="end with the assistant turn's header")
+    continue_final_message: bool = Field(False, description="leave the last message open (not with "
+                                                            "add_generation_prompt)")
+    add_special_tokens: bool = Field(False, description="add special tokens on top of the template's")
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeResponse(_Response):
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ()
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``: token ids -> text (special tokens kept)."""
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError, RequestStream
+from kvserve.engine.detokenizer import TokenVocab
+from kvserve.entrypoints.chat_utils import MessageError, conversation_from_messages
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.sampling_params import SamplingParams
+from kvserve.validation import check_text
 
 
 class OpenAIError(Exception):
@@ -59,7 +62,7 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.tokenizer = llm.tokenizer
         self.vocab_size = llm.engine.arch.vocab_size
-        self._token_text_cache: dict = {}
+        self.vocab = TokenVocab(self.tokenizer)
 
     # ------------------------------------------------------------------------------------------------ checks
     def check_model(self, model: Optional[str]) -> None:
@@ -167,34 +170,26 @@ class OpenAIServing:
             out.append(PreparedPrompt(ids, text))
         return out
 
-    async def chat_prompt(self, messages: list) -> PreparedPrompt:
-        """Apply the chat template to ``messages``.
+    async def chat_prompt(self, messages: list, add_generation_prompt: bool = True,
+                          continue_final_message: bool = False) -> PreparedPrompt:
+        """Apply the chat template to ``messages`` (validated by ``conversation_from_messages``, the rule the
+        offline ``LLM.chat`` uses too).
 
         Raises:
-            OpenAIError: no messages, a non-text content part, or a conversation the template rejects.
+            OpenAIError: no messages, a bad role or content (``param`` names it, e.g. ``messages[0].content``), a
+                lone surrogate in a string, or a conversation the template rejects.
         """
-        if not messages:
-            raise OpenAIError("messages must not be empty", param="messages")
-        conversation = []
-        for i, m in enumerate(messages):
-            content = m.content
-            if content is None:
-                content = ""
-            elif not isinstance(content, str):
-                texts = []
-                for j, part in enumerate(content):
-                    if part.type != "text" or not isinstance(part.text, str):
-                        raise OpenAIError(f"messages[{i}].content[{j}]: only text content parts are supported, got "
-                                          f"type {part.type!r}", param=f"messages[{i}].content")
-                    texts.append(part.text)
-                content = "".join(texts)
-            if m.role not in ("system", "developer", "user", "assistant"):
-                raise OpenAIError(f"messages[{i}].role must be system, developer, user or assistant, got {m.role!r}",
-                                  param=f"messages[{i}].role")
-            conversation.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        try:
+            conversation = conversation_from_messages([m.model_dump(exclude_unset=True) for m in messages])
+        except MessageError as e:
+            raise OpenAIError(str(e), param=e.param) from None
+        if continue_final_message and conversation[-1]["role"] != "assistant":
+            raise OpenAIError("continue_final_message needs the last message to be an assistant message",
+                              param="continue_final_message")
 
         def render() -> str:
-            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, tokenize=False)
 
         try:
             text = await asyncio.to_thread(render)
@@ -229,38 +224,32 @@ class OpenAIServing:
             raise
         return streams
 
-    def token_text(self, token_id: int) -> str:
-        """The text of one token (cached)."""
-        text = self._token_text_cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            if len(self._token_text_cache) < 200_000:
-                self._token_text_cache[token_id] = text
-        return text
-
-    def completion_logprobs(self, token_ids: list, entries: list, offset: int) -> p.CompletionLogprobs:
-        """Legacy logprobs for ``token_ids`` with engine entries ``{token_id: logprob}``; text offsets from
-        ``offset`` characters."""
+    def completion_logprobs(self, token_ids: list, entries: list, offsets: list) -> p.CompletionLogprobs:
+        """Legacy logprobs for ``token_ids`` with engine entries ``{token_id: logprob}`` and character
+        ``offsets`` (``TokenVocab.text_offsets``); tokens and keys are ``TokenVocab.token_name``s (distinct ids,
+        distinct keys)."""
         lp = p.CompletionLogprobs()
-        for t, entry in zip(token_ids, entries):
-            text = self.token_text(t)
-            lp.tokens.append(text)
+        for t, entry, offset in zip(token_ids, entries, offsets):
+            lp.tokens.append(self.vocab.token_name(t))
             lp.token_logprobs.append(entry[t])
-            lp.top_logprobs.append({self.token_text(k): v for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
+            lp.top_logprobs.append({self.vocab.token_name(k): v
+                                    for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
             lp.text_offset.append(offset)
-            offset += len(text)
         return lp
 
     def chat_logprobs(self, token_ids: list, entries: list, top_n: int) -> p.ChatLogprobs:
-        """Chat logprobs for ``token_ids`` with engine entries ``{token_id: logprob}``, ``top_n`` alternatives."""
+        """Chat logprobs for ``token_ids`` with engine entries ``{token_id: logprob}``, ``top_n`` alternatives;
+        ``bytes`` are each token's raw bytes (``TokenVocab.token_bytes``)."""
         content = []
         for t, entry in zip(token_ids, entries):
             top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
             content.append(p.ChatTokenLogprob(
-                **_top(self.token_text(t), entry[t]),
-                top_logprobs=[p.TopLogprob(**_top(self.token_text(k), v)) for k, v in top],
-            ))
+                **self._top(t, entry[t]), top_logprobs=[p.TopLogprob(**self._top(k, v)) for k, v in top]))
         return p.ChatLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: float) -> dict:
+        return {"token": self.vocab.token_name(token_id), "logprob": logprob,
+                "bytes": list(self.vocab.token_bytes(token_id))}
 
     # ------------------------------------------------------------------------------------------------ endpoints
     async def create_completion(self, req: p.CompletionRequest, receive):
@@ -279,7 +268,7 @@ class OpenAIServing:
         params = [self.sampling_params(req, self.check_length(len(pp.token_ids), max_tokens, "prompt", "max_tokens"),
                                        req.logprobs) for pp in prompts]
         n = params[0].n
-        rid = new_id("cmpl")
+        rid, created = new_id("cmpl"), int(time.time())  # one timestamp for every chunk
         echo = [pp.text if req.echo else "" for pp in prompts]
         want_lp = req.logprobs is not None
         streams = await self.start(req, prompts, params, rid, arrival)
@@ -291,13 +280,18 @@ class OpenAIServing:
             choices = []
             for i, out in enumerate(finals):
                 for c in out.outputs:
-                    lp = self.completion_logprobs(c.token_ids, c.logprobs, len(echo[i])) if want_lp else None
+                    lp = None
+                    if want_lp:
+                        offsets, _ = self.vocab.text_offsets(c.token_ids, len(echo[i]), params[i].skip_special_tokens)
+                        lp = self.completion_logprobs(c.token_ids, c.logprobs, offsets)
                     choices.append(p.CompletionChoice(index=i * n + c.index, text=echo[i] + c.text, logprobs=lp,
                                                       finish_reason=c.finish_reason))
-            return p.CompletionResponse(id=rid, model=self.model_name, choices=choices,
+            return p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                         usage=usage_of(prompts, finals))
 
-        sent_chars: dict = {}  # choice index -> characters sent (for text_offset)
+        chars: dict = {}  # choice index -> text offset after its tokens so far (for text_offset)
+        skip_special = params[0].skip_special_tokens
+        usage_null = {"usage": None} if _include_usage(req) else {}
 
         def chunk(i: int, c, first: bool) -> str:
             k = i * n + c.index
@@ -305,13 +299,15 @@ class OpenAIServing:
             lp = None
             if want_lp and c.delta_token_ids:
                 entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
-                lp = self.completion_logprobs(c.delta_token_ids, entries, sent_chars.get(k, 0) + len(head))
-            sent_chars[k] = sent_chars.get(k, 0) + len(head) + len(c.delta_text)
+                offsets, chars[k] = self.vocab.text_offsets(c.delta_token_ids, chars.get(k, len(echo[i])),
+                                                            skip_special)
+                lp = self.completion_logprobs(c.delta_token_ids, entries, offsets)
             choice = p.CompletionChoice(index=k, text=head + c.delta_text, logprobs=lp, finish_reason=c.finish_reason)
-            return sse(p.CompletionResponse(id=rid, model=self.model_name, choices=[choice]))
+            return sse(p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
+                                            **usage_null))
 
         def usage_chunk(finals) -> str:
-            return sse(p.CompletionResponse(id=rid, model=self.model_name, choices=[],
+            return sse(p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                             usage=usage_of(prompts, finals)))
 
         return self._stream(streams, [], chunk, usage_chunk if _include_usage(req) else None,
@@ -329,7 +325,7 @@ class OpenAIServing:
                                        "max_completion_tokens" if use_mct else "max_tokens")
         top_n = req.top_logprobs or 0
         params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None)]
-        rid = new_id("chatcmpl")
+        rid, created = new_id("chatcmpl"), int(time.time())
         streams = await self.start(req, [pp], params, rid, arrival)
 
         if not req.stream:
@@ -341,11 +337,14 @@ class OpenAIServing:
                 lp = self.chat_logprobs(c.token_ids, c.logprobs, top_n) if req.logprobs else None
                 choices.append(p.ChatChoice(index=c.index, message=p.ChatResponseMessage(content=c.text), logprobs=lp,
                                             finish_reason=c.finish_reason))
-            return p.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
+            return p.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                             usage=usage_of([pp], finals))
 
+        usage_null = {"usage": None} if _include_usage(req) else {}
+
         def make(choices, usage=None) -> str:
-            return sse(p.ChatCompletionChunk(id=rid, model=self.model_name, choices=choices, usage=usage))
+            extra = {"usage": usage} if usage is not None else usage_null
+            return sse(p.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, **extra))
 
         def chunk(i: int, c, first: bool) -> str:
             lp = None
@@ -359,6 +358,47 @@ class OpenAIServing:
                 for j in range(params[0].n)]
         usage_chunk = (lambda finals: make([], usage_of([pp], finals))) if _include_usage(req) else None
         return self._stream(streams, head, chunk, usage_chunk, always_first=False, with_logprobs=bool(req.logprobs))
+
+    async def tokenize(self, body: dict) -> p.TokenizeResponse:
+        """``POST /tokenize`` (vLLM's shapes): ``{"prompt": str}`` (``TokenizeCompletionRequest``) or
+        ``{"messages": [...]}`` (``TokenizeChatRequest``: the chat template's text, as the chat endpoint renders
+        it), tokenized with or without the tokenizer's special tokens (``add_special_tokens``).
+
+        Raises:
+            pydantic.ValidationError: a body that fits neither shape (a 400 through the validation handler).
+            OpenAIError: unknown model, text that is not valid Unicode, a conversation the template rejects, or
+                both ``add_generation_prompt`` and ``continue_final_message``.
+        """
+        if "messages" in body:
+            req = p.TokenizeChatRequest.model_validate(body)
+            self.check_model(req.model)
+            if req.add_generation_prompt and req.continue_final_message:
+                raise OpenAIError("continue_final_message cannot be used with add_generation_prompt=true (the "
+                                  "default); set add_generation_prompt to false", param="continue_final_message")
+            text = (await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)).text
+        else:
+            req = p.TokenizeCompletionRequest.model_validate(body)
+            self.check_model(req.model)
+            text = req.prompt
+            try:
+                check_text("prompt", text)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="prompt") from None
+        ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=req.add_special_tokens)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return p.TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        """``POST /detokenize``: the text of ``tokens`` (special tokens kept, as vLLM does).
+
+        Raises:
+            OpenAIError: unknown model, or token ids outside ``[0, vocab_size)``.
+        """
+        self.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise OpenAIError(f"tokens must be token ids in [0, {self.vocab_size}), got {bad[:5]}", param="tokens")
+        return p.DetokenizeResponse(prompt=await asyncio.to_thread(self.tokenizer.decode, req.tokens))
 
     async def _collect(self, streams: list, receive) -> Optional[list]:
         """The final output of every stream, in order; ``None`` if the client disconnected first."""
@@ -414,10 +454,6 @@ class OpenAIServing:
 
 def _include_usage(req) -> bool:
     return bool(req.stream_options is not None and req.stream_options.include_usage)
-
-
-def _top(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 _FIELD_RE = re.compile(r"^([a-z_]+)(\[\])?\b")
@@ -509,10 +545,11 @@ async def run_unless_disconnected(coro, receive, streams: list):
 
 
 def sse(obj) -> str:
-    """One server-sent event: ``data: <json>\\n\\n`` (``None`` fields left out)."""
+    """One server-sent event: ``data: <json>\\n\\n`` (every required field written, ``null`` included: see
+    ``protocol._Response``)."""
     if isinstance(obj, dict):
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-    return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
+    return f"data: {obj.model_dump_json()}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
