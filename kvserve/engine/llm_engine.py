@@ -249,13 +249,9 @@ class LLMEngine:
         model_output = self.model_runner.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, model_output)
         for req in updated:
-            stop_str = self.output_processor.update_text(req)
-            if stop_str is not None:
-                req.stop_reason = stop_str
-                if req.status.finished:
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            match = self.output_processor.update_text(req)
+            if match is not None:  # a stop string: the request ends at the token that completed it
+                self.scheduler.stop_at(req, *match)
         outputs = self.output_processor.make_outputs(updated)
         if self.speculator is not None:
             self.speculator.step(scheduler_output, model_output, updated, self.scheduler.running)

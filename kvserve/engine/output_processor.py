@@ -45,8 +45,10 @@ class OutputProcessor:
         for req in self.groups.pop(group_id, ()):
             self.states.pop(req.request_id, None)
 
-    def update_text(self, req: Request) -> Optional[str]:
-        """Detokenize the request's new tokens; returns the stop string if one matched (the caller finishes it).
+    def update_text(self, req: Request) -> Optional[tuple[str, int]]:
+        """Detokenize the request's new tokens; on a stop-string match returns ``(stop string, n)``: the match
+        completed at output token ``n - 1``, so the request keeps its first ``n`` output tokens (a multi-token step,
+        speculative decoding, may have appended more) and the caller finishes it.
 
         A token that ends the request by ``stop_token_ids`` or EOS is not added to the text.
         """
@@ -57,7 +59,7 @@ class OutputProcessor:
         for t in new_tokens:
             matched = st.detok.add_token(t)
             if matched is not None:
-                return matched
+                return matched, len(st.detok.token_ids)
         return None
 
     def make_outputs(self, updated: list) -> list:

@@ -84,3 +84,22 @@ def test_held_back_drafts_do_not_change_output(llm, spec_llm):
         policy.verify_cost_per_token = VERIFY_COST_PER_TOKEN
     assert policy.num_held_back > held_before
     assert_pool_clean(spec_llm.llm_engine)
+
+
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"
+
+
+@pytest.mark.parametrize("stop, max_tokens", [(["5"], 8), ([" 7,"], 20)])
+def test_a_stop_string_inside_accepted_drafts_ends_the_request_at_its_token(llm, spec_llm, stop, max_tokens):
+    # The counting prompt makes n-gram drafts accepted in runs: the token that completes the stop string arrives
+    # mid-way through a multi-token step. It must be the last token kept, exactly as without speculation.
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, stop=stop)
+    ref = llm.generate(COUNTING, sp)[0].outputs[0]
+    before = spec_llm.llm_engine.stats.generation_tokens
+    drafts_before = spec_llm.llm_engine.speculator.stats.num_accepted_tokens
+    out = spec_llm.generate(COUNTING, sp)[0].outputs[0]
+    assert spec_llm.llm_engine.speculator.stats.num_accepted_tokens > drafts_before  # drafts were accepted
+    assert (out.text, out.token_ids, out.finish_reason, out.stop_reason) == (
+        ref.text, ref.token_ids, "stop", stop[0])
+    assert spec_llm.llm_engine.stats.generation_tokens - before == len(ref.token_ids)
+    assert_pool_clean(spec_llm.llm_engine)
