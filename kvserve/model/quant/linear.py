@@ -1,0 +1,198 @@
+"""Linear methods over quantized weights, with the call interface of ``kvserve.model.linear.Linear``:
+``layer(x [T, in_features] float32) -> [T, out_features] float32``, ``numel()``, ``path``, ``out_features``,
+``in_features``.
+
+``make_linear_method(weight, quantization)`` is the one entry point:
+
+| weight | ``quantization`` | result | ``path`` |
+|---|---|---|---|
+| ``QuantTensor`` Q4_0 / Q4_1 | ``"auto"`` / ``None`` | ``QuantLinear``, the file's nibbles and scales repacked (exact) | ``q4/<isa>`` |
+| ``QuantTensor`` Q8_0 | ``"auto"`` / ``None`` | ``QuantLinear``, the file's int8 values and scales (exact) | ``q8/<isa>`` |
+| ``QuantTensor`` Q4_K / Q5_K / Q6_K | ``"auto"`` / ``None`` | ``QuantLinear``, decoded then re-quantized to int8 per 32-block (Q8_0 style: *not* the file's values exactly, relative error <= 1/254 of a block's largest weight) | ``q8_from_<type>/<isa>`` |
+| any ``QuantTensor`` | ``"fp32"`` | ``kvserve.model.linear.Linear`` on the dequantized weight (today's path) | ``kvserve`` / ``onednn`` / ``mkl`` |
+| any | ``"int8"`` | ``QuantLinear``, per-output-channel symmetric int8 quantized at load | ``int8/<isa>`` |
+| float ``[N, K]`` tensor / array | ``"auto"`` / ``None`` / ``"fp32"`` | ``kvserve.model.linear.Linear`` | as above |
+
+Activations are quantized per 32-block to int8 inside the kernel (``kernels.qgemm``), so outputs differ from a
+float64 product with the dequantized weight by the activation rounding: at most ``sum_k |w_k| d_x(k) / 2`` per
+output (``d_x`` = the block's ``max|x| / 127``), plus float32 rounding.
+
+When the quantized kernels cannot run here (no usable ISA path, ``KVSERVE_CPU_KERNELS=0``), a ``QuantLinear``
+computes with the float32 ``Linear`` on the weight it represents (``path`` ``fp32_fallback``), same values up to
+the activation rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from kvserve.model.linear import Linear
+from kvserve.model.quant import formats, kernels
+from kvserve.model.quant import pack as P
+from kvserve.model.quant.gguf_io import QuantTensor
+
+#: Allowed values of ``quantization`` (``None`` means ``"auto"``: the weight's own format).
+QUANTIZATION_METHODS = ("auto", "fp32", "int8")
+# Rows decoded at a time when a GGUF tensor is re-quantized, so no whole-tensor float32 copy exists.
+_CHUNK_ROWS = 1024
+
+
+def check_quantization(quantization: Optional[str]) -> str:
+    """``None`` -> ``"auto"``; one of ``QUANTIZATION_METHODS`` -> itself.
+
+    Raises:
+        ValueError: anything else, naming the field and the allowed values.
+    """
+    if quantization is None:
+        return "auto"
+    if not isinstance(quantization, str) or quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(repr(m) for m in QUANTIZATION_METHODS)} "
+                         f"(or None = 'auto'), got {quantization!r}")
+    return quantization
+
+
+def unpack(w: P.PackedWeight) -> np.ndarray:
+    """The float32 ``[out_features, in_features]`` weight a ``PackedWeight`` represents (inverse of packing):
+    Q4 ``d * q + m``, Q8 ``d * q`` (times ``oscale``), in float32 as ``gguf`` dequantizes."""
+    data = w.data.numpy()
+    groups, nb, _ = data.shape
+    d = data[..., 0:32].copy().view("<f2").astype(np.float32)  # [g, b, 16]
+    if w.fmt == P.FMT_Q4:
+        m = data[..., 32:64].copy().view("<f2").astype(np.float32)
+        nib = data[..., 64:].reshape(groups, nb, 4, 16, 4)  # [g, b, j, o, i]
+        q = np.stack([nib & 0x0F, nib >> 4], axis=-1)  # [g, b, j, o, i, half]
+        q = q.transpose(0, 3, 1, 5, 2, 4).reshape(groups * 16, nb, 32).astype(np.float32)  # [g o, b, half j i]
+        dd = d.transpose(0, 2, 1).reshape(groups * 16, nb, 1)
+        mm = m.transpose(0, 2, 1).reshape(groups * 16, nb, 1)
+        full = dd * q + mm
+    else:
+        q = data[..., 32:].copy().view(np.int8).reshape(groups, nb, 8, 16, 4)  # [g, b, j, o, i]
+        q = q.transpose(0, 3, 1, 2, 4).reshape(groups * 16, nb, 32).astype(np.float32)
+        full = q * d.transpose(0, 2, 1).reshape(groups * 16, nb, 1)
+        if w.oscale is not None:
+            full = full * w.oscale.numpy()[:, None, None]
+    return np.ascontiguousarray(full.reshape(groups * 16, nb * 32)[: w.out_features, : w.in_features])
+
+
+class QuantLinear:
+    """A bias-free linear layer over a ``PackedWeight`` (4- or 8-bit blocks), computed by ``kernels.qgemm``.
+
+    Args:
+        packed: the weight (``pack.pack_q4`` / ``pack.pack_q8``); ``in_features`` of the caller may be smaller
+            than ``packed.in_features`` (zero-padded to a multiple of 32 for "int8"), see ``in_features``.
+        kind: a label for ``path`` (``"q4"``, ``"q8"``, ``"int8"``, ``"q8_from_Q4_K"``, ...).
+        in_features: the true input width (default ``packed.in_features``); inputs are zero-padded to the packed
+            width.
+
+    Attributes:
+        path: ``"<kind>/<isa>"`` (isa ``avx2`` or ``avx512_vnni``), or ``"<kind>/fp32_fallback"`` when no
+            quantized kernel can run here.
+        packed: the ``PackedWeight``.
+
+    Call with ``x [T, in_features]`` float32 -> ``[T, out_features]`` float32.
+    """
+
+    def __init__(self, packed: P.PackedWeight, kind: str, in_features: Optional[int] = None):
+        self.packed = packed
+        self.out_features = packed.out_features
+        self.in_features = packed.in_features if in_features is None else in_features
+        self._isa = kernels.isa()
+        self._fallback = None
+        if self._isa is None:
+            w = unpack(packed)[:, : self.in_features]
+            self._fallback = Linear(torch.from_numpy(np.ascontiguousarray(w)))
+        self.path = f"{kind}/{self._isa or 'fp32_fallback'}"
+
+    def numel(self) -> int:
+        """Weights (= multiply-adds per row): ``out_features * in_features``."""
+        return self.out_features * self.in_features
+
+    def weight_bytes(self) -> int:
+        """Bytes of packed weights and scales read per call."""
+        return self.packed.nbytes()
+
+    def dequantized(self) -> np.ndarray:
+        """float32 ``[out_features, in_features]``: the weight this layer multiplies by (a new array)."""
+        return np.ascontiguousarray(unpack(self.packed)[:, : self.in_features])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fallback is not None:
+            return self._fallback(x)
+        if x.shape[1] != self.packed.in_features:
+            x = torch.nn.functional.pad(x, (0, self.packed.in_features - x.shape[1]))
+        return kernels.qgemm(x, self.packed, self._isa)
+
+
+def _int8_from_float(w: np.ndarray) -> QuantLinear:
+    n, k = w.shape
+    k_pad = -(-k // P.QK) * P.QK
+    q, scale = P.quantize_int8_per_channel(w)
+    if k_pad != k:
+        q = np.concatenate([q, np.zeros((n, k_pad - k), np.int8)], axis=1)
+    ones = np.ones((n, k_pad // P.QK), np.float16)
+    return QuantLinear(P.pack_q8(q, ones, scale), "int8", in_features=k)
+
+
+def _chunked(t: QuantTensor, fn) -> tuple:
+    """Apply ``fn(float32 rows) -> tuple of arrays`` to row chunks of a decoded ``QuantTensor``; concatenate."""
+    parts = [fn(t.dequantize(np.arange(r, min(r + _CHUNK_ROWS, t.out_features))))
+             for r in range(0, t.out_features, _CHUNK_ROWS)]
+    return tuple(np.concatenate(p) for p in zip(*parts))
+
+
+def make_linear_method(weight: Union[QuantTensor, torch.Tensor, np.ndarray], quantization: Optional[str] = None):
+    """Build the linear layer for one weight (table in the module docstring).
+
+    Args:
+        weight: a ``QuantTensor`` (from ``gguf_io.read_gguf_tensors``, Q/K rows already reordered with
+            ``take_rows`` if needed), or a float ``[out_features, in_features]`` torch tensor / numpy array.
+        quantization: ``None`` / ``"auto"`` (the weight's own format), ``"fp32"``, or ``"int8"``.
+
+    Returns:
+        An object with ``__call__(x [T, in] float32) -> [T, out] float32``, ``numel()``, ``path``,
+        ``out_features``, ``in_features``: ``QuantLinear`` or ``kvserve.model.linear.Linear``.
+
+    Raises:
+        ValueError: a bad ``quantization`` (the field and the allowed values in the message), a weight that is not
+            2-D, or a GGUF type that is not one of ``formats.QUANTIZED_TYPES``.
+    """
+    quantization = check_quantization(quantization)
+    if isinstance(weight, QuantTensor):
+        if weight.qtype not in formats.QUANTIZED_TYPES:
+            raise ValueError(f"{weight.name}: unsupported GGML type {weight.qtype.name}")
+        if quantization == "fp32":
+            return Linear(torch.from_numpy(weight.dequantize()))
+        if quantization == "int8":
+            q, scale = _chunked(weight, P.quantize_int8_per_channel)
+            k = weight.in_features  # GGUF rows are whole blocks: K is a multiple of 32
+            return QuantLinear(P.pack_q8(q, np.ones((weight.out_features, k // P.QK), np.float16), scale), "int8")
+        if weight.qtype in (formats.Q4_0, formats.Q4_1):
+            return QuantLinear(P.pack_q4(*formats.decode_q4(weight.raw, weight.qtype, weight.in_features)), "q4")
+        if weight.qtype == formats.Q8_0:
+            return QuantLinear(P.pack_q8(*formats.decode_q8(weight.raw, weight.in_features)), "q8")
+        q, d = _chunked(weight, P.quantize_q8_blocks)  # K-quants: decoded, re-quantized per 32-block
+        return QuantLinear(P.pack_q8(q, d), f"q8_from_{weight.qtype.name}")
+    w = weight if isinstance(weight, np.ndarray) else weight.detach().cpu().float().numpy()
+    if w.ndim != 2:
+        raise ValueError(f"a linear weight must be 2-D [out_features, in_features], got shape {list(w.shape)}")
+    if quantization == "int8":
+        return _int8_from_float(np.asarray(w, np.float32))
+    t = weight if isinstance(weight, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(w, np.float32))
+    return Linear(t.float().contiguous())
+
+
+class QuantEmbedding:
+    """Token embedding lookup from a ``QuantTensor`` (e.g. ``token_embd.weight``, Q8_0 in the default model):
+    only the looked-up rows are decoded, from the file's own bytes (memory-mapped).
+
+    Call with ``ids [T]`` int -> ``[T, hidden]`` float32, equal to the rows of ``gguf.quants.dequantize``.
+    """
+
+    def __init__(self, table: QuantTensor):
+        self.table = table
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.table.dequantize(np.asarray(ids.cpu(), np.int64)))
