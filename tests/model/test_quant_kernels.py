@@ -126,7 +126,10 @@ def test_int8_of_a_gguf_tensor_and_fp32_method():
     torch.testing.assert_close(f32(x).double(), ref, rtol=1e-4, atol=1e-5)
 
 
-def test_activation_quantizer_equals_numpy_reference():
+@pytest.mark.parametrize("isa_id", [0, 1])  # 0: the scalar C loop, 1: the AVX2 one the matmul uses
+def test_activation_quantizer_equals_numpy_reference(isa_id):
+    if isa_id and not kernels.cpu_supports("avx2"):
+        pytest.skip("CPU lacks avx2")
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 128)).astype(np.float32) * 3
     x[1, :32] = 0.0  # all-zero block: scale 0, all q 0
@@ -136,7 +139,7 @@ def test_activation_quantizer_equals_numpy_reference():
     q = np.empty((m, k), np.int8)
     d = np.empty((m, k // 32), np.float32)
     s = np.empty((m, k // 32), np.float32)
-    kernels.load().kvserve_q_quantize_rows(x.ctypes.data, m, k, q.ctypes.data, d.ctypes.data, s.ctypes.data)
+    kernels.load().kvserve_q_quantize_rows(isa_id, x.ctypes.data, m, k, q.ctypes.data, d.ctypes.data, s.ctypes.data)
     q_ref, d_ref, s_ref = kernels.quantize_activations(x)
     np.testing.assert_array_equal(q, q_ref)
     np.testing.assert_array_equal(d.view(np.uint32), d_ref.view(np.uint32))

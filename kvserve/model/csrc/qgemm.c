@@ -51,8 +51,13 @@ enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
 #define T_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define T_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define INLINE static inline __attribute__((always_inline))
+/* Software prefetch of the weight stream PF_DIST bytes ahead (past a group's end: the next group, which the same
+ * thread takes next under the static schedule), one cache line per 64 bytes of the current block. */
+#define PF_DIST 2048
+#define PREFETCH(blk, bytes) \
+    for (int _l = 0; _l < (bytes); _l += 64) _mm_prefetch((const char *)(blk) + PF_DIST + _l, _MM_HINT_T0);
 
-/* ---- activations: per-32-block int8, scalar (a small share of the work), round half to even like np.rint ---- */
+/* ---- activations: per-32-block int8, round half to even like np.rint; scalar reference and AVX2 ---- */
 
 /* x[K] -> q[K] int8, d[K/32] = max|x|/127 per block, s[K/32] = d * sum(q) per block. K must be a multiple of 32. */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
@@ -77,10 +82,47 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
     }
 }
 
+/* The same as quantize_row, 32 values at a time (vroundps to nearest even = nearbyintf in the default mode). */
+T_AVX2 static void quantize_row_avx2(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        float db = _mm_cvtss_f32(m) / 127.0f;
+        float idb = db != 0.0f ? 1.0f / db : 0.0f;
+        __m256 id = _mm256_set1_ps(idb);
+        __m256i qi[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            qi[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(r, lim), nlim));
+            sum = _mm256_add_epi32(sum, qi[i]);
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(p, perm));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+        d[b] = db;
+        s[b] = db * (float)_mm_cvtsi128_si32(t);
+    }
+}
+
 /* Exposed for tests: the same quantization the matmul applies to x [M, K]. */
-void kvserve_q_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
-    for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * K, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
+void kvserve_q_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+    for (int64_t m = 0; m < M; m++) {
+        if (isa == ISA_AVX2 || isa == ISA_AVX512_VNNI)
+            quantize_row_avx2(x + m * K, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
+        else
+            quantize_row(x + m * K, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
+    }
 }
 
 /* ---- AVX2 ---- */
@@ -120,6 +162,7 @@ T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
     A2_ROWS(A2_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * Q4_BLOCK;
+        if (!half) PREFETCH(blk, Q4_BLOCK)
         A2_ROWS(A2_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
             __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 64 + j * 64 + half * 32));
@@ -140,6 +183,7 @@ T_AVX2 INLINE void q8_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
     A2_ROWS(A2_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * Q8_BLOCK;
+        if (!half) PREFETCH(blk, Q8_BLOCK)
         A2_ROWS(A2_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
             __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 32 + j * 64 + half * 32));
@@ -207,6 +251,7 @@ T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
     A5_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * Q4_BLOCK;
+        PREFETCH(blk, Q4_BLOCK)
         A5_ROWS(A5_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
             __m512i raw = _mm512_loadu_si512((const void *)(blk + 64 + j * 64));
@@ -228,6 +273,7 @@ T_AVX512 INLINE void q8_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
     A5_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * Q8_BLOCK;
+        PREFETCH(blk, Q8_BLOCK)
         __m512i corr = _mm512_setzero_si512(); /* 128 * sum_k q_w, per output */
         A5_ROWS(A5_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
@@ -291,7 +337,7 @@ int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const 
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+        for (int64_t m = 0; m < M; m++) quantize_row_avx2(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *wg = w + g * nb * bb;

@@ -92,7 +92,7 @@ def load():
     lib.kvserve_qgemm.restype = cint
     lib.kvserve_q_isa_supported.argtypes = [cint]
     lib.kvserve_q_isa_supported.restype = cint
-    lib.kvserve_q_quantize_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
+    lib.kvserve_q_quantize_rows.argtypes = [cint, ptr, i64, i64, ptr, ptr, ptr]
     lib.kvserve_q_quantize_rows.restype = None
     layout = (ctypes.c_int64 * 4)()
     lib.kvserve_q_layout(layout)

