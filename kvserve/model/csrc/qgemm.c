@@ -44,6 +44,8 @@
 #define Q8_BLOCK 544
 #define MR2 4 /* rows per AVX2 tile */
 #define MR5 6 /* rows per AVX-512 tile */
+#define SERIAL_QUANT (64 * 1024) /* activations up to this many values are quantized by the calling thread */
+#define SERIAL_MACS (64 * 1024)  /* products below this many multiply-adds run on the calling thread */
 
 enum { FMT_Q4 = 0, FMT_Q8 = 1 };
 enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
@@ -334,10 +336,18 @@ int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const 
         free(xq); free(xd); free(xs);
         return -2;
     }
-#pragma omp parallel
-    {
-#pragma omp for schedule(static)
+    /* Each OpenMP barrier costs a thread wake-up, so small inputs are quantized before the parallel region by
+     * this thread alone, and tiny products run without one. */
+    const int serial_quant = M * K <= SERIAL_QUANT;
+    if (serial_quant)
         for (int64_t m = 0; m < M; m++) quantize_row_avx2(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+#pragma omp parallel if (M * N * K >= SERIAL_MACS)
+    {
+        if (!serial_quant) {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++)
+                quantize_row_avx2(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+        }
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *wg = w + g * nb * bb;
