@@ -18,7 +18,7 @@ import torch
 import gguf
 from kvserve.model.quant import QuantTensor, formats, kernels, make_linear_method
 from kvserve.model.quant import pack as P
-from kvserve.model.quant.linear import QuantLinear, unpack
+from kvserve.model.quant.linear import ConcatLinear, QuantLinear, unpack
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason=str(kernels.unavailable_reason()))
 
@@ -203,3 +203,32 @@ def test_fallback_without_kernels_computes_the_same(monkeypatch):
 def test_c_library_builds_without_isa_flags():
     assert not any(f.startswith(("-m", "-march")) for f in kernels._FLAGS)
     assert isinstance(kernels.load(), ctypes.CDLL)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int8", "fp32"])
+def test_fused_projection_packs_parts_together(quantization):
+    """q/k/v (or gate/up) as one layer: rows stacked in order, like torch.cat of the weights."""
+    parts = [_gguf_tensor(formats.Q4_1, 48, 96, 1), _gguf_tensor(formats.Q4_0, 16, 96, 2),
+             _gguf_tensor(formats.Q4_1, 16, 96, 3)]
+    layer = make_linear_method(parts, quantization)
+    assert (layer.out_features, layer.in_features) == (80, 96)
+    w = np.concatenate([p.dequantize() for p in parts]).astype(np.float64)
+    x = np.random.default_rng(0).standard_normal((5, 96)).astype(np.float32)
+    if quantization == "fp32":
+        np.testing.assert_allclose(layer(torch.from_numpy(x)).numpy(), x @ w.T, rtol=1e-4, atol=1e-4)
+        return
+    assert isinstance(layer, QuantLinear) and layer.path.split("/")[0] == ("q4" if quantization == "auto" else "int8")
+    if quantization == "auto":
+        np.testing.assert_array_equal(layer.dequantized(), w)
+    _check(layer, x, layer.dequantized().astype(np.float64))
+
+
+def test_fused_projection_of_mixed_formats_concatenates_outputs():
+    parts = [_gguf_tensor(formats.Q4_1, 32, 64, 1), _gguf_tensor(formats.Q8_0, 16, 64, 2)]
+    layer = make_linear_method(parts)
+    assert isinstance(layer, ConcatLinear) and layer.out_features == 48
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    got = layer(x)
+    torch.testing.assert_close(got, torch.cat([make_linear_method(p)(x) for p in parts], dim=1))
+    with pytest.raises(ValueError, match="in_features"):
+        make_linear_method([parts[0], _gguf_tensor(formats.Q4_1, 16, 96, 3)])

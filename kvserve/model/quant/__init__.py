@@ -8,8 +8,8 @@
 """
 
 from kvserve.model.quant.gguf_io import QuantTensor, read_gguf_tensors, rope_unpermute_index
-from kvserve.model.quant.linear import (QUANTIZATION_METHODS, QuantEmbedding, QuantLinear, check_quantization,
-                                        make_linear_method)
+from kvserve.model.quant.linear import (QUANTIZATION_METHODS, ConcatLinear, QuantEmbedding, QuantLinear,
+                                        check_quantization, make_linear_method)
 
 __all__ = ["QuantTensor", "read_gguf_tensors", "rope_unpermute_index", "QUANTIZATION_METHODS", "QuantEmbedding",
-           "QuantLinear", "check_quantization", "make_linear_method"]
+           "QuantLinear", "ConcatLinear", "check_quantization", "make_linear_method"]

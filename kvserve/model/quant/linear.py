@@ -143,45 +143,93 @@ def _chunked(t: QuantTensor, fn) -> tuple:
     return tuple(np.concatenate(p) for p in zip(*parts))
 
 
-def make_linear_method(weight: Union[QuantTensor, torch.Tensor, np.ndarray], quantization: Optional[str] = None):
-    """Build the linear layer for one weight (table in the module docstring).
+def _canonical(t: QuantTensor, quantization: str) -> tuple:
+    """One GGUF tensor -> ``(kind, fmt, q, d, m_or_oscale)``: the arrays ``pack_q4`` / ``pack_q8`` take."""
+    if t.qtype not in formats.QUANTIZED_TYPES:
+        raise ValueError(f"{t.name}: unsupported GGML type {t.qtype.name}")
+    if quantization == "int8":
+        q, scale = _chunked(t, P.quantize_int8_per_channel)  # GGUF rows are whole blocks: K is a multiple of 32
+        return "int8", P.FMT_Q8, q, np.ones((t.out_features, t.in_features // P.QK), np.float16), scale
+    if t.qtype in (formats.Q4_0, formats.Q4_1):
+        return ("q4", P.FMT_Q4, *formats.decode_q4(t.raw, t.qtype, t.in_features))
+    if t.qtype == formats.Q8_0:
+        return ("q8", P.FMT_Q8, *formats.decode_q8(t.raw, t.in_features), None)
+    q, d = _chunked(t, P.quantize_q8_blocks)  # K-quants: decoded, re-quantized per 32-block
+    return f"q8_from_{t.qtype.name}", P.FMT_Q8, q, d, None
+
+
+class ConcatLinear:
+    """Several linear layers on the same input, outputs concatenated (a fused projection whose parts could not be
+    packed together: mixed formats such as Q4_K q/k with a Q6_K v). Same call interface as ``Linear``."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.path = "+".join(p.path for p in parts)
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=1)
+
+
+def make_linear_method(weight, quantization: Optional[str] = None):
+    """Build the linear layer for one weight (table in the module docstring), or for a fused projection.
 
     Args:
         weight: a ``QuantTensor`` (from ``gguf_io.read_gguf_tensors``, Q/K rows already reordered with
-            ``take_rows`` if needed), or a float ``[out_features, in_features]`` torch tensor / numpy array.
+            ``take_rows`` if needed), a float ``[out_features, in_features]`` torch tensor / numpy array, or a
+            list of either (a fused projection such as q/k/v or gate/up: the parts' rows stacked in order, as
+            ``torch.cat`` of their weights). A list of ``QuantTensor`` whose formats share a packed layout (Q4_0
+            and Q4_1; Q8_0 and the K-quants; anything under "int8") is packed as one weight; otherwise the parts
+            become a ``ConcatLinear``.
         quantization: ``None`` / ``"auto"`` (the weight's own format), ``"fp32"``, or ``"int8"``.
 
     Returns:
         An object with ``__call__(x [T, in] float32) -> [T, out] float32``, ``numel()``, ``path``,
-        ``out_features``, ``in_features``: ``QuantLinear`` or ``kvserve.model.linear.Linear``.
+        ``out_features``, ``in_features``: ``QuantLinear``, ``ConcatLinear`` or ``kvserve.model.linear.Linear``.
 
     Raises:
         ValueError: a bad ``quantization`` (the field and the allowed values in the message), a weight that is not
-            2-D, or a GGUF type that is not one of ``formats.QUANTIZED_TYPES``.
+            2-D, parts with different ``in_features``, or a GGUF type that is not one of ``formats.QUANTIZED_TYPES``.
     """
     quantization = check_quantization(quantization)
-    if isinstance(weight, QuantTensor):
-        if weight.qtype not in formats.QUANTIZED_TYPES:
-            raise ValueError(f"{weight.name}: unsupported GGML type {weight.qtype.name}")
+    parts = list(weight) if isinstance(weight, (list, tuple)) else [weight]
+    if not parts:
+        raise ValueError("make_linear_method needs at least one weight")
+    if any(isinstance(p, QuantTensor) for p in parts):
+        if not all(isinstance(p, QuantTensor) for p in parts):
+            raise ValueError("a fused projection mixes GGUF tensors and float tensors")
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError(f"fused parts differ in in_features: {[p.shape for p in parts]}")
         if quantization == "fp32":
-            return Linear(torch.from_numpy(weight.dequantize()))
-        if quantization == "int8":
-            q, scale = _chunked(weight, P.quantize_int8_per_channel)
-            k = weight.in_features  # GGUF rows are whole blocks: K is a multiple of 32
-            return QuantLinear(P.pack_q8(q, np.ones((weight.out_features, k // P.QK), np.float16), scale), "int8")
-        if weight.qtype in (formats.Q4_0, formats.Q4_1):
-            return QuantLinear(P.pack_q4(*formats.decode_q4(weight.raw, weight.qtype, weight.in_features)), "q4")
-        if weight.qtype == formats.Q8_0:
-            return QuantLinear(P.pack_q8(*formats.decode_q8(weight.raw, weight.in_features)), "q8")
-        q, d = _chunked(weight, P.quantize_q8_blocks)  # K-quants: decoded, re-quantized per 32-block
-        return QuantLinear(P.pack_q8(q, d), f"q8_from_{weight.qtype.name}")
-    w = weight if isinstance(weight, np.ndarray) else weight.detach().cpu().float().numpy()
-    if w.ndim != 2:
-        raise ValueError(f"a linear weight must be 2-D [out_features, in_features], got shape {list(w.shape)}")
+            return Linear(torch.from_numpy(np.concatenate([p.dequantize() for p in parts])))
+        canon = [_canonical(p, quantization) for p in parts]
+        kinds = {(c[1], c[0] == "int8") for c in canon}
+        if len(kinds) > 1:
+            return ConcatLinear([_pack(c) for c in canon])
+        kind = "+".join(dict.fromkeys(c[0] for c in canon))
+        extra = None if canon[0][4] is None else np.concatenate([c[4] for c in canon])  # m, or int8 scales
+        return _pack((kind, canon[0][1], np.concatenate([c[2] for c in canon]),
+                      np.concatenate([c[3] for c in canon]), extra))
+    ws = [p if isinstance(p, np.ndarray) else p.detach().cpu().float().numpy() for p in parts]
+    if any(w.ndim != 2 for w in ws) or len({w.shape[1] for w in ws}) != 1:
+        raise ValueError(f"linear weights must be 2-D [out_features, in_features] with one in_features, got "
+                         f"shapes {[list(w.shape) for w in ws]}")
+    w = np.ascontiguousarray(np.concatenate(ws) if len(ws) > 1 else ws[0], np.float32)
     if quantization == "int8":
-        return _int8_from_float(np.asarray(w, np.float32))
-    t = weight if isinstance(weight, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(w, np.float32))
-    return Linear(t.float().contiguous())
+        return _int8_from_float(w)
+    return Linear(torch.from_numpy(w) if len(ws) > 1 or isinstance(weight, np.ndarray)
+                  else weight.float().contiguous())
+
+
+def _pack(c: tuple) -> QuantLinear:
+    kind, fmt, q, d, extra = c
+    if fmt == P.FMT_Q4:
+        return QuantLinear(P.pack_q4(q, d, extra), kind)
+    return QuantLinear(P.pack_q8(q, d, extra), kind)
 
 
 class QuantEmbedding:
