@@ -232,3 +232,10 @@ def test_fused_projection_of_mixed_formats_concatenates_outputs():
     torch.testing.assert_close(got, torch.cat([make_linear_method(p)(x) for p in parts], dim=1))
     with pytest.raises(ValueError, match="in_features"):
         make_linear_method([parts[0], _gguf_tensor(formats.Q4_1, 16, 96, 3)])
+
+
+def test_non_float32_input_is_converted_not_misread():
+    layer = make_linear_method(_gguf_tensor(formats.Q4_1, 16, 64, seed=7))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    torch.testing.assert_close(layer(x), layer(x.float()), rtol=0, atol=0)
+    torch.testing.assert_close(layer(x.float().t().contiguous().t()), layer(x.float()), rtol=0, atol=0)  # strided

@@ -46,6 +46,7 @@
 #define MR5 6 /* rows per AVX-512 tile */
 #define SERIAL_QUANT (64 * 1024) /* activations up to this many values are quantized by the calling thread */
 #define SERIAL_MACS (64 * 1024)  /* products below this many multiply-adds run on the calling thread */
+#define STACK_VALUES (8 * 1024)  /* activations up to this many values are quantized into a stack buffer */
 
 enum { FMT_Q4 = 0, FMT_Q8 = 1 };
 enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
@@ -330,10 +331,15 @@ int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const 
         return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t nb = K / QK, groups = N / G, bb = fmt == FMT_Q4 ? Q4_BLOCK : Q8_BLOCK;
-    int8_t *xq = malloc((size_t)(M * K));
-    float *xd = malloc(sizeof(float) * (size_t)(M * nb)), *xs = malloc(sizeof(float) * (size_t)(M * nb));
+    /* Scratch for the quantized activations: on the stack for small inputs (decode steps), else the heap. */
+    _Alignas(64) int8_t sq[STACK_VALUES];
+    float sd[STACK_VALUES / QK], ss[STACK_VALUES / QK];
+    const int on_stack = M * K <= STACK_VALUES;
+    int8_t *xq = on_stack ? sq : malloc((size_t)(M * K));
+    float *xd = on_stack ? sd : malloc(sizeof(float) * (size_t)(M * nb));
+    float *xs = on_stack ? ss : malloc(sizeof(float) * (size_t)(M * nb));
     if (!xq || !xd || !xs) {
-        free(xq); free(xd); free(xs);
+        if (!on_stack) { free(xq); free(xd); free(xs); }
         return -2;
     }
     /* Each OpenMP barrier costs a thread wake-up, so small inputs are quantized before the parallel region by
@@ -358,7 +364,7 @@ int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const 
                 group_avx2(fmt, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
         }
     }
-    free(xq); free(xd); free(xs);
+    if (!on_stack) { free(xq); free(xd); free(xs); }
     return 0;
 }
 

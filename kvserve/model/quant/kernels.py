@@ -156,7 +156,7 @@ def qgemm(x: torch.Tensor, w: P.PackedWeight, isa_name: Optional[str] = None) ->
     quantized per 32-block to int8 inside.
 
     Args:
-        x: float32 ``[M, in_features]``; made contiguous if it is not.
+        x: ``[M, in_features]``, float32 (another float dtype is converted first); made contiguous if it is not.
         w: from ``pack.pack_q4`` / ``pack.pack_q8``.
         isa_name: a key of ``ISAS``; default ``isa()``.
 
@@ -167,7 +167,7 @@ def qgemm(x: torch.Tensor, w: P.PackedWeight, isa_name: Optional[str] = None) ->
     lib = load()
     if name is None or lib is None:
         raise RuntimeError(f"quantized matmul unavailable: {unavailable_reason()}")
-    x = x.contiguous()
+    x = x.to(torch.float32).contiguous()  # a bfloat16 engine's activations are converted, not misread
     m, k = x.shape
     n_pad = w.data.shape[0] * P.G
     y = torch.empty(m, n_pad, dtype=torch.float32)
