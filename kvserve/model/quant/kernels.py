@@ -181,8 +181,9 @@ def qgemm(x: torch.Tensor, w: P.PackedWeight, isa_name: Optional[str] = None) ->
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference of the kernel's activation quantization, in numpy: float32 ``[M, K]`` (K a multiple of 32) ->
     ``(q int8 [M, K], d float32 [M, K/32], s float32 [M, K/32])`` with ``d = max|x_block| / 127``,
-    ``q = rint(x * (1 / d))`` (half to even, as ``nearbyintf``), ``s = d * sum(q_block)``. Equal to the C quantizer
-    bit for bit (``tests/model/test_quant_kernels.py``)."""
+    ``q = rint(x * (1 / d))`` (half to even, as ``nearbyintf``), ``s = d * sum(q_block)``: llama.cpp's Q8_0 / Q8_1
+    activation blocks (``quantize_row_q8_1``: ``s`` is its ``d * sum``), with the scale kept in float32. Equal to
+    the C quantizer bit for bit (``tests/model/test_quant_kernels.py``)."""
     x = np.asarray(x, np.float32)
     m, k = x.shape
     b = x.reshape(m, k // P.QK, P.QK)

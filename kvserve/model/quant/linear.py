@@ -93,6 +93,10 @@ class QuantLinear:
         packed: the ``PackedWeight``.
 
     Call with ``x [T, in_features]`` float32 -> ``[T, out_features]`` float32.
+
+    Raises:
+        ValueError: at construction, when ``KVSERVE_CPU_ISA`` forces a path this CPU lacks or that fails its
+            self-check (``kernels.select_isa``).
     """
 
     def __init__(self, packed: P.PackedWeight, kind: str, in_features: Optional[int] = None):

@@ -3,7 +3,9 @@
 ``PackedWeight.data`` is ``uint8 [ceil(N / 16), K / 32, block_bytes]``: output features in groups of 16 (the last
 group padded with zero weights, zero scales), each group's 32-value blocks contiguous. Q4 blocks (320 bytes):
 float16 ``d[16]``, float16 ``m[16]``, 256 bytes of nibbles; Q8 blocks (544 bytes): float16 ``d[16]``, 512 int8. The
-packed bytes per weight equal the GGUF file's for Q4_0/Q4_1 (5/8 and, for Q4_0, 1/8 more for ``m``) and Q8_0.
+packed bytes per weight equal the GGUF file's for Q4_1 (5 bits) and Q8_0 (8.5 bits); Q4_0 takes 5 bits instead of
+4.5 (the stored ``m = -8 d``). Interleaving several outputs' consecutive inputs into one vector follows llama.cpp's
+``ggml-cpu`` repacked formats (``block_q4_0x8``); the block contents follow the GGUF spec (``formats.py``).
 """
 
 from __future__ import annotations
