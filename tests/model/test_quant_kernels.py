@@ -86,7 +86,21 @@ def test_gguf_formats_match_float64_reference(isa, qtype, n, k, rows):
     _check(layer, x, w.astype(np.float64))
 
 
-@pytest.mark.parametrize("qtype", [formats.Q4_K, formats.Q5_K, formats.Q6_K])
+@pytest.mark.parametrize("rows", ROWS)
+def test_q4_k_kept_exactly(isa, rows):
+    """Q4_K: the file's nibbles with float32 sub-block scales (d * sc) and mins (-dmin * mn): exact values."""
+    t = _gguf_tensor(formats.Q4_K, 40, 512, seed=rows)
+    layer = make_linear_method(t)
+    assert layer.path == f"q4_k/{isa}" and layer.packed.fmt == P.FMT_Q4F
+    w = t.dequantize()
+    np.testing.assert_array_equal(layer.dequantized(), w)
+    q, d, m = formats.decode_q4_k(t.raw, 512)
+    np.testing.assert_array_equal((np.repeat(d, 32, 1) * q + np.repeat(m, 32, 1)).view(np.uint32), w.view(np.uint32))
+    x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
+    _check(layer, x, w.astype(np.float64))
+
+
+@pytest.mark.parametrize("qtype", [formats.Q5_K, formats.Q6_K])
 @pytest.mark.parametrize("rows", [1, 17])
 def test_k_quants_requantized_per_block(isa, qtype, rows):
     t = _gguf_tensor(qtype, 24, 512, seed=rows)

@@ -15,6 +15,8 @@
  * blocks contiguous, group-major: block (g, b) at byte (g * nb + b) * BLOCK_BYTES, nb = K / 32.
  *   Q4 block (320 bytes): fp16 d[16], fp16 m[16], then 256 bytes: byte j*64 + o*4 + i (j 0..3, o 0..15, i 0..3)
  *       holds w[16g + o][32b + 4j + i] in its low nibble and w[16g + o][32b + 16 + 4j + i] in its high nibble.
+ *   Q4F block (384 bytes): as Q4 with float32 d[16] and m[16] (GGUF Q4_K: d = d_sb * sc, m = -dmin_sb * mn, which
+ *       need more than float16's 11 bits, exact in float32).
  *   Q8 block (544 bytes): fp16 d[16], then 512 bytes: byte j*64 + o*4 + i (j 0..7) = int8 w[16g + o][32b + 4j + i].
  * Four consecutive input features of 16 (AVX-512) or 8 (AVX2, half a group) outputs are one vector, and one
  * broadcast 4-byte group of the activation multiplies all of them (the interleaved layout of llama.cpp's
@@ -41,6 +43,7 @@
 #define QK 32
 #define G 16
 #define Q4_BLOCK 320
+#define Q4F_BLOCK 384
 #define Q8_BLOCK 544
 #define MR2 4 /* rows per AVX2 tile */
 #define MR5 6 /* rows per AVX-512 tile */
@@ -48,7 +51,7 @@
 #define SERIAL_MACS (64 * 1024)  /* products below this many multiply-adds run on the calling thread */
 #define STACK_VALUES (8 * 1024)  /* activations up to this many values are quantized into a stack buffer */
 
-enum { FMT_Q4 = 0, FMT_Q8 = 1 };
+enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2 };
 enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
 
 #define T_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -160,20 +163,24 @@ void kvserve_q_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8
 
 /* mr rows (1..MR2) x 8 outputs (half `half` of group wg) -> y[i * ldy + 0..7]. */
 T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const int8_t *xq, const float *xd,
-                                const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr) {
+                                const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr,
+                                const int f32s) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64; /* block bytes, offset of the nibbles */
     A2_ROWS(A2_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + b * Q4_BLOCK;
-        if (!half) PREFETCH(blk, Q4_BLOCK)
+        const uint8_t *blk = wg + b * bb;
+        if (!half) PREFETCH(blk, bb)
         A2_ROWS(A2_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
-            __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 64 + j * 64 + half * 32));
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + j * 64 + half * 32));
             __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
             A2_ROWS(A2_Q4_STEP)
         }
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + half * 16)));
-        __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + half * 16)));
+        __m256 dw = f32s ? _mm256_loadu_ps((const float *)blk + half * 8)
+                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + half * 16)));
+        __m256 mw = f32s ? _mm256_loadu_ps((const float *)(blk + 64) + half * 8)
+                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + half * 16)));
         A2_ROWS(A2_Q4_END)
     }
     A2_ROWS(A2_STORE)
@@ -200,6 +207,7 @@ T_AVX2 INLINE void q8_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
 }
 
 #define A2_CASE(fn, n) case n: fn(wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os, n); break;
+#define A2_CASE4(n) case n: q4_avx2_tile(wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os, n, fmt == FMT_Q4F); break;
 T_AVX2 static void group_avx2(int fmt, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
                               const float *xs, int64_t M, int64_t K, float *y, int64_t ldy, const float *oscale) {
     for (int64_t m0 = 0; m0 < M; m0 += MR2) {
@@ -208,9 +216,8 @@ T_AVX2 static void group_avx2(int fmt, const uint8_t *wg, int64_t nb, const int8
             const int8_t *xq_ = xq + m0 * K;
             const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb, *os = oscale ? oscale + half * 8 : NULL;
             float *y_ = y + m0 * ldy + half * 8;
-            if (fmt == FMT_Q4) {
-                switch (mr) { A2_CASE(q4_avx2_tile, 1) A2_CASE(q4_avx2_tile, 2) A2_CASE(q4_avx2_tile, 3)
-                              A2_CASE(q4_avx2_tile, 4) }
+            if (fmt != FMT_Q8) {
+                switch (mr) { A2_CASE4(1) A2_CASE4(2) A2_CASE4(3) A2_CASE4(4) }
             } else {
                 switch (mr) { A2_CASE(q8_avx2_tile, 1) A2_CASE(q8_avx2_tile, 2) A2_CASE(q8_avx2_tile, 3)
                               A2_CASE(q8_avx2_tile, 4) }
@@ -249,20 +256,22 @@ T_AVX2 static void group_avx2(int fmt, const uint8_t *wg, int64_t nb, const int8
 
 T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
                                     const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
-                                    const int mr) {
+                                    const int mr, const int f32s) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64;
     A5_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + b * Q4_BLOCK;
-        PREFETCH(blk, Q4_BLOCK)
+        const uint8_t *blk = wg + b * bb;
+        PREFETCH(blk, bb)
         A5_ROWS(A5_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
-            __m512i raw = _mm512_loadu_si512((const void *)(blk + 64 + j * 64));
+            __m512i raw = _mm512_loadu_si512((const void *)(blk + qo + j * 64));
             __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
             A5_ROWS(A5_Q4_STEP)
         }
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        __m512 dw = f32s ? _mm512_loadu_ps((const void *)blk) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        __m512 mw = f32s ? _mm512_loadu_ps((const void *)(blk + 64))
+                         : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
         A5_ROWS(A5_Q4_END)
     }
     A5_ROWS(A5_STORE)
@@ -291,6 +300,7 @@ T_AVX512 INLINE void q8_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
 }
 
 #define A5_CASE(fn, n) case n: fn(wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale, n); break;
+#define A5_CASE4(n) case n: q4_avx512_tile(wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale, n, fmt == FMT_Q4F); break;
 T_AVX512 static void group_avx512(int fmt, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
                                   const float *xs, int64_t M, int64_t K, float *y, int64_t ldy,
                                   const float *oscale) {
@@ -299,9 +309,8 @@ T_AVX512 static void group_avx512(int fmt, const uint8_t *wg, int64_t nb, const 
         const int8_t *xq_ = xq + m0 * K;
         const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
         float *y_ = y + m0 * ldy;
-        if (fmt == FMT_Q4) {
-            switch (mr) { A5_CASE(q4_avx512_tile, 1) A5_CASE(q4_avx512_tile, 2) A5_CASE(q4_avx512_tile, 3)
-                          A5_CASE(q4_avx512_tile, 4) A5_CASE(q4_avx512_tile, 5) A5_CASE(q4_avx512_tile, 6) }
+        if (fmt != FMT_Q8) {
+            switch (mr) { A5_CASE4(1) A5_CASE4(2) A5_CASE4(3) A5_CASE4(4) A5_CASE4(5) A5_CASE4(6) }
         } else {
             switch (mr) { A5_CASE(q8_avx512_tile, 1) A5_CASE(q8_avx512_tile, 2) A5_CASE(q8_avx512_tile, 3)
                           A5_CASE(q8_avx512_tile, 4) A5_CASE(q8_avx512_tile, 5) A5_CASE(q8_avx512_tile, 6) }
@@ -322,15 +331,15 @@ int kvserve_q_isa_supported(int isa) {
     return 0;
 }
 
-/* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4 or FMT_Q8, N a
+/* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F or FMT_Q8, N a
  * multiple of 16, K of 32). oscale: NULL, or N floats multiplied into the outputs (per-channel int8). Returns 0, or
  * -1 for bad arguments / an unsupported isa, -2 when scratch memory could not be allocated (nothing written). */
 int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                   const float *oscale, float *y, int64_t ldy) {
-    if ((fmt != FMT_Q4 && fmt != FMT_Q8) || K % QK || N % G || M < 0 || ldy < N || !kvserve_q_isa_supported(isa))
+    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F) || K % QK || N % G || M < 0 || ldy < N || !kvserve_q_isa_supported(isa))
         return -1;
     if (M == 0 || N == 0) return 0;
-    const int64_t nb = K / QK, groups = N / G, bb = fmt == FMT_Q4 ? Q4_BLOCK : Q8_BLOCK;
+    const int64_t nb = K / QK, groups = N / G, bb = fmt == FMT_Q4 ? Q4_BLOCK : fmt == FMT_Q4F ? Q4F_BLOCK : Q8_BLOCK;
     /* Scratch for the quantized activations: on the stack for small inputs (decode steps), else the heap. */
     _Alignas(64) int8_t sq[STACK_VALUES];
     float sd[STACK_VALUES / QK], ss[STACK_VALUES / QK];
@@ -368,7 +377,7 @@ int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const 
     return 0;
 }
 
-/* Layout constants, so Python and C cannot disagree: out[4] = {QK, G, Q4 block bytes, Q8 block bytes}. */
+/* Layout constants, so Python and C cannot disagree: out[5] = {QK, G, Q4, Q8, Q4F block bytes}. */
 void kvserve_q_layout(int64_t *out) {
-    out[0] = QK; out[1] = G; out[2] = Q4_BLOCK; out[3] = Q8_BLOCK;
+    out[0] = QK; out[1] = G; out[2] = Q4_BLOCK; out[3] = Q8_BLOCK; out[4] = Q4F_BLOCK;
 }

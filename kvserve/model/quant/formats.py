@@ -87,6 +87,19 @@ def decode_q4(raw: np.ndarray, qtype, k: int) -> tuple[np.ndarray, np.ndarray, n
     return q, d, m
 
 
+def decode_q4_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K rows -> ``(q uint8 [N, K] in 0..15, d float32 [N, K/32], m float32 [N, K/32])`` with ``w = d * q + m``
+    per 32-value sub-block: ``d = d_sb * sc``, ``m = -(dmin_sb * mn)``, both exact in float32, so ``d * q + m``
+    equals ``dequantize`` bit for bit."""
+    blk = _blocks(raw, Q4_K, k)
+    n = blk.shape[0]
+    sc, mn = _k_scales(blk[..., 4:16])
+    d = _f16(blk[..., 0:2]).astype(np.float32)[..., None] * sc.astype(np.float32)  # [N, nb, 8]
+    m = -(_f16(blk[..., 2:4]).astype(np.float32)[..., None] * mn.astype(np.float32))
+    q = _nibbles(blk[..., 16:144], _QK4_BYTE, _QK4_SHIFT).reshape(n, k)
+    return q, d.reshape(n, k // 32), m.reshape(n, k // 32)
+
+
 def decode_q8(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 rows -> ``(q int8 [N, K], d float16 [N, K/32])`` with ``w = d * q``."""
     blk = _blocks(raw, Q8_0, k)

@@ -94,9 +94,9 @@ def load():
     lib.kvserve_q_isa_supported.restype = cint
     lib.kvserve_q_quantize_rows.argtypes = [cint, ptr, i64, i64, ptr, ptr, ptr]
     lib.kvserve_q_quantize_rows.restype = None
-    layout = (ctypes.c_int64 * 4)()
+    layout = (ctypes.c_int64 * 5)()
     lib.kvserve_q_layout(layout)
-    if tuple(layout) != (P.QK, P.G, P.Q4_BLOCK, P.Q8_BLOCK):
+    if tuple(layout) != (P.QK, P.G, P.Q4_BLOCK, P.Q8_BLOCK, P.Q4F_BLOCK):
         _reason = f"layout mismatch between qgemm.c {tuple(layout)} and pack.py"
         return None
     return lib
@@ -205,7 +205,7 @@ def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray) -> np.ndarray:
 
 
 def self_check(name: str) -> bool:
-    """Run path ``name`` on small random Q4 and Q8 weights (40 x 96, 1/5/13 rows: partial output groups and row
+    """Run path ``name`` on small random Q4, Q4F and Q8 weights (40 x 96, 1/5/13 rows: partial output groups and row
     tiles) and compare with ``reference_qgemm``: relative error at most 1e-5 of ``sum |w| |x|`` (float32 rounding
     of the per-block sums). False if the CPU lacks it or any output is off."""
     if not cpu_supports(name):
@@ -220,6 +220,8 @@ def self_check(name: str) -> bool:
     os8 = (rng.random(n) + 0.5).astype(np.float32)
     cases = [
         (P.pack_q4(q4, d4, m4), np.repeat(d4.astype(np.float32), 32, 1) * q4 + np.repeat(m4.astype(np.float32), 32, 1)),
+        (P.pack_q4(q4, d4.astype(np.float32) * 3, m4.astype(np.float32)),
+         np.repeat(d4.astype(np.float32) * 3, 32, 1) * q4 + np.repeat(m4.astype(np.float32), 32, 1)),
         (P.pack_q8(q8, d8), np.repeat(d8.astype(np.float32), 32, 1) * q8),
         (P.pack_q8(q8, d8, os8), np.repeat(d8.astype(np.float32), 32, 1) * q8 * os8[:, None]),
     ]

@@ -8,7 +8,8 @@
 |---|---|---|---|
 | ``QuantTensor`` Q4_0 / Q4_1 | ``"auto"`` / ``None`` | ``QuantLinear``, the file's nibbles and scales repacked (exact) | ``q4/<isa>`` |
 | ``QuantTensor`` Q8_0 | ``"auto"`` / ``None`` | ``QuantLinear``, the file's int8 values and scales (exact) | ``q8/<isa>`` |
-| ``QuantTensor`` Q4_K / Q5_K / Q6_K | ``"auto"`` / ``None`` | ``QuantLinear``, decoded then re-quantized to int8 per 32-block (Q8_0 style: *not* the file's values exactly, relative error <= 1/254 of a block's largest weight) | ``q8_from_<type>/<isa>`` |
+| ``QuantTensor`` Q4_K | ``"auto"`` / ``None`` | ``QuantLinear``, nibbles with float32 sub-block scales and mins (exact, 6 bits per weight) | ``q4_k/<isa>`` |
+| ``QuantTensor`` Q5_K / Q6_K | ``"auto"`` / ``None`` | ``QuantLinear``, decoded then re-quantized to int8 per 32-block (Q8_0 style: *not* the file's values exactly, relative error <= 1/254 of a block's largest weight) | ``q8_from_<type>/<isa>`` |
 | any ``QuantTensor`` | ``"fp32"`` | ``kvserve.model.linear.Linear`` on the dequantized weight (today's path) | ``kvserve`` / ``onednn`` / ``mkl`` |
 | any | ``"int8"`` | ``QuantLinear``, per-output-channel symmetric int8 quantized at load | ``int8/<isa>`` |
 | float ``[N, K]`` tensor / array | ``"auto"`` / ``None`` / ``"fp32"`` | ``kvserve.model.linear.Linear`` | as above |
@@ -60,9 +61,12 @@ def unpack(w: P.PackedWeight) -> np.ndarray:
     data = w.data.numpy()
     groups, nb, _ = data.shape
     d = data[..., 0:32].copy().view("<f2").astype(np.float32)  # [g, b, 16]
-    if w.fmt == P.FMT_Q4:
-        m = data[..., 32:64].copy().view("<f2").astype(np.float32)
-        nib = data[..., 64:].reshape(groups, nb, 4, 16, 4)  # [g, b, j, o, i]
+    if w.fmt in (P.FMT_Q4, P.FMT_Q4F):
+        if w.fmt == P.FMT_Q4:
+            m, qo = data[..., 32:64].copy().view("<f2").astype(np.float32), 64
+        else:
+            d, m, qo = data[..., 0:64].copy().view("<f4"), data[..., 64:128].copy().view("<f4"), 128
+        nib = data[..., qo:].reshape(groups, nb, 4, 16, 4)  # [g, b, j, o, i]
         q = np.stack([nib & 0x0F, nib >> 4], axis=-1)  # [g, b, j, o, i, half]
         q = q.transpose(0, 3, 1, 5, 2, 4).reshape(groups * 16, nb, 32).astype(np.float32)  # [g o, b, half j i]
         dd = d.transpose(0, 2, 1).reshape(groups * 16, nb, 1)
@@ -83,7 +87,7 @@ class QuantLinear:
     Args:
         packed: the weight (``pack.pack_q4`` / ``pack.pack_q8``); ``in_features`` of the caller may be smaller
             than ``packed.in_features`` (zero-padded to a multiple of 32 for "int8"), see ``in_features``.
-        kind: a label for ``path`` (``"q4"``, ``"q8"``, ``"int8"``, ``"q8_from_Q4_K"``, ...).
+        kind: a label for ``path`` (``"q4"``, ``"q4_k"``, ``"q8"``, ``"int8"``, ``"q8_from_Q6_K"``, ...).
         in_features: the true input width (default ``packed.in_features``); inputs are zero-padded to the packed
             width.
 
@@ -158,7 +162,9 @@ def _canonical(t: QuantTensor, quantization: str) -> tuple:
         return ("q4", P.FMT_Q4, *formats.decode_q4(t.raw, t.qtype, t.in_features))
     if t.qtype == formats.Q8_0:
         return ("q8", P.FMT_Q8, *formats.decode_q8(t.raw, t.in_features), None)
-    q, d = _chunked(t, P.quantize_q8_blocks)  # K-quants: decoded, re-quantized per 32-block
+    if t.qtype == formats.Q4_K:
+        return ("q4_k", P.FMT_Q4F, *formats.decode_q4_k(t.raw, t.in_features))
+    q, d = _chunked(t, P.quantize_q8_blocks)  # Q5_K, Q6_K: decoded, re-quantized per 32-block
     return f"q8_from_{t.qtype.name}", P.FMT_Q8, q, d, None
 
 
@@ -187,7 +193,7 @@ def make_linear_method(weight, quantization: Optional[str] = None):
             ``take_rows`` if needed), a float ``[out_features, in_features]`` torch tensor / numpy array, or a
             list of either (a fused projection such as q/k/v or gate/up: the parts' rows stacked in order, as
             ``torch.cat`` of their weights). A list of ``QuantTensor`` whose formats share a packed layout (Q4_0
-            and Q4_1; Q8_0 and the K-quants; anything under "int8") is packed as one weight; otherwise the parts
+            and Q4_1; Q8_0, Q5_K and Q6_K; anything under "int8") is packed as one weight; otherwise the parts
             become a ``ConcatLinear``.
         quantization: ``None`` / ``"auto"`` (the weight's own format), ``"fp32"``, or ``"int8"``.
 
@@ -231,7 +237,7 @@ def make_linear_method(weight, quantization: Optional[str] = None):
 
 def _pack(c: tuple) -> QuantLinear:
     kind, fmt, q, d, extra = c
-    if fmt == P.FMT_Q4:
+    if fmt in (P.FMT_Q4, P.FMT_Q4F):
         return QuantLinear(P.pack_q4(q, d, extra), kind)
     return QuantLinear(P.pack_q8(q, d, extra), kind)
 

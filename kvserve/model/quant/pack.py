@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 QK, G = 32, 16
-Q4_BLOCK, Q8_BLOCK = 320, 544
-FMT_Q4, FMT_Q8 = 0, 1
+Q4_BLOCK, Q8_BLOCK, Q4F_BLOCK = 320, 544, 384
+FMT_Q4, FMT_Q8, FMT_Q4F = 0, 1, 2
 
 
 @dataclass
@@ -26,8 +26,9 @@ class PackedWeight:
     """A weight in qgemm.c's layout.
 
     Attributes:
-        fmt: ``FMT_Q4`` (``w = d * q + m``, q in 0..15) or ``FMT_Q8`` (``w = d * q``, q int8).
-        data: ``uint8 [ceil(N / 16), K / 32, 320 or 544]`` torch tensor, contiguous.
+        fmt: ``FMT_Q4`` (``w = d * q + m``, q in 0..15, float16 d, m), ``FMT_Q4F`` (the same with float32 d, m:
+            Q4_K) or ``FMT_Q8`` (``w = d * q``, q int8).
+        data: ``uint8 [ceil(N / 16), K / 32, 320, 384 or 544]`` torch tensor, contiguous.
         out_features, in_features: ``N``, ``K`` (``K`` a multiple of 32).
         oscale: ``None`` or float32 ``[ceil(N / 16) * 16]``: a per-output factor applied after the sum
             (per-channel int8).
@@ -51,12 +52,14 @@ def _pad_rows(a: np.ndarray, n_pad: int) -> np.ndarray:
 
 
 def _scales(s: np.ndarray, groups: int, nb: int) -> np.ndarray:
-    """float16 ``[N_pad, nb]`` -> bytes ``[groups, nb, 32]``."""
-    return np.ascontiguousarray(s.astype("<f2").reshape(groups, G, nb).transpose(0, 2, 1)).view(np.uint8)
+    """float16 (float32) ``[N_pad, nb]`` -> bytes ``[groups, nb, 32 (64)]``."""
+    dt = "<f4" if s.dtype == np.float32 else "<f2"
+    return np.ascontiguousarray(s.astype(dt).reshape(groups, G, nb).transpose(0, 2, 1)).view(np.uint8)
 
 
 def pack_q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> PackedWeight:
-    """``q uint8 [N, K]`` (0..15), ``d, m float16 [N, K/32]`` (``w = d * q + m``) -> ``PackedWeight`` (FMT_Q4)."""
+    """``q uint8 [N, K]`` (0..15), ``d, m [N, K/32]`` (``w = d * q + m``) -> ``PackedWeight``: ``FMT_Q4`` for
+    float16 ``d, m``, ``FMT_Q4F`` for float32 ones (both must have the same dtype)."""
     n, k = q.shape
     nb, groups = k // QK, -(-n // G)
     q, d, m = (_pad_rows(a, groups * G) for a in (q, d, m))
@@ -65,7 +68,8 @@ def pack_q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> PackedWeight:
     nib = (q6[..., 0] & 0x0F) | ((q6[..., 1] & 0x0F) << 4)
     data = np.concatenate([_scales(d, groups, nb), _scales(m, groups, nb),
                            nib.reshape(groups, nb, 256).astype(np.uint8)], axis=-1)
-    return PackedWeight(FMT_Q4, torch.from_numpy(np.ascontiguousarray(data)), n, k)
+    fmt = FMT_Q4F if d.dtype == np.float32 else FMT_Q4
+    return PackedWeight(fmt, torch.from_numpy(np.ascontiguousarray(data)), n, k)
 
 
 def pack_q8(q: np.ndarray, d: np.ndarray, oscale: Optional[np.ndarray] = None) -> PackedWeight:
