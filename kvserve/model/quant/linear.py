@@ -25,6 +25,7 @@ the activation rounding.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Union
 
 import numpy as np
@@ -113,6 +114,13 @@ class QuantLinear:
             w = unpack(packed)[:, : self.in_features]
             self._fallback = Linear(torch.from_numpy(np.ascontiguousarray(w)))
         self.path = f"{kind}/{self._isa or 'fp32_fallback'}"
+        # Everything a call needs, resolved once (a decode step makes ~120 small calls: per-call Python counts).
+        self._n_pad = packed.data.shape[0] * P.G
+        if self._isa is not None:
+            self._call = functools.partial(
+                kernels.load().kvserve_qgemm, packed.fmt, kernels.ISAS[self._isa])
+            self._wptr = packed.data.data_ptr()
+            self._optr = None if packed.oscale is None else packed.oscale.data_ptr()
 
     def numel(self) -> int:
         """Weights (= multiply-adds per row): ``out_features * in_features``."""
@@ -129,9 +137,16 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._fallback is not None:
             return self._fallback(x)
-        if x.shape[1] != self.packed.in_features:
-            x = torch.nn.functional.pad(x, (0, self.packed.in_features - x.shape[1]))
-        return kernels.qgemm(x, self.packed, self._isa)
+        k = self.packed.in_features
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != k:
+            x = x.to(torch.float32).contiguous()
+            if x.shape[1] != k:
+                x = torch.nn.functional.pad(x, (0, k - x.shape[1]))
+        m, n_pad = x.shape[0], self._n_pad
+        y = torch.empty(m, n_pad, dtype=torch.float32)
+        if self._call(x.data_ptr(), m, k, self._wptr, n_pad, self._optr, y.data_ptr(), n_pad):
+            raise RuntimeError(f"kvserve_qgemm refused x {list(x.shape)} for weight {self.out_features}x{k}")
+        return y if n_pad == self.out_features else y[:, : self.out_features]
 
 
 def _int8_from_float(w: np.ndarray) -> QuantLinear:
