@@ -253,3 +253,53 @@ def test_non_float32_input_is_converted_not_misread():
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     torch.testing.assert_close(layer(x), layer(x.float()), rtol=0, atol=0)
     torch.testing.assert_close(layer(x.float().t().contiguous().t()), layer(x.float()), rtol=0, atol=0)  # strided
+
+
+@pytest.fixture(scope="module")
+def emulated_avx512(tmp_path_factory):
+    """qgemm.c built with SIMDe standing in for AVX-512 (tests/model/qgemm_avx512_emu.c); skipped without SIMDe."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    src = Path(__file__).with_name("qgemm_avx512_emu.c")
+    if not Path("/usr/include/simde/x86/avx512.h").exists():
+        pytest.skip("SIMDe headers (libsimde-dev) not installed")
+    out = tmp_path_factory.mktemp("emu") / "libqgemm_emu.so"
+    cc = os.environ.get("CC", "cc")
+    proc = subprocess.run([cc, "-O1", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out), "-lm"],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.skip(f"emulation build failed: {proc.stderr[-300:]}")
+    lib = ctypes.CDLL(str(out))
+    lib.kvserve_qgemm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    return lib
+
+
+@pytest.mark.parametrize("kind", ["q4", "q4f", "q8", "int8"])
+@pytest.mark.parametrize("rows", ROWS)
+def test_avx512_vnni_path_logic_under_emulation(emulated_avx512, kind, rows):
+    """The AVX-512 VNNI code (isa 2) run through SIMDe on this CPU: equal to the exact-activation reference."""
+    rng = np.random.default_rng(rows)
+    n, k = 40, 96
+    if kind in ("q4", "q4f"):
+        q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+        dt = np.float16 if kind == "q4" else np.float32
+        d, m = (rng.random((n, 3)) * 0.1 + 0.01).astype(dt), (-rng.random((n, 3)) * 0.5).astype(dt)
+        packed = P.pack_q4(q, d, m)
+    else:
+        q = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        d = (rng.random((n, 3)) * 0.02 + 0.001).astype(np.float16)
+        packed = P.pack_q8(q, d, (rng.random(n) + 0.5).astype(np.float32) if kind == "int8" else None)
+    w = unpack(packed).astype(np.float64)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    n_pad = packed.data.shape[0] * 16
+    y = torch.empty(rows, n_pad)
+    rc = emulated_avx512.kvserve_qgemm(packed.fmt, 2, torch.from_numpy(x).data_ptr(), rows, k,
+                                       packed.data.data_ptr(), n_pad,
+                                       None if packed.oscale is None else packed.oscale.data_ptr(), y.data_ptr(), n_pad)
+    assert rc == 0
+    got = y[:, :n].numpy().astype(np.float64)
+    mag = np.abs(x).astype(np.float64) @ np.abs(w).T + 1e-30
+    assert np.all(np.abs(got - kernels.reference_qgemm(x, w)) <= 1e-5 * mag)

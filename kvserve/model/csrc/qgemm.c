@@ -55,7 +55,11 @@ enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2 };
 enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
 
 #define T_AVX2 __attribute__((target("avx2,fma,f16c")))
+#ifdef KVSERVE_Q_EMULATE_AVX512 /* tests only: SIMDe's portable AVX-512 intrinsics (tests/model/qgemm_avx512_emu.c) */
+#define T_AVX512 T_AVX2
+#else
 #define T_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#endif
 #define INLINE static inline __attribute__((always_inline))
 /* Software prefetch of the weight stream PF_DIST bytes ahead (past a group's end: the next group, which the same
  * thread takes next under the static schedule), one cache line per 64 bytes of the current block. */
@@ -325,6 +329,9 @@ int kvserve_q_isa_supported(int isa) {
     __builtin_cpu_init();
     if (isa == ISA_AVX2)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+#ifdef KVSERVE_Q_EMULATE_AVX512
+    if (isa == ISA_AVX512_VNNI) return 1;
+#endif
     if (isa == ISA_AVX512_VNNI)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") ? 1 : 0;
