@@ -273,7 +273,8 @@ T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
             __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
             A5_ROWS(A5_Q4_STEP)
         }
-        __m512 dw = f32s ? _mm512_loadu_ps((const void *)blk) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        __m512 dw = f32s ? _mm512_loadu_ps((const void *)blk)
+                         : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
         __m512 mw = f32s ? _mm512_loadu_ps((const void *)(blk + 64))
                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
         A5_ROWS(A5_Q4_END)
@@ -343,7 +344,8 @@ int kvserve_q_isa_supported(int isa) {
  * -1 for bad arguments / an unsupported isa, -2 when scratch memory could not be allocated (nothing written). */
 int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                   const float *oscale, float *y, int64_t ldy) {
-    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F) || K % QK || N % G || M < 0 || ldy < N || !kvserve_q_isa_supported(isa))
+    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F) || K % QK || N % G || M < 0 || ldy < N ||
+        !kvserve_q_isa_supported(isa))
         return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t nb = K / QK, groups = N / G, bb = fmt == FMT_Q4 ? Q4_BLOCK : fmt == FMT_Q4F ? Q4F_BLOCK : Q8_BLOCK;

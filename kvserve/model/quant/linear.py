@@ -4,15 +4,19 @@
 
 ``make_linear_method(weight, quantization)`` is the one entry point:
 
-| weight | ``quantization`` | result | ``path`` |
-|---|---|---|---|
-| ``QuantTensor`` Q4_0 / Q4_1 | ``"auto"`` / ``None`` | ``QuantLinear``, the file's nibbles and scales repacked (exact) | ``q4/<isa>`` |
-| ``QuantTensor`` Q8_0 | ``"auto"`` / ``None`` | ``QuantLinear``, the file's int8 values and scales (exact) | ``q8/<isa>`` |
-| ``QuantTensor`` Q4_K | ``"auto"`` / ``None`` | ``QuantLinear``, nibbles with float32 sub-block scales and mins (exact, 6 bits per weight) | ``q4_k/<isa>`` |
-| ``QuantTensor`` Q5_K / Q6_K | ``"auto"`` / ``None`` | ``QuantLinear``, decoded then re-quantized to int8 per 32-block (Q8_0 style: *not* the file's values exactly, relative error <= 1/254 of a block's largest weight) | ``q8_from_<type>/<isa>`` |
-| any ``QuantTensor`` | ``"fp32"`` | ``kvserve.model.linear.Linear`` on the dequantized weight (today's path) | ``kvserve`` / ``onednn`` / ``mkl`` |
-| any | ``"int8"`` | ``QuantLinear``, per-output-channel symmetric int8 quantized at load | ``int8/<isa>`` |
-| float ``[N, K]`` tensor / array | ``"auto"`` / ``None`` / ``"fp32"`` | ``kvserve.model.linear.Linear`` | as above |
+- ``QuantTensor`` Q4_0 / Q4_1, ``"auto"`` / ``None``: ``QuantLinear``, the file's nibbles and scales repacked
+  (exact); path ``q4/<isa>``.
+- ``QuantTensor`` Q8_0, ``"auto"``: ``QuantLinear``, the file's int8 values and scales (exact); ``q8/<isa>``.
+- ``QuantTensor`` Q4_K, ``"auto"``: ``QuantLinear``, nibbles with float32 sub-block scales and mins (exact, 6 bits
+  per weight); ``q4_k/<isa>``.
+- ``QuantTensor`` Q5_K / Q6_K, ``"auto"``: ``QuantLinear``, decoded then re-quantized to int8 per 32-block (Q8_0
+  style: *not* the file's values exactly, each within half a step, <= 1/254 of its block's largest weight);
+  ``q8_from_<type>/<isa>``.
+- any ``QuantTensor``, ``"fp32"``: ``kvserve.model.linear.Linear`` on the dequantized weight (today's path);
+  ``kvserve`` / ``onednn`` / ``mkl``.
+- anything, ``"int8"``: ``QuantLinear``, per-output-channel symmetric int8 quantized at load; ``int8/<isa>``.
+- a float ``[N, K]`` tensor / array, ``"auto"`` / ``"fp32"``: ``kvserve.model.linear.Linear``.
+- a list of the above: one fused layer (``make_linear_method``).
 
 Activations are quantized per 32-block to int8 inside the kernel (``kernels.qgemm``), so outputs differ from a
 float64 product with the dequantized weight by the activation rounding: at most ``sum_k |w_k| d_x(k) / 2`` per
