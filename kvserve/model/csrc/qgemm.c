@@ -1,0 +1,392 @@
+/* kvserve's quantized CPU matmul: y[M, N] = x[M, K] . W[N, K]^T with W kept in 4 or 8 bits and integer dot products.
+ *
+ * The scheme is llama.cpp's (ggml-cpu quants: vec_dot_q4_1_q8_1, vec_dot_q8_0_q8_0): every activation row is
+ * quantized per block of QK = 32 values to int8 with one float scale (d_x = max|x| / 127, q = round-to-nearest-even
+ * (x / d_x), as llama.cpp's Q8_0/Q8_1 activations), so a block's dot product is an exact integer sum times float
+ * scales:
+ *
+ *   4-bit weights, w = d_w * q_w + m_w (q_w in 0..15; GGUF Q4_1, and Q4_0 with m_w = -8 d_w):
+ *       sum_k w_k x_k ~= d_w d_x * sum_k q_w q_x  +  m_w * (d_x * sum_k q_x)
+ *   8-bit weights, w = d_w * q_w (q_w in -128..127; GGUF Q8_0, and kvserve's per-channel "int8" with d_w = 1 and a
+ *   per-output float scale applied at the end):
+ *       sum_k w_k x_k ~= d_w d_x * sum_k q_w q_x
+ *
+ * Packed weight layout (built in kvserve/model/quant/pack.py): output features in groups of G = 16, each group's
+ * blocks contiguous, group-major: block (g, b) at byte (g * nb + b) * BLOCK_BYTES, nb = K / 32.
+ *   Q4 block (320 bytes): fp16 d[16], fp16 m[16], then 256 bytes: byte j*64 + o*4 + i (j 0..3, o 0..15, i 0..3)
+ *       holds w[16g + o][32b + 4j + i] in its low nibble and w[16g + o][32b + 16 + 4j + i] in its high nibble.
+ *   Q4F block (384 bytes): as Q4 with float32 d[16] and m[16] (GGUF Q4_K: d = d_sb * sc, m = -dmin_sb * mn, which
+ *       need more than float16's 11 bits, exact in float32).
+ *   Q8 block (544 bytes): fp16 d[16], then 512 bytes: byte j*64 + o*4 + i (j 0..7) = int8 w[16g + o][32b + 4j + i].
+ * Four consecutive input features of 16 (AVX-512) or 8 (AVX2, half a group) outputs are one vector, and one
+ * broadcast 4-byte group of the activation multiplies all of them (the interleaved layout of llama.cpp's
+ * ggml-cpu repack "q4_0_8x8"): each output's sum lands in its own 32-bit lane, so no horizontal sums, and the
+ * weight scales of 8/16 outputs are applied with one vector FMA per block.
+ *
+ * Two instruction-set paths, both compiled into the library with per-function target attributes (never
+ * -march=native) and chosen at run time by the caller (kvserve/model/quant/kernels.py: CPUID, then a numerical
+ * self-check, KVSERVE_CPU_ISA to force one):
+ *   AVX2:         _mm256_maddubs_epi16 (u8 x s8 pairs -> s16) + _mm256_madd_epi16 (-> s32), 8 outputs x MR2 rows.
+ *                 4-bit: eight u4 x s8 products of one lane pair sum at most 8 * 2 * 15 * 127 = 30480 < 2^15, so a
+ *                 whole block accumulates in 16 bits. 8-bit: the sign trick (|w| x sign(x, w)), one madd per step.
+ *   AVX-512 VNNI: _mm512_dpbusd_epi32 (u8 x s8 quads -> s32), 16 outputs x MR5 rows. 8-bit weights are the signed
+ *                 operand, the activation is made unsigned (q_x + 128) and 128 * sum q_w is subtracted per block.
+ * Groups are split across OpenMP threads; within a group the rows are tiled, so each weight block is loaded and
+ * unpacked once per MR rows and stays in L1/L2 while the row tiles pass over it.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define G 16
+#define Q4_BLOCK 320
+#define Q4F_BLOCK 384
+#define Q8_BLOCK 544
+#define MR2 4 /* rows per AVX2 tile */
+#define MR5 6 /* rows per AVX-512 tile */
+#define SERIAL_QUANT (64 * 1024) /* activations up to this many values are quantized by the calling thread */
+#define SERIAL_MACS (64 * 1024)  /* products below this many multiply-adds run on the calling thread */
+#define STACK_VALUES (8 * 1024)  /* activations up to this many values are quantized into a stack buffer */
+
+enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2 };
+enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
+
+#define T_AVX2 __attribute__((target("avx2,fma,f16c")))
+#ifdef KVSERVE_Q_EMULATE_AVX512 /* tests only: SIMDe's portable AVX-512 intrinsics (tests/model/qgemm_avx512_emu.c) */
+#define T_AVX512 T_AVX2
+#else
+#define T_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#endif
+#define INLINE static inline __attribute__((always_inline))
+/* Software prefetch of the weight stream PF_DIST bytes ahead (past a group's end: the next group, which the same
+ * thread takes next under the static schedule), one cache line per 64 bytes of the current block. */
+#define PF_DIST 2048
+#define PREFETCH(blk, bytes) \
+    for (int _l = 0; _l < (bytes); _l += 64) _mm_prefetch((const char *)(blk) + PF_DIST + _l, _MM_HINT_T0);
+
+/* ---- activations: per-32-block int8, round half to even like np.rint; scalar reference and AVX2 ---- */
+
+/* x[K] -> q[K] int8, d[K/32] = max|x|/127 per block, s[K/32] = d * sum(q) per block. K must be a multiple of 32. */
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        float db = amax / 127.0f;
+        float id = db != 0.0f ? 1.0f / db : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            float v = nearbyintf(xb[i] * id);
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            q[b * QK + i] = (int8_t)v;
+            sum += (int)v;
+        }
+        d[b] = db;
+        s[b] = db * (float)sum;
+    }
+}
+
+/* The same as quantize_row, 32 values at a time (vroundps to nearest even = nearbyintf in the default mode). */
+T_AVX2 static void quantize_row_avx2(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        float db = _mm_cvtss_f32(m) / 127.0f;
+        float idb = db != 0.0f ? 1.0f / db : 0.0f;
+        __m256 id = _mm256_set1_ps(idb);
+        __m256i qi[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            qi[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(r, lim), nlim));
+            sum = _mm256_add_epi32(sum, qi[i]);
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(p, perm));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+        d[b] = db;
+        s[b] = db * (float)_mm_cvtsi128_si32(t);
+    }
+}
+
+/* Exposed for tests: the same quantization the matmul applies to x [M, K]. */
+void kvserve_q_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+    for (int64_t m = 0; m < M; m++) {
+        if (isa == ISA_AVX2 || isa == ISA_AVX512_VNNI)
+            quantize_row_avx2(x + m * K, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
+        else
+            quantize_row(x + m * K, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
+    }
+}
+
+/* ---- AVX2 ---- */
+
+/* Per-row named variables (an array of vectors makes gcc spill them): acc a##i (integer, per block), f##i (float). */
+#define A2_ZERO_F(i) __m256 f##i = _mm256_setzero_ps();
+#define A2_ZERO_A(i) __m256i a##i = _mm256_setzero_si256();
+#define A2_Q4_STEP(i)                                                                                   \
+    if (mr > i) {                                                                                       \
+        const int8_t *xr = xq + (i) * K + b * QK + 4 * j;                                               \
+        a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t *)xr))); \
+        a##i = _mm256_add_epi16(a##i,                                                                   \
+                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t *)(xr + 16)))); \
+    }
+#define A2_Q4_END(i)                                                                                    \
+    if (mr > i) {                                                                                       \
+        __m256 v = _mm256_cvtepi32_ps(_mm256_madd_epi16(a##i, ones));                                   \
+        f##i = _mm256_fmadd_ps(v, _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i);           \
+        f##i = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[(i) * nb + b]), f##i);                             \
+    }
+#define A2_Q8_STEP(i)                                                                                   \
+    if (mr > i) {                                                                                       \
+        __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xq + (i) * K + b * QK + 4 * j));              \
+        a##i = _mm256_add_epi32(a##i, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones)); \
+    }
+#define A2_Q8_END(i)                                                                                    \
+    if (mr > i)                                                                                         \
+        f##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a##i), _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i);
+#define A2_STORE(i)                                                                                     \
+    if (mr > i) _mm256_storeu_ps(y + (i) * ldy, oscale ? _mm256_mul_ps(f##i, _mm256_loadu_ps(oscale)) : f##i);
+#define A2_ROWS(M) M(0) M(1) M(2) M(3)
+
+/* mr rows (1..MR2) x 8 outputs (half `half` of group wg) -> y[i * ldy + 0..7]. */
+T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const int8_t *xq, const float *xd,
+                                const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr,
+                                const int f32s) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64; /* block bytes, offset of the nibbles */
+    A2_ROWS(A2_ZERO_F)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * bb;
+        if (!half) PREFETCH(blk, bb)
+        A2_ROWS(A2_ZERO_A)
+        _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + j * 64 + half * 32));
+            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            A2_ROWS(A2_Q4_STEP)
+        }
+        __m256 dw = f32s ? _mm256_loadu_ps((const float *)blk + half * 8)
+                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + half * 16)));
+        __m256 mw = f32s ? _mm256_loadu_ps((const float *)(blk + 64) + half * 8)
+                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + half * 16)));
+        A2_ROWS(A2_Q4_END)
+    }
+    A2_ROWS(A2_STORE)
+}
+
+T_AVX2 INLINE void q8_avx2_tile(const uint8_t *wg, int64_t nb, int half, const int8_t *xq, const float *xd,
+                                const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr) {
+    (void)xs;
+    const __m256i ones = _mm256_set1_epi16(1);
+    A2_ROWS(A2_ZERO_F)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * Q8_BLOCK;
+        if (!half) PREFETCH(blk, Q8_BLOCK)
+        A2_ROWS(A2_ZERO_A)
+        _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 32 + j * 64 + half * 32));
+            __m256i aw = _mm256_abs_epi8(w);
+            A2_ROWS(A2_Q8_STEP)
+        }
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + half * 16)));
+        A2_ROWS(A2_Q8_END)
+    }
+    A2_ROWS(A2_STORE)
+}
+
+#define A2_CASE(fn, n) case n: fn(wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os, n); break;
+#define A2_CASE4(n) case n: q4_avx2_tile(wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os, n, fmt == FMT_Q4F); break;
+T_AVX2 static void group_avx2(int fmt, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
+                              const float *xs, int64_t M, int64_t K, float *y, int64_t ldy, const float *oscale) {
+    for (int64_t m0 = 0; m0 < M; m0 += MR2) {
+        int mr = (M - m0) < MR2 ? (int)(M - m0) : MR2;
+        for (int half = 0; half < 2; half++) {
+            const int8_t *xq_ = xq + m0 * K;
+            const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb, *os = oscale ? oscale + half * 8 : NULL;
+            float *y_ = y + m0 * ldy + half * 8;
+            if (fmt != FMT_Q8) {
+                switch (mr) { A2_CASE4(1) A2_CASE4(2) A2_CASE4(3) A2_CASE4(4) }
+            } else {
+                switch (mr) { A2_CASE(q8_avx2_tile, 1) A2_CASE(q8_avx2_tile, 2) A2_CASE(q8_avx2_tile, 3)
+                              A2_CASE(q8_avx2_tile, 4) }
+            }
+        }
+    }
+}
+
+/* ---- AVX-512 VNNI ---- */
+
+#define A5_ZERO_F(i) __m512 f##i = _mm512_setzero_ps();
+#define A5_ZERO_A(i) __m512i a##i = _mm512_setzero_si512();
+#define A5_Q4_STEP(i)                                                                                   \
+    if (mr > i) {                                                                                       \
+        const int8_t *xr = xq + (i) * K + b * QK + 4 * j;                                               \
+        a##i = _mm512_dpbusd_epi32(a##i, lo, _mm512_set1_epi32(*(const int32_t *)xr));                  \
+        a##i = _mm512_dpbusd_epi32(a##i, hi, _mm512_set1_epi32(*(const int32_t *)(xr + 16)));           \
+    }
+#define A5_Q4_END(i)                                                                                    \
+    if (mr > i) {                                                                                       \
+        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##i), _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i); \
+        f##i = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[(i) * nb + b]), f##i);                             \
+    }
+#define A5_Q8_STEP(i)                                                                                   \
+    if (mr > i) {                                                                                       \
+        __m512i xv = _mm512_xor_si512(_mm512_set1_epi32(*(const int32_t *)(xq + (i) * K + b * QK + 4 * j)), bias); \
+        a##i = _mm512_dpbusd_epi32(a##i, xv, w);                                                        \
+    }
+#define A5_Q8_END(i)                                                                                    \
+    if (mr > i)                                                                                         \
+        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a##i, corr)),                        \
+                               _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i);
+#define A5_STORE(i)                                                                                     \
+    if (mr > i) _mm512_storeu_ps(y + (i) * ldy, oscale ? _mm512_mul_ps(f##i, _mm512_loadu_ps(oscale)) : f##i);
+#define A5_ROWS(M) M(0) M(1) M(2) M(3) M(4) M(5)
+
+T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
+                                    const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
+                                    const int mr, const int f32s) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64;
+    A5_ROWS(A5_ZERO_F)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * bb;
+        PREFETCH(blk, bb)
+        A5_ROWS(A5_ZERO_A)
+        _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
+            __m512i raw = _mm512_loadu_si512((const void *)(blk + qo + j * 64));
+            __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+            A5_ROWS(A5_Q4_STEP)
+        }
+        __m512 dw = f32s ? _mm512_loadu_ps((const void *)blk)
+                         : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        __m512 mw = f32s ? _mm512_loadu_ps((const void *)(blk + 64))
+                         : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        A5_ROWS(A5_Q4_END)
+    }
+    A5_ROWS(A5_STORE)
+}
+
+T_AVX512 INLINE void q8_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
+                                    const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
+                                    const int mr) {
+    (void)xs;
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    A5_ROWS(A5_ZERO_F)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * Q8_BLOCK;
+        PREFETCH(blk, Q8_BLOCK)
+        __m512i corr = _mm512_setzero_si512(); /* 128 * sum_k q_w, per output */
+        A5_ROWS(A5_ZERO_A)
+        _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
+            __m512i w = _mm512_loadu_si512((const void *)(blk + 32 + j * 64));
+            corr = _mm512_dpbusd_epi32(corr, bias, w);
+            A5_ROWS(A5_Q8_STEP)
+        }
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        A5_ROWS(A5_Q8_END)
+    }
+    A5_ROWS(A5_STORE)
+}
+
+#define A5_CASE(fn, n) case n: fn(wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale, n); break;
+#define A5_CASE4(n) case n: q4_avx512_tile(wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale, n, fmt == FMT_Q4F); break;
+T_AVX512 static void group_avx512(int fmt, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
+                                  const float *xs, int64_t M, int64_t K, float *y, int64_t ldy,
+                                  const float *oscale) {
+    for (int64_t m0 = 0; m0 < M; m0 += MR5) {
+        int mr = (M - m0) < MR5 ? (int)(M - m0) : MR5;
+        const int8_t *xq_ = xq + m0 * K;
+        const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
+        float *y_ = y + m0 * ldy;
+        if (fmt != FMT_Q8) {
+            switch (mr) { A5_CASE4(1) A5_CASE4(2) A5_CASE4(3) A5_CASE4(4) A5_CASE4(5) A5_CASE4(6) }
+        } else {
+            switch (mr) { A5_CASE(q8_avx512_tile, 1) A5_CASE(q8_avx512_tile, 2) A5_CASE(q8_avx512_tile, 3)
+                          A5_CASE(q8_avx512_tile, 4) A5_CASE(q8_avx512_tile, 5) A5_CASE(q8_avx512_tile, 6) }
+        }
+    }
+}
+
+/* ---- entry points ---- */
+
+/* 1 if this CPU can run `isa`, else 0 (CPUID through the compiler's runtime). */
+int kvserve_q_isa_supported(int isa) {
+    __builtin_cpu_init();
+    if (isa == ISA_AVX2)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+#ifdef KVSERVE_Q_EMULATE_AVX512
+    if (isa == ISA_AVX512_VNNI) return 1;
+#endif
+    if (isa == ISA_AVX512_VNNI)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+    return 0;
+}
+
+/* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F or FMT_Q8, N a
+ * multiple of 16, K of 32). oscale: NULL, or N floats multiplied into the outputs (per-channel int8). Returns 0, or
+ * -1 for bad arguments / an unsupported isa, -2 when scratch memory could not be allocated (nothing written). */
+int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                  const float *oscale, float *y, int64_t ldy) {
+    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F) || K % QK || N % G || M < 0 || ldy < N ||
+        !kvserve_q_isa_supported(isa))
+        return -1;
+    if (M == 0 || N == 0) return 0;
+    const int64_t nb = K / QK, groups = N / G, bb = fmt == FMT_Q4 ? Q4_BLOCK : fmt == FMT_Q4F ? Q4F_BLOCK : Q8_BLOCK;
+    /* Scratch for the quantized activations: on the stack for small inputs (decode steps), else the heap. */
+    _Alignas(64) int8_t sq[STACK_VALUES];
+    float sd[STACK_VALUES / QK], ss[STACK_VALUES / QK];
+    const int on_stack = M * K <= STACK_VALUES;
+    int8_t *xq = on_stack ? sq : malloc((size_t)(M * K));
+    float *xd = on_stack ? sd : malloc(sizeof(float) * (size_t)(M * nb));
+    float *xs = on_stack ? ss : malloc(sizeof(float) * (size_t)(M * nb));
+    if (!xq || !xd || !xs) {
+        if (!on_stack) { free(xq); free(xd); free(xs); }
+        return -2;
+    }
+    /* Each OpenMP barrier costs a thread wake-up, so small inputs are quantized before the parallel region by
+     * this thread alone, and tiny products run without one. */
+    const int serial_quant = M * K <= SERIAL_QUANT;
+    if (serial_quant)
+        for (int64_t m = 0; m < M; m++) quantize_row_avx2(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+#pragma omp parallel if (M * N * K >= SERIAL_MACS)
+    {
+        if (!serial_quant) {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++)
+                quantize_row_avx2(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *wg = w + g * nb * bb;
+            const float *os = oscale ? oscale + g * G : NULL;
+            if (isa == ISA_AVX512_VNNI)
+                group_avx512(fmt, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
+            else
+                group_avx2(fmt, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
+        }
+    }
+    if (!on_stack) { free(xq); free(xd); free(xs); }
+    return 0;
+}
+
+/* Layout constants, so Python and C cannot disagree: out[5] = {QK, G, Q4, Q8, Q4F block bytes}. */
+void kvserve_q_layout(int64_t *out) {
+    out[0] = QK; out[1] = G; out[2] = Q4_BLOCK; out[3] = Q8_BLOCK; out[4] = Q4F_BLOCK;
+}

@@ -1,0 +1,157 @@
+"""GGUF block formats decoded in numpy: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+
+Layouts from the GGUF spec / llama.cpp ``ggml-common.h`` (``block_q4_0`` ...) and the arithmetic of
+``ggml-quants.c`` ``dequantize_row_*``, done in float32 in the same order, so ``dequantize`` equals
+``gguf.quants.dequantize`` bit for bit (``tests/model/test_quant_formats.py``). A tensor's bytes are rows of blocks:
+``raw`` is ``uint8 [N, bytes_per_row]`` (what ``gguf.GGUFReader`` gives for a 2-D tensor), ``K`` = elements per row.
+
+Block layouts (``d``, ``dmin``, ``m`` are little-endian float16; ``QK_K = 256``):
+
+- Q4_0 (32 values, 18 bytes): ``d``, ``qs[16]``; byte ``j`` holds value ``j`` (low nibble) and ``j + 16`` (high);
+  ``w = d * (q - 8)``.
+- Q4_1 (32 values, 20 bytes): ``d``, ``m``, ``qs[16]`` as Q4_0; ``w = d * q + m``.
+- Q8_0 (32 values, 34 bytes): ``d``, ``qs[32]`` int8; ``w = d * q``.
+- Q4_K (256 values, 144 bytes): ``d``, ``dmin``, ``scales[12]`` (eight 6-bit scales and mins), ``qs[128]``;
+  value ``e = 64c + 32s + i`` is nibble ``s`` of byte ``32c + i``; ``w = (d * sc[e // 32]) * q - dmin * mn[e // 32]``.
+- Q5_K (256 values, 176 bytes): ``d``, ``dmin``, ``scales[12]``, ``qh[32]``, ``qs[128]``; the low 4 bits as Q4_K,
+  bit 4 is bit ``e // 32`` of ``qh[e % 32]``; same formula.
+- Q6_K (256 values, 210 bytes): ``ql[128]``, ``qh[64]``, ``scales[16]`` int8, ``d``; with ``e = 128h + r``: low 4 bits
+  are nibble ``r // 64`` of ``ql[64h + r % 64]``, high 2 bits are bits ``2 (r // 32)`` of ``qh[32h + r % 32]``;
+  ``w = (d * sc[e // 16]) * (q - 32)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+Q4_K, Q5_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K
+#: The block formats kvserve keeps quantized.
+QUANTIZED_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+
+
+def block_size(qtype) -> tuple[int, int]:
+    """``(values per block, bytes per block)`` of a GGML type (``gguf.GGML_QUANT_SIZES``)."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+
+
+def _blocks(raw: np.ndarray, qtype, k: int) -> np.ndarray:
+    """``raw [N, bytes_per_row]`` uint8 -> ``[N, K / values_per_block, bytes_per_block]`` (a view). ValueError if
+    the sizes do not fit."""
+    bs, tb = block_size(qtype)
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8 or raw.ndim != 2 or k % bs or raw.shape[1] != k // bs * tb:
+        raise ValueError(f"{GGMLQuantizationType(qtype).name} rows of {k} values need uint8 [N, {k // bs * tb}] "
+                         f"(K a multiple of {bs}), got {raw.dtype} {list(raw.shape)}")
+    return raw.reshape(raw.shape[0], k // bs, tb)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Last axis of 2 bytes -> float16 (little-endian), squeezed."""
+    return np.ascontiguousarray(b).view("<f2")[..., 0]
+
+
+def _nibbles(qs: np.ndarray, byte_of: np.ndarray, shift_of: np.ndarray) -> np.ndarray:
+    return (qs[..., byte_of] >> shift_of) & np.uint8(0x0F)
+
+
+# Index maps: value e of a block -> (byte, shift).
+_E32 = np.arange(32)
+_Q4_BYTE, _Q4_SHIFT = _E32 % 16, (4 * (_E32 // 16)).astype(np.uint8)
+_E256 = np.arange(256)
+_QK4_BYTE, _QK4_SHIFT = 32 * (_E256 // 64) + _E256 % 32, (4 * ((_E256 // 32) % 2)).astype(np.uint8)
+_QK5_HBYTE, _QK5_HSHIFT = _E256 % 32, (_E256 // 32).astype(np.uint8)
+_R = _E256 % 128
+_Q6_LBYTE, _Q6_LSHIFT = 64 * (_E256 // 128) + _R % 64, (4 * (_R // 64)).astype(np.uint8)
+_Q6_HBYTE, _Q6_HSHIFT = 32 * (_E256 // 128) + _R % 32, (2 * (_R // 32)).astype(np.uint8)
+
+
+def decode_q4(raw: np.ndarray, qtype, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0 or Q4_1 rows -> ``(q uint8 [N, K] in 0..15, d float16 [N, K/32], m float16 [N, K/32])`` with
+    ``w = d * q + m`` (Q4_0: ``m = -8 d``, exact in float16 unless ``|d| > 8188``, which raises ValueError)."""
+    blk = _blocks(raw, qtype, k)
+    d = _f16(blk[..., 0:2])
+    if GGMLQuantizationType(qtype) == Q4_0:
+        with np.errstate(over="ignore"):
+            m = (d * np.float16(-8)).astype(np.float16)
+        if not np.isfinite(m[np.isfinite(d)]).all():
+            raise ValueError("Q4_0 scale too large for -8 * d in float16")
+        qs = blk[..., 2:18]
+    elif GGMLQuantizationType(qtype) == Q4_1:
+        m, qs = _f16(blk[..., 2:4]), blk[..., 4:20]
+    else:
+        raise ValueError(f"decode_q4 takes Q4_0 or Q4_1, got {GGMLQuantizationType(qtype).name}")
+    q = _nibbles(qs, _Q4_BYTE, _Q4_SHIFT).reshape(raw.shape[0], k)
+    return q, d, m
+
+
+def decode_q4_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K rows -> ``(q uint8 [N, K] in 0..15, d float32 [N, K/32], m float32 [N, K/32])`` with ``w = d * q + m``
+    per 32-value sub-block: ``d = d_sb * sc``, ``m = -(dmin_sb * mn)``, both exact in float32, so ``d * q + m``
+    equals ``dequantize`` bit for bit."""
+    blk = _blocks(raw, Q4_K, k)
+    n = blk.shape[0]
+    sc, mn = _k_scales(blk[..., 4:16])
+    d = _f16(blk[..., 0:2]).astype(np.float32)[..., None] * sc.astype(np.float32)  # [N, nb, 8]
+    m = -(_f16(blk[..., 2:4]).astype(np.float32)[..., None] * mn.astype(np.float32))
+    q = _nibbles(blk[..., 16:144], _QK4_BYTE, _QK4_SHIFT).reshape(n, k)
+    return q, d.reshape(n, k // 32), m.reshape(n, k // 32)
+
+
+def decode_q8(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 rows -> ``(q int8 [N, K], d float16 [N, K/32])`` with ``w = d * q``."""
+    blk = _blocks(raw, Q8_0, k)
+    return blk[..., 2:].view(np.int8).reshape(raw.shape[0], k), _f16(blk[..., 0:2])
+
+
+def _k_scales(sc12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K ``scales[12]`` -> eight 6-bit scales and eight 6-bit mins (llama.cpp ``get_scale_min_k4``)."""
+    a, b, c = sc12[..., 0:4], sc12[..., 4:8], sc12[..., 8:12]
+    sc = np.concatenate([a & 63, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def dequantize(raw: np.ndarray, qtype, k: int) -> np.ndarray:
+    """Rows of any of ``QUANTIZED_TYPES`` -> float32 ``[N, K]``, equal to ``gguf.quants.dequantize``.
+
+    Raises:
+        ValueError: an unsupported type, or ``raw`` not ``uint8 [N, bytes_per_row]`` for rows of ``k`` values.
+    """
+    qtype = GGMLQuantizationType(qtype)
+    n = np.asarray(raw).shape[0]
+    if qtype in (Q4_0, Q4_1):
+        blk = _blocks(raw, qtype, k)
+        d = _f16(blk[..., 0:2]).astype(np.float32)[..., None]
+        if qtype == Q4_0:
+            q = _nibbles(blk[..., 2:18], _Q4_BYTE, _Q4_SHIFT).astype(np.int8) - np.int8(8)
+            return (d * q.astype(np.float32)).reshape(n, k)
+        q = _nibbles(blk[..., 4:20], _Q4_BYTE, _Q4_SHIFT).astype(np.float32)
+        return (d * q + _f16(blk[..., 2:4]).astype(np.float32)[..., None]).reshape(n, k)
+    if qtype == Q8_0:
+        q, d = decode_q8(raw, k)
+        return (q.reshape(n, -1, 32).astype(np.float32) * d.astype(np.float32)[..., None]).reshape(n, k)
+    if qtype in (Q4_K, Q5_K):
+        blk = _blocks(raw, qtype, k)
+        d, dmin = _f16(blk[..., 0:2]).astype(np.float32), _f16(blk[..., 2:4]).astype(np.float32)
+        sc, mn = _k_scales(blk[..., 4:16])
+        if qtype == Q4_K:
+            q = _nibbles(blk[..., 16:144], _QK4_BYTE, _QK4_SHIFT)
+        else:
+            q = _nibbles(blk[..., 48:176], _QK4_BYTE, _QK4_SHIFT)
+            q = q | (((blk[..., 16:48][..., _QK5_HBYTE] >> _QK5_HSHIFT) & np.uint8(1)) << np.uint8(4))
+        ds = (d[..., None] * sc.astype(np.float32))[..., None]  # [N, nb, 8, 1]
+        dm = (dmin[..., None] * mn.astype(np.float32))[..., None]
+        w = ds * q.reshape(*q.shape[:-1], 8, 32).astype(np.float32) - dm
+        return w.reshape(n, k)
+    if qtype == Q6_K:
+        blk = _blocks(raw, qtype, k)
+        lo = (blk[..., 0:128][..., _Q6_LBYTE] >> _Q6_LSHIFT) & np.uint8(0x0F)
+        hi = (blk[..., 128:192][..., _Q6_HBYTE] >> _Q6_HSHIFT) & np.uint8(3)
+        q = (lo | (hi << np.uint8(4))).astype(np.int8) - np.int8(32)
+        sc = blk[..., 192:208].view(np.int8).astype(np.float32)
+        ds = (_f16(blk[..., 208:210]).astype(np.float32)[..., None] * sc)[..., None]  # [N, nb, 16, 1]
+        return (ds * q.reshape(*q.shape[:-1], 16, 16).astype(np.float32)).reshape(n, k)
+    raise ValueError(f"unsupported GGML type {qtype.name}; supported: {[t.name for t in QUANTIZED_TYPES]}")

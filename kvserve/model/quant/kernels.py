@@ -1,0 +1,237 @@
+"""The quantized matmul library (``kvserve/model/csrc/qgemm.c``): built, loaded, and its instruction-set path chosen
+at run time.
+
+The library is compiled with the system C compiler (``$CC``, default ``cc``) on first use into the same cache
+folder as ``kvserve.model.cpu_kernels`` (``$KVSERVE_CACHE_DIR``, default ``~/.cache/kvserve``, else the temp
+folder), atomically, keyed by a hash of the source and flags. It is built without any ``-m`` ISA flag: each path
+carries its own ``__attribute__((target(...)))``, so one binary runs on every x86-64 CPU and the path is picked
+here:
+
+1. CPUID (``kvserve_q_isa_supported``, i.e. gcc's ``__builtin_cpu_supports``): ``avx512_vnni`` needs AVX-512 F, BW,
+   VL and VNNI; ``avx2`` needs AVX2 and FMA.
+2. ``KVSERVE_CPU_ISA`` (``avx2`` or ``avx512_vnni``) forces one path, e.g. to test AVX2 on an AVX-512 machine; a
+   forced path the CPU lacks is an error (``select_isa`` raises), never a silent substitute.
+3. Each candidate, best first, must pass a numerical self-check (``self_check``: both weight formats, 1-13 rows,
+   against an exact-activation float64 reference) before it is used; one that fails is skipped.
+
+``KVSERVE_CPU_KERNELS=0`` turns the library off, as for the float32 kernels; ``isa()`` is then ``None``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from kvserve.model.quant import pack as P
+
+logger = logging.getLogger(__name__)
+
+_SRC = Path(__file__).resolve().parents[1] / "csrc" / "qgemm.c"
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+#: Instruction-set paths, best first, with qgemm.c's ids.
+ISAS = {"avx512_vnni": 2, "avx2": 1}
+ISA_ENV = "KVSERVE_CPU_ISA"
+
+
+def _cache_dirs() -> list:
+    first = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
+    return [first, Path(tempfile.gettempdir()) / f"kvserve-{os.getuid()}"]
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC", "cc")
+    tag = hashlib.sha256(_SRC.read_bytes() + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
+    errors = []
+    for folder in _cache_dirs():
+        out = folder / f"libkvserve_qgemm_{tag}.so"
+        if out.exists():
+            return out
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+            try:
+                proc = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                      timeout=120)
+                if proc.returncode != 0:
+                    raise OSError(f"{cc} failed: {proc.stderr.strip()[:500]}")
+                os.replace(tmp, out)  # atomic: other processes see nothing or the whole library
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            return out
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(f"{folder}: {e}")
+    raise OSError("; ".join(errors))
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """The loaded library, or ``None`` (turned off, not x86-64, no compiler): see ``unavailable_reason``."""
+    global _reason
+    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        _reason = "KVSERVE_CPU_KERNELS=0"
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as e:
+        _reason = f"build or load failed: {e}"
+        return None
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.kvserve_qgemm.argtypes = [cint, cint, ptr, i64, i64, ptr, i64, ptr, ptr, i64]
+    lib.kvserve_qgemm.restype = cint
+    lib.kvserve_q_isa_supported.argtypes = [cint]
+    lib.kvserve_q_isa_supported.restype = cint
+    lib.kvserve_q_quantize_rows.argtypes = [cint, ptr, i64, i64, ptr, ptr, ptr]
+    lib.kvserve_q_quantize_rows.restype = None
+    layout = (ctypes.c_int64 * 5)()
+    lib.kvserve_q_layout(layout)
+    if tuple(layout) != (P.QK, P.G, P.Q4_BLOCK, P.Q8_BLOCK, P.Q4F_BLOCK):
+        _reason = f"layout mismatch between qgemm.c {tuple(layout)} and pack.py"
+        return None
+    return lib
+
+
+_reason: Optional[str] = None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why ``load()`` or ``isa()`` gives ``None``; ``None`` when a path is in use."""
+    if load() is not None and isa() is None:
+        return "no instruction-set path passed its self-check on this CPU"
+    return _reason
+
+
+def cpu_supports(name: str) -> bool:
+    """Whether this CPU can run path ``name`` (a key of ``ISAS``), by CPUID. False without the library."""
+    lib = load()
+    return lib is not None and bool(lib.kvserve_q_isa_supported(ISAS[name]))
+
+
+def select_isa(forced: Optional[str] = None) -> Optional[str]:
+    """The path to use: ``forced`` (default ``$KVSERVE_CPU_ISA``) if given, else the best CPU-supported path that
+    passes ``self_check``; ``None`` if none does (callers then fall back to float32).
+
+    Raises:
+        ValueError: a forced name that is not one of ``ISAS``, or that this CPU does not support, or that fails
+            its self-check.
+    """
+    forced = forced if forced is not None else (os.environ.get(ISA_ENV) or None)
+    if load() is None:
+        return None
+    if forced is not None:
+        if forced not in ISAS:
+            raise ValueError(f"{ISA_ENV} must be one of {sorted(ISAS)}, got {forced!r}")
+        if not cpu_supports(forced):
+            raise ValueError(f"{ISA_ENV}={forced}: this CPU does not support it")
+        if not self_check(forced):
+            raise ValueError(f"{ISA_ENV}={forced}: failed its numerical self-check")
+        return forced
+    for name in ISAS:
+        if cpu_supports(name):
+            if self_check(name):
+                return name
+            logger.warning("quantized matmul path %s failed its self-check; trying the next", name)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def isa() -> Optional[str]:
+    """The process-wide path (``select_isa()``, computed once)."""
+    return select_isa()
+
+
+def qgemm(x: torch.Tensor, w: P.PackedWeight, isa_name: Optional[str] = None) -> torch.Tensor:
+    """``x [M, K]`` float32 times the packed weight -> ``[M, out_features]`` float32 (``x @ W.T``), activations
+    quantized per 32-block to int8 inside.
+
+    Args:
+        x: ``[M, in_features]``, float32 (another float dtype is converted first); made contiguous if it is not.
+        w: from ``pack.pack_q4`` / ``pack.pack_q8``.
+        isa_name: a key of ``ISAS``; default ``isa()``.
+
+    Raises:
+        RuntimeError: no usable path, or the kernel refused the arguments / could not allocate scratch memory.
+    """
+    name = isa_name or isa()
+    lib = load()
+    if name is None or lib is None:
+        raise RuntimeError(f"quantized matmul unavailable: {unavailable_reason()}")
+    x = x.to(torch.float32).contiguous()  # a bfloat16 engine's activations are converted, not misread
+    m, k = x.shape
+    n_pad = w.data.shape[0] * P.G
+    y = torch.empty(m, n_pad, dtype=torch.float32)
+    rc = lib.kvserve_qgemm(w.fmt, ISAS[name], x.data_ptr(), m, k, w.data.data_ptr(), n_pad,
+                           None if w.oscale is None else w.oscale.data_ptr(), y.data_ptr(), n_pad)
+    if rc != 0:
+        raise RuntimeError(f"kvserve_qgemm returned {rc} (x {list(x.shape)}, weight {w.out_features}x{w.in_features})")
+    return y if n_pad == w.out_features else y[:, : w.out_features]
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Reference of the kernel's activation quantization, in numpy: float32 ``[M, K]`` (K a multiple of 32) ->
+    ``(q int8 [M, K], d float32 [M, K/32], s float32 [M, K/32])`` with ``d = max|x_block| / 127``,
+    ``q = rint(x * (1 / d))`` (half to even, as ``nearbyintf``), ``s = d * sum(q_block)``: llama.cpp's Q8_0 / Q8_1
+    activation blocks (``quantize_row_q8_1``: ``s`` is its ``d * sum``), with the scale kept in float32. Equal to
+    the C quantizer bit for bit (``tests/model/test_quant_kernels.py``)."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    b = x.reshape(m, k // P.QK, P.QK)
+    d = np.abs(b).max(axis=-1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(b * inv[..., None]), -127, 127)
+    s = (d * q.sum(axis=-1, dtype=np.float32)).astype(np.float32)
+    return q.astype(np.int8).reshape(m, k), d.astype(np.float32), s
+
+
+def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray) -> np.ndarray:
+    """What the kernel computes, exactly, in float64: ``x`` quantized as ``quantize_activations`` (dequantized
+    back), times the dequantized weight ``[N, K]`` transposed -> ``[M, N]``. The kernel differs from it only by
+    float32 summation order."""
+    q, d, _ = quantize_activations(x)
+    xh = q.astype(np.float64).reshape(q.shape[0], -1, P.QK) * d.astype(np.float64)[..., None]
+    return xh.reshape(q.shape) @ np.asarray(w_dequant, np.float64).T
+
+
+def self_check(name: str) -> bool:
+    """Run path ``name`` on small random Q4, Q4F and Q8 weights (40 x 96, 1/5/13 rows: partial output groups and row
+    tiles) and compare with ``reference_qgemm``: relative error at most 1e-5 of ``sum |w| |x|`` (float32 rounding
+    of the per-block sums). False if the CPU lacks it or any output is off."""
+    if not cpu_supports(name):
+        return False
+    rng = np.random.default_rng(12345)
+    n, k = 40, 96
+    q4 = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    d4 = (rng.random((n, k // 32)) * 0.1 + 0.01).astype(np.float16)
+    m4 = (-rng.random((n, k // 32)) * 0.5).astype(np.float16)
+    q8 = rng.integers(-128, 128, (n, k), dtype=np.int16).astype(np.int8)
+    d8 = (rng.random((n, k // 32)) * 0.02 + 0.001).astype(np.float16)
+    os8 = (rng.random(n) + 0.5).astype(np.float32)
+    cases = [
+        (P.pack_q4(q4, d4, m4), np.repeat(d4.astype(np.float32), 32, 1) * q4 + np.repeat(m4.astype(np.float32), 32, 1)),
+        (P.pack_q4(q4, d4.astype(np.float32) * 3, m4.astype(np.float32)),
+         np.repeat(d4.astype(np.float32) * 3, 32, 1) * q4 + np.repeat(m4.astype(np.float32), 32, 1)),
+        (P.pack_q8(q8, d8), np.repeat(d8.astype(np.float32), 32, 1) * q8),
+        (P.pack_q8(q8, d8, os8), np.repeat(d8.astype(np.float32), 32, 1) * q8 * os8[:, None]),
+    ]
+    for packed, wd in cases:
+        for rows in (1, 5, 13):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            x[0, :3] = (40.0, -40.0, 0.0)
+            got = qgemm(torch.from_numpy(x), packed, name).numpy().astype(np.float64)
+            ref = reference_qgemm(x, wd)
+            scale = np.abs(x).astype(np.float64) @ np.abs(wd.astype(np.float64)).T + 1e-30
+            if got.shape != ref.shape or not np.all(np.abs(got - ref) <= 1e-5 * scale):
+                return False
+    return True

@@ -1,0 +1,275 @@
+"""Linear methods over quantized weights, with the call interface of ``kvserve.model.linear.Linear``:
+``layer(x [T, in_features] float32) -> [T, out_features] float32``, ``numel()``, ``path``, ``out_features``,
+``in_features``.
+
+``make_linear_method(weight, quantization)`` is the one entry point:
+
+- ``QuantTensor`` Q4_0 / Q4_1, ``"auto"`` / ``None``: ``QuantLinear``, the file's nibbles and scales repacked
+  (exact); path ``q4/<isa>``.
+- ``QuantTensor`` Q8_0, ``"auto"``: ``QuantLinear``, the file's int8 values and scales (exact); ``q8/<isa>``.
+- ``QuantTensor`` Q4_K, ``"auto"``: ``QuantLinear``, nibbles with float32 sub-block scales and mins (exact, 6 bits
+  per weight); ``q4_k/<isa>``.
+- ``QuantTensor`` Q5_K / Q6_K, ``"auto"``: ``QuantLinear``, decoded then re-quantized to int8 per 32-block (Q8_0
+  style: *not* the file's values exactly, each within half a step, <= 1/254 of its block's largest weight);
+  ``q8_from_<type>/<isa>``.
+- any ``QuantTensor``, ``"fp32"``: ``kvserve.model.linear.Linear`` on the dequantized weight (today's path);
+  ``kvserve`` / ``onednn`` / ``mkl``.
+- anything, ``"int8"``: ``QuantLinear``, per-output-channel symmetric int8 quantized at load; ``int8/<isa>``.
+- a float ``[N, K]`` tensor / array, ``"auto"`` / ``"fp32"``: ``kvserve.model.linear.Linear``.
+- a list of the above: one fused layer (``make_linear_method``).
+
+Activations are quantized per 32-block to int8 inside the kernel (``kernels.qgemm``), so outputs differ from a
+float64 product with the dequantized weight by the activation rounding: at most ``sum_k |w_k| d_x(k) / 2`` per
+output (``d_x`` = the block's ``max|x| / 127``), plus float32 rounding.
+
+When the quantized kernels cannot run here (no usable ISA path, ``KVSERVE_CPU_KERNELS=0``), a ``QuantLinear``
+computes with the float32 ``Linear`` on the weight it represents (``path`` ``fp32_fallback``), same values up to
+the activation rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from kvserve.model.linear import Linear
+from kvserve.model.quant import formats, kernels
+from kvserve.model.quant import pack as P
+from kvserve.model.quant.gguf_io import QuantTensor
+
+#: Allowed values of ``quantization`` (``None`` means ``"auto"``: the weight's own format).
+QUANTIZATION_METHODS = ("auto", "fp32", "int8")
+# Rows decoded at a time when a GGUF tensor is re-quantized, so no whole-tensor float32 copy exists.
+_CHUNK_ROWS = 1024
+
+
+def check_quantization(quantization: Optional[str]) -> str:
+    """``None`` -> ``"auto"``; one of ``QUANTIZATION_METHODS`` -> itself.
+
+    Raises:
+        ValueError: anything else, naming the field and the allowed values.
+    """
+    if quantization is None:
+        return "auto"
+    if not isinstance(quantization, str) or quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(repr(m) for m in QUANTIZATION_METHODS)} "
+                         f"(or None = 'auto'), got {quantization!r}")
+    return quantization
+
+
+def unpack(w: P.PackedWeight) -> np.ndarray:
+    """The float32 ``[out_features, in_features]`` weight a ``PackedWeight`` represents (inverse of packing):
+    Q4 ``d * q + m``, Q8 ``d * q`` (times ``oscale``), in float32 as ``gguf`` dequantizes."""
+    data = w.data.numpy()
+    groups, nb, _ = data.shape
+    d = data[..., 0:32].copy().view("<f2").astype(np.float32)  # [g, b, 16]
+    if w.fmt in (P.FMT_Q4, P.FMT_Q4F):
+        if w.fmt == P.FMT_Q4:
+            m, qo = data[..., 32:64].copy().view("<f2").astype(np.float32), 64
+        else:
+            d, m, qo = data[..., 0:64].copy().view("<f4"), data[..., 64:128].copy().view("<f4"), 128
+        nib = data[..., qo:].reshape(groups, nb, 4, 16, 4)  # [g, b, j, o, i]
+        q = np.stack([nib & 0x0F, nib >> 4], axis=-1)  # [g, b, j, o, i, half]
+        q = q.transpose(0, 3, 1, 5, 2, 4).reshape(groups * 16, nb, 32).astype(np.float32)  # [g o, b, half j i]
+        dd = d.transpose(0, 2, 1).reshape(groups * 16, nb, 1)
+        mm = m.transpose(0, 2, 1).reshape(groups * 16, nb, 1)
+        full = dd * q + mm
+    else:
+        q = data[..., 32:].copy().view(np.int8).reshape(groups, nb, 8, 16, 4)  # [g, b, j, o, i]
+        q = q.transpose(0, 3, 1, 2, 4).reshape(groups * 16, nb, 32).astype(np.float32)
+        full = q * d.transpose(0, 2, 1).reshape(groups * 16, nb, 1)
+        if w.oscale is not None:
+            full = full * w.oscale.numpy()[:, None, None]
+    return np.ascontiguousarray(full.reshape(groups * 16, nb * 32)[: w.out_features, : w.in_features])
+
+
+class QuantLinear:
+    """A bias-free linear layer over a ``PackedWeight`` (4- or 8-bit blocks), computed by ``kernels.qgemm``.
+
+    Args:
+        packed: the weight (``pack.pack_q4`` / ``pack.pack_q8``); ``in_features`` of the caller may be smaller
+            than ``packed.in_features`` (zero-padded to a multiple of 32 for "int8"), see ``in_features``.
+        kind: a label for ``path`` (``"q4"``, ``"q4_k"``, ``"q8"``, ``"int8"``, ``"q8_from_Q6_K"``, ...).
+        in_features: the true input width (default ``packed.in_features``); inputs are zero-padded to the packed
+            width.
+
+    Attributes:
+        path: ``"<kind>/<isa>"`` (isa ``avx2`` or ``avx512_vnni``), or ``"<kind>/fp32_fallback"`` when no
+            quantized kernel can run here.
+        packed: the ``PackedWeight``.
+
+    Call with ``x [T, in_features]`` float32 -> ``[T, out_features]`` float32.
+
+    Raises:
+        ValueError: at construction, when ``KVSERVE_CPU_ISA`` forces a path this CPU lacks or that fails its
+            self-check (``kernels.select_isa``).
+    """
+
+    def __init__(self, packed: P.PackedWeight, kind: str, in_features: Optional[int] = None):
+        self.packed = packed
+        self.out_features = packed.out_features
+        self.in_features = packed.in_features if in_features is None else in_features
+        self._isa = kernels.isa()
+        self._fallback = None
+        if self._isa is None:
+            w = unpack(packed)[:, : self.in_features]
+            self._fallback = Linear(torch.from_numpy(np.ascontiguousarray(w)))
+        self.path = f"{kind}/{self._isa or 'fp32_fallback'}"
+        # Everything a call needs, resolved once (a decode step makes ~120 small calls: per-call Python counts).
+        self._n_pad = packed.data.shape[0] * P.G
+        if self._isa is not None:
+            self._call = functools.partial(
+                kernels.load().kvserve_qgemm, packed.fmt, kernels.ISAS[self._isa])
+            self._wptr = packed.data.data_ptr()
+            self._optr = None if packed.oscale is None else packed.oscale.data_ptr()
+
+    def numel(self) -> int:
+        """Weights (= multiply-adds per row): ``out_features * in_features``."""
+        return self.out_features * self.in_features
+
+    def weight_bytes(self) -> int:
+        """Bytes of packed weights and scales read per call."""
+        return self.packed.nbytes()
+
+    def dequantized(self) -> np.ndarray:
+        """float32 ``[out_features, in_features]``: the weight this layer multiplies by (a new array)."""
+        return np.ascontiguousarray(unpack(self.packed)[:, : self.in_features])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fallback is not None:
+            return self._fallback(x)
+        k = self.packed.in_features
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != k:
+            x = x.to(torch.float32).contiguous()
+            if x.shape[1] != k:
+                x = torch.nn.functional.pad(x, (0, k - x.shape[1]))
+        m, n_pad = x.shape[0], self._n_pad
+        y = torch.empty(m, n_pad, dtype=torch.float32)
+        if self._call(x.data_ptr(), m, k, self._wptr, n_pad, self._optr, y.data_ptr(), n_pad):
+            raise RuntimeError(f"kvserve_qgemm refused x {list(x.shape)} for weight {self.out_features}x{k}")
+        return y if n_pad == self.out_features else y[:, : self.out_features]
+
+
+def _int8_from_float(w: np.ndarray) -> QuantLinear:
+    n, k = w.shape
+    k_pad = -(-k // P.QK) * P.QK
+    q, scale = P.quantize_int8_per_channel(w)
+    if k_pad != k:
+        q = np.concatenate([q, np.zeros((n, k_pad - k), np.int8)], axis=1)
+    ones = np.ones((n, k_pad // P.QK), np.float16)
+    return QuantLinear(P.pack_q8(q, ones, scale), "int8", in_features=k)
+
+
+def _chunked(t: QuantTensor, fn) -> tuple:
+    """Apply ``fn(float32 rows) -> tuple of arrays`` to row chunks of a decoded ``QuantTensor``; concatenate."""
+    parts = [fn(t.dequantize(np.arange(r, min(r + _CHUNK_ROWS, t.out_features))))
+             for r in range(0, t.out_features, _CHUNK_ROWS)]
+    return tuple(np.concatenate(p) for p in zip(*parts))
+
+
+def _canonical(t: QuantTensor, quantization: str) -> tuple:
+    """One GGUF tensor -> ``(kind, fmt, q, d, m_or_oscale)``: the arrays ``pack_q4`` / ``pack_q8`` take."""
+    if t.qtype not in formats.QUANTIZED_TYPES:
+        raise ValueError(f"{t.name}: unsupported GGML type {t.qtype.name}")
+    if quantization == "int8":
+        q, scale = _chunked(t, P.quantize_int8_per_channel)  # GGUF rows are whole blocks: K is a multiple of 32
+        return "int8", P.FMT_Q8, q, np.ones((t.out_features, t.in_features // P.QK), np.float16), scale
+    if t.qtype in (formats.Q4_0, formats.Q4_1):
+        return ("q4", P.FMT_Q4, *formats.decode_q4(t.raw, t.qtype, t.in_features))
+    if t.qtype == formats.Q8_0:
+        return ("q8", P.FMT_Q8, *formats.decode_q8(t.raw, t.in_features), None)
+    if t.qtype == formats.Q4_K:
+        return ("q4_k", P.FMT_Q4F, *formats.decode_q4_k(t.raw, t.in_features))
+    q, d = _chunked(t, P.quantize_q8_blocks)  # Q5_K, Q6_K: decoded, re-quantized per 32-block
+    return f"q8_from_{t.qtype.name}", P.FMT_Q8, q, d, None
+
+
+class ConcatLinear:
+    """Several linear layers on the same input, outputs concatenated (a fused projection whose parts could not be
+    packed together: mixed formats such as Q4_K q/k with a Q6_K v). Same call interface as ``Linear``."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.path = "+".join(p.path for p in parts)
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=1)
+
+
+def make_linear_method(weight, quantization: Optional[str] = None):
+    """Build the linear layer for one weight (table in the module docstring), or for a fused projection.
+
+    Args:
+        weight: a ``QuantTensor`` (from ``gguf_io.read_gguf_tensors``, Q/K rows already reordered with
+            ``take_rows`` if needed), a float ``[out_features, in_features]`` torch tensor / numpy array, or a
+            list of either (a fused projection such as q/k/v or gate/up: the parts' rows stacked in order, as
+            ``torch.cat`` of their weights). A list of ``QuantTensor`` whose formats share a packed layout (Q4_0
+            and Q4_1; Q8_0, Q5_K and Q6_K; anything under "int8") is packed as one weight; otherwise the parts
+            become a ``ConcatLinear``.
+        quantization: ``None`` / ``"auto"`` (the weight's own format), ``"fp32"``, or ``"int8"``.
+
+    Returns:
+        An object with ``__call__(x [T, in] float32) -> [T, out] float32``, ``numel()``, ``path``,
+        ``out_features``, ``in_features``: ``QuantLinear``, ``ConcatLinear`` or ``kvserve.model.linear.Linear``.
+
+    Raises:
+        ValueError: a bad ``quantization`` (the field and the allowed values in the message), a weight that is not
+            2-D, parts with different ``in_features``, or a GGUF type that is not one of ``formats.QUANTIZED_TYPES``.
+    """
+    quantization = check_quantization(quantization)
+    parts = list(weight) if isinstance(weight, (list, tuple)) else [weight]
+    if not parts:
+        raise ValueError("make_linear_method needs at least one weight")
+    if any(isinstance(p, QuantTensor) for p in parts):
+        if not all(isinstance(p, QuantTensor) for p in parts):
+            raise ValueError("a fused projection mixes GGUF tensors and float tensors")
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError(f"fused parts differ in in_features: {[p.shape for p in parts]}")
+        if quantization == "fp32":
+            return Linear(torch.from_numpy(np.concatenate([p.dequantize() for p in parts])))
+        canon = [_canonical(p, quantization) for p in parts]
+        kinds = {(c[1], c[0] == "int8") for c in canon}
+        if len(kinds) > 1:
+            return ConcatLinear([_pack(c) for c in canon])
+        kind = "+".join(dict.fromkeys(c[0] for c in canon))
+        extra = None if canon[0][4] is None else np.concatenate([c[4] for c in canon])  # m, or int8 scales
+        return _pack((kind, canon[0][1], np.concatenate([c[2] for c in canon]),
+                      np.concatenate([c[3] for c in canon]), extra))
+    ws = [p if isinstance(p, np.ndarray) else p.detach().cpu().float().numpy() for p in parts]
+    if any(w.ndim != 2 for w in ws) or len({w.shape[1] for w in ws}) != 1:
+        raise ValueError(f"linear weights must be 2-D [out_features, in_features] with one in_features, got "
+                         f"shapes {[list(w.shape) for w in ws]}")
+    w = np.ascontiguousarray(np.concatenate(ws) if len(ws) > 1 else ws[0], np.float32)
+    if quantization == "int8":
+        return _int8_from_float(w)
+    return Linear(torch.from_numpy(w) if len(ws) > 1 or isinstance(weight, np.ndarray)
+                  else weight.float().contiguous())
+
+
+def _pack(c: tuple) -> QuantLinear:
+    kind, fmt, q, d, extra = c
+    if fmt in (P.FMT_Q4, P.FMT_Q4F):
+        return QuantLinear(P.pack_q4(q, d, extra), kind)
+    return QuantLinear(P.pack_q8(q, d, extra), kind)
+
+
+class QuantEmbedding:
+    """Token embedding lookup from a ``QuantTensor`` (e.g. ``token_embd.weight``, Q8_0 in the default model):
+    only the looked-up rows are decoded, from the file's own bytes (memory-mapped).
+
+    Call with ``ids [T]`` int -> ``[T, hidden]`` float32, equal to the rows of ``gguf.quants.dequantize``.
+    """
+
+    def __init__(self, table: QuantTensor):
+        self.table = table
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.table.dequantize(np.asarray(ids.cpu(), np.int64)))

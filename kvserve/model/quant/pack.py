@@ -1,0 +1,110 @@
+"""Weights -> the packed layouts of ``kvserve/model/csrc/qgemm.c`` (described at the top of that file).
+
+``PackedWeight.data`` is ``uint8 [ceil(N / 16), K / 32, block_bytes]``: output features in groups of 16 (the last
+group padded with zero weights, zero scales), each group's 32-value blocks contiguous. Q4 blocks (320 bytes):
+float16 ``d[16]``, float16 ``m[16]``, 256 bytes of nibbles; Q8 blocks (544 bytes): float16 ``d[16]``, 512 int8. The
+packed bytes per weight equal the GGUF file's for Q4_1 (5 bits) and Q8_0 (8.5 bits); Q4_0 takes 5 bits instead of
+4.5 (the stored ``m = -8 d``). Interleaving several outputs' consecutive inputs into one vector follows llama.cpp's
+``ggml-cpu`` repacked formats (``block_q4_0x8``); the block contents follow the GGUF spec (``formats.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+QK, G = 32, 16
+Q4_BLOCK, Q8_BLOCK, Q4F_BLOCK = 320, 544, 384
+FMT_Q4, FMT_Q8, FMT_Q4F = 0, 1, 2
+
+
+@dataclass
+class PackedWeight:
+    """A weight in qgemm.c's layout.
+
+    Attributes:
+        fmt: ``FMT_Q4`` (``w = d * q + m``, q in 0..15, float16 d, m), ``FMT_Q4F`` (the same with float32 d, m:
+            Q4_K) or ``FMT_Q8`` (``w = d * q``, q int8).
+        data: ``uint8 [ceil(N / 16), K / 32, 320, 384 or 544]`` torch tensor, contiguous.
+        out_features, in_features: ``N``, ``K`` (``K`` a multiple of 32).
+        oscale: ``None`` or float32 ``[ceil(N / 16) * 16]``: a per-output factor applied after the sum
+            (per-channel int8).
+    """
+
+    fmt: int
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+    oscale: Optional[torch.Tensor] = None
+
+    def nbytes(self) -> int:
+        """Bytes the kernel reads per call (weights, scales, ``oscale``)."""
+        return self.data.numel() + (0 if self.oscale is None else self.oscale.numel() * 4)
+
+
+def _pad_rows(a: np.ndarray, n_pad: int) -> np.ndarray:
+    if a.shape[0] == n_pad:
+        return a
+    return np.concatenate([a, np.zeros((n_pad - a.shape[0], *a.shape[1:]), a.dtype)])
+
+
+def _scales(s: np.ndarray, groups: int, nb: int) -> np.ndarray:
+    """float16 (float32) ``[N_pad, nb]`` -> bytes ``[groups, nb, 32 (64)]``."""
+    dt = "<f4" if s.dtype == np.float32 else "<f2"
+    return np.ascontiguousarray(s.astype(dt).reshape(groups, G, nb).transpose(0, 2, 1)).view(np.uint8)
+
+
+def pack_q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> PackedWeight:
+    """``q uint8 [N, K]`` (0..15), ``d, m [N, K/32]`` (``w = d * q + m``) -> ``PackedWeight``: ``FMT_Q4`` for
+    float16 ``d, m``, ``FMT_Q4F`` for float32 ones (both must have the same dtype)."""
+    n, k = q.shape
+    nb, groups = k // QK, -(-n // G)
+    q, d, m = (_pad_rows(a, groups * G) for a in (q, d, m))
+    # [g, o, b, half, j, i] -> [g, b, j, o, i, half]: byte j*64 + o*4 + i, low nibble half 0, high nibble half 1
+    q6 = q.reshape(groups, G, nb, 2, 4, 4).transpose(0, 2, 4, 1, 5, 3)
+    nib = (q6[..., 0] & 0x0F) | ((q6[..., 1] & 0x0F) << 4)
+    data = np.concatenate([_scales(d, groups, nb), _scales(m, groups, nb),
+                           nib.reshape(groups, nb, 256).astype(np.uint8)], axis=-1)
+    fmt = FMT_Q4F if d.dtype == np.float32 else FMT_Q4
+    return PackedWeight(fmt, torch.from_numpy(np.ascontiguousarray(data)), n, k)
+
+
+def pack_q8(q: np.ndarray, d: np.ndarray, oscale: Optional[np.ndarray] = None) -> PackedWeight:
+    """``q int8 [N, K]``, ``d float16 [N, K/32]`` (``w = d * q``, times ``oscale[N]`` float32 if given) ->
+    ``PackedWeight`` (FMT_Q8)."""
+    n, k = q.shape
+    nb, groups = k // QK, -(-n // G)
+    q, d = _pad_rows(q, groups * G), _pad_rows(d, groups * G)
+    # [g, o, b, j, i] -> [g, b, j, o, i]: byte j*64 + o*4 + i
+    qq = q.reshape(groups, G, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 512).view(np.uint8)
+    data = np.concatenate([_scales(d, groups, nb), qq], axis=-1)
+    os_t = None
+    if oscale is not None:
+        os_t = torch.from_numpy(_pad_rows(np.asarray(oscale, np.float32), groups * G).copy())
+    return PackedWeight(FMT_Q8, torch.from_numpy(np.ascontiguousarray(data)), n, k, os_t)
+
+
+def quantize_int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``[N, K]`` -> ``(q int8 [N, K], scale float32 [N])``, symmetric per output channel:
+    ``scale = max|w_row| / 127`` (1 for an all-zero row), ``q = rint(w / scale)`` in -127..127;
+    the dequantized weight is ``q * scale``."""
+    w = np.asarray(w, np.float32)
+    amax = np.abs(w).max(axis=1)
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def quantize_q8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``[N, K]`` (K a multiple of 32) -> ``(q int8 [N, K], d float16 [N, K/32])`` per 32-block, as
+    llama.cpp's ``quantize_row_q8_0`` (``d = max|w| / 127`` rounded to float16, ``q = rint(w / d)``)."""
+    n, k = w.shape
+    b = np.asarray(w, np.float32).reshape(n, k // QK, QK)
+    d16 = (np.abs(b).max(axis=-1) / np.float32(127)).astype(np.float16)
+    d = d16.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[..., None] > 0, np.rint(b / d[..., None]), 0)
+    return np.clip(q, -127, 127).astype(np.int8).reshape(n, k), d16

@@ -1,0 +1,32 @@
+/* Tests only: qgemm.c compiled with SIMDe's portable implementations of the AVX-512 intrinsics (the Debian package
+ * libsimde-dev), so the AVX-512 VNNI path's logic -- layouts, the q_x + 128 correction, tiles, epilogues -- runs
+ * and is checked on a CPU without AVX-512 (tests/model/test_quant_kernels.py). It says nothing about speed, nor
+ * about the real instructions' encoding; two intrinsics SIMDe 0.7 lacks are written out below (always inlined: called
+ * from qgemm.c's AVX2-target functions, an out-of-line call would pass the vector under a different ABI). */
+#include <immintrin.h>
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+static float emu_h2f(uint16_t h) {
+    uint32_t e = (h >> 10) & 31, m = h & 1023;
+    float v = e == 0 ? ldexpf((float)m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexpf((float)(m + 1024), (int)e - 25);
+    return (h >> 15) ? -v : v;
+}
+static inline __attribute__((always_inline)) simde__m512 emu_mm512_cvtph_ps(simde__m256i h) {
+    uint16_t in[16]; float out[16];
+    memcpy(in, &h, 32);
+    for (int i = 0; i < 16; i++) out[i] = emu_h2f(in[i]);
+    return simde_mm512_loadu_ps(out);
+}
+#define _mm512_cvtph_ps(h) emu_mm512_cvtph_ps(h)
+static inline __attribute__((always_inline)) simde__m512 emu_mm512_cvtepi32_ps(simde__m512i a) {
+    int32_t in[16]; float out[16];
+    memcpy(in, &a, 64);
+    for (int i = 0; i < 16; i++) out[i] = (float)in[i];
+    return simde_mm512_loadu_ps(out);
+}
+#define _mm512_cvtepi32_ps(a) emu_mm512_cvtepi32_ps(a)
+#define KVSERVE_Q_EMULATE_AVX512 1
+#include "../../kvserve/model/csrc/qgemm.c"

