@@ -22,6 +22,7 @@ DEFAULT_KV_CACHE_MAX_BYTES = 4 * 1024**3
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 SUPPORTED_DEVICES = ("cpu",)
+SUPPORTED_QUANTIZATION = ("auto", "fp32", "int8")
 SUPPORTED_SCHEDULING = ("continuous", "static")
 SUPPORTED_POLICIES = ("fcfs", "priority")
 DEFAULT_CHUNKED_BUDGET = 512
@@ -45,6 +46,11 @@ class ModelConfig:
             context length (further capped to what the KV pool holds).
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
         device: where weights, the KV pool and the step's tensors live: ``"cpu"`` (no other backend is built).
+        quantization: how projection weights are kept and multiplied (vLLM's name): ``"auto"`` (default) = the
+            file's own format (a GGUF's Q4_0/Q4_1/Q8_0/K-quant blocks, with kvserve's int8 dot-product kernels;
+            a float model stays float); ``"fp32"`` = dequantize everything at load (the reference path);
+            ``"int8"`` = per-output-channel symmetric int8 quantized at load (for float/HF models too). With
+            ``dtype="bfloat16"``, ``"auto"`` means ``"fp32"`` (dequantized, then cast) and ``"int8"`` is refused.
     """
 
     model: Optional[str] = _field(None, "a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
@@ -52,10 +58,17 @@ class ModelConfig:
     max_model_len: Optional[int] = _field(None, "longest prompt + output, tokens (default: the model's context)")
     num_threads: Optional[int] = _field(None, "torch CPU threads (default: torch's)")
     device: str = _field("cpu", "device for weights, KV pool and step tensors", SUPPORTED_DEVICES)
+    quantization: Optional[str] = _field("auto", "weights: the file's own format (auto), dequantized (fp32), or int8 "
+                                       "per output channel", SUPPORTED_QUANTIZATION)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, SUPPORTED_DTYPES)
         check_choice("device", self.device, SUPPORTED_DEVICES)
+        if self.quantization is None:  # vLLM's spelling of "the model's own format"
+            self.quantization = "auto"
+        check_choice("quantization", self.quantization, SUPPORTED_QUANTIZATION)
+        if self.dtype == "bfloat16" and self.quantization == "int8":
+            raise ValueError("quantization='int8' needs dtype='float32' (the int8 kernels take float32 activations)")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1)
         if self.num_threads is not None:

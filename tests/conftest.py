@@ -9,8 +9,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 @pytest.fixture(scope="session")
 def llm():
-    """The default SmolLM2-135M-Instruct engine with a roomy pool (512 blocks of 16 tokens)."""
+    """The default SmolLM2-135M-Instruct engine (its Q4_1 weights kept quantized) with a roomy pool (512 blocks of
+    16 tokens)."""
     return LLM(num_kv_blocks=512, max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def fp32_llm():
+    """The same engine on the ``"fp32"`` path (weights dequantized at load): the one compared with
+    ``transformers`` on the same float weights."""
+    return LLM(num_kv_blocks=512, max_num_seqs=32, quantization="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ For each weight shape of SmolLM2-135M (out x in: 576x576 q/o, 192x576 k/v, 1536x
 machine are noisy; the ratios between methods measured together are what to read; each number is the fastest single
 call, see ``_time``):
 
-- ``fp32``: ``kvserve.model.linear.Linear`` on the dequantized weight (today's path);
+- ``fp32``: ``kvserve.layers.linear.Linear`` on the dequantized weight (today's path);
 - ``kvserve <fmt>/<isa>``: ``kvserve.model.quant`` on the file's own format (Q4_1 layers, Q8_0 LM head), one
   column per ISA path the CPU has, and ``int8/<isa>`` (per-channel int8 quantized at load);
 - ``torch int8pack``: ``torch.ops.aten._weight_int8pack_mm`` (per-channel int8 weights, float activations);
@@ -54,7 +54,7 @@ def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
 
 def _methods(t, isas: list) -> dict:
     """name -> (callable(x), weight bytes read per call)."""
-    from kvserve.model.linear import Linear
+    from kvserve.layers.linear import Linear
     from kvserve.model.quant import make_linear_method
     from kvserve.model.quant import kernels
     from kvserve.model.quant import pack as P
@@ -112,7 +112,7 @@ def cold_one_row(t, isas: list, total_mib: int = 96, repeats: int = 3) -> dict:
     """1-row ms per call with the weight read from memory, as in a decode step (where 30 layers' weights do not
     fit in cache): enough copies of the weight to exceed ``total_mib`` MiB, cycled through, one call each; the
     fastest pass over all copies, divided by the copies. Methods: fp32 ``Linear`` and kvserve's own format."""
-    from kvserve.model.linear import Linear
+    from kvserve.layers.linear import Linear
     from kvserve.model.quant import kernels, make_linear_method
 
     w = torch.from_numpy(t.dequantize())
@@ -184,7 +184,7 @@ def model_step(path, rows: list, repeats: int = 3) -> dict:
     of ``repeats`` interleaved passes, ms. The weights of a pass (538 MB float32, 96 MB quantized) do not fit in
     cache, so a 1-row pass streams them from memory as a real step does. Attention, norms and the rest of the step
     are not included."""
-    from kvserve.model.linear import Linear
+    from kvserve.layers.linear import Linear
     from kvserve.model.quant import make_linear_method, read_gguf_tensors, rope_unpermute_index
 
     t = read_gguf_tensors(path)

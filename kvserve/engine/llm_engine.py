@@ -56,13 +56,15 @@ class LLMEngine:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         if mc.num_threads:
             torch.set_num_threads(mc.num_threads)
-        loaded = load_model(mc.model, mc.dtype)
+        quantization = "fp32" if mc.dtype == "bfloat16" and mc.quantization == "auto" else mc.quantization
+        loaded = load_model(mc.model, mc.dtype, keep_quantized=quantization != "fp32")
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.arch = loaded.arch
-        self.backends = select_backends(mc.device, loaded.weights["model.embed_tokens.weight"].dtype)
+        self.backends = select_backends(mc.device, loaded.weights["model.norm.weight"].dtype, quantization)
         self.model = build_model(loaded, self.backends)
-        logger.info("%s: %s", self.arch.architecture, self.backends.describe(self.model.lm_head))
+        logger.info("%s: %s", self.arch.architecture,
+                    self.backends.describe(self.model.layers[0]["qkv"], self.model.lm_head))
         self.block_size = cc.block_size
         self.num_blocks = cc.resolve_num_blocks(self.model.bytes_per_block(cc.block_size))
         self.pool_tokens = self.num_blocks * self.block_size
@@ -117,7 +119,7 @@ class LLMEngine:
                 layers = min(DEFAULT_DRAFT_NUM_LAYERS, self.arch.num_hidden_layers - 1)
             draft = early_exit_model(self.model, layers)
         else:
-            loaded = load_model(spec.model, mc.dtype)
+            loaded = load_model(spec.model, mc.dtype, keep_quantized=self.backends.quantization != "fp32")
             if loaded.arch.vocab_size != self.arch.vocab_size or (
                 loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab()
             ):

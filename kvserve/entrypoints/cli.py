@@ -17,7 +17,7 @@ def main(argv=None) -> int:
     from kvserve.entrypoints import generate_cmd
     from kvserve.bench import serve as bench_serve
     from kvserve.bench import prefix as prefix_bench
-    from kvserve.bench import report, spec as spec_bench, throughput
+    from kvserve.bench import accuracy, report, spec as spec_bench, throughput
     from kvserve.entrypoints.openai import api_server
 
     gen = sub.add_parser("generate", help="generate answers for chat prompts (default: the built-in set)")
@@ -39,11 +39,24 @@ def main(argv=None) -> int:
     sb = bench_sub.add_parser("spec", help="speculative decoding on Spec-Bench: none vs ngram vs draft_model at batch 1 and 8")
     add_engine_args(sb)
     spec_bench.add_args(sb)
+    ac = bench_sub.add_parser("accuracy", help="teacher-forced top-1 agreement and perplexity of a quantization "
+                                               "vs fp32 (GSM8K texts)")
+    add_engine_args(ac, skip=("quantization",))
+    accuracy.add_args(ac)
     rp = bench_sub.add_parser("report", help="serving-behaviour report: PNG plots and report.md from fixed workloads")
     report.add_args(rp)
     bs = bench_sub.add_parser("serve", help="load-test a running kvserve server over HTTP (TTFT, TPOT, ITL, goodput)")
     bench_serve.add_args(bs)
 
+    bench_sub.add_parser("quant-kernels", add_help=False,
+                         help="quantized matmul kernels vs fp32 and PyTorch's quantized ops on the model's shapes "
+                              "(flags: kvserve bench quant-kernels --help)")
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "quant-kernels"]:  # its own parser (kvserve.bench.quant_kernels.main)
+        from kvserve.bench import quant_kernels
+
+        return quant_kernels.main(argv[2:])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -55,6 +68,8 @@ def main(argv=None) -> int:
             return prefix_bench.run(args)
         if args.command == "bench" and args.bench_command == "spec":
             return spec_bench.run(args)
+        if args.command == "bench" and args.bench_command == "accuracy":
+            return accuracy.run(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "report":
             return report.run(args)
         if args.command == "serve":

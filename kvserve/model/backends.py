@@ -17,6 +17,7 @@ from kvserve.attention import AttentionBackend, select_attention_backend
 from kvserve.layers.elementwise import CPUKernelOps, TorchOps
 from kvserve.layers.linear import Linear, LinearMethod
 from kvserve.model import cpu_kernels
+from kvserve.model.quant import QuantTensor, make_linear_method
 
 logger = logging.getLogger(__name__)
 
@@ -27,24 +28,31 @@ class ModelBackends:
         device: ``"cpu"`` (``"cuda"`` once a GPU backend exists).
         attention: the ``AttentionBackend``.
         ops: RMSNorm and silu * up (``TorchOps`` or ``CPUKernelOps``).
-        make_linear: weight ``[out, in]`` -> a ``LinearMethod``.
+        make_linear: the parts of one projection (``[out_i, in]`` float tensors or GGUF ``QuantTensor`` blocks,
+            stacked in order: q/k/v, gate/up) -> a ``LinearMethod``.
+        quantization: ``"auto"``, ``"fp32"`` or ``"int8"`` (``ModelConfig.quantization``).
     """
 
     device: str
     attention: AttentionBackend
     ops: TorchOps
-    make_linear: Callable[[torch.Tensor], LinearMethod]
+    make_linear: Callable[[list], LinearMethod]
+    quantization: str = "auto"
 
-    def describe(self, example: LinearMethod) -> str:
-        """One log line: which implementation each kind of op uses (``example``: one built linear)."""
-        return f"attention {self.attention.name}, linear {example.path}, norm/activation {self.ops.name}"
+    def describe(self, layer: LinearMethod, lm_head: LinearMethod) -> str:
+        """One log line: which implementation each kind of op uses (two built linears as examples)."""
+        return (f"quantization {self.quantization}: attention {self.attention.name}, linear {layer.path} "
+                f"(LM head {lm_head.path}), norm/activation {self.ops.name}")
 
 
-def select_backends(device: str, dtype: torch.dtype) -> ModelBackends:
-    """Pick the attention backend, element-wise ops and linear method for ``device`` / ``dtype``.
+def select_backends(device: str, dtype: torch.dtype, quantization: str = "auto") -> ModelBackends:
+    """Pick the attention backend, element-wise ops and linear methods for ``device`` / ``dtype`` /
+    ``quantization``.
 
     kvserve's CPU kernels are used for float32 on a CPU when they build and load here (AVX2, a C compiler,
     ``KVSERVE_CPU_KERNELS`` not ``0``); otherwise PyTorch's ops, with the same results to float32 rounding.
+    Quantized weights (``QuantTensor``, or any weight under ``"int8"``) go to ``kvserve.model.quant``'s int8
+    dot-product kernels (ISA chosen at run time), float weights to ``Linear``.
 
     Raises:
         ValueError: a device other than ``"cpu"``.
@@ -60,5 +68,14 @@ def select_backends(device: str, dtype: torch.dtype) -> ModelBackends:
         device=device,
         attention=select_attention_backend(device, dtype, kernels),
         ops=CPUKernelOps() if fast else TorchOps(),
-        make_linear=partial(Linear, use_kernels=kernels),
+        make_linear=partial(_make_linear, quantization=quantization, use_kernels=kernels),
+        quantization=quantization,
     )
+
+
+def _make_linear(parts: list, quantization: str, use_kernels: bool) -> LinearMethod:
+    """Float parts (any dtype) under ``"auto"`` / ``"fp32"``: one dense ``Linear`` on their concatenation; else
+    ``make_linear_method`` (quantized blocks kept, or int8 quantized at load)."""
+    if quantization != "int8" and not any(isinstance(p, QuantTensor) for p in parts):
+        return Linear(torch.cat(parts) if len(parts) > 1 else parts[0], use_kernels=use_kernels)
+    return make_linear_method(parts if len(parts) > 1 else parts[0], quantization)

@@ -8,11 +8,14 @@ which matters on a CPU where every op has a fixed cost. Every op runs through th
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
 from kvserve.model.backends import ModelBackends
 from kvserve.model.base import ModelArch
+from kvserve.model.quant import QuantEmbedding, QuantTensor
 from kvserve.worker.input_batch import InputBatch
 
 
@@ -21,7 +24,9 @@ class LlamaModel:
 
     Args:
         arch: hyperparameters (``ModelArch``).
-        weights: Hugging Face-named tensors (``LoadedModel.weights``), read only.
+        weights: Hugging Face-named tensors (``LoadedModel.weights``), read only: float tensors, or GGUF
+            ``QuantTensor`` blocks for projections and the embedding (kept quantized; the embedding then decodes
+            only the looked-up rows).
         backends: attention backend, linear method factory and element-wise ops.
 
     Raises:
@@ -37,10 +42,11 @@ class LlamaModel:
         self.attn = backends.attention
         self.ops = backends.ops
         linear = backends.make_linear
-        self.dtype = weights["model.embed_tokens.weight"].dtype
-        self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = linear(weights.get("lm_head.weight", self.embed))
         self.final_norm = weights["model.norm.weight"]
+        self.dtype = self.final_norm.dtype  # activations and KV cache (quantized weights compute in float32)
+        embed = weights["model.embed_tokens.weight"]
+        self.embed = QuantEmbedding(embed) if isinstance(embed, QuantTensor) else partial(F.embedding, weight=embed)
+        self.lm_head = linear([weights.get("lm_head.weight", embed)])
         self.layers = []
         for i in range(arch.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -52,12 +58,12 @@ class LlamaModel:
             self.layers.append(
                 dict(
                     attn_norm=weights[p + "input_layernorm.weight"],
-                    qkv=linear(torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
+                    qkv=linear([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
                     qkv_bias=torch.cat([weights[n] for n in bias_names]) if has_bias else None,
-                    o=linear(weights[p + "self_attn.o_proj.weight"]),
+                    o=linear([weights[p + "self_attn.o_proj.weight"]]),
                     mlp_norm=weights[p + "post_attention_layernorm.weight"],
-                    gate_up=linear(torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])),
-                    down=linear(weights[p + "mlp.down_proj.weight"]),
+                    gate_up=linear([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
+                    down=linear([weights[p + "mlp.down_proj.weight"]]),
                 )
             )
         d = arch.head_dim
@@ -71,7 +77,7 @@ class LlamaModel:
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block takes over all layers, K and V."""
         a = self.arch
-        return 2 * a.num_hidden_layers * block_size * a.num_key_value_heads * a.head_dim * self.embed.element_size()
+        return 2 * a.num_hidden_layers * block_size * a.num_key_value_heads * a.head_dim * self.dtype.itemsize
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
@@ -100,7 +106,7 @@ class LlamaModel:
         scale = d**-0.5
         meta = self.attn.build_metadata(batch)
         cos, sin = self._rope(batch.positions)
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self.embed(batch.input_ids)
         for i, w in enumerate(self.layers):
             x = self.ops.rms_norm(h, w["attn_norm"], a.rms_norm_eps)
             qkv = w["qkv"](x)

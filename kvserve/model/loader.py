@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from kvserve.model.base import ModelArch
+from kvserve.model.quant.formats import QUANTIZED_TYPES
+from kvserve.model.quant.gguf_io import QuantTensor, reader_tensor, rope_unpermute_index
 from kvserve.model.registry import SUPPORTED_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -75,30 +77,35 @@ def default_model_path() -> Path:
     raise ValueError(f"package {DEFAULT_MODEL_PACKAGE!r} carries no .gguf file")
 
 
-def load_model(model: Optional[str] = None, dtype: str = "float32") -> LoadedModel:
+def load_model(model: Optional[str] = None, dtype: str = "float32", keep_quantized: bool = False) -> LoadedModel:
     """Load weights, architecture and tokenizer (see ``_load_model``), reusing an earlier load in this process
-    while the file is unchanged (several engines in one process, as in the tests, share the read-only weights)."""
+    while the file is unchanged (several engines in one process, as in the tests, share the read-only weights).
+
+    ``keep_quantized``: a GGUF file's quantized tensors stay in their block format (``QuantTensor``, memory-mapped,
+    no float copy) for the quantized linear methods; otherwise every tensor is dequantized to float (``"fp32"``)."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist; pass a .gguf file or a Hugging Face directory")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be one of ('float32', 'bfloat16'), got {dtype!r}")
     st = path.stat()
-    return _load_model_cached(str(path.resolve()), st.st_mtime_ns, st.st_size, dtype)
+    keep_quantized = keep_quantized and dtype == "float32" and path.suffix == ".gguf"
+    return _load_model_cached(str(path.resolve()), st.st_mtime_ns, st.st_size, dtype, keep_quantized)
 
 
-@functools.lru_cache(maxsize=2)
-def _load_model_cached(path: str, _mtime_ns: int, _size: int, dtype: str) -> LoadedModel:
-    return _load_model(path, dtype)
+@functools.lru_cache(maxsize=3)
+def _load_model_cached(path: str, _mtime_ns: int, _size: int, dtype: str, keep_quantized: bool) -> LoadedModel:
+    return _load_model(path, dtype, keep_quantized)
 
 
-def _load_model(model: Optional[str] = None, dtype: str = "float32") -> LoadedModel:
+def _load_model(model: Optional[str] = None, dtype: str = "float32", keep_quantized: bool = False) -> LoadedModel:
     """Load weights, architecture and tokenizer from a GGUF file or a Hugging Face directory.
 
     Args:
         model: path to a ``.gguf`` file or a directory with ``config.json`` and ``*.safetensors``;
             ``None`` = the default SmolLM2 GGUF.
         dtype: ``"float32"`` or ``"bfloat16"`` (weights are dequantized to float32 first).
+        keep_quantized: keep a GGUF file's quantized tensors as ``QuantTensor`` (float32 only).
 
     Raises:
         ValueError: the path is missing or unreadable, or the architecture is not a supported Llama family.
@@ -110,10 +117,11 @@ def _load_model(model: Optional[str] = None, dtype: str = "float32") -> LoadedMo
     if path.is_dir():
         loaded = _load_hf_dir(path)
     elif path.suffix == ".gguf":
-        loaded = _load_gguf(path)
+        loaded = _load_gguf(path, keep_quantized)
     else:
         raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a directory with config.json")
-    loaded.weights = {k: v.to(torch_dtype).contiguous() for k, v in loaded.weights.items()}
+    loaded.weights = {k: v if isinstance(v, QuantTensor) else v.to(torch_dtype).contiguous()
+                      for k, v in loaded.weights.items()}
     return loaded
 
 
@@ -141,7 +149,8 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path) -> LoadedModel:
+def _load_gguf(path: Path, keep_quantized: bool = False) -> LoadedModel:
+    """Read a GGUF file; quantized tensors stay ``QuantTensor`` views with ``keep_quantized``, else float32."""
     import gguf
 
     try:
@@ -184,8 +193,11 @@ def _load_gguf(path: Path) -> LoadedModel:
 
     weights = {}
     for name, t in tensors.items():
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape([int(x) for x in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        if keep_quantized and t.tensor_type in QUANTIZED_TYPES:
+            w = reader_tensor(t)  # a QuantTensor: a view of the file's blocks, never a float copy
+        else:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            w = w.reshape([int(x) for x in reversed(t.shape)]) if w.ndim != len(t.shape) else w
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -196,12 +208,17 @@ def _load_gguf(path: Path) -> LoadedModel:
             _, layer, kind, suffix = name.split(".", 3)
             if kind not in _GGUF_LAYER_NAMES:
                 continue
-            if kind == "attn_q":
-                w = _unpermute_rope_rows(w, n_head)
-            elif kind == "attn_k":
-                w = _unpermute_rope_rows(w, n_kv)
+            if kind in ("attn_q", "attn_k"):
+                heads = n_head if kind == "attn_q" else n_kv
+                if isinstance(w, QuantTensor):
+                    w = w.take_rows(rope_unpermute_index(w.out_features, heads))
+                else:
+                    w = _unpermute_rope_rows(w, heads)
             hf = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
         else:
+            continue
+        if isinstance(w, QuantTensor):
+            weights[hf] = w
             continue
         if not w.flags.writeable or not w.flags.c_contiguous:
             w = np.array(w, copy=True, order="C")

@@ -1,4 +1,4 @@
-"""Parity with Hugging Face transformers on the same dequantized weights.
+"""Parity with Hugging Face transformers on the same dequantized weights (the ``"fp32"`` path).
 
 Tolerance for logits: max |ours - transformers| < 1e-3 in float32 (measured ~3e-5: the two differ only in
 summation order of the same fp32 ops).
@@ -34,7 +34,8 @@ def hf_greedy(hf_model, ids):
     return out[0, len(ids):].tolist()
 
 
-def test_greedy_tokens_match_transformers_batched_and_one_by_one(llm, hf_model):
+def test_greedy_tokens_match_transformers_batched_and_one_by_one(fp32_llm, hf_model):
+    llm = fp32_llm
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     assert len({len(i) for i in ids}) == len(ids)  # different lengths
@@ -49,7 +50,8 @@ def test_greedy_tokens_match_transformers_batched_and_one_by_one(llm, hf_model):
     assert sum(len(e) for e in expected) >= 3 * NEW_TOKENS
 
 
-def test_logits_close_to_transformers(llm, hf_model):
+def test_logits_close_to_transformers(fp32_llm, hf_model):
+    llm = fp32_llm
     engine = llm.llm_engine
     model, bs = engine.model, 4
     tok = llm.get_tokenizer()
@@ -65,7 +67,8 @@ def test_logits_close_to_transformers(llm, hf_model):
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_mixed_prefill_and_decode_batch_matches_separate_runs(llm):
+def test_mixed_prefill_and_decode_batch_matches_separate_runs(fp32_llm):
+    llm = fp32_llm
     """A decode token and a prompt in the same flat batch give the same logits as run alone."""
     engine = llm.llm_engine
     model, bs = engine.model, 4
@@ -92,7 +95,7 @@ _FALLBACK_SCRIPT = """
 import json, sys
 from kvserve import LLM, SamplingParams
 from kvserve.model import cpu_kernels
-llm = LLM(num_kv_blocks=64)
+llm = LLM(num_kv_blocks=64, quantization="fp32")
 assert cpu_kernels.load() is None and llm.llm_engine.model.lm_head.path != "kvserve"
 outs = llm.generate(json.loads(sys.argv[1]), SamplingParams(temperature=0.0, max_tokens=int(sys.argv[2])))
 print(json.dumps([o.outputs[0].token_ids for o in outs]))

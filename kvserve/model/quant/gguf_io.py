@@ -79,22 +79,23 @@ def read_gguf_tensors(path: Union[str, Path]) -> dict:
         reader = GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
         raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from e
-    out = {}
-    for t in reader.tensors:
-        shape = tuple(int(s) for s in reversed(t.shape))
-        if t.tensor_type in formats.QUANTIZED_TYPES:
-            if len(shape) != 2:
-                raise ValueError(f"{t.name}: quantized tensors must be 2-D, got shape {list(shape)}")
-            raw = t.data.reshape(shape[0], -1)
-            out[t.name] = QuantTensor(t.name, GGMLQuantizationType(t.tensor_type), raw, shape)
-        elif t.tensor_type == GGMLQuantizationType.F32:
-            out[t.name] = np.asarray(t.data, np.float32).reshape(shape)
-        elif t.tensor_type == GGMLQuantizationType.F16:
-            out[t.name] = np.asarray(t.data).view(np.float16).astype(np.float32).reshape(shape)
-        elif t.tensor_type == GGMLQuantizationType.BF16:
-            bits = np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16
-            out[t.name] = bits.view(np.float32).reshape(shape)
-        else:
-            raise ValueError(f"{t.name}: GGML type {GGMLQuantizationType(t.tensor_type).name} is not supported; "
-                             f"supported: F32, F16, BF16, {', '.join(q.name for q in formats.QUANTIZED_TYPES)}")
-    return out
+    return {t.name: reader_tensor(t) for t in reader.tensors}
+
+
+def reader_tensor(t) -> Union["QuantTensor", np.ndarray]:
+    """One ``GGUFReader`` tensor as ``read_gguf_tensors`` returns it (``ValueError`` for an unsupported type)."""
+    shape = tuple(int(s) for s in reversed(t.shape))
+    if t.tensor_type in formats.QUANTIZED_TYPES:
+        if len(shape) != 2:
+            raise ValueError(f"{t.name}: quantized tensors must be 2-D, got shape {list(shape)}")
+        raw = t.data.reshape(shape[0], -1)
+        return QuantTensor(t.name, GGMLQuantizationType(t.tensor_type), raw, shape)
+    if t.tensor_type == GGMLQuantizationType.F32:
+        return np.asarray(t.data, np.float32).reshape(shape)
+    elif t.tensor_type == GGMLQuantizationType.F16:
+        return np.asarray(t.data).view(np.float16).astype(np.float32).reshape(shape)
+    elif t.tensor_type == GGMLQuantizationType.BF16:
+        bits = np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(shape)
+    raise ValueError(f"{t.name}: GGML type {GGMLQuantizationType(t.tensor_type).name} is not supported; "
+                     f"supported: F32, F16, BF16, {', '.join(q.name for q in formats.QUANTIZED_TYPES)}")

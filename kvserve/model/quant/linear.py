@@ -1,4 +1,4 @@
-"""Linear methods over quantized weights, with the call interface of ``kvserve.model.linear.Linear``:
+"""Linear methods over quantized weights, with the call interface of ``kvserve.layers.linear.Linear``:
 ``layer(x [T, in_features] float32) -> [T, out_features] float32``, ``numel()``, ``path``, ``out_features``,
 ``in_features``.
 
@@ -12,10 +12,10 @@
 - ``QuantTensor`` Q5_K / Q6_K, ``"auto"``: ``QuantLinear``, decoded then re-quantized to int8 per 32-block (Q8_0
   style: *not* the file's values exactly, each within half a step, <= 1/254 of its block's largest weight);
   ``q8_from_<type>/<isa>``.
-- any ``QuantTensor``, ``"fp32"``: ``kvserve.model.linear.Linear`` on the dequantized weight (today's path);
+- any ``QuantTensor``, ``"fp32"``: ``kvserve.layers.linear.Linear`` on the dequantized weight (today's path);
   ``kvserve`` / ``onednn`` / ``mkl``.
 - anything, ``"int8"``: ``QuantLinear``, per-output-channel symmetric int8 quantized at load; ``int8/<isa>``.
-- a float ``[N, K]`` tensor / array, ``"auto"`` / ``"fp32"``: ``kvserve.model.linear.Linear``.
+- a float ``[N, K]`` tensor / array, ``"auto"`` / ``"fp32"``: ``kvserve.layers.linear.Linear``.
 - a list of the above: one fused layer (``make_linear_method``).
 
 Activations are quantized per 32-block to int8 inside the kernel (``kernels.qgemm``), so outputs differ from a
@@ -35,7 +35,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from kvserve.model.linear import Linear
+from kvserve.layers.linear import Linear
 from kvserve.model.quant import formats, kernels
 from kvserve.model.quant import pack as P
 from kvserve.model.quant.gguf_io import QuantTensor
@@ -218,7 +218,7 @@ def make_linear_method(weight, quantization: Optional[str] = None):
 
     Returns:
         An object with ``__call__(x [T, in] float32) -> [T, out] float32``, ``numel()``, ``path``,
-        ``out_features``, ``in_features``: ``QuantLinear``, ``ConcatLinear`` or ``kvserve.model.linear.Linear``.
+        ``out_features``, ``in_features``: ``QuantLinear``, ``ConcatLinear`` or ``kvserve.layers.linear.Linear``.
 
     Raises:
         ValueError: a bad ``quantization`` (the field and the allowed values in the message), a weight that is not

@@ -1,0 +1,116 @@
+"""``kvserve bench accuracy``: how close a quantization's next-token predictions are to the ``"fp32"`` path.
+
+Teacher forcing: each text is run once through both models as one prefill, and at every position the two
+next-token distributions are compared: top-1 agreement (the argmaxes are equal) and the perplexity of the text
+under each (``exp`` of the mean negative log-likelihood of the true next token). The texts are fixed: GSM8K test
+rows in file order (question, a blank line, answer), until at least ``--min-positions`` positions are scored
+(``../shared/data/gsm8k/test.jsonl``, MIT). Because the default path reads exactly the GGUF file's values, the
+differences measured are activation rounding (int8 per 32-block) and summation order only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.bench.workloads import default_data_dir
+
+
+@dataclass
+class AccuracyResult:
+    """Attributes:
+        positions: next-token positions scored.
+        top1_agreement: fraction of positions whose argmax is the same in both, 0..1.
+        ppl_reference, ppl_candidate: perplexity of the texts under each model.
+    """
+
+    positions: int
+    top1_agreement: float
+    ppl_reference: float
+    ppl_candidate: float
+
+    @property
+    def ppl_change(self) -> float:
+        """``ppl_candidate / ppl_reference - 1``."""
+        return self.ppl_candidate / self.ppl_reference - 1
+
+
+def _all_logits(model, ids: list[int]) -> torch.Tensor:
+    """``[len(ids), V]`` float32 logits of every position of ``ids``, one prefill in a private cache."""
+    from kvserve.core.sched_output import ScheduledRequest
+    from kvserve.worker.input_batch import build_input_batch
+
+    bs = 16
+    n_blocks = -(-len(ids) // bs)
+    kv = torch.zeros(model.kv_cache_shape(n_blocks, bs), dtype=model.dtype)
+    batch = build_input_batch([ScheduledRequest("t", ids, 0, list(range(n_blocks)), samples=True)], bs)
+    batch.logits_indices = torch.arange(len(ids))
+    return model.forward(batch, kv)
+
+
+def compare(reference, candidate, texts: list[list[int]]) -> AccuracyResult:
+    """Teacher-forced comparison of two models (``CausalLM``) over tokenized ``texts`` (each >= 2 tokens)."""
+    agree = n = 0
+    nll_ref = nll_cand = 0.0
+    for ids in texts:
+        targets = torch.tensor(ids[1:])
+        ref = _all_logits(reference, ids)[:-1]
+        cand = _all_logits(candidate, ids)[:-1]
+        agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+        n += len(targets)
+        nll_ref -= float(ref.log_softmax(-1).gather(1, targets[:, None]).sum())
+        nll_cand -= float(cand.log_softmax(-1).gather(1, targets[:, None]).sum())
+    return AccuracyResult(n, agree / n, math.exp(nll_ref / n), math.exp(nll_cand / n))
+
+
+def gsm8k_texts(tokenizer, min_positions: int, data_dir=None) -> list[list[int]]:
+    """Token ids of GSM8K test rows in file order until ``min_positions`` next-token positions are covered.
+
+    Raises:
+        ValueError: the data file is missing (its path in the message).
+    """
+    path = Path(data_dir or default_data_dir()) / "gsm8k" / "test.jsonl"
+    if not path.exists():
+        raise ValueError(f"{path} not found: --data-dir must point at the shared data folder")
+    texts, total = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            ids = tokenizer.encode(row["question"] + "\n\n" + row["answer"])
+            texts.append(ids)
+            total += len(ids) - 1
+            if total >= min_positions:
+                break
+    return texts
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantizations", default="auto,int8", help="compared with fp32, comma-separated")
+    p.add_argument("--min-positions", type=int, default=20_000)
+    p.add_argument("--data-dir", default=None, help="default: ../shared/data next to the repository")
+    p.add_argument("--output-json", default=None)
+
+
+def run(args: argparse.Namespace, engine_args: dict) -> int:
+    """Build the fp32 model and each candidate, print agreement and perplexities."""
+    from kvserve.engine.llm_engine import LLMEngine
+
+    def model_for(q: str):
+        return LLMEngine.from_engine_args(**{**engine_args, "quantization": q, "num_kv_blocks": 1})
+
+    ref = model_for("fp32")
+    texts = gsm8k_texts(ref.tokenizer, args.min_positions, args.data_dir)
+    results = {}
+    for q in [q for q in args.quantizations.split(",") if q]:
+        r = compare(ref.model, model_for(q).model, texts)
+        results[q] = {**r.__dict__, "ppl_change": r.ppl_change}
+        print(f"{q:>5} vs fp32: top-1 agreement {r.top1_agreement:.2%} over {r.positions} positions; perplexity "
+              f"{r.ppl_candidate:.3f} vs {r.ppl_reference:.3f} ({r.ppl_change:+.2%})")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(results, indent=2))
+    return 0

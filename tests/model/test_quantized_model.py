@@ -1,0 +1,58 @@
+"""The default path keeps the GGUF's Q4_1 / Q8_0 weights quantized: the engine uses the int8 dot-product kernels,
+and its next-token predictions stay within the accuracy thresholds of the ``"fp32"`` path (issue 12) on a small
+fixed set of texts (``kvserve bench accuracy`` runs the full 20,000-position set)."""
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.bench.accuracy import compare
+from kvserve.model.quant import kernels as quant_kernels
+from tests.conftest import assert_pool_clean
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in fixed-size blocks, so a "
+    "request only holds the memory it uses, and many requests can share a prefix.",
+    "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
+    "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck egg. "
+    "How much in dollars does she make every day at the farmers' market? Janet sells 16 - 3 - 4 = 9 duck eggs a "
+    "day. She makes 9 * 2 = $18 every day at the farmer's market.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+    "Write a haiku about the sea. Waves fold into foam, the tide forgets the footprints, salt wind in the pines.",
+]
+
+
+def test_default_engine_keeps_the_file_quantized(llm, fp32_llm):
+    model = llm.llm_engine.model
+    layer, head = model.layers[0]["qkv"].path, model.lm_head.path
+    if quant_kernels.load() is None:
+        assert layer.endswith("fp32_fallback"), layer
+    else:
+        isa = quant_kernels.isa()
+        assert (layer, head) == (f"q4/{isa}", f"q8/{isa}")  # the file's Q4_1 layers and Q8_0 embedding
+    assert llm.llm_engine.backends.quantization == "auto"
+    assert fp32_llm.llm_engine.model.lm_head.path in ("kvserve", "onednn", "mkl")
+
+
+def test_accuracy_thresholds_against_fp32(llm, fp32_llm, tokenizer):
+    texts = [tokenizer.encode(t) for t in TEXTS]
+    r = compare(fp32_llm.llm_engine.model, llm.llm_engine.model, texts)
+    assert r.positions == sum(len(t) - 1 for t in texts)
+    assert r.top1_agreement >= 0.99
+    assert abs(r.ppl_change) <= 0.01
+
+
+def test_quantized_engine_serves_batches_cleanly(llm):
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Name a fruit:"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    single = [llm.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
+    assert batched == single  # a row's result does not depend on the other rows of the batch
+    assert_pool_clean(llm.llm_engine)
+
+
+@pytest.mark.parametrize("bad", ["q4", "FP32", 8])
+def test_bad_quantization_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('auto', 'fp32', 'int8'\)"):
+        LLM(quantization=bad, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="quantization='int8' needs dtype='float32'"):
+        LLM(quantization="int8", dtype="bfloat16", num_kv_blocks=8)
