@@ -44,6 +44,13 @@ def main(argv=None) -> int:
     bs = bench_sub.add_parser("serve", help="load-test a running kvserve server over HTTP (TTFT, TPOT, ITL, goodput)")
     bench_serve.add_args(bs)
 
+    from kvserve.sim import cli as sim_cli
+    sm = sub.add_parser("sim", help="simulate a trace on the real scheduler with a measured step-cost model")
+    sim_cli.add_args(sm)
+    sim_sub = sm.add_subparsers(dest="sim_command")
+    sp = sim_sub.add_parser("profile", help="time real engine steps and save the cost-model profile (JSON)")
+    sim_cli.add_profile_args(sp)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -61,6 +68,8 @@ def main(argv=None) -> int:
             return api_server.run(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "serve":
             return bench_serve.run(args)
+        if args.command == "sim":
+            return sim_cli.run_profile(args) if args.sim_command == "profile" else sim_cli.run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
