@@ -50,6 +50,9 @@ def main(argv=None) -> int:
     sim_sub = sm.add_subparsers(dest="sim_command")
     sp = sim_sub.add_parser("profile", help="time real engine steps and save the cost-model profile (JSON)")
     sim_cli.add_profile_args(sp)
+    from kvserve.sim import validate as sim_validate
+    sv = sim_sub.add_parser("validate", help="the same Azure slice on a real server and simulated, at several rates")
+    sim_validate.add_args(sv)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -69,7 +72,9 @@ def main(argv=None) -> int:
         if args.command == "bench" and args.bench_command == "serve":
             return bench_serve.run(args)
         if args.command == "sim":
-            return sim_cli.run_profile(args) if args.sim_command == "profile" else sim_cli.run(args)
+            if args.sim_command == "profile":
+                return sim_cli.run_profile(args)
+            return sim_validate.run(args) if args.sim_command == "validate" else sim_cli.run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

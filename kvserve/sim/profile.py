@@ -4,13 +4,14 @@ The profile run drives a real ``LLMEngine`` through a fixed plan of workloads an
 step plan's features (``kvserve.sim.cost_model.step_features``, from the very ``SchedulerOutput`` the step ran)
 and the wall time of ``engine.step()`` (scheduler + model runner + output processing):
 
-- a 1,024-token shared prefix, prefilled in chunks of the token budget (prefill chunks at growing context);
-- decode batches of 1, 2, 4, 8, 16, 32 requests at contexts of about 32, 256 and 1,024 tokens (the prompts share
-  the prefix through the prefix cache, so setting up a batch costs little; the decode steps still read each
-  request's whole context through its block table);
-- unshared prompts of 64, 256 and 512 tokens (prefill chunks from position 0), alone and beside 8 decodes.
+- a 512-token shared prefix, prefilled in one chunk of the token budget;
+- decode batches of 1, 4, 16 and 32 requests at contexts of about 32 and 512 tokens (the prompts share the prefix
+  through the prefix cache, so setting up a batch costs little; the decode steps still read each request's whole
+  context through its block table);
+- unshared prompts of 128 and 512 tokens (prefill chunks from position 0), alone and beside 8 decodes.
 
-About 250 steps: one to three minutes on a 2-core CPU after the model has loaded. The fitted ``CostModel`` and the
+About 90 steps: one to two minutes on an idle 2-core CPU after the model has loaded (far longer when the cores
+are shared; ``--num-threads 1`` is steadier then, and the server being modelled should use the same setting). The fitted ``CostModel`` and the
 raw samples are saved together with what identifies the measurement (model file, dtype, threads, KV bytes per
 token, machine), so ``kvserve sim`` can refuse a profile of another model and the fit can be redone.
 """
@@ -29,9 +30,9 @@ from kvserve.sim.cost_model import FEATURES, CostModel, fit, fit_errors, step_fe
 logger = logging.getLogger(__name__)
 
 PROFILE_FORMAT = "kvserve-sim-profile/1"
-DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
-DECODE_CONTEXTS = (32, 256, 1024)
-PREFILL_LENS = (64, 256, 512)
+DECODE_BATCHES = (1, 4, 16, 32)
+DECODE_CONTEXTS = (32, 512)
+PREFILL_LENS = (128, 512)
 
 
 def measure(engine_args: dict, quick: bool = False) -> dict:
