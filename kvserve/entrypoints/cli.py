@@ -54,6 +54,10 @@ def main(argv=None) -> int:
     sv = sim_sub.add_parser("validate", help="the same Azure slice on a real server and simulated, at several rates")
     sim_validate.add_args(sv)
 
+    from kvserve.sim import plan as sim_plan
+    pl = sub.add_parser("plan", help="capacity planner: the settings with the highest simulated goodput under SLOs")
+    sim_plan.add_args(pl)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -71,6 +75,8 @@ def main(argv=None) -> int:
             return api_server.run(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "serve":
             return bench_serve.run(args)
+        if args.command == "plan":
+            return sim_plan.run(args)
         if args.command == "sim":
             if args.sim_command == "profile":
                 return sim_cli.run_profile(args)
