@@ -43,6 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, skip=("device", "speculative_config"))
     add_trace_args(p)
     p.add_argument("--profile", default="profile.json", help="cost-model profile from `kvserve sim profile`")
+    p.add_argument("--server-calibration", action=argparse.BooleanOptionalAction, default=True,
+                   help="apply the profile's server calibration, if any (default on)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:100 (metrics: ttft, tpot, e2el; ms)")
     p.add_argument("--output-json", default=None, help="write the summary (and KV usage over time) here")
@@ -92,7 +94,7 @@ def load_trace(args) -> list:
     return trace
 
 
-def build_simulator(engine_args: dict, profile_path):
+def build_simulator(engine_args: dict, profile_path, server_calibration: bool = True):
     """A ``Simulator`` for these engine arguments and this profile.
 
     Raises:
@@ -112,7 +114,7 @@ def build_simulator(engine_args: dict, profile_path):
             model_name = default_model_path().name
         except ValueError:
             model_name = None
-    prof, cost = load(profile_path, model_name)
+    prof, cost = load(profile_path, model_name, server_calibration)
     bytes_per_block = int(prof["kv_bytes_per_token"]) * config.cache_config.block_size
     if config.model_config.dtype != prof.get("dtype", config.model_config.dtype):
         raise ValueError(f"{profile_path}: profile field 'dtype' is {prof['dtype']!r}, the run asks for "
@@ -124,7 +126,7 @@ def build_simulator(engine_args: dict, profile_path):
 def run(args: argparse.Namespace) -> int:
     """``kvserve sim``: returns 0 (1 when some requests were rejected)."""
     slos = parse_goodput(args.goodput)
-    sim, prof = build_simulator(engine_kwargs(args), args.profile)
+    sim, prof = build_simulator(engine_kwargs(args), args.profile, args.server_calibration)
     trace = load_trace(args)
     res = sim.run(trace, slos, sample_every=max(1, len(trace) // 200))
     s = res.summary

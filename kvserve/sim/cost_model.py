@@ -86,6 +86,37 @@ class CostModel:
         return cls(intercept, coef)
 
 
+@dataclass
+class ServerCalibrated:
+    """A ``CostModel`` seen through a server: ``step_s = offset_s + scale * base(plan)``.
+
+    ``kvserve serve`` runs each step in a worker thread beside an event loop that streams every token to its client;
+    on a shared CPU that costs more than ``engine.step()`` alone, where the profile was measured.
+    ``kvserve sim validate --save-calibration`` measures the two numbers from decode steps of a live server (the
+    inter-token gaps of 1 and of 8 concurrent streams) and stores them in the profile.
+
+    Attributes:
+        base: the engine-step cost model.
+        offset_s: seconds added per step.
+        scale: multiplier on the engine step time, > 0.
+    """
+
+    base: CostModel
+    offset_s: float = 0.0
+    scale: float = 1.0
+
+    def step_time(self, features: tuple) -> float:
+        return self.offset_s + self.scale * self.base.step_time(features)
+
+    def __call__(self, so: SchedulerOutput) -> float:
+        return self.step_time(step_features(so))
+
+
+def decode_features(batch: int, context: int) -> tuple:
+    """``FEATURES`` of a step of ``batch`` single-token decodes at ``context`` tokens each."""
+    return (batch, batch, batch * (context + 1) / 1e3, 0.0, batch)
+
+
 def fit(samples: list[tuple[tuple, float]]) -> CostModel:
     """Non-negative least squares of ``step_s`` on ``FEATURES`` + intercept, weighted by ``1 / step_s``.
 

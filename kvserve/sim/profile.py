@@ -25,7 +25,7 @@ import platform
 import time
 from pathlib import Path
 
-from kvserve.sim.cost_model import FEATURES, CostModel, fit, fit_errors, step_features
+from kvserve.sim.cost_model import FEATURES, CostModel, ServerCalibrated, fit, fit_errors, step_features
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,11 @@ def save(profile: dict, path) -> None:
         json.dump(profile, f, indent=1)
 
 
-def load(path, model_name: str | None = None) -> tuple[dict, CostModel]:
+def load(path, model_name: str | None = None, server_calibration: bool = True) -> tuple[dict, CostModel]:
     """Read a profile; with ``model_name``, check it was measured on that model file.
+
+    Returns ``(profile dict, cost model)``; the cost model is a ``ServerCalibrated`` one when the profile carries
+    ``server_calibration`` and ``server_calibration`` is true.
 
     Raises:
         ValueError: missing file, not a profile, a malformed cost model, or a profile of another model.
@@ -143,7 +146,17 @@ def load(path, model_name: str | None = None) -> tuple[dict, CostModel]:
     if model_name is not None and prof["model"] != model_name:
         raise ValueError(f"{p}: profile field 'model' is {prof['model']!r}, measured on another model than "
                          f"{model_name!r}; profile this model with `kvserve sim profile --model ...`")
-    return prof, CostModel.from_dict(prof["cost_model"], str(p))
+    cost = CostModel.from_dict(prof["cost_model"], str(p))
+    cal = prof.get("server_calibration")
+    if server_calibration and cal:
+        try:
+            offset, scale = float(cal["offset_s"]), float(cal["scale"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{p}: field 'server_calibration' needs numbers 'offset_s' and 'scale'") from None
+        if not scale > 0:
+            raise ValueError(f"{p}: field 'server_calibration.scale' must be > 0, got {scale}")
+        return prof, ServerCalibrated(cost, offset, scale)
+    return prof, cost
 
 
 def refit(profile: dict) -> CostModel:

@@ -52,6 +52,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS")
     p.add_argument("--max-duration", type=float, default=900.0, help="seconds per level")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--save-calibration", action="store_true",
+                   help="measure the server calibration first and store it in the profile (else the profile's own, "
+                        "if any, is used)")
 
 
 def level_requests(args, rate: float, seed: int) -> list:
@@ -110,6 +113,33 @@ def start_server(engine_args: dict, timeout: float = 600.0) -> tuple:
     raise ValueError(f"kvserve serve not healthy after {timeout} s")
 
 
+def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24) -> dict:
+    """Measure a live server's decode step: the median inter-token gap of 1 and of 8 concurrent streams (fresh
+    ``context``-token prompts, ``output_len`` tokens, the first 3 gaps of each stream dropped), against the cost
+    model's prediction for the same steps; fits ``server = offset_s + scale * predicted`` through the two points.
+
+    Returns ``{"offset_s", "scale", "points": [(batch, measured_s, predicted_s)]}``.
+    """
+    import statistics
+
+    from kvserve.sim.cost_model import decode_features
+
+    points = []
+    for b, base in ((1, 11000), (8, 12000)):
+        reqs = [LoadRequest([base + 100 * i + k for k in range(context)], output_len, 0.0) for i in range(b)]
+        results, _ = asyncio.run(run_benchmark(base_url, model, reqs, [0.0] * b))
+        gaps = [g for r in results if r.success for g in r.itl[3:]]
+        if not gaps:
+            raise ValueError(f"calibration at batch {b} got no inter-token gaps: {[r.error for r in results]}")
+        points.append((b, statistics.median(gaps), cost.step_time(decode_features(b, context + output_len // 2))))
+    (_, m1, p1), (_, m8, p8) = points
+    scale = (m8 - m1) / (p8 - p1) if p8 > p1 else 0.0
+    offset = m1 - scale * p1
+    if not scale > 0 or offset < 0:  # not two consistent points: a pure ratio
+        scale, offset = (m1 + m8) / (p1 + p8), 0.0
+    return {"offset_s": offset, "scale": scale, "points": points}
+
+
 def compare(real: dict, sim: dict) -> dict:
     """``{metric: (real, sim, relative error)}`` for ``METRICS`` (error ``(sim - real) / real``)."""
     out = {}
@@ -143,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     eargs = {k: v for k, v in engine_kwargs(args).items() if k != "device"}
     sim, prof = build_simulator(eargs, args.profile)
+    raw_sim, _ = build_simulator(eargs, args.profile, server_calibration=False)
     proc = None
     if args.base_url is None:
         proc, base_url = start_server({k: v for k, v in eargs.items() if k != "speculative_config"})
@@ -153,6 +184,16 @@ def run(args: argparse.Namespace) -> int:
         model = fetch_model(base_url)
         warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(4)]
         asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
+        if args.save_calibration:
+            cal = calibrate(base_url, model, raw_sim.step_time)
+            print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
+                  f"(measured / predicted decode step: " +
+                  ", ".join(f"batch {b} {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) + ")",
+                  flush=True)
+            prof["server_calibration"] = {**cal, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            with open(args.profile, "w") as f:
+                json.dump(prof, f, indent=1)
+            sim, _ = build_simulator(eargs, args.profile)
         for i, rate in enumerate(rates):
             reqs = level_requests(args, rate, args.seed + i)
             offsets = [r.arrival_s for r in reqs]
@@ -162,11 +203,13 @@ def run(args: argparse.Namespace) -> int:
             trace = [TraceRequest(o, len(r.prompt), r.output_len, token_ids=list(r.prompt))
                      for r, o in zip(reqs, offsets)]
             simulated = sim.run(trace, slos).summary
+            raw = raw_sim.run(trace, slos).summary
             name = f"{rate:g} req/s"
             comp = compare(real, simulated)
             rows.append((name, comp))
-            report.append({"rate": rate, "seed": args.seed + i, "real": real, "sim": simulated,
-                           "errors": {k: v[2] for k, v in comp.items()}})
+            report.append({"rate": rate, "seed": args.seed + i, "real": real, "sim": simulated, "sim_uncalibrated": raw,
+                           "errors": {k: v[2] for k, v in comp.items()},
+                           "errors_uncalibrated": {k: v[2] for k, v in compare(real, raw).items()}})
             print(format_comparison([(name, comp)]), flush=True)
     finally:
         if proc is not None:
