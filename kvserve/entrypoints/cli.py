@@ -1,5 +1,5 @@
 """``kvserve`` command line (dispatch only; engine flags come from ``kvserve.engine.arg_utils``): ``kvserve generate`` (the main job), ``kvserve serve`` (the HTTP server), and
-``kvserve bench throughput`` / ``kvserve bench serve``."""
+``kvserve bench throughput`` / ``kvserve bench serve``, ``kvserve sim`` (``profile``, ``validate``) and ``kvserve plan``."""
 
 from __future__ import annotations
 

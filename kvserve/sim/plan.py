@@ -4,7 +4,7 @@ For each setting of the grid (``max_num_seqs`` x ``max_num_batched_tokens`` x ``
 chunked prefill x scheduling policy) the trace is simulated at the target request rate (``--request-rate``,
 Poisson arrivals; or the trace's own arrivals) and scored by goodput (requests/s meeting every SLO). A setting
 *meets* the SLOs when at least ``--attainment`` (default 90%) of the requests meet all of them and none is
-rejected. The planner prints the best setting, the next-best ones, and, for the top settings, the knee: the
+rejected; ties on goodput go to the setting with the smaller sum of p99 / SLO over the SLO metrics. The planner prints the best setting, the next-best ones, and, for the top settings, the knee: the
 highest rate of a geometric sweep at which the SLOs still hold; with ``--plot`` it draws goodput against rate per
 setting.
 
@@ -117,7 +117,11 @@ def run(args: argparse.Namespace) -> int:
         ev["setting"] = st
         ev["meets"] = ev["attainment"] >= args.attainment and ev["rejected"] == 0
         scored.append(ev)
-    scored.sort(key=lambda e: (e["meets"], e["goodput"], e["attainment"]), reverse=True)
+    def margin(e: dict) -> float:  # ties on goodput: the setting with more room under the SLOs (p99 / SLO) first
+        s = e["summary"]
+        return -sum((s.get(f"p99_{k}_ms") or math.inf) / (v * 1000) for k, v in slos.items())
+
+    scored.sort(key=lambda e: (e["meets"], round(e["goodput"], 9), e["attainment"], margin(e)), reverse=True)
     slo_text = " and ".join(f"{k} <= {v * 1000:g} ms" for k, v in slos.items())
     at = f"{rate:g} req/s" if rate else "the trace's arrival rate"
     best = scored[0]
