@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import signal
 import socket
 import subprocess
