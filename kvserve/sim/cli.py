@@ -135,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
               f"({prof['model']}, {prof.get('created', '?')}) in {s['sim_wall_s']:.1f} s wall")
         print(format_table(s))
         print(f"{'steps / preemptions':<40}  {s['steps']} / {s['preemptions']}")
-        print(f"{'prefix cache hit rate':<40}  {100 * s['prefix_hit_rate']:.1f}% of prompt tokens")
         print(f"{'KV usage mean / max':<40}  {100 * s['kv_usage_mean']:.1f}% / {100 * s['kv_usage_max']:.1f}% "
               f"of {s['num_blocks']} blocks")
         if s["rejected"]:

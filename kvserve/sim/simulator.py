@@ -39,7 +39,8 @@ class SimResult:
 
     Attributes:
         summary: ``kvserve.bench.serve.summarize``'s dict (latencies in ms, throughputs per s, goodput) plus
-            ``steps``, ``preemptions``, ``prefix_hit_rate``, ``kv_usage_mean`` / ``kv_usage_max`` (fraction of
+            ``steps``, ``preemptions``, ``prefix_cache_hit_rate`` / ``prefix_cache_queries`` (as ``bench serve`` reads
+            them from the server), ``kv_usage_mean`` / ``kv_usage_max`` (fraction of
             blocks), ``rejected``, ``num_blocks``, ``sim_wall_s``.
         results: one ``RequestResult`` per trace request, in trace order.
         kv_usage: ``(t_s, used_fraction, running, waiting)`` samples over time (every ``sample_every`` steps).
@@ -165,7 +166,8 @@ class Simulator:
         summary.update({
             "steps": steps,
             "preemptions": sched.num_preemptions,
-            "prefix_hit_rate": kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hit_rate": kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0,
             "kv_usage_mean": usage_sum / running_time if running_time else 0.0,
             "kv_usage_max": usage_max,
             "rejected": sum(1 for r in results if r.error.startswith("HTTP 400")),

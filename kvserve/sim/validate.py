@@ -24,7 +24,8 @@ import subprocess
 import sys
 import time
 
-from kvserve.bench.serve import LoadRequest, fetch_model, parse_goodput, run_benchmark, summarize
+from kvserve.bench.serve import (LoadRequest, fetch_model, fetch_prefix_counters, parse_goodput, prefix_hit_rate,
+                                 run_benchmark, summarize)
 from kvserve.bench.workloads import azure_trace
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
 from kvserve.sim.trace import TraceRequest
@@ -196,9 +197,11 @@ def run(args: argparse.Namespace) -> int:
         for i, rate in enumerate(rates):
             reqs = level_requests(args, rate, args.seed + i)
             offsets = [r.arrival_s for r in reqs]
+            before = fetch_prefix_counters(base_url)
             results, duration = asyncio.run(run_benchmark(base_url, model, reqs, offsets,
                                                           max_duration=args.max_duration))
             real = summarize(results, duration, slos)
+            real.update(prefix_hit_rate(before, fetch_prefix_counters(base_url)))
             trace = [TraceRequest(o, len(r.prompt), r.output_len, token_ids=list(r.prompt))
                      for r, o in zip(reqs, offsets)]
             simulated = sim.run(trace, slos).summary

@@ -72,7 +72,7 @@ def test_prefix_hit_rate_matches_the_trace_hash_ids():
              tr.TraceRequest(10.0, 16, 1, (1, 2), 8)]
     res = sim_for(const(1.0), block_size=4, enable_prefix_caching=True).run(trace)
     # hits: 0, then 8 tokens (id 1), then 12 (ids 1, 2 but the last block is recomputed: capped at 15 // 4 = 3 blocks)
-    assert res.summary["prefix_hit_rate"] == pytest.approx((0 + 8 + 12) / 48)
+    assert res.summary["prefix_cache_hit_rate"] == pytest.approx((0 + 8 + 12) / 48)
     assert tr.prefix_share(trace) == pytest.approx(3 / 6)
 
 
