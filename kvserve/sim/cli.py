@@ -48,7 +48,45 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:100 (metrics: ttft, tpot, e2el; ms)")
     p.add_argument("--output-json", default=None, help="write the summary (and KV usage over time) here")
+    p.add_argument("--plot-dir", default=None,
+                   help="write kv_usage.png (KV usage, running and waiting over time) and latency_cdf.png here")
     p.add_argument("--quiet", action="store_true")
+
+
+def plot(res, out_dir) -> list:
+    """Two figures of a simulated run (with ``kvserve.bench.plots``' style): KV usage with running / waiting
+    requests over simulated time, and the CDFs of TTFT and TPOT. Returns the paths written."""
+    from kvserve.bench.plots import _pyplot, _save, _style
+
+    plt = _pyplot()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t = [x[0] for x in res.kv_usage]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ax.plot(t, [100 * x[1] for x in res.kv_usage], color="tab:blue", label="KV blocks in use (%)")
+    ax2 = ax.twinx()
+    ax2.plot(t, [x[2] for x in res.kv_usage], color="tab:green", lw=0.8, label="running")
+    ax2.plot(t, [x[3] for x in res.kv_usage], color="tab:red", lw=0.8, label="waiting")
+    ax2.set_ylabel("requests")
+    ax2.legend(fontsize=8, loc="upper right")
+    _style(ax, "simulated time (s)", "KV usage (%)")
+    ax.legend(fontsize=8, loc="upper left")
+    s = res.summary
+    ax.set_title(f"simulated KV usage: mean {100 * s['kv_usage_mean']:.1f}%, max {100 * s['kv_usage_max']:.1f}% of "
+                 f"{s['num_blocks']} blocks; {s['preemptions']} preemptions", fontsize=10)
+    paths = [out / "kv_usage.png", out / "latency_cdf.png"]
+    _save(plt, fig, paths[0])
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ok = [r for r in res.results if r.success]
+    for name, vals in (("TTFT", [r.ttft for r in ok]), ("TPOT", [r.tpot for r in ok if r.tpot is not None])):
+        v = sorted(1000 * x for x in vals)
+        if v:
+            ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name)
+    ax.set_xscale("log")
+    _style(ax, "latency (ms)", "fraction of requests")
+    ax.set_title("simulated latency CDFs", fontsize=10)
+    _save(plt, fig, paths[1])
+    return paths
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
@@ -142,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"summary": s, "kv_usage": res.kv_usage}, f, indent=1)
+    if args.plot_dir:
+        for path in plot(res, args.plot_dir):
+            print(f"wrote {path}")
     return 1 if s["failed"] else 0
 
 

@@ -26,12 +26,14 @@ def test_sim_cli_prints_the_bench_serve_table(files, capsys, tmp_path):
     p, t = files
     out_json = tmp_path / "sim.json"
     rc = main(["sim", "--profile", str(p), "--dataset", "jsonl", "--trace-file", str(t), "--num-kv-blocks", "64",
-               "--goodput", "ttft:1000", "--output-json", str(out_json)])
+               "--goodput", "ttft:1000", "--output-json", str(out_json), "--plot-dir", str(tmp_path / "plots")])
     assert rc == 0
     text = capsys.readouterr().out
     assert "successful requests" in text and "prefix cache hit rate" in text
     s = json.loads(out_json.read_text())["summary"]
     assert s["completed"] == 20 and s["total_output_tokens"] == 160
+    assert (tmp_path / "plots" / "kv_usage.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
 
 
 def test_plan_picks_a_setting_and_reports_the_knee(files, capsys):
