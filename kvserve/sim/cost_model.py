@@ -90,9 +90,10 @@ class CostModel:
 class ServerCalibrated:
     """A ``CostModel`` seen through a server: ``step_s = offset_s + scale * base(plan)``.
 
-    ``kvserve serve`` runs each step in a worker thread beside an event loop that streams every token to its client;
-    on a shared CPU that costs more than ``engine.step()`` alone, where the profile was measured.
-    ``kvserve sim validate --save-calibration`` measures the two numbers from decode steps of a live server (the
+    ``kvserve serve`` runs each step in a worker thread beside an event loop that streams every token to its client,
+    and on a shared CPU at another moment than the profile run; the two numbers absorb both differences (on this
+    project's 2-core machine mostly the second: docs/simulator.md). ``kvserve sim validate --save-calibration``
+    measures them from decode steps of a live server (the
     inter-token gaps of 1 and of 8 concurrent streams) and stores them in the profile.
 
     Attributes:
