@@ -9,8 +9,10 @@ Requests are streamed from ``/v1/completions`` (``stream_options.include_usage``
 - TPOT: ``(e2e - TTFT) / (output tokens - 1)`` with the server's token count (usage);
 - e2e latency: send to the last byte.
 
-It reports mean / p50 / p90 / p99 of each (ms), request and output-token throughput, and goodput (requests/s that
-met every ``--goodput`` SLO), prints a table and writes JSON. It only talks to loopback addresses, and is bounded in
+It reports mean / p50 / p90 / p99 of each (ms), request and output-token throughput, goodput (requests/s that
+met every ``--goodput`` SLO), and the server's prefix-cache hit rate over the run (its ``/metrics`` counters read
+before and after: a run that repeats an earlier run's prompts — the same ``--seed`` — starts on a warm cache, and
+this shows it), prints a table and writes JSON. It only talks to loopback addresses, and is bounded in
 count (``--num-prompts`` <= 10000) and time (``--request-timeout`` per request, ``--max-duration`` for the run).
 """
 
@@ -23,6 +25,7 @@ import json
 import logging
 import math
 import random
+import re
 import socket
 import statistics
 import sys
@@ -92,7 +95,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:2000 tpot:300 (metrics: ttft, tpot, e2el; milliseconds)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="prompts and arrivals; the same seed sends the same prompts, which an earlier run may have "
+                        "left in the server's prefix cache (see the printed hit rate)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--max-duration", type=float, default=3600.0, help="seconds for the whole run")
     p.add_argument("--output-json", default=None, help="write the results here")
@@ -327,8 +332,50 @@ def format_table(s: dict) -> str:
     for key, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
         rows.append((f"{name} mean / p50 / p90 / p99",
                      " / ".join(f(s[f"{q}_{key}_ms"]) for q in ("mean", "median", "p90", "p99")) + " ms"))
+    if s.get("prefix_cache_hit_rate") is not None:
+        rows.append(("server prefix cache hit rate",
+                     f"{100 * s['prefix_cache_hit_rate']:.1f}% of {s['prefix_cache_queries']:.0f} prompt tokens"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+_PREFIX_COUNTER = re.compile(r"^kvserve:prefix_cache_(queries|hits)_total(?:\{[^}]*\})?\s+(\S+)\s*$")
+
+
+def parse_prefix_counters(metrics_text: str) -> Optional[tuple]:
+    """``(queries, hits)`` (prompt tokens) summed over the ``kvserve:prefix_cache_{queries,hits}_total`` series of a
+    Prometheus text page, or ``None`` when the page has neither."""
+    found = {"queries": 0.0, "hits": 0.0}
+    seen = False
+    for line in metrics_text.splitlines():
+        m = _PREFIX_COUNTER.match(line)
+        if m:
+            found[m.group(1)] += float(m.group(2))
+            seen = True
+    return (found["queries"], found["hits"]) if seen else None
+
+
+def fetch_prefix_counters(base_url: str, timeout: float = 10.0) -> Optional[tuple]:
+    """The server's prefix-cache counters from ``GET /metrics`` (``parse_prefix_counters``); ``None`` if the
+    server does not expose them or cannot be read."""
+    import httpx
+
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return parse_prefix_counters(r.text)
+
+
+def prefix_hit_rate(before: Optional[tuple], after: Optional[tuple]) -> dict:
+    """The server's prefix-cache hit rate over the run from counters read before and after it: prompt tokens
+    found in the cache / looked up. A warm cache (prompts repeated from an earlier run with the same ``--seed``)
+    shows here."""
+    if before is None or after is None:
+        return {"prefix_cache_queries": None, "prefix_cache_hit_rate": None}
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    return {"prefix_cache_queries": queries, "prefix_cache_hit_rate": hits / queries if queries > 0 else 0.0}
 
 
 def fetch_model(base_url: str, timeout: float = 10.0) -> str:
@@ -363,10 +410,12 @@ def run(args: argparse.Namespace) -> int:
     requests = build_requests(args)
     offsets = arrival_times(requests, args.request_rate, args.seed)
     model = args.model or fetch_model(args.base_url)
+    counters_before = fetch_prefix_counters(args.base_url)
     results, duration = asyncio.run(run_benchmark(
         args.base_url, model, requests, offsets, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
         temperature=args.temperature, request_timeout=args.request_timeout, max_duration=args.max_duration))
     summary = summarize(results, duration, slos)
+    summary.update(prefix_hit_rate(counters_before, fetch_prefix_counters(args.base_url)))
     config = {k: getattr(args, k) for k in ("base_url", "dataset", "num_prompts", "request_rate", "max_concurrency",
                                             "random_input_len", "random_output_len", "random_range_ratio",
                                             "sharegpt_output_len", "time_scale", "ignore_eos", "temperature", "seed")}

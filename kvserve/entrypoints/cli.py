@@ -1,5 +1,5 @@
 """``kvserve`` command line (dispatch only; engine flags come from ``kvserve.engine.arg_utils``): ``kvserve generate`` (the main job), ``kvserve serve`` (the HTTP server), and
-``kvserve bench throughput`` / ``kvserve bench serve``."""
+``kvserve bench throughput`` / ``kvserve bench serve``, ``kvserve sim`` (``profile``, ``validate``) and ``kvserve plan``."""
 
 from __future__ import annotations
 
@@ -48,6 +48,20 @@ def main(argv=None) -> int:
     bs = bench_sub.add_parser("serve", help="load-test a running kvserve server over HTTP (TTFT, TPOT, ITL, goodput)")
     bench_serve.add_args(bs)
 
+    from kvserve.sim import cli as sim_cli
+    sm = sub.add_parser("sim", help="simulate a trace on the real scheduler with a measured step-cost model")
+    sim_cli.add_args(sm)
+    sim_sub = sm.add_subparsers(dest="sim_command")
+    sp = sim_sub.add_parser("profile", help="time real engine steps and save the cost-model profile (JSON)")
+    sim_cli.add_profile_args(sp)
+    from kvserve.sim import validate as sim_validate
+    sv = sim_sub.add_parser("validate", help="the same Azure slice on a real server and simulated, at several rates")
+    sim_validate.add_args(sv)
+
+    from kvserve.sim import plan as sim_plan
+    pl = sub.add_parser("plan", help="capacity planner: the settings with the highest simulated goodput under SLOs")
+    sim_plan.add_args(pl)
+
     bench_sub.add_parser("quant-kernels", add_help=False,
                          help="quantized matmul kernels vs fp32 and PyTorch's quantized ops on the model's shapes "
                               "(flags: kvserve bench quant-kernels --help)")
@@ -76,6 +90,12 @@ def main(argv=None) -> int:
             return api_server.run(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "serve":
             return bench_serve.run(args)
+        if args.command == "plan":
+            return sim_plan.run(args)
+        if args.command == "sim":
+            if args.sim_command == "profile":
+                return sim_cli.run_profile(args)
+            return sim_validate.run(args) if args.sim_command == "validate" else sim_cli.run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,158 @@
+"""The step-time cost model of ``kvserve sim``: a linear model over a step plan's work, fitted to measured steps.
+
+A step's plan (``SchedulerOutput``) is reduced to five features (``step_features``):
+
+| feature | unit | what it stands for |
+|---|---|---|
+| ``tokens`` | tokens | every scheduled token goes through every projection (the flat batch's matmuls) |
+| ``logit_rows`` | rows | rows that sample: the LM head (vocab x hidden) and the sampler run once per row |
+| ``decode_ctx`` | k tokens | keys read by single-token (decode) rows: the paged-attention kernel |
+| ``prefill_attn`` | M query-key pairs | causal attention of prompt chunks: ``q * (start + (q + 1) / 2)`` per chunk |
+| ``rows`` | rows | per-request bookkeeping: block tables, batch building, output processing |
+
+and ``step_s = intercept + sum(coef[f] * feature[f])`` (intercept: reading the weights once per step, Python
+overhead). The coefficients are fitted by non-negative least squares on relative error (every measured step
+counts alike, a 40 ms decode as much as a 2 s prefill), so the model can be replayed anywhere. The same shape is
+used by Vidur (Agrawal et al., MLSys 2024), which fits per-operator costs; a whole-step model is coarser but needs
+only a few minutes of measurements on the real engine (``kvserve sim profile``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.core.sched_output import SchedulerOutput
+
+FEATURES = ("tokens", "logit_rows", "decode_ctx", "prefill_attn", "rows")
+
+
+def step_features(so: SchedulerOutput) -> tuple:
+    """The ``FEATURES`` of one step plan, in that order (tokens, rows, thousands of keys, millions of pairs)."""
+    tokens = rows = logit_rows = 0
+    decode_ctx = prefill_attn = 0.0
+    for s in so.scheduled:
+        q = len(s.token_ids)
+        tokens += q
+        rows += 1
+        if s.samples:
+            logit_rows += len(s.sampling_states) + len(s.spec_token_ids)
+        if q == 1 or s.spec_token_ids:
+            decode_ctx += q * (s.start_pos + q)
+        else:
+            prefill_attn += q * (s.start_pos + (q + 1) / 2)
+    return (tokens, logit_rows, decode_ctx / 1e3, prefill_attn / 1e6, rows)
+
+
+@dataclass
+class CostModel:
+    """``step_s = intercept + sum(coef * features)``, seconds.
+
+    Attributes:
+        intercept: seconds per step.
+        coef: one coefficient per name in ``FEATURES`` (seconds per unit), all >= 0.
+    """
+
+    intercept: float
+    coef: dict
+
+    def step_time(self, features: tuple) -> float:
+        """Predicted seconds of a step with these ``FEATURES`` values."""
+        c = self.coef
+        t = self.intercept
+        for name, x in zip(FEATURES, features):
+            t += c[name] * x
+        return t
+
+    def __call__(self, so: SchedulerOutput) -> float:
+        return self.step_time(step_features(so))
+
+    def to_dict(self) -> dict:
+        return {"intercept_s": self.intercept, "coef_s": dict(self.coef)}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "profile") -> "CostModel":
+        """Raises ``ValueError`` naming the missing or negative field."""
+        try:
+            intercept = float(d["intercept_s"])
+            coef = {name: float(d["coef_s"][name]) for name in FEATURES}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: cost model needs 'intercept_s' and 'coef_s' with {list(FEATURES)} "
+                             f"({type(e).__name__}: {e})") from None
+        bad = [k for k, v in {"intercept_s": intercept, **coef}.items() if not v >= 0]
+        if bad:
+            raise ValueError(f"{where}: cost model values must be >= 0: {bad}")
+        return cls(intercept, coef)
+
+
+@dataclass
+class ServerCalibrated:
+    """A ``CostModel`` seen through a server: ``step_s = offset_s + scale * base(plan)``.
+
+    ``kvserve serve`` runs each step in a worker thread beside an event loop that streams every token to its client,
+    and on a shared CPU at another moment than the profile run; the two numbers absorb both differences (on this
+    project's 2-core machine mostly the second: docs/simulator.md). ``kvserve sim validate --save-calibration``
+    measures them from decode steps of a live server (the
+    inter-token gaps of 1 and of 8 concurrent streams) and stores them in the profile.
+
+    Attributes:
+        base: the engine-step cost model.
+        offset_s: seconds added per step.
+        scale: multiplier on the engine step time, > 0.
+    """
+
+    base: CostModel
+    offset_s: float = 0.0
+    scale: float = 1.0
+
+    def step_time(self, features: tuple) -> float:
+        return self.offset_s + self.scale * self.base.step_time(features)
+
+    def __call__(self, so: SchedulerOutput) -> float:
+        return self.step_time(step_features(so))
+
+
+def decode_features(batch: int, context: int) -> tuple:
+    """``FEATURES`` of a step of ``batch`` single-token decodes at ``context`` tokens each."""
+    return (batch, batch, batch * (context + 1) / 1e3, 0.0, batch)
+
+
+def fit(samples: list[tuple[tuple, float]]) -> CostModel:
+    """Non-negative least squares of ``step_s`` on ``FEATURES`` + intercept, weighted by ``1 / step_s``.
+
+    Args:
+        samples: ``(features, step_s)`` pairs, at least ``len(FEATURES) + 1``.
+
+    Returns:
+        the fitted ``CostModel``. A feature whose unconstrained coefficient comes out negative (its effect is
+        below the noise, or another feature carries it) is dropped and the rest refitted (active-set NNLS).
+
+    Raises:
+        ValueError: too few samples or a non-positive time.
+    """
+    if len(samples) < len(FEATURES) + 1:
+        raise ValueError(f"need at least {len(FEATURES) + 1} measured steps to fit, got {len(samples)}")
+    if any(not t > 0 for _, t in samples):
+        raise ValueError("measured step times must be > 0")
+    x = torch.tensor([[1.0, *f] for f, _ in samples], dtype=torch.float64)
+    y = torch.tensor([t for _, t in samples], dtype=torch.float64)
+    w = 1.0 / y
+    active = list(range(x.shape[1]))
+    while True:
+        sol = torch.linalg.lstsq(x[:, active] * w[:, None], (y * w)[:, None]).solution[:, 0]
+        neg = [a for a, v in zip(active, sol.tolist()) if v < 0]
+        if not neg:
+            break
+        worst = min(neg, key=lambda a: sol[active.index(a)].item())
+        active.remove(worst)
+    full = [0.0] * x.shape[1]
+    for a, v in zip(active, sol.tolist()):
+        full[a] = v
+    return CostModel(full[0], dict(zip(FEATURES, full[1:])))
+
+
+def fit_errors(model: CostModel, samples: list[tuple[tuple, float]]) -> dict:
+    """Relative errors of ``model`` on ``samples``: mean and max of ``|pred - meas| / meas``."""
+    errs = [abs(model.step_time(f) - t) / t for f, t in samples]
+    return {"mean_abs_rel_err": sum(errs) / len(errs), "max_abs_rel_err": max(errs), "n": len(errs)}

@@ -1,0 +1,164 @@
+"""``kvserve sim profile``: time real engine steps on this machine and save a cost-model profile (JSON).
+
+The profile run drives a real ``LLMEngine`` through a fixed plan of workloads and records, for every step, the
+step plan's features (``kvserve.sim.cost_model.step_features``, from the very ``SchedulerOutput`` the step ran)
+and the wall time of ``engine.step()`` (scheduler + model runner + output processing):
+
+- a 512-token shared prefix, prefilled in one chunk of the token budget;
+- decode batches of 1, 4, 16 and 32 requests at contexts of about 32 and 512 tokens (the prompts share the prefix
+  through the prefix cache, so setting up a batch costs little; the decode steps still read each request's whole
+  context through its block table);
+- unshared prompts of 128 and 512 tokens (prefill chunks from position 0), alone and beside 8 decodes.
+
+About 90 steps: one to two minutes on an idle 2-core CPU after the model has loaded (far longer when the cores
+are shared; ``--num-threads 1`` is steadier then, and the server being modelled should use the same setting). The fitted ``CostModel`` and the
+raw samples are saved together with what identifies the measurement (model file, dtype, threads, KV bytes per
+token, machine), so ``kvserve sim`` can refuse a profile of another model and the fit can be redone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+from kvserve.sim.cost_model import FEATURES, CostModel, ServerCalibrated, fit, fit_errors, step_features
+
+logger = logging.getLogger(__name__)
+
+PROFILE_FORMAT = "kvserve-sim-profile/1"
+DECODE_BATCHES = (1, 4, 16, 32)
+DECODE_CONTEXTS = (32, 512)
+PREFILL_LENS = (128, 512)
+
+
+def measure(engine_args: dict, quick: bool = False) -> dict:
+    """Run the profiling plan on a fresh engine; returns the profile dict (see ``save``).
+
+    Args:
+        engine_args: engine arguments (``model``, ``dtype``, ``num_threads``, ``block_size``, ...); the pool,
+            ``max_num_seqs`` and the token budget are set by the plan.
+        quick: a smaller plan (for tests): batches 1, 4, contexts 32, 256, one prefill length.
+    """
+    from kvserve import LLM, SamplingParams
+
+    batches = (1, 4) if quick else DECODE_BATCHES
+    contexts = (32, 256) if quick else DECODE_CONTEXTS
+    prefills = (128,) if quick else PREFILL_LENS
+    args = {**engine_args, "max_num_seqs": max(batches) + 8, "num_kv_blocks": engine_args.get("num_kv_blocks") or 1024,
+            "enable_prefix_caching": True, "enable_chunked_prefill": True}
+    args.setdefault("max_num_batched_tokens", 512)
+    llm = LLM(**args)
+    engine = llm.llm_engine
+    samples: list = []
+    captured: list = []
+    real_schedule = engine.scheduler.schedule
+
+    def schedule():
+        so = real_schedule()
+        captured.append(so)
+        return so
+
+    engine.scheduler.schedule = schedule  # an instance attribute on this private engine: the profile's probe
+    ids = iter(range(10**9))
+
+    def add(prompt: list, max_tokens: int) -> None:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                           request_id=f"profile-{next(ids)}")
+
+    def drain() -> None:
+        while engine.has_unfinished_requests():
+            captured.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            if captured and captured[-1].scheduled:
+                samples.append((step_features(captured[-1]), dt))
+
+    add(list(range(1000, 1016)), 2)  # warm-up (kernel build, first-call costs): not recorded
+    while engine.has_unfinished_requests():
+        engine.step()
+    base = [1000 + (i * 7919) % 28000 for i in range(max(contexts))]
+    add(base, 1)
+    drain()
+    for c in contexts:
+        for b in batches:
+            for j in range(b):
+                tail = [30000 + (next(ids) * 13 + k) % 15000 for k in range(8)]
+                add(base[: c - 8] + tail, 8)
+            drain()
+            logger.info("profile: decode batch %d at context %d done (%d steps so far)", b, c, len(samples))
+    for n in prefills:
+        for with_decodes in (0, 8):
+            for j in range(with_decodes):
+                add(base[:24] + [30000 + (next(ids) * 13 + k) % 15000 for k in range(8)], 6)
+            add([1000 + (next(ids) * 31 + k) % 28000 for k in range(n)], 2)
+            drain()
+    model = fit(samples)
+    mc = engine.config.model_config
+    profile = {
+        "format": PROFILE_FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "model": Path(str(engine.model_path)).name,
+        "dtype": mc.dtype,
+        "num_threads": mc.num_threads,
+        "torch_threads": __import__("torch").get_num_threads(),
+        "kv_bytes_per_token": engine.model.bytes_per_block(engine.block_size) // engine.block_size,
+        "max_position_embeddings": engine.arch.max_position_embeddings,
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "features": list(FEATURES),
+        "cost_model": model.to_dict(),
+        "fit": fit_errors(model, samples),
+        "samples": [{"features": list(f), "step_s": t} for f, t in samples],
+    }
+    return profile
+
+
+def save(profile: dict, path) -> None:
+    with open(path, "w") as f:
+        json.dump(profile, f, indent=1)
+
+
+def load(path, model_name: str | None = None, server_calibration: bool = True) -> tuple[dict, CostModel]:
+    """Read a profile; with ``model_name``, check it was measured on that model file.
+
+    Returns ``(profile dict, cost model)``; the cost model is a ``ServerCalibrated`` one when the profile carries
+    ``server_calibration`` and ``server_calibration`` is true.
+
+    Raises:
+        ValueError: missing file, not a profile, a malformed cost model, or a profile of another model.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"profile not found: {str(p)!r} (make one with `kvserve sim profile --output {p}`)")
+    try:
+        prof = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: line {e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(prof, dict) or prof.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"{p}: not a kvserve sim profile (field 'format' must be {PROFILE_FORMAT!r})")
+    for key in ("model", "kv_bytes_per_token", "max_position_embeddings", "cost_model"):
+        if key not in prof:
+            raise ValueError(f"{p}: missing field {key!r}")
+    if model_name is not None and prof["model"] != model_name:
+        raise ValueError(f"{p}: profile field 'model' is {prof['model']!r}, measured on another model than "
+                         f"{model_name!r}; profile this model with `kvserve sim profile --model ...`")
+    cost = CostModel.from_dict(prof["cost_model"], str(p))
+    cal = prof.get("server_calibration")
+    if server_calibration and cal:
+        try:
+            offset, scale = float(cal["offset_s"]), float(cal["scale"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{p}: field 'server_calibration' needs numbers 'offset_s' and 'scale'") from None
+        if not scale > 0:
+            raise ValueError(f"{p}: field 'server_calibration.scale' must be > 0, got {scale}")
+        return prof, ServerCalibrated(cost, offset, scale)
+    return prof, cost
+
+
+def refit(profile: dict) -> CostModel:
+    """Fit the cost model again from the profile's raw samples."""
+    return fit([(tuple(s["features"]), s["step_s"]) for s in profile["samples"]])

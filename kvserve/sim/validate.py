@@ -1,0 +1,228 @@
+"""``kvserve sim validate``: the same trace slice really (``kvserve serve`` + ``bench serve``'s client) and
+simulated, at several load levels; prints both and the relative error of each metric.
+
+The slice is the Azure 2023 trace as ``kvserve bench serve --dataset azure`` builds it (token counts divided by
+``--length-scale``, capped; random prompt tokens), with its arrival offsets rescaled so that its mean rate is the
+level's rate. Each level uses fresh prompts (its own seed), so no level reads another's prefix cache — the
+measurement trap of ``docs/server_benchmarks.md``. The simulator gets exactly the requests the client sends (the
+same token ids and send offsets) and the server's engine flags.
+
+The server is started here as a subprocess (``python -m kvserve.entrypoints.cli serve``) on a free loopback port, or
+reached at ``--base-url`` when given, and warmed up with a few requests before the first level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from kvserve.bench.serve import (LoadRequest, fetch_model, fetch_prefix_counters, parse_goodput, prefix_hit_rate,
+                                 run_benchmark, summarize)
+from kvserve.bench.workloads import azure_trace
+from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
+from kvserve.sim.trace import TraceRequest
+
+METRICS = (("output_throughput", "output tok/s"), ("request_throughput", "req/s"),
+           ("median_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"),
+           ("median_tpot_ms", "TPOT p50 ms"), ("p99_tpot_ms", "TPOT p99 ms"),
+           ("median_itl_ms", "ITL p50 ms"), ("p99_itl_ms", "ITL p99 ms"),
+           ("median_e2el_ms", "e2e p50 ms"), ("p99_e2el_ms", "e2e p99 ms"))
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p, skip=("device", "speculative_config"))
+    p.add_argument("--profile", default="profile.json")
+    p.add_argument("--rates", default="0.1,0.3,0.6", help="comma-separated request rates (req/s), one per level")
+    p.add_argument("--num-prompts", type=int, default=24, help="requests per level")
+    p.add_argument("--length-scale", type=float, default=8.0)
+    p.add_argument("--max-input-len", type=int, default=512)
+    p.add_argument("--max-output-len", type=int, default=256)
+    p.add_argument("--azure-kind", choices=["conv", "code"], default="conv")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--seed", type=int, default=100, help="level i uses seed + i (fresh prompts per level)")
+    p.add_argument("--base-url", default=None, help="use this running server instead of starting one")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS")
+    p.add_argument("--max-duration", type=float, default=900.0, help="seconds per level")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--save-calibration", action="store_true",
+                   help="measure the server calibration first and store it in the profile (else the profile's own, "
+                        "if any, is used)")
+
+
+def level_requests(args, rate: float, seed: int) -> list:
+    """The Azure slice for one level: ``LoadRequest`` list with arrival offsets at a mean of ``rate`` req/s."""
+    reqs = azure_trace(args.num_prompts, seed, args.data_dir, kind=args.azure_kind, scale=args.length_scale,
+                       max_input_len=args.max_input_len, max_output_len=args.max_output_len)
+    span = reqs[-1].arrival_s - reqs[0].arrival_s
+    natural = (len(reqs) - 1) / span if span > 0 else math.inf
+    k = natural / rate if math.isfinite(natural) else 0.0
+    return [LoadRequest(r.prompt_token_ids, r.output_len, r.arrival_s * k) for r in reqs]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_flags(engine_args: dict) -> list:
+    flags = []
+    for k, v in engine_args.items():
+        if v is None:
+            continue
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            flags.append(flag if v else "--no-" + k.replace("_", "-"))
+        else:
+            flags += [flag, str(v)]
+    return flags
+
+
+def start_server(engine_args: dict, timeout: float = 600.0) -> tuple:
+    """Start ``kvserve serve`` on a free loopback port; returns ``(process, base_url)`` once ``/health`` is 200.
+
+    Raises:
+        ValueError: the server exits or is not healthy within ``timeout`` seconds.
+    """
+    import httpx
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(port), "--no-access-log",
+           *_engine_flags(engine_args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise ValueError(f"kvserve serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    raise ValueError(f"kvserve serve not healthy after {timeout} s")
+
+
+def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24) -> dict:
+    """Measure a live server's decode step: the median inter-token gap of 1 and of 8 concurrent streams (fresh
+    ``context``-token prompts, ``output_len`` tokens, the first 3 gaps of each stream dropped), against the cost
+    model's prediction for the same steps; fits ``server = offset_s + scale * predicted`` through the two points.
+
+    Returns ``{"offset_s", "scale", "points": [(batch, measured_s, predicted_s)]}``.
+    """
+    import statistics
+
+    from kvserve.sim.cost_model import decode_features
+
+    points = []
+    for b, base in ((1, 11000), (8, 12000)):
+        reqs = [LoadRequest([base + 100 * i + k for k in range(context)], output_len, 0.0) for i in range(b)]
+        results, _ = asyncio.run(run_benchmark(base_url, model, reqs, [0.0] * b))
+        gaps = [g for r in results if r.success for g in r.itl[3:]]
+        if not gaps:
+            raise ValueError(f"calibration at batch {b} got no inter-token gaps: {[r.error for r in results]}")
+        points.append((b, statistics.median(gaps), cost.step_time(decode_features(b, context + output_len // 2))))
+    (_, m1, p1), (_, m8, p8) = points
+    scale = (m8 - m1) / (p8 - p1) if p8 > p1 else 0.0
+    offset = m1 - scale * p1
+    if not scale > 0 or offset < 0:  # not two consistent points: a pure ratio
+        scale, offset = (m1 + m8) / (p1 + p8), 0.0
+    return {"offset_s": offset, "scale": scale, "points": points}
+
+
+def compare(real: dict, sim: dict) -> dict:
+    """``{metric: (real, sim, relative error)}`` for ``METRICS`` (error ``(sim - real) / real``)."""
+    out = {}
+    for key, _ in METRICS:
+        r, s = real.get(key), sim.get(key)
+        err = (s - r) / r if r and s is not None else None
+        out[key] = (r, s, err)
+    return out
+
+
+def format_comparison(rows: list) -> str:
+    """Rows of ``(level name, comparison)`` as a text table."""
+    lines = [f"{'level':<22}{'metric':<16}{'real':>10}{'sim':>10}{'error':>9}"]
+    for name, comp in rows:
+        for key, label in METRICS:
+            r, s, e = comp[key]
+            lines.append(f"{name:<22}{label:<16}{r if r is not None else float('nan'):>10.1f}"
+                         f"{s if s is not None else float('nan'):>10.1f}"
+                         f"{(100 * e if e is not None else float('nan')):>8.1f}%")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvserve sim validate``."""
+    from kvserve.sim.cli import build_simulator
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--rates must be positive numbers, got {args.rates!r}")
+    slos = parse_goodput(args.goodput)
+    eargs = {k: v for k, v in engine_kwargs(args).items() if k != "device"}
+    sim, prof = build_simulator(eargs, args.profile)
+    raw_sim, _ = build_simulator(eargs, args.profile, server_calibration=False)
+    proc = None
+    if args.base_url is None:
+        proc, base_url = start_server({k: v for k, v in eargs.items() if k != "speculative_config"})
+    else:
+        base_url = args.base_url
+    rows, report = [], []
+    try:
+        model = fetch_model(base_url)
+        warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(4)]
+        asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
+        if args.save_calibration:
+            cal = calibrate(base_url, model, raw_sim.step_time)
+            print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
+                  f"(measured / predicted decode step: " +
+                  ", ".join(f"batch {b} {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) + ")",
+                  flush=True)
+            prof["server_calibration"] = {**cal, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            with open(args.profile, "w") as f:
+                json.dump(prof, f, indent=1)
+            sim, _ = build_simulator(eargs, args.profile)
+        for i, rate in enumerate(rates):
+            reqs = level_requests(args, rate, args.seed + i)
+            offsets = [r.arrival_s for r in reqs]
+            before = fetch_prefix_counters(base_url)
+            results, duration = asyncio.run(run_benchmark(base_url, model, reqs, offsets,
+                                                          max_duration=args.max_duration))
+            real = summarize(results, duration, slos)
+            real.update(prefix_hit_rate(before, fetch_prefix_counters(base_url)))
+            trace = [TraceRequest(o, len(r.prompt), r.output_len, token_ids=list(r.prompt))
+                     for r, o in zip(reqs, offsets)]
+            simulated = sim.run(trace, slos).summary
+            raw = raw_sim.run(trace, slos).summary
+            name = f"{rate:g} req/s"
+            comp = compare(real, simulated)
+            rows.append((name, comp))
+            report.append({"rate": rate, "seed": args.seed + i, "real": real, "sim": simulated, "sim_uncalibrated": raw,
+                           "errors": {k: v[2] for k, v in comp.items()},
+                           "errors_uncalibrated": {k: v[2] for k, v in compare(real, raw).items()}})
+            print(format_comparison([(name, comp)]), flush=True)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print()
+    print(format_comparison(rows))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"profile": args.profile, "engine_args": eargs, "levels": report}, f, indent=1, default=str)
+    return 0

@@ -1,0 +1,64 @@
+"""``kvserve plan`` and ``kvserve sim`` through the CLI, on a hand-written profile and a JSONL trace (no model)."""
+
+import json
+
+import pytest
+
+from kvserve.entrypoints.cli import main
+from kvserve.sim.cost_model import FEATURES
+from kvserve.sim.profile import PROFILE_FORMAT
+
+
+@pytest.fixture
+def files(tmp_path):
+    prof = {"format": PROFILE_FORMAT, "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32",
+            "kv_bytes_per_token": 47104, "max_position_embeddings": 8192,
+            "cost_model": {"intercept_s": 0.02, "coef_s": {**{f: 0.0 for f in FEATURES}, "tokens": 0.001}}}
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps(prof))
+    t = tmp_path / "trace.jsonl"
+    t.write_text("".join(json.dumps({"arrival_s": 0.5 * i, "prompt_tokens": 40 + i, "output_tokens": 8}) + "\n"
+                         for i in range(20)))
+    return p, t
+
+
+def test_sim_cli_prints_the_bench_serve_table(files, capsys, tmp_path):
+    p, t = files
+    out_json = tmp_path / "sim.json"
+    rc = main(["sim", "--profile", str(p), "--dataset", "jsonl", "--trace-file", str(t), "--num-kv-blocks", "64",
+               "--goodput", "ttft:1000", "--output-json", str(out_json), "--plot-dir", str(tmp_path / "plots")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "successful requests" in text and "prefix cache hit rate" in text
+    s = json.loads(out_json.read_text())["summary"]
+    assert s["completed"] == 20 and s["total_output_tokens"] == 160
+    assert (tmp_path / "plots" / "kv_usage.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
+
+
+def test_plan_picks_a_setting_and_reports_the_knee(files, capsys):
+    p, t = files
+    rc = main(["plan", "--profile", str(p), "--dataset", "jsonl", "--trace-file", str(t), "--slo", "ttft:200",
+               "tpot:100", "--max-num-seqs", "1,8", "--max-num-batched-tokens", "64", "--chunked-prefill", "on",
+               "--request-rate", "8", "--top", "1"])  # 1 at a time cannot keep up with 8 req/s
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "best: max_num_seqs=8" in text and "knee:" in text
+
+
+def test_plan_says_when_no_setting_meets_the_slo(files, capsys):
+    p, t = files
+    rc = main(["plan", "--profile", str(p), "--dataset", "jsonl", "--trace-file", str(t), "--slo", "ttft:1",
+               "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--chunked-prefill", "on",
+               "--request-rate", "2"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "no setting meets ttft <= 1 ms for 90% of requests at 2 req/s; best was max_num_seqs=4" in err
+
+
+def test_sim_refuses_a_profile_of_another_model(files, capsys, tmp_path):
+    p, t = files
+    rc = main(["sim", "--profile", str(p), "--model", str(tmp_path / "Other.gguf"), "--dataset", "jsonl",
+               "--trace-file", str(t)])
+    assert rc == 2
+    assert "measured on another model than 'Other.gguf'" in capsys.readouterr().err

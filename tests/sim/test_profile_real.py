@@ -1,0 +1,30 @@
+"""``kvserve sim profile --quick`` on the real model: every recorded step carries the features of the plan it ran,
+the fit is non-negative, and ``kvserve sim`` replays with the profile."""
+
+import json
+import re
+
+from kvserve.entrypoints.cli import main
+from kvserve.sim.cost_model import FEATURES
+
+
+def test_quick_profile_then_simulate(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["sim", "profile", "--quick", "--num-threads", "1", "--output", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["features"] == list(FEATURES) and prof["model"].endswith(".gguf")
+    assert prof["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M fp32: 30 layers, 3 KV heads of 64
+    assert len(prof["samples"]) >= 20
+    decodes = [s for s in prof["samples"] if s["features"][0] == s["features"][4] == 4]  # 4 single-token rows
+    assert decodes and all(s["step_s"] > 0 for s in decodes)
+    cm = prof["cost_model"]
+    assert cm["intercept_s"] >= 0 and all(v >= 0 for v in cm["coef_s"].values())
+    assert prof["fit"]["mean_abs_rel_err"] < 1.0
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": i, "prompt_tokens": 30, "output_tokens": 5}) + "\n"
+                             for i in range(5)))
+    capsys.readouterr()
+    assert main(["sim", "--profile", str(out), "--dataset", "jsonl", "--trace-file", str(trace),
+                 "--num-kv-blocks", "64"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"successful requests\s+5\n", text) and re.search(r"failed requests\s+0\n", text)

@@ -1,0 +1,61 @@
+"""Pieces of ``kvserve sim validate`` that need no server: the level slice, the flags, the comparison, and the
+server calibration applied from a profile."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvserve.sim.cost_model import FEATURES, ServerCalibrated, decode_features
+from kvserve.sim.profile import PROFILE_FORMAT, load
+from kvserve.sim.validate import _engine_flags, compare, level_requests
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def test_engine_flags_round_trip_through_the_cli_parser():
+    flags = _engine_flags({"max_num_seqs": 4, "enable_chunked_prefill": False, "num_kv_blocks": None,
+                           "enable_prefix_caching": True})
+    assert flags == ["--max-num-seqs", "4", "--no-enable-chunked-prefill", "--enable-prefix-caching"]
+    from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(flags))
+    assert kw["max_num_seqs"] == 4 and kw["enable_chunked_prefill"] is False
+
+
+def test_compare_relative_errors():
+    c = compare({"output_throughput": 10.0, "median_ttft_ms": 200.0}, {"output_throughput": 11.0,
+                                                                        "median_ttft_ms": 150.0})
+    assert c["output_throughput"] == (10.0, 11.0, pytest.approx(0.1))
+    assert c["median_ttft_ms"] == (200.0, 150.0, pytest.approx(-0.25))
+    assert c["p99_tpot_ms"] == (None, None, None)
+
+
+def test_server_calibration_is_applied_from_the_profile(tmp_path):
+    prof = {"format": PROFILE_FORMAT, "model": "m.gguf", "kv_bytes_per_token": 1, "max_position_embeddings": 8,
+            "cost_model": {"intercept_s": 0.1, "coef_s": {**{f: 0.0 for f in FEATURES}, "tokens": 0.01}},
+            "server_calibration": {"offset_s": 0.005, "scale": 2.0}}
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(prof))
+    _, cost = load(p)
+    assert isinstance(cost, ServerCalibrated)
+    assert cost.step_time(decode_features(4, 10)) == pytest.approx(0.005 + 2 * (0.1 + 0.04))
+    _, raw = load(p, server_calibration=False)
+    assert raw.step_time(decode_features(4, 10)) == pytest.approx(0.14)
+    prof["server_calibration"]["scale"] = 0
+    p.write_text(json.dumps(prof))
+    with pytest.raises(ValueError, match="server_calibration.scale' must be > 0"):
+        load(p)
+
+
+@pytest.mark.skipif(not (DATA / "azure_llm_2023").exists(), reason="needs ../shared/data")
+def test_level_slice_has_the_levels_mean_rate_and_fresh_prompts():
+    args = argparse.Namespace(num_prompts=11, data_dir=None, azure_kind="conv", length_scale=8.0, max_input_len=256,
+                              max_output_len=24)
+    a = level_requests(args, 0.5, 100)
+    assert a[0].arrival_s == 0.0 and a[-1].arrival_s == pytest.approx(10 / 0.5)
+    b = level_requests(args, 0.5, 101)
+    assert a[0].prompt != b[0].prompt  # another seed: other prompts, no prefix-cache carry-over between levels
