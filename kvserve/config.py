@@ -51,6 +51,7 @@ class ModelConfig:
             a float model stays float); ``"fp32"`` = dequantize everything at load (the reference path);
             ``"int8"`` = per-output-channel symmetric int8 quantized at load (for float/HF models too). With
             ``dtype="bfloat16"``, ``"auto"`` means ``"fp32"`` (dequantized, then cast) and ``"int8"`` is refused.
+            ``None`` (default): ``$KVSERVE_QUANTIZATION`` if set, else ``"auto"``.
     """
 
     model: Optional[str] = _field(None, "a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
@@ -58,14 +59,15 @@ class ModelConfig:
     max_model_len: Optional[int] = _field(None, "longest prompt + output, tokens (default: the model's context)")
     num_threads: Optional[int] = _field(None, "torch CPU threads (default: torch's)")
     device: str = _field("cpu", "device for weights, KV pool and step tensors", SUPPORTED_DEVICES)
-    quantization: Optional[str] = _field("auto", "weights: the file's own format (auto), dequantized (fp32), or int8 "
-                                       "per output channel", SUPPORTED_QUANTIZATION)
+    quantization: Optional[str] = _field(None, "weights: the file's own format (auto), dequantized (fp32), or int8 "
+                                               "per output channel (default: $KVSERVE_QUANTIZATION, else auto)",
+                                         SUPPORTED_QUANTIZATION)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, SUPPORTED_DTYPES)
         check_choice("device", self.device, SUPPORTED_DEVICES)
-        if self.quantization is None:  # vLLM's spelling of "the model's own format"
-            self.quantization = "auto"
+        if self.quantization is None:  # vLLM's spelling of "the model's own format", unless the environment says
+            self.quantization = os.environ.get("KVSERVE_QUANTIZATION") or "auto"
         check_choice("quantization", self.quantization, SUPPORTED_QUANTIZATION)
         if self.dtype == "bfloat16" and self.quantization == "int8":
             raise ValueError("quantization='int8' needs dtype='float32' (the int8 kernels take float32 activations)")

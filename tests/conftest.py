@@ -1,6 +1,14 @@
 """Shared fixtures. The real model loads once per test session (``load_model`` caches it in-process)."""
 
+import os
+
 import pytest
+
+# The suite's exact expected values (token ids, texts, parity with transformers) are those of the reference path,
+# the GGUF dequantized to float32. Every engine a test builds -- in this process, in subprocesses and in servers --
+# takes that path unless the test asks for another; tests/model/test_quantized_model.py runs the default
+# quantized path (quantization="auto") explicitly.
+os.environ.setdefault("KVSERVE_QUANTIZATION", "fp32")
 
 from kvserve import LLM, SamplingParams
 
@@ -9,16 +17,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 @pytest.fixture(scope="session")
 def llm():
-    """The default SmolLM2-135M-Instruct engine (its Q4_1 weights kept quantized) with a roomy pool (512 blocks of
-    16 tokens)."""
+    """The SmolLM2-135M-Instruct engine on the reference float32 path with a roomy pool (512 blocks of 16 tokens)."""
     return LLM(num_kv_blocks=512, max_num_seqs=32)
-
-
-@pytest.fixture(scope="session")
-def fp32_llm():
-    """The same engine on the ``"fp32"`` path (weights dequantized at load): the one compared with
-    ``transformers`` on the same float weights."""
-    return LLM(num_kv_blocks=512, max_num_seqs=32, quantization="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,7 @@ def test_default_model_comes_from_the_wheel_and_metadata_is_read():
     assert m.tokenizer.chat_template and m.eos_token_ids == (2,)
 
 
-def test_hf_directory_matches_gguf(tmp_path, fp32_llm):
-    llm = fp32_llm
+def test_hf_directory_matches_gguf(tmp_path, llm):
     m = load_model()
     a = m.arch
     cfg = {

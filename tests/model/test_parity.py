@@ -34,8 +34,7 @@ def hf_greedy(hf_model, ids):
     return out[0, len(ids):].tolist()
 
 
-def test_greedy_tokens_match_transformers_batched_and_one_by_one(fp32_llm, hf_model):
-    llm = fp32_llm
+def test_greedy_tokens_match_transformers_batched_and_one_by_one(llm, hf_model):
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     assert len({len(i) for i in ids}) == len(ids)  # different lengths
@@ -50,8 +49,7 @@ def test_greedy_tokens_match_transformers_batched_and_one_by_one(fp32_llm, hf_mo
     assert sum(len(e) for e in expected) >= 3 * NEW_TOKENS
 
 
-def test_logits_close_to_transformers(fp32_llm, hf_model):
-    llm = fp32_llm
+def test_logits_close_to_transformers(llm, hf_model):
     engine = llm.llm_engine
     model, bs = engine.model, 4
     tok = llm.get_tokenizer()
@@ -67,8 +65,7 @@ def test_logits_close_to_transformers(fp32_llm, hf_model):
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_mixed_prefill_and_decode_batch_matches_separate_runs(fp32_llm):
-    llm = fp32_llm
+def test_mixed_prefill_and_decode_batch_matches_separate_runs(llm):
     """A decode token and a prompt in the same flat batch give the same logits as run alone."""
     engine = llm.llm_engine
     model, bs = engine.model, 4
