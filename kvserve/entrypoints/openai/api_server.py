@@ -2,7 +2,8 @@
 
 Routes: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``); the OpenAPI schema
-at ``/openapi.json``. Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (bad
+at ``/openapi.json``; with the dashboard on, ``GET /dashboard`` and ``GET /v1/engine/state`` (``dashboard.py``, left
+out of the schema). Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (bad
 JSON, unknown model, invalid or unsupported parameter, prompt too long), 404 for an unknown route, 405 for a wrong
 method, 503 while shutting down; 500 only for a server bug.
 
@@ -29,6 +30,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.async_llm import AsyncLLM
+from kvserve.entrypoints.openai import dashboard as dash
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from kvserve.entrypoints.openai.serving import OpenAIError, OpenAIServing
@@ -41,13 +43,16 @@ _STREAM_DOC = {"description": "JSON, or with stream=true server-sent events (dat
                "content": {"text/event-stream": {"schema": {"type": "string"}}}}
 
 
-def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None) -> FastAPI:
+def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None,
+              dashboard: bool = False, dashboard_show_prompts: bool = False) -> FastAPI:
     """The FastAPI app. Its lifespan starts ``llm`` and shuts it down.
 
     Args:
         llm: the async engine (``stat_logger`` should already be attached to it as ``llm.stat_logger``).
         served_model_name: the model id clients must use (or omit).
         stat_logger: what ``/metrics`` exposes; default ``llm.stat_logger``.
+        dashboard: add ``/dashboard`` and ``/v1/engine/state`` (``kvserve.entrypoints.openai.dashboard``).
+        dashboard_show_prompts: the dashboard shows prompt text (else ids and token counts only).
     """
     stat_logger = stat_logger or llm.stat_logger
 
@@ -133,6 +138,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
         return app.openapi_schema
 
     app.openapi = openapi
+    if dashboard:
+        dash.mount_dashboard(app, llm, served_model_name, show_prompts=dashboard_show_prompts)
     return app
 
 
@@ -204,8 +211,10 @@ class KVServeServer(uvicorn.Server):
 
 def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: Optional[str] = None, log_level: str = "info",
-                 access_log: bool = True) -> KVServeServer:
-    """Load the model and build the server (not started). ``served_model_name`` defaults to the model file's stem.
+                 access_log: bool = True, dashboard: Optional[bool] = None,
+                 dashboard_show_prompts: bool = False) -> KVServeServer:
+    """Load the model and build the server (not started). ``served_model_name`` defaults to the model file's stem;
+    ``dashboard`` (``/dashboard`` and ``/v1/engine/state``) defaults to on iff ``host`` is a loopback address.
 
     Raises:
         ValueError: bad engine arguments or an unloadable model.
@@ -213,7 +222,11 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
     llm = AsyncLLM.from_engine_args(**engine_args)
     name = served_model_name or Path(llm.engine.model_path).stem
     llm.stat_logger = PrometheusStatLogger(name)
-    app = build_app(llm, name)
+    if dashboard is None:
+        dashboard = dash.is_loopback(host)
+    app = build_app(llm, name, dashboard=dashboard, dashboard_show_prompts=dashboard_show_prompts)
+    if dashboard:
+        logger.info("dashboard on: /dashboard (prompt text %s)", "shown" if dashboard_show_prompts else "hidden")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_keep_alive=5, timeout_graceful_shutdown=30)
     return KVServeServer(config, llm)
@@ -227,11 +240,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    dash.add_args(parser)
 
 
 def run(args: argparse.Namespace, engine_args: dict) -> int:
     """Serve until SIGINT / SIGTERM; returns 0 after a clean shutdown."""
     server = build_server(engine_args, host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          log_level=args.uvicorn_log_level, access_log=not args.no_access_log)
+                          log_level=args.uvicorn_log_level, access_log=not args.no_access_log,
+                          dashboard=args.dashboard, dashboard_show_prompts=args.dashboard_show_prompts)
     asyncio.run(server.serve())
     return 0
