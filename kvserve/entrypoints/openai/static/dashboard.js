@@ -412,6 +412,11 @@
       const values = c.series.map(([, f]) => hist.map((p) => { const v = f(p); return v == null || !isFinite(v) ? null : v; }));
       let vmax = 0;
       values.forEach((vs) => vs.forEach((v) => { if (v != null && v > vmax) vmax = v; }));
+      let unit = c.unit, digits = c.digits;
+      if (unit === "ms" && vmax >= 2000) { // long latencies read better in seconds
+        values.forEach((vs) => vs.forEach((v, i) => { if (v != null) vs[i] = v / 1000; }));
+        vmax /= 1000; unit = "s"; digits = 2;
+      }
       const ymax = c.max ? Math.max(c.max * (vmax > c.max ? vmax / c.max : 1), 1) : niceMax(vmax * 1.1);
       const L = 34 * k, R = 4 * k, T = 6 * k, B = 14 * k;
       const x = (t) => L + ((t - tStart) / HISTORY_S) * (W - L - R);
@@ -429,7 +434,9 @@
       }
       ctx.textAlign = "center";
       ctx.textBaseline = "alphabetic";
-      for (const m of [5, 4, 3, 2, 1, 0]) ctx.fillText(m ? `−${m}m` : "now", Math.min(x(tEnd - m * 60), W - R - 10 * k), H - 2 * k);
+      ctx.textAlign = "left"; ctx.fillText("−5 min", L, H - 2 * k);
+      ctx.textAlign = "center"; ctx.fillText("−2.5", x(tEnd - HISTORY_S / 2), H - 2 * k);
+      ctx.textAlign = "right"; ctx.fillText("now", W - R, H - 2 * k);
       if (off) {
         ctx.fillStyle = "#9aa3b2"; ctx.textAlign = "center"; ctx.textBaseline = "middle";
         ctx.fillText(off, (L + W) / 2, (H - B) / 2);
@@ -460,9 +467,9 @@
         const vs = values[si];
         let v = null;
         for (let i = vs.length - 1; i >= 0 && v == null; i--) v = vs[i];
-        return `${esc(name)} <b>${fmt(v, c.digits || (v != null && v < 10 ? 1 : 0))}</b>`;
+        return `${esc(name)} <b>${fmt(v, digits || (v != null && v < 10 ? 1 : 0))}</b>`;
       });
-      $("val-" + c.id).innerHTML = parts.slice(0, 3).join(" · ") + ` ${esc(c.unit)}`;
+      $("val-" + c.id).innerHTML = parts.slice(0, 3).join(" · ") + ` ${esc(unit)}`;
     }
   }
 
