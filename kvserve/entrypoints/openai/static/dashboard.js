@@ -3,7 +3,9 @@
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
-  const GRID_MAX_CELLS = 8192; // above this many blocks the pool is drawn as a density strip
+  // Above this many blocks the pool is drawn on a canvas instead of one element per block: a pixel raster when the
+  // snapshot has per-block states (up to the server's max_cells, 65,536), else a density strip of bins.
+  const GRID_MAX_CELLS = 8192;
   const HISTORY_S = 300;
   const MAX_ROWS = { running: 64, waiting: 12 }; // table rows drawn (the snapshot may list more)
   const dpr = () => window.devicePixelRatio || 1;
@@ -204,38 +206,93 @@
     }
   }
 
+  // hsl -> [r, g, b] (0..255), for drawing pixels
+  function hslRgb(h, sat, l) {
+    sat /= 100; l /= 100;
+    const f = (n) => { const k = (n + h / 30) % 12; return l - sat * Math.min(l, 1 - l) * Math.max(-1, Math.min(k - 3, 9 - k, 1)); };
+    return [Math.round(255 * f(0)), Math.round(255 * f(8)), Math.round(255 * f(4))];
+  }
+  const FREE_RGB = [236, 239, 244];
+
   function renderDensity(snap) {
-    const kv = snap.kv, d = kv.density, bins = d.used.length;
-    const cv = $("density-canvas"), ctx = cv.getContext("2d");
-    const W = cv.clientWidth * dpr(), H = 96 * dpr();
-    cv.width = W; cv.height = H;
-    ctx.fillStyle = "#eceff4";
-    ctx.fillRect(0, 0, W, H);
+    const kv = snap.kv, cv = $("density-canvas"), ctx = cv.getContext("2d");
+    const Wcss = cv.clientWidth || 700;
+    if (kv.blocks) return renderRaster(snap, cv, ctx, Wcss);
+    // no per-block data (pools above the server's max_cells): stacked bars, one per bin
+    const d = kv.density, bins = d.used.length, W = Wcss * dpr(), H = 96 * dpr();
+    cv.style.height = "96px"; cv.style.width = ""; cv.width = W; cv.height = H;
+    ctx.fillStyle = "#eceff4"; ctx.fillRect(0, 0, W, H);
     const bw = W / bins;
-    let hl = null;
-    if (st.hoverRid) {
-      const r = snap.running.find((x) => x.id === st.hoverRid);
-      if (r && r.block_table) hl = new Set(r.block_table.map((b) => Math.floor(b / d.bin_size)));
-    }
     for (let i = 0; i < bins; i++) {
       const size = Math.min(d.bin_size, kv.num_blocks - i * d.bin_size);
-      const used = d.used[i] / size, shared = d.shared[i] / size, cached = d.cached[i] / size;
       const x = i * bw, w = Math.max(1, bw - (bw > 3 ? 1 : 0));
       let y = H;
       const seg = (f, colour) => { const h = f * H; ctx.fillStyle = colour; ctx.fillRect(x, y - h, w, h); y -= h; };
-      seg(shared, "hsl(214 68% 34%)");
-      seg(used - shared, "hsl(214 62% 56%)");
-      seg(cached, "hsl(214 24% 72%)");
-      if (hl && !hl.has(i)) { ctx.fillStyle = "rgba(255,255,255,.7)"; ctx.fillRect(x, 0, w, H); }
+      seg(d.shared[i] / size, "hsl(214 68% 30%)");
+      seg((d.used[i] - d.shared[i]) / size, "hsl(214 70% 55%)");
+      seg(d.cached[i] / size, "hsl(214 14% 70%)");
     }
+    axisLabels(kv.num_blocks, [0, 0.25, 0.5, 0.75, 1].map((f) => [f, Math.round(f * kv.num_blocks)]));
+    cv.title = `${bins} bins of ${d.bin_size} blocks: height = fraction of the bin in use (dark: shared) and cached (grey)`;
+    st.raster = null;
+  }
+
+  // one pixel cell per block, in rows (block ids left to right, top to bottom), coloured as the cell grid is
+  function renderRaster(snap, cv, ctx, Wcss) {
+    const kv = snap.kv, n = kv.num_blocks;
+    const cell = Math.max(1, Math.min(6, Math.floor(Math.sqrt((Wcss * 300) / n))));
+    const cols = Math.floor(Wcss / cell), rows = Math.ceil(n / cols);
+    const img = new ImageData(cols, rows);
+    const px = img.data, rgbOf = new Map();
+    const hl = new Set();
+    if (st.hoverRid) {
+      const r = snap.running.find((x) => x.id === st.hoverRid);
+      if (r && r.block_table) r.block_table.forEach((b) => hl.add(b));
+    }
+    const m = kv.cached_blocks;
+    for (let b = 0; b < n; b++) {
+      const s = kv.blocks[b];
+      let rgb = FREE_RGB;
+      if (s === "c") {
+        const level = m > 1 ? Math.round((31 * st.lruRank[b]) / (m - 1)) : 0;
+        const key = "c" + level;
+        if (!rgbOf.has(key)) rgbOf.set(key, hslRgb(214, 24, 84 - (28 * level) / 31));
+        rgb = rgbOf.get(key);
+      } else if (s !== "f") {
+        const idx = st.owner[b];
+        const h = idx < 0 ? -1 : hue(colourKey(snap.running[idx]));
+        const key = s + h;
+        if (!rgbOf.has(key)) rgbOf.set(key, h < 0 ? [154, 163, 178] : s === "s" ? hslRgb(h, 68, 34) : hslRgb(h, 62, 55));
+        rgb = rgbOf.get(key);
+      }
+      const o = 4 * b, fade = hl.size && !hl.has(b);
+      px[o] = fade ? 255 - (255 - rgb[0]) * 0.25 : rgb[0];
+      px[o + 1] = fade ? 255 - (255 - rgb[1]) * 0.25 : rgb[1];
+      px[o + 2] = fade ? 255 - (255 - rgb[2]) * 0.25 : rgb[2];
+      px[o + 3] = 255;
+    }
+    const k = dpr();
+    cv.style.height = rows * cell + "px";
+    cv.style.width = cols * cell + "px";
+    cv.width = cols * cell * k; cv.height = rows * cell * k;
+    const tmp = document.createElement("canvas");
+    tmp.width = cols; tmp.height = rows;
+    tmp.getContext("2d").putImageData(img, 0, 0);
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(tmp, 0, 0, cols * cell * k, rows * cell * k);
+    st.raster = { cell, cols };
+    const perRow = cols;
+    axisLabels(cols, [[0, "0"], [1, `${fmt(perRow)} blocks per row · ${fmt(rows)} rows · ${cell} px per block`]]);
+    cv.title = "";
+  }
+
+  function axisLabels(_n, marks) {
     const axis = $("density-axis");
-    axis.innerHTML = [0, 0.25, 0.5, 0.75, 1].map((f) =>
-      `<span style="left:${f * 100}%">${fmt(Math.round(f * kv.num_blocks))}</span>`).join("");
+    axis.innerHTML = marks.map(([f, text]) => `<span style="left:${f * 100}%">${esc(typeof text === "number" ? fmt(text) : text)}</span>`).join("");
     axis.querySelectorAll("span").forEach((s, i, all) => {
       if (i === 0) s.style.transform = "none";
       if (i === all.length - 1) s.style.transform = "translateX(-100%)";
     });
-    cv.title = `${bins} bins of ${d.bin_size} blocks: height = fraction of the bin in use (dark: shared) and cached`;
   }
 
   function renderLru(snap) {
@@ -352,6 +409,19 @@
       showTip(describeBlock(+b), ev);
     });
     grid.addEventListener("mouseleave", () => { st.hoverRid = null; applyHover(); hideTip(); });
+    const cv = $("density-canvas");
+    cv.addEventListener("mousemove", (ev) => {
+      if (!st.raster || !st.snap || !st.snap.kv.blocks) return hideTip();
+      const rect = cv.getBoundingClientRect(), { cell, cols } = st.raster;
+      const col = Math.floor((ev.clientX - rect.left) / cell), row = Math.floor((ev.clientY - rect.top) / cell);
+      const b = row * cols + col;
+      if (col >= cols || b < 0 || b >= st.snap.kv.num_blocks) return hideTip();
+      const idx = st.owner[b];
+      const rid = idx >= 0 ? st.snap.running[idx].id : null;
+      if (rid !== st.hoverRid) { st.hoverRid = rid; applyHover(); }
+      showTip(describeBlock(b), ev);
+    });
+    cv.addEventListener("mouseleave", () => { st.hoverRid = null; applyHover(); hideTip(); });
     for (const id of ["running-body", "waiting-body"]) {
       const body = $(id);
       body.addEventListener("mouseover", (ev) => {
@@ -402,7 +472,10 @@
 
   function renderCharts() {
     const hist = st.history, engine = st.snap ? st.snap.engine : {};
-    const tEnd = hist.length ? hist[hist.length - 1].t : Date.now() / 1000, tStart = tEnd - HISTORY_S;
+    const tEnd = hist.length ? hist[hist.length - 1].t : Date.now() / 1000;
+    // the x axis spans the data there is: at least a minute, at most HISTORY_S
+    const span = Math.min(HISTORY_S, Math.max(60, hist.length ? tEnd - hist[0].t : 0)), tStart = tEnd - span;
+    const spanText = span >= 120 ? `−${fmt(span / 60, span % 60 ? 1 : 0)} min` : `−${Math.round(span)} s`;
     for (const c of CHARTS) {
       const cv = $("cv-" + c.id), ctx = cv.getContext("2d");
       const W = cv.clientWidth * dpr(), H = 96 * dpr(), k = dpr();
@@ -419,7 +492,7 @@
       }
       const ymax = c.max ? Math.max(c.max * (vmax > c.max ? vmax / c.max : 1), 1) : niceMax(vmax * 1.1);
       const L = 34 * k, R = 4 * k, T = 6 * k, B = 14 * k;
-      const x = (t) => L + ((t - tStart) / HISTORY_S) * (W - L - R);
+      const x = (t) => L + ((t - tStart) / span) * (W - L - R);
       const y = (v) => H - B - (v / ymax) * (H - T - B);
       ctx.clearRect(0, 0, W, H);
       ctx.font = `${10 * k}px system-ui, sans-serif`;
@@ -434,8 +507,7 @@
       }
       ctx.textAlign = "center";
       ctx.textBaseline = "alphabetic";
-      ctx.textAlign = "left"; ctx.fillText("−5 min", L, H - 2 * k);
-      ctx.textAlign = "center"; ctx.fillText("−2.5", x(tEnd - HISTORY_S / 2), H - 2 * k);
+      ctx.textAlign = "left"; ctx.fillText(spanText, L, H - 2 * k);
       ctx.textAlign = "right"; ctx.fillText("now", W - R, H - 2 * k);
       if (off) {
         ctx.fillStyle = "#9aa3b2"; ctx.textAlign = "center"; ctx.textBaseline = "middle";
@@ -448,7 +520,7 @@
         ctx.lineWidth = 1.6 * k;
         if (c.bars) {
           hist.forEach((p, i) => {
-            if (vs[i]) { const bw = Math.max(k, ((p.dt || 1) / HISTORY_S) * (W - L - R) - k); ctx.fillRect(x(p.t) - bw, y(vs[i]), bw, y(0) - y(vs[i])); }
+            if (vs[i]) { const bw = Math.max(k, ((p.dt || 1) / span) * (W - L - R) - k); ctx.fillRect(x(p.t) - bw, y(vs[i]), bw, y(0) - y(vs[i])); }
           });
           return;
         }
