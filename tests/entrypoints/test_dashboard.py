@@ -198,3 +198,13 @@ def test_hub_show_prompts():
     hub.observe([], engine, 1.0)
     [v] = hub.viewers
     assert v.latest.data["running"][0]["prompt"] == "hello" and v.latest.data["engine"]["show_prompts"] is True
+
+
+def test_hub_errors_never_reach_the_engine_loop(caplog):
+    llm, engine = FakeLLM(), fake_engine()
+    hub = dash.DashboardHub(llm, "m")
+    hub.subscribe(hz=10.0)
+    engine.kv_cache_manager = None  # a broken engine view
+    hub.observe([], engine, 1.0)
+    hub.observe([], engine, 2.0)
+    assert sum("observing the engine failed" in r.message for r in caplog.records) == 1

@@ -128,11 +128,21 @@ class DashboardHub:
         self.num_snapshots = 0
         self._last_build = -1e9
         self._engine_info: Optional[dict] = None
+        self._failed = False
 
     # ------------------------------------------------------------------------------------------- engine side
     def observe(self, outputs: list, engine, now: float) -> None:
         """Called by the engine loop between steps (never awaits): record ``outputs``, close a history point when
-        due, and build a snapshot if a viewer is subscribed and the fastest viewer's interval has passed."""
+        due, and build a snapshot if a viewer is subscribed and the fastest viewer's interval has passed. An error
+        here is logged (once) and swallowed: the dashboard never stops the engine."""
+        try:
+            self._observe(outputs, engine, now)
+        except Exception:  # noqa: BLE001
+            if not self._failed:
+                logger.exception("dashboard: observing the engine failed; serving goes on")
+                self._failed = True
+
+    def _observe(self, outputs: list, engine, now: float) -> None:
         hist = self.history
         hist.record_outputs(outputs, now)
         if hist.due(now):
