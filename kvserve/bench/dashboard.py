@@ -4,7 +4,8 @@ One ``kvserve serve`` (loopback, so the dashboard is on) is loaded once; then ``
 workload ``--rounds`` times with the page closed and with the page open (headless Chromium on ``/dashboard``,
 redrawing at up to 10 Hz from the state stream), alternating the order each round (closed-open, open-closed, ...)
 so that slow drift of a shared machine falls on both sides. Prints each run and the mean output token throughput of
-each side; ``--output-json`` saves them. Needs Debian's ``chromium`` (``--chromium``) and the ``playwright``
+each side and the open/closed ratio of each round (its two runs are adjacent in time); ``--output-json`` saves
+them. Needs Debian's ``chromium`` (``--chromium``) and the ``playwright``
 package (a dev dependency); it never downloads a browser.
 """
 
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
                 raise RuntimeError("the server did not start")
             time.sleep(0.5)
         with tempfile.TemporaryDirectory() as tmp, sync_playwright() as pw:
-            _bench(base, args, os.path.join(tmp, "warmup.json"), 4)
+            # warm-up: the whole workload once (the first batch of this size is slower: allocations, caches)
+            _bench(base, args, os.path.join(tmp, "warmup.json"), args.num_prompts)
             for rnd in range(args.rounds):
                 for mode in (("closed", "open") if rnd % 2 == 0 else ("open", "closed")):
                     ctx = page = None
@@ -77,28 +79,40 @@ def main(argv=None) -> int:
                         page = ctx.new_page()
                         page.goto(base + "/dashboard")
                         page.wait_for_function("() => window.kvDashboard && window.kvDashboard.renders > 0")
-                        renders0, t0 = page.evaluate("() => window.kvDashboard.renders"), time.monotonic()
+                        page.evaluate("() => { const d = window.kvDashboard; d.renders = 0; d.buildMsSum = 0; "
+                                      "d.buildMsCount = 0; }")
+                        t0 = time.monotonic()
                     report = _bench(base, args, os.path.join(tmp, f"{mode}{rnd}.json"), args.num_prompts)
                     run = {"round": rnd, "mode": mode, "output_throughput": report["output_throughput"],
-                           "duration": report["duration"], "completed": report["completed"]}
+                           "duration": report["duration_s"], "completed": report["completed"],
+                           "mean_tpot_ms": report.get("mean_tpot_ms"), "mean_ttft_ms": report.get("mean_ttft_ms")}
                     if page is not None:
-                        run["page_updates_per_s"] = ((page.evaluate("() => window.kvDashboard.renders") - renders0)
-                                                     / (time.monotonic() - t0))
+                        d = page.evaluate("() => { const d = window.kvDashboard; return {renders: d.renders, "
+                                          "buildMsSum: d.buildMsSum, buildMsCount: d.buildMsCount}; }")
+                        run["page_updates_per_s"] = d["renders"] / (time.monotonic() - t0)
+                        run["mean_build_ms"] = d["buildMsSum"] / max(1, d["buildMsCount"])
                         ctx.close()
                     runs.append(run)
                     print(f"round {rnd} {mode:6s} {run['output_throughput']:7.2f} output tok/s  "
                           f"{run['duration']:6.2f} s  {run['completed']} done"
-                          + (f"  page {run['page_updates_per_s']:.1f} updates/s" if page is not None else ""),
+                          + (f"  page {run['page_updates_per_s']:.1f} updates/s, snapshot build "
+                             f"{run['mean_build_ms']:.2f} ms" if page is not None else ""),
                           flush=True)
     finally:
         server.terminate()
         server.wait(60)
     closed = [r["output_throughput"] for r in runs if r["mode"] == "closed"]
     opened = [r["output_throughput"] for r in runs if r["mode"] == "open"]
-    summary = {"closed_mean": statistics.mean(closed), "open_mean": statistics.mean(opened)}
-    summary["open_vs_closed"] = summary["open_mean"] / summary["closed_mean"] - 1
-    print(f"closed {summary['closed_mean']:.2f} tok/s, open {summary['open_mean']:.2f} tok/s: "
-          f"{100 * summary['open_vs_closed']:+.1f}%")
+    ratios = [o / c - 1 for o, c in zip(opened, closed)]  # the two runs of a round are adjacent in time
+    summary = {"closed_mean": statistics.mean(closed), "open_mean": statistics.mean(opened),
+               "closed_median": statistics.median(closed), "open_median": statistics.median(opened),
+               "open_vs_closed_per_round": ratios, "open_vs_closed_median": statistics.median(ratios),
+               "open_vs_closed_of_means": statistics.mean(opened) / statistics.mean(closed) - 1}
+    print(f"closed mean {summary['closed_mean']:.2f} / median {summary['closed_median']:.2f} tok/s, "
+          f"open mean {summary['open_mean']:.2f} / median {summary['open_median']:.2f} tok/s; open vs closed: "
+          f"{100 * summary['open_vs_closed_of_means']:+.1f}% (means), per round "
+          + ", ".join(f"{100 * r:+.1f}%" for r in ratios)
+          + f" (median {100 * summary['open_vs_closed_median']:+.1f}%)")
     if args.output_json:
         with open(args.output_json, "w") as fh:
             json.dump({"args": vars(args), "runs": runs, "summary": summary}, fh, indent=2)

@@ -19,6 +19,7 @@ import pytest
 from tests.entrypoints.conftest import LiveServer
 
 CHROMIUM = "/usr/bin/chromium"
+NUM_BLOCKS = 128  # the test server's pool: small enough to read cell by cell
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "dashboard.png"
@@ -44,7 +45,7 @@ def _install_chromium() -> str:
     if os.geteuid() != 0:
         pytest.skip("Chromium is not installed and installing it with apt-get needs root")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]):
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "chromium"]):
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -63,8 +64,8 @@ def chromium():
 
 @pytest.fixture(scope="module")
 def dash_server():
-    """A server with a pool small enough to read cell by cell: 128 blocks, 8 running at most."""
-    s = LiveServer(num_kv_blocks=128, max_num_seqs=8, max_model_len=512).start()  # loopback: dashboard on
+    """A server with a pool of NUM_BLOCKS blocks, 8 running at most."""
+    s = LiveServer(num_kv_blocks=NUM_BLOCKS, max_num_seqs=8, max_model_len=512).start()  # loopback: dashboard on
     yield s
     s.stop()
 
@@ -122,7 +123,8 @@ def test_dashboard_in_chromium(dash_server, browser):
     page_errors = []
     page.on("pageerror", lambda e: page_errors.append(str(e)))
     page.goto(url + "/dashboard")
-    page.wait_for_function("() => document.querySelectorAll('#pool-grid .cell').length === 160", timeout=30_000)
+    page.wait_for_function(f"() => document.querySelectorAll('#pool-grid .cell').length === {NUM_BLOCKS}",
+                           timeout=30_000)
     assert page.eval_on_selector("#conn", "e => e.className") == "conn on"
 
     second = browser.new_page()  # a second viewer at the same time
@@ -150,7 +152,7 @@ def test_dashboard_in_chromium(dash_server, browser):
     while waiter.is_alive():
         s = page.evaluate(DOM_STATE)
         used_cells = sum(ch in "us" for ch in s["states"])
-        assert s["mode"] == "cells" and s["numBlocks"] == 128
+        assert s["mode"] == "cells" and s["numBlocks"] == NUM_BLOCKS
         assert used_cells == round(s["usage"] * s["numBlocks"]) == s["usedBlocks"], s
         table_blocks = {b for r in s["rows"] for b in r["blocks"]}
         assert all(s["states"][b] in "us" for b in table_blocks), s

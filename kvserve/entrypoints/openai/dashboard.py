@@ -157,10 +157,13 @@ class DashboardHub:
         self._last_build = now
         self.num_snapshots += 1
         sched = engine.scheduler
-        snap = _Snapshot(build_snapshot(
+        t0 = time.perf_counter()
+        data = build_snapshot(
             engine.kv_cache_manager, sched.running, sched.waiting, seq=self.num_snapshots, now=now,
             show_prompts=self.show_prompts, speculative=getattr(engine, "num_speculative_tokens", 0) > 0,
-            max_cells=self.max_cells, engine_info=self._info(engine)))
+            max_cells=self.max_cells, engine_info=self._info(engine))
+        data["build_ms"] = round((time.perf_counter() - t0) * 1000, 3)
+        snap = _Snapshot(data)
         for v in self.viewers:
             v.offer(snap)
 

@@ -14,7 +14,7 @@
     snap: null, pending: null, history: [], historyDirty: true,
     hues: new Map(), nextHue: 0, hoverRid: null, hoverBlock: -1,
     cells: [], cellKey: [], owner: null, ownerIdx: null, lruRank: null, rows: new Map(),
-    renders: 0, connected: false,
+    renders: 0, connected: false, buildMsSum: 0, buildMsCount: 0,
   };
   window.kvDashboard = st; // for tests and the curious
 
@@ -103,6 +103,7 @@
     if (!snap) return;
     st.pending = null;
     st.snap = snap;
+    if (snap.build_ms != null) { st.buildMsSum += snap.build_ms; st.buildMsCount++; }
     renderFacts(snap);
     indexBlocks(snap);
     renderPool(snap);
@@ -120,6 +121,7 @@
       ["policy", `${e.scheduling} · ${e.scheduling_policy}`],
       ["prefix caching", e.enable_prefix_caching ? "on" : "off"],
       ["spec decode", e.num_speculative_tokens ? `k=${e.num_speculative_tokens}` : "off"],
+      ["snapshot", snap.build_ms == null ? "–" : `${fmt(snap.build_ms, 1)} ms`],
     ];
     $("facts").innerHTML = facts.map(([k, v]) => `<span>${esc(k)} <b>${esc(v)}</b></span>`).join("");
   }
