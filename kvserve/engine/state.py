@@ -60,7 +60,9 @@ def build_snapshot(
     """One snapshot of the block pool and the scheduler queues.
 
     Args:
-        kv_cache_manager: a ``KVCacheManager`` (reads ``block_pool.blocks``, its free queue, ``get_block_ids``).
+        kv_cache_manager: a ``KVCacheManager``; reads its block tables (``req_to_blocks``, ``get_block_ids``) and
+            its pool's ``cached`` map, ``num_free_blocks`` and free queue. Every referenced block must be in some
+            block table (the pool invariant ``sum(ref_cnt) == block-table entries``).
         running: the scheduler's running requests, in order.
         waiting: the scheduler's waiting queue, in order (preempted requests included).
         seq: the snapshot's sequence number (increasing).
