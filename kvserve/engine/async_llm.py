@@ -81,12 +81,18 @@ class AsyncLLM:
             lock, with the step's outputs, possibly empty; ``now`` in ``time.monotonic()`` seconds) and
             ``record_aborts(request_ids)`` (requests the engine dropped unfinished); e.g. ``PrometheusStatLogger``.
 
+    Attributes:
+        state_observer: optional object with ``observe(outputs, engine, now)`` and ``forget(request_ids)``, called
+            like ``stat_logger.record`` / ``record_aborts`` (between steps, under the lock; it must not block);
+            e.g. the dashboard's ``DashboardHub``. ``wake()`` makes the idle loop turn once, so it is called.
+
     Use ``await start()`` inside the running event loop before ``add_request``, ``await shutdown()`` at the end.
     """
 
     def __init__(self, engine: LLMEngine, stat_logger=None):
         self.engine = engine
         self.stat_logger = stat_logger
+        self.state_observer = None
         self._streams: dict = {}
         self._pending_aborts: set = set()
         self._ids = itertools.count()
@@ -199,6 +205,11 @@ class AsyncLLM:
             if self._wake is not None:
                 self._wake.set()
 
+    def wake(self) -> None:
+        """Make the loop run one more turn (observers see the engine even while it is idle); never blocks."""
+        if self._wake is not None:
+            self._wake.set()
+
     def _check_accepting(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop failed: {self.dead_error!r}")
@@ -216,11 +227,15 @@ class AsyncLLM:
                         engine.abort_request(ids)
                         if self.stat_logger is not None:
                             self.stat_logger.record_aborts(ids)
+                        if self.state_observer is not None:
+                            self.state_observer.forget(ids)
                     outputs = None
                     if engine.has_unfinished_requests():
                         outputs = await asyncio.to_thread(engine.step)
                     if self.stat_logger is not None:
                         self.stat_logger.record(outputs or [], engine, time.monotonic())
+                    if self.state_observer is not None:
+                        self.state_observer.observe(outputs or [], engine, time.monotonic())
                 if outputs is None:
                     if self._stopping and not self._pending_aborts:
                         return

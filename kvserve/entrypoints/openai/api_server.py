@@ -3,14 +3,16 @@
 Routes: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with
 ``"stream": true``), ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes); the OpenAPI schema at
-``/openapi.json``. Every ``GET`` route answers ``HEAD`` too. Every error is
+``/openapi.json``; with the dashboard on, ``GET /dashboard`` and ``GET /v1/engine/state`` (``dashboard.py``, left
+out of the schema). Every ``GET`` route answers ``HEAD`` too. Every error is
 ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (bad JSON, unknown model, invalid or
 unsupported parameter, prompt too long), 401 for a missing or wrong API key, 404 for an unknown route, 405 for a
 wrong method, 503 while shutting down; 500 only for a server bug.
 
 API keys (``--api-key`` or ``KVSERVE_API_KEY``): ``APIKeyMiddleware`` wraps the whole app, so every route — those
 added later included — needs ``Authorization: Bearer <key>``, except ``/health`` (and ``/metrics`` with
-``--no-metrics-auth``).
+``--no-metrics-auth``). The dashboard's data (``/v1/engine/state``) needs it too; the page sends the key it reads
+from ``/dashboard#key=...``.
 
 SIGINT / SIGTERM: stop accepting connections, abort in-flight requests (a stream ends with an error event, a
 pending JSON response is a 503), free their KV blocks, stop the engine loop, exit 0.
@@ -42,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
 from kvserve.engine.async_llm import AsyncLLM
+from kvserve.entrypoints.openai import dashboard as dash
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from kvserve.entrypoints.openai.serving import OpenAIError, OpenAIServing
@@ -104,7 +107,8 @@ _STREAM_DOC = {"description": "JSON, or with stream=true server-sent events (dat
 
 
 def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None,
-              api_key: Optional[str] = None, metrics_auth: bool = True) -> FastAPI:
+              api_key: Optional[str] = None, metrics_auth: bool = True,
+              dashboard: bool = False, dashboard_show_prompts: bool = False) -> FastAPI:
     """The FastAPI app. Its lifespan starts ``llm`` and shuts it down.
 
     Args:
@@ -113,6 +117,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
         stat_logger: what ``/metrics`` exposes; default ``llm.stat_logger``.
         api_key: if set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
         metrics_auth: with ``api_key``, whether ``/metrics`` needs it too (default yes).
+        dashboard: add ``/dashboard`` and ``/v1/engine/state`` (``kvserve.entrypoints.openai.dashboard``).
+        dashboard_show_prompts: the dashboard shows prompt text (else ids and token counts only).
     """
     stat_logger = stat_logger or llm.stat_logger
 
@@ -127,7 +133,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
     serving = OpenAIServing(llm, served_model_name)
     app.state.served_model_name = served_model_name
     if api_key is not None:
-        exempt = {"/health"} | (set() if metrics_auth else {"/metrics"})
+        exempt = {"/health"} | (set() if metrics_auth else {"/metrics"}) | (dash.page_paths() if dashboard else set())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, exempt=frozenset(exempt))
 
     def get(path: str, **kw):
@@ -230,6 +236,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
         return app.openapi_schema
 
     app.openapi = openapi
+    if dashboard:
+        dash.mount_dashboard(app, llm, served_model_name, show_prompts=dashboard_show_prompts)
     return app
 
 
@@ -323,8 +331,10 @@ class KVServeServer(uvicorn.Server):
 def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: Optional[str] = None, log_level: str = "info",
                  access_log: bool = True, api_key: Optional[str] = None, metrics_auth: bool = True,
-                 sock: Optional[socket.socket] = None) -> KVServeServer:
-    """Load the model and build the server (not started). ``served_model_name`` defaults to the model file's stem.
+                 sock: Optional[socket.socket] = None, dashboard: Optional[bool] = None,
+                 dashboard_show_prompts: bool = False) -> KVServeServer:
+    """Load the model and build the server (not started). ``served_model_name`` defaults to the model file's stem;
+    ``dashboard`` (``/dashboard`` and ``/v1/engine/state``) defaults to on iff ``host`` is a loopback address.
 
     Args:
         api_key, metrics_auth: see ``build_app``.
@@ -336,7 +346,12 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
     llm = AsyncLLM.from_engine_args(**engine_args)
     name = served_model_name or Path(llm.engine.model_path).stem
     llm.stat_logger = PrometheusStatLogger(name)
-    app = build_app(llm, name, api_key=api_key, metrics_auth=metrics_auth)
+    if dashboard is None:
+        dashboard = dash.is_loopback(host)
+    app = build_app(llm, name, api_key=api_key, metrics_auth=metrics_auth, dashboard=dashboard,
+                    dashboard_show_prompts=dashboard_show_prompts)
+    if dashboard:
+        logger.info("dashboard on: /dashboard (prompt text %s)", "shown" if dashboard_show_prompts else "hidden")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_keep_alive=5, timeout_graceful_shutdown=30)
     return KVServeServer(config, llm, sock)
@@ -392,6 +407,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              f"${API_KEY_ENV} if set, else no authentication)")
     parser.add_argument("--no-metrics-auth", action="store_true",
                         help="with an API key, serve /metrics without it (for a Prometheus scraper)")
+    dash.add_args(parser)
 
 
 def run(args: argparse.Namespace, engine_args: dict) -> int:
@@ -406,7 +422,8 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     try:
         server = build_server(engine_args, host=args.host, port=args.port, served_model_name=args.served_model_name,
                               log_level=args.uvicorn_log_level, access_log=not args.no_access_log, api_key=api_key,
-                              metrics_auth=not args.no_metrics_auth, sock=sock)
+                              metrics_auth=not args.no_metrics_auth, sock=sock, dashboard=args.dashboard,
+                              dashboard_show_prompts=args.dashboard_show_prompts)
     except BaseException:
         sock.close()
         raise
