@@ -152,7 +152,7 @@ def test_tiny_temperature_and_top_p_never_nan():
     reqs = [Request(str(i), [1], sp, 100) for i, sp in enumerate([
         SamplingParams(temperature=1e-5), SamplingParams(temperature=2e-5, top_p=1e-9),
         SamplingParams(temperature=1.0, top_p=1e-9), SamplingParams(temperature=0.5, min_p=1.0, top_k=1)])]
-    tokens, _ = sampler(logits, reqs)
+    tokens, _ = sampler(logits, [r.sampling_state for r in reqs])
     assert tokens == logits.argmax(-1).tolist()
 
 
@@ -166,7 +166,7 @@ def test_sampler_follows_distribution():
     counts = torch.zeros(5)
     n = 4000
     for _ in range(n):
-        counts[sampler(logits, [req])[0][0]] += 1
+        counts[sampler(logits, [req.sampling_state])[0][0]] += 1
     p = torch.softmax(logits[0, :3] / 0.7, dim=0)
     assert counts[3:].sum() == 0
     chi2 = (((counts[:3] - n * p) ** 2) / (n * p)).sum().item()
@@ -177,10 +177,10 @@ def test_penalties_change_greedy_choice():
     sampler = Sampler()
     logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
     r = Request("r", [0], SamplingParams(temperature=0, repetition_penalty=1.5), 100)
-    assert sampler(logits, [r])[0] == [1]  # token 0 (in the prompt) is penalised: 3/1.5 < 2.9
+    assert sampler(logits, [r.sampling_state])[0] == [1]  # token 0 (in the prompt) is penalised: 3/1.5 < 2.9
     r2 = Request("r2", [3], SamplingParams(temperature=0, frequency_penalty=0.2, presence_penalty=0.0), 100)
-    r2.output_token_ids = [0]
-    assert sampler(logits, [r2])[0] == [1]
+    r2.output_token_ids.append(0)  # (the sampling state views the request's own list)
+    assert sampler(logits, [r2.sampling_state])[0] == [1]
     r3 = Request("r3", [3], SamplingParams(temperature=0), 100)
-    r3.output_token_ids = [0]
-    assert sampler(logits, [r3])[0] == [0]
+    r3.output_token_ids.append(0)
+    assert sampler(logits, [r3.sampling_state])[0] == [0]
