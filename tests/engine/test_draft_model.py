@@ -186,7 +186,7 @@ def test_separate_draft_model_path(tmp_path, llm):
 
 
 @pytest.mark.parametrize("cfg, match", [
-    ({"method": "draft_model", "draft_num_layers": 0}, r"draft_num_layers must be >= 1"),
+    ({"method": "draft_model", "draft_num_layers": 0}, r"draft_num_layers must be an integer >= 1, got 0"),
     ({"method": "draft_model", "draft_num_layers": 30}, r"draft_num_layers must be in \[1, 29\]"),
     ({"method": "draft_model", "draft_num_layers": 2.5}, r"draft_num_layers must be an integer"),
     ({"method": "ngram", "draft_num_layers": 4}, r"draft_num_layers applies to method 'draft_model' only"),
