@@ -1,11 +1,12 @@
 """The default path keeps the GGUF's Q4_1 / Q8_0 weights quantized: the engine uses the int8 dot-product kernels,
 and its next-token predictions stay within the accuracy thresholds of the ``"fp32"`` path (issue 12) on a small
-fixed set of texts (``kvserve bench accuracy`` runs the full 20,000-position set)."""
+fixed set: the first GSM8K test rows up to 1,000 positions (``kvserve bench accuracy`` runs 20,000 by default)."""
 
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.accuracy import compare
+from kvserve.bench.accuracy import compare, gsm8k_texts
+from kvserve.bench.workloads import default_data_dir
 from kvserve.model.quant import kernels as quant_kernels
 from tests.conftest import assert_pool_clean
 
@@ -14,17 +15,6 @@ from tests.conftest import assert_pool_clean
 def qllm():
     """The default path: the GGUF's Q4_1 / Q8_0 weights kept quantized."""
     return LLM(num_kv_blocks=256, max_num_seqs=16, quantization="auto")
-
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in fixed-size blocks, so a "
-    "request only holds the memory it uses, and many requests can share a prefix.",
-    "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
-    "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck egg. "
-    "How much in dollars does she make every day at the farmers' market? Janet sells 16 - 3 - 4 = 9 duck eggs a "
-    "day. She makes 9 * 2 = $18 every day at the farmer's market.",
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
-    "Write a haiku about the sea. Waves fold into foam, the tide forgets the footprints, salt wind in the pines.",
-]
 
 
 def test_default_engine_keeps_the_file_quantized(qllm, llm, monkeypatch):
@@ -44,12 +34,14 @@ def test_default_engine_keeps_the_file_quantized(qllm, llm, monkeypatch):
 
 
 def test_accuracy_thresholds_against_fp32(qllm, llm, tokenizer):
-    texts = [tokenizer.encode(t) for t in TEXTS]
+    if not (default_data_dir() / "gsm8k" / "test.jsonl").exists():
+        pytest.skip("../shared/data/gsm8k is not next to this clone")
+    texts = gsm8k_texts(tokenizer, 1000)
     r = compare(llm.llm_engine.model, qllm.llm_engine.model, texts)
-    assert r.positions == sum(len(t) - 1 for t in texts)
-    assert abs(r.ppl_change) <= 0.01  # the issue's perplexity bound: met
-    # The issue asks for >= 99% top-1 agreement; measured 97.0% over 3,070 GSM8K positions (`kvserve bench
-    # accuracy`), so that target is not met yet (docs/benchmarks.md). This bound guards against regressions.
+    assert r.positions == sum(len(t) - 1 for t in texts) >= 1000
+    assert abs(r.ppl_change) <= 0.01  # the issue's perplexity bound: met (measured +0.62% here)
+    # The issue asks for >= 99% top-1 agreement; measured 96.85% here and 97.0% over 3,070 positions (`kvserve
+    # bench accuracy`), so that target is not met yet (docs/benchmarks.md). This bound guards against regressions.
     assert r.top1_agreement >= 0.95
 
 
