@@ -17,7 +17,7 @@ from kvserve.attention import AttentionBackend, select_attention_backend
 from kvserve.layers.elementwise import CPUKernelOps, TorchOps
 from kvserve.layers.linear import Linear, LinearMethod
 from kvserve.model import cpu_kernels
-from kvserve.model.quant import QuantTensor, make_linear_method
+from kvserve.model.quant import QuantEmbedding, QuantTensor, make_linear_method
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,14 @@ class ModelBackends:
     ops: TorchOps
     make_linear: Callable[[list], LinearMethod]
     quantization: str = "auto"
+
+    @staticmethod
+    def make_embedding(table) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Token lookup ``ids [T] -> [T, hidden]`` over a float ``[V, hidden]`` table, or over a GGUF ``QuantTensor``
+        (only the looked-up rows are decoded, from the memory-mapped file)."""
+        if isinstance(table, QuantTensor):
+            return QuantEmbedding(table)
+        return partial(torch.nn.functional.embedding, weight=table)
 
     def describe(self, layer: LinearMethod, lm_head: LinearMethod) -> str:
         """One log line: which implementation each kind of op uses (two built linears as examples)."""

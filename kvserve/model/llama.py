@@ -8,14 +8,10 @@ which matters on a CPU where every op has a fixed cost. Every op runs through th
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
-import torch.nn.functional as F
 
 from kvserve.model.backends import ModelBackends
 from kvserve.model.base import ModelArch
-from kvserve.model.quant import QuantEmbedding, QuantTensor
 from kvserve.worker.input_batch import InputBatch
 
 
@@ -45,7 +41,7 @@ class LlamaModel:
         self.final_norm = weights["model.norm.weight"]
         self.dtype = self.final_norm.dtype  # activations and KV cache (quantized weights compute in float32)
         embed = weights["model.embed_tokens.weight"]
-        self.embed = QuantEmbedding(embed) if isinstance(embed, QuantTensor) else partial(F.embedding, weight=embed)
+        self.embed = backends.make_embedding(embed)
         self.lm_head = linear([weights.get("lm_head.weight", embed)])
         self.layers = []
         for i in range(arch.num_hidden_layers):

@@ -60,6 +60,7 @@ def test_openai_client_with_a_wrong_key_is_401(keyed, key):
     ("GET", "/v1/models"), ("GET", "/v1/models/x"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
     ("GET", "/metrics"), ("GET", "/version"), ("POST", "/tokenize"), ("POST", "/detokenize"),
     ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route"), ("HEAD", "/v1/models"),
+    ("GET", "/v1/engine/state"),  # the dashboard's data (the dashboard is on: a loopback host)
 ])
 def test_every_route_but_health_needs_the_key(keyed, method, path):
     url = keyed.url + path
@@ -74,6 +75,16 @@ def test_every_route_but_health_needs_the_key(keyed, method, path):
     ok = httpx.request(method, url, headers={"Authorization": f"bearer {KEY}"}, timeout=30,
                        json={"prompt": "hi", "max_tokens": 1} if path == "/v1/completions" else None)
     assert ok.status_code != 401
+
+
+def test_dashboard_page_files_are_open_and_its_data_needs_the_key(keyed):
+    # A browser opening the page cannot send a header: the page's files (no engine data) load without the key,
+    # then the page sends the key from /dashboard#key=... on its state requests.
+    for path in ("/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css"):
+        assert httpx.get(keyed.url + path, timeout=30).status_code == 200, path
+    assert httpx.get(keyed.url + "/dashboard/secret.txt", timeout=30).status_code == 401  # only the page's files
+    state = httpx.get(keyed.url + "/v1/engine/state", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert state.status_code == 200 and state.headers["content-type"].startswith("application/json")
 
 
 def test_health_is_open(keyed):
