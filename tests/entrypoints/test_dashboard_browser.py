@@ -1,5 +1,6 @@
 """The dashboard in a real browser: headless Chromium (Debian's ``chromium`` package, installed here with apt-get
-when missing) driven by Playwright, against a live server with concurrent requests. Saves ``docs/dashboard.png``.
+when missing) driven by Playwright, against a live server with concurrent requests. Saves ``docs/dashboard.png``
+(with ``KVSERVE_UPDATE_SCREENSHOTS=1``; else the temp folder).
 
 Skipped, with the reason, only when Chromium is missing and cannot be installed (no apt-get, not root, or the
 install fails). ``playwright install`` is never run: it would download a browser build of its own.
@@ -22,7 +23,10 @@ CHROMIUM = "/usr/bin/chromium"
 NUM_BLOCKS = 128  # the test server's pool: small enough to read cell by cell
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "dashboard.png"
+# The README's screenshots are refreshed with KVSERVE_UPDATE_SCREENSHOTS=1; otherwise they go to the temp folder, so
+# a test run leaves the work tree clean.
+SCREENSHOT = (Path(__file__).resolve().parents[2] / "docs" if os.environ.get("KVSERVE_UPDATE_SCREENSHOTS") == "1"
+              else Path(tempfile.gettempdir())) / "dashboard.png"
 SYSTEM = ("You are a concise assistant for a small hardware store. Answer in one or two sentences, mention a "
           "product when it helps, and never invent prices. The store sells hand tools, power tools, paint, "
           "brushes, glue, screws, nails, wall plugs, sandpaper, sealant, plumbing parts, electrical cable, "
