@@ -179,6 +179,31 @@ def _read_json_lines(path: Path, lo_hi=None):
             yield lineno, obj
 
 
+def _records(path: Path, start: int, num_requests: Optional[int], required: tuple, optional: tuple = ()):
+    """Yield ``("FILE: line N", object)`` for the JSON objects from the ``start``-th (0-based, blank lines not
+    counted), at most ``num_requests`` of them, each with every ``required`` field and no field outside
+    ``required + optional``.
+
+    Raises:
+        ValueError: malformed JSON, a missing or unknown field (with the line).
+    """
+    taken = 0
+    for index, (lineno, obj) in enumerate(_read_json_lines(path)):
+        if index < start:
+            continue
+        if num_requests is not None and taken >= num_requests:
+            return
+        where = f"{path}: line {lineno}"
+        missing = [k for k in required if k not in obj]
+        unknown = [k for k in obj if k not in tuple(required) + tuple(optional)]
+        if missing or unknown:
+            expected = (f"required {list(required)}, optional {list(optional)}" if optional
+                        else f"expected {list(required)}")
+            raise ValueError(f"{where}: missing field(s) {missing}, unknown field(s) {unknown}; {expected}")
+        taken += 1
+        yield where, obj
+
+
 def read_mooncake(path, num_requests: Optional[int] = None, start: int = 0, length_scale: float = 1.0,
                   max_input_len: Optional[int] = None, max_output_len: Optional[int] = None) -> list[TraceRequest]:
     """Requests ``[start, start + num_requests)`` of a Mooncake JSONL trace.
@@ -191,19 +216,8 @@ def read_mooncake(path, num_requests: Optional[int] = None, start: int = 0, leng
     """
     path = Path(path)
     block = max(1, round(MOONCAKE_BLOCK_TOKENS / length_scale))
-    out, t0, count = [], None, 0
-    for lineno, obj in _read_json_lines(path):
-        count += 1
-        if count <= start:
-            continue
-        if num_requests is not None and len(out) >= num_requests:
-            break
-        where = f"{path}: line {lineno}"
-        missing = [k for k in MOONCAKE_FIELDS if k not in obj]
-        unknown = [k for k in obj if k not in MOONCAKE_FIELDS]
-        if missing or unknown:
-            raise ValueError(f"{where}: missing field(s) {missing}, unknown field(s) {unknown}; "
-                             f"expected {list(MOONCAKE_FIELDS)}")
+    out, t0 = [], None
+    for where, obj in _records(path, start, num_requests, MOONCAKE_FIELDS):
         ts = _float_field(obj["timestamp"], "timestamp", where) / 1000
         t0 = ts if t0 is None else t0
         n_in = _int_field(obj["input_length"], "input_length", where, 1)
@@ -232,19 +246,8 @@ def read_jsonl(path, num_requests: Optional[int] = None, start: int = 0,
     path = Path(path)
     if prefix_block_tokens < 1:
         raise ValueError(f"prefix_block_tokens must be >= 1, got {prefix_block_tokens}")
-    out, count, last = [], 0, 0.0
-    for lineno, obj in _read_json_lines(path):
-        count += 1
-        if count <= start:
-            continue
-        if num_requests is not None and len(out) >= num_requests:
-            break
-        where = f"{path}: line {lineno}"
-        missing = [k for k in JSONL_REQUIRED if k not in obj]
-        unknown = [k for k in obj if k not in JSONL_REQUIRED + JSONL_OPTIONAL]
-        if missing or unknown:
-            raise ValueError(f"{where}: missing field(s) {missing}, unknown field(s) {unknown}; "
-                             f"required {list(JSONL_REQUIRED)}, optional {list(JSONL_OPTIONAL)}")
+    out, last = [], 0.0
+    for where, obj in _records(path, start, num_requests, JSONL_REQUIRED, JSONL_OPTIONAL):
         t = _float_field(obj["arrival_s"], "arrival_s", where)
         if t < last:
             raise ValueError(f"{where}: field 'arrival_s' goes back in time ({t} < {last}); sort the trace")

@@ -30,7 +30,7 @@ the activation rounding.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import Optional
 
 import numpy as np
 import torch
