@@ -12,6 +12,9 @@ from typing import Sequence
 
 import torch
 
+#: Rows log-softmaxed at once (bounds the temporary to ``ROWS_PER_PASS x vocab_size`` floats).
+ROWS_PER_PASS = 256
+
 
 @torch.inference_mode()
 def score_prompt_rows(logits: torch.Tensor, entries: Sequence) -> dict[str, list[dict[int, float]]]:
@@ -27,11 +30,15 @@ def score_prompt_rows(logits: torch.Tensor, entries: Sequence) -> dict[str, list
         shape as a generated token's ``logprobs`` entry.
     """
     targets = torch.tensor([t for e in entries for t in e.prompt_logprob_targets], device=logits.device)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    target_lp = logprobs.gather(1, targets[:, None])[:, 0].tolist()
     k_max = max(e.prompt_logprobs for e in entries)
-    top_lp, top_ids = (logprobs.topk(k_max, dim=-1) if k_max else (logprobs[:, :0], logprobs[:, :0].long()))
-    top_lp, top_ids, targets = top_lp.tolist(), top_ids.tolist(), targets.tolist()
+    target_lp, top_lp, top_ids = [], [], []
+    for lo in range(0, logits.shape[0], ROWS_PER_PASS):  # a [rows, V] temporary at a time, not [R, V]
+        logprobs = torch.log_softmax(logits[lo : lo + ROWS_PER_PASS].float(), dim=-1)
+        target_lp += logprobs.gather(1, targets[lo : lo + ROWS_PER_PASS, None])[:, 0].tolist()
+        top = logprobs.topk(k_max, dim=-1)
+        top_lp += top.values.tolist()
+        top_ids += top.indices.tolist()
+    targets = targets.tolist()
     out, row = {}, 0
     for e in entries:
         k, entries_of = e.prompt_logprobs, []

@@ -297,7 +297,7 @@ class OpenAIServing:
             return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if want_lp else None, delta_text="",
                                        delta_token_ids=[], finish_reason=reason)
 
-        def logprobs_of(i: int, c, token_ids: list, entries: list, start: int, prompt_lps) -> tuple:
+        def logprobs_of(i: int, token_ids: list, entries: list, start: int, prompt_lps) -> tuple:
             """(prompt part when ``prompt_lps``) + the tokens' part; ``(CompletionLogprobs or None, end offset)``."""
             parts = [self.echo_logprobs(prompts[i], prompt_lps, skip_special)] if prompt_lps is not None else []
             offsets, end = self.vocab.text_offsets(token_ids, start, skip_special)
@@ -321,7 +321,7 @@ class OpenAIServing:
                 for c in out.outputs:
                     lp = None
                     if want_lp:
-                        lp, _ = logprobs_of(i, c, c.token_ids, c.logprobs, len(echo[i]), out.prompt_logprobs)
+                        lp, _ = logprobs_of(i, c.token_ids, c.logprobs, len(echo[i]), out.prompt_logprobs)
                     choices.append(p.CompletionChoice(index=i * n + c.index, text=echo[i] + c.text, logprobs=lp,
                                                       finish_reason=c.finish_reason))
             return p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
@@ -342,7 +342,7 @@ class OpenAIServing:
             lp = None
             if want_lp and (c.delta_token_ids or first):
                 entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
-                lp, chars[k] = logprobs_of(i, c, c.delta_token_ids, entries, chars.get(k, len(echo[i])),
+                lp, chars[k] = logprobs_of(i, c.delta_token_ids, entries, chars.get(k, len(echo[i])),
                                            prompt_lps.get(i) if first else None)
             choice = p.CompletionChoice(index=k, text=head + c.delta_text, logprobs=lp, finish_reason=c.finish_reason)
             return sse(p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
