@@ -83,8 +83,8 @@ def _matrix():
                                                               [False, True]):
         if include and stop is None:
             continue  # include_stop_str needs a stop string
-        if echo and logprobs is not None and stop is None:
-            continue  # (echo + logprobs: with stop strings only, to keep the matrix small)
+        if echo and logprobs is not None and (stop is None or n != (1 if include else 2)):
+            continue  # (echo + logprobs: two cases, with stop strings, to keep the matrix small)
         yield stop, logprobs, n, echo, include
 
 
@@ -140,9 +140,9 @@ def test_the_matrix_exercises_stop_strings(server):
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"
 SPEC_CASES = [  # greedy; every option of the matrix above appears at least once
     ("/v1/completions", {"prompt": COUNTING, "max_tokens": 20, "stop": [" 7,"], "include_stop_str_in_output": True}),
-    ("/v1/completions", {"prompt": [COUNTING, PROMPTS[0]], "max_tokens": 12, "stop": STOP, "n": 2, "echo": True}),
-    ("/v1/completions", {"prompt": COUNTING, "max_tokens": 6, "logprobs": 2, "echo": True, "stop": ["5"]}),
-    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 12, "stop": STOP, "include_stop_str_in_output": True}),
+    ("/v1/completions", {"prompt": [COUNTING, PROMPTS[0]], "max_tokens": 8, "stop": STOP, "n": 2, "echo": True}),
+    ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "logprobs": 2, "echo": True, "stop": ["."]}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "stop": STOP, "include_stop_str_in_output": True}),
 ]
 
 
