@@ -73,6 +73,10 @@ class RequestOutput:
         outputs: one ``CompletionOutput``.
         finished: whether the request is done.
         metrics: ``RequestMetrics``.
+        prompt_logprobs: when ``SamplingParams.prompt_logprobs`` is set, vLLM's shape: one entry per prompt token,
+            ``None`` for the first (nothing precedes it), then ``{token_id: logprob}`` with the prompt token and the
+            top ``prompt_logprobs`` alternatives (log-softmax of the raw logits at the position before it); else
+            ``None``.
     """
 
     request_id: str
@@ -81,3 +85,4 @@ class RequestOutput:
     outputs: list
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: Optional[list] = None

@@ -53,6 +53,8 @@ class Request:
         arrival_time, first_scheduled_time, first_token_time, finish_time: ``time.monotonic()`` seconds.
         num_preemptions: how often this request was preempted.
         priority: lower is more urgent (``scheduling_policy="priority"`` only).
+        prompt_logprobs: vLLM's shape: ``None`` for the first prompt token, then ``{token_id: logprob}`` per prompt
+            token scored so far (``SamplingParams.prompt_logprobs``); complete at ``num_prompt_tokens`` entries.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class Request:
         self.max_total_tokens = max_total_tokens
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs: list[Optional[dict[int, float]]] = [None]
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason = None

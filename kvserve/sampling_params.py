@@ -43,6 +43,9 @@ class SamplingParams:
         logprobs: number of top logprobs to return per generated token, ``[0, 20]`` (the sampled token's own
             logprob is always included); ``None`` = none.
         skip_special_tokens: drop special tokens from the text.
+        prompt_logprobs: number of top logprobs to return per prompt token, ``[0, 20]`` (the prompt token's own
+            logprob is always included); ``None`` = none. Computed in the prefill; such a request takes no
+            prefix-cache hits for the positions still to be scored (``RequestOutput.prompt_logprobs``).
 
     Raises:
         ValueError: any field out of range (the message names the field and the range).
@@ -65,6 +68,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         _integer("n", self.n, 1, MAX_N)
@@ -81,6 +85,8 @@ class SamplingParams:
             _boolean(name, getattr(self, name))
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.seed is not None:
             _integer("seed", self.seed, 0, 2**63 - 1)
         if self.stop is None:

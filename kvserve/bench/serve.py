@@ -14,6 +14,8 @@ met every ``--goodput`` SLO), and the server's prefix-cache hit rate over the ru
 before and after: a run that repeats an earlier run's prompts — the same ``--seed`` — starts on a warm cache, and
 this shows it), prints a table and writes JSON. It only talks to loopback addresses, and is bounded in
 count (``--num-prompts`` <= 10000) and time (``--request-timeout`` per request, ``--max-duration`` for the run).
+Against a server started with ``--api-key``, pass the same key (``--api-key``, or ``$KVSERVE_API_KEY``): every
+request carries it, ``/v1/models`` and the ``/metrics`` scrape included (the key is never written to the report).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import ipaddress
 import json
 import logging
 import math
+import os
 import random
 import re
 import socket
@@ -102,9 +105,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-duration", type=float, default=3600.0, help="seconds for the whole run")
     p.add_argument("--output-json", default=None, help="write the results here")
     p.add_argument("--quiet", action="store_true", help="no table on stdout")
+    p.add_argument("--api-key", default=None,
+                   help=f"key of a server started with --api-key, sent as a Bearer token on every request, "
+                        f"/v1/models and /metrics included (default: ${API_KEY_ENV})")
 
 
 # ------------------------------------------------------------------------------------------------ checks
+#: The environment variable ``kvserve serve`` reads its key from; the benchmark reads the same one.
+API_KEY_ENV = "KVSERVE_API_KEY"
+
+
+def auth_headers(api_key: Optional[str]) -> dict:
+    """``{"Authorization": "Bearer <key>"}`` for ``api_key`` (else ``$KVSERVE_API_KEY``), or ``{}`` when neither
+    is set (a server without authentication).
+
+    Raises:
+        ValueError: ``--api-key ""``.
+    """
+    if api_key is not None and not api_key:
+        raise ValueError("--api-key must not be empty")
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def check_loopback(base_url: str) -> None:
     """Raises ``ValueError`` unless every address ``base_url``'s host resolves to is a loopback address."""
     parsed = urlparse(base_url)
@@ -233,16 +256,17 @@ async def _stream_into(res: RequestResult, client, url: str, payload: dict, star
 
 async def run_benchmark(base_url: str, model: str, requests: list, offsets: list, *, max_concurrency=None,
                         ignore_eos: bool = True, temperature: float = 0.0, request_timeout: float = 600.0,
-                        max_duration: float = 3600.0) -> tuple:
-    """Send every request at its offset; returns ``(results, duration_s)``. Requests still unsent or running after
-    ``max_duration`` are cancelled and count as failed."""
+                        max_duration: float = 3600.0, headers: Optional[dict] = None) -> tuple:
+    """Send every request at its offset (with ``headers``, e.g. ``auth_headers``); returns ``(results,
+    duration_s)``. Requests still unsent or running after ``max_duration`` are cancelled and count as failed."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
     limit = max_concurrency or len(requests)
     sem = asyncio.Semaphore(limit)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(request_timeout, pool=None)) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(request_timeout, pool=None),
+                                 headers=headers) as client:
         start = time.perf_counter()
 
         async def one(req: LoadRequest, offset: float) -> RequestResult:
@@ -355,13 +379,13 @@ def parse_prefix_counters(metrics_text: str) -> Optional[tuple]:
     return (found["queries"], found["hits"]) if seen else None
 
 
-def fetch_prefix_counters(base_url: str, timeout: float = 10.0) -> Optional[tuple]:
-    """The server's prefix-cache counters from ``GET /metrics`` (``parse_prefix_counters``); ``None`` if the
-    server does not expose them or cannot be read."""
+def fetch_prefix_counters(base_url: str, timeout: float = 10.0, headers: Optional[dict] = None) -> Optional[tuple]:
+    """The server's prefix-cache counters from ``GET /metrics`` (``parse_prefix_counters``, sent with
+    ``headers``); ``None`` if the server does not expose them or cannot be read (a wrong key included)."""
     import httpx
 
     try:
-        r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout)
+        r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout, headers=headers)
         r.raise_for_status()
     except httpx.HTTPError:
         return None
@@ -378,16 +402,16 @@ def prefix_hit_rate(before: Optional[tuple], after: Optional[tuple]) -> dict:
     return {"prefix_cache_queries": queries, "prefix_cache_hit_rate": hits / queries if queries > 0 else 0.0}
 
 
-def fetch_model(base_url: str, timeout: float = 10.0) -> str:
-    """The first model id of ``GET /v1/models``.
+def fetch_model(base_url: str, timeout: float = 10.0, headers: Optional[dict] = None) -> str:
+    """The first model id of ``GET /v1/models`` (sent with ``headers``).
 
     Raises:
-        ValueError: the server cannot be reached or lists no model.
+        ValueError: the server cannot be reached, refuses the key (401) or lists no model.
     """
     import httpx
 
     try:
-        r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout)
+        r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout, headers=headers)
         r.raise_for_status()
         return r.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
@@ -407,15 +431,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-concurrency must be >= 1")
     if not (args.request_timeout > 0 and args.max_duration > 0):
         raise ValueError("--request-timeout and --max-duration must be > 0")
+    headers = auth_headers(getattr(args, "api_key", None))
     requests = build_requests(args)
     offsets = arrival_times(requests, args.request_rate, args.seed)
-    model = args.model or fetch_model(args.base_url)
-    counters_before = fetch_prefix_counters(args.base_url)
+    model = args.model or fetch_model(args.base_url, headers=headers)
+    counters_before = fetch_prefix_counters(args.base_url, headers=headers)
     results, duration = asyncio.run(run_benchmark(
         args.base_url, model, requests, offsets, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, request_timeout=args.request_timeout, max_duration=args.max_duration))
+        temperature=args.temperature, request_timeout=args.request_timeout, max_duration=args.max_duration,
+        headers=headers))
     summary = summarize(results, duration, slos)
-    summary.update(prefix_hit_rate(counters_before, fetch_prefix_counters(args.base_url)))
+    summary.update(prefix_hit_rate(counters_before, fetch_prefix_counters(args.base_url, headers=headers)))
     config = {k: getattr(args, k) for k in ("base_url", "dataset", "num_prompts", "request_rate", "max_concurrency",
                                             "random_input_len", "random_output_len", "random_range_ratio",
                                             "sharegpt_output_len", "time_scale", "ignore_eos", "temperature", "seed")}

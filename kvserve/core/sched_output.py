@@ -54,6 +54,11 @@ class ScheduledRequest:
         samples: this step computes the request's last known token, so a next token is sampled.
         sampling_states: when ``samples``: the request's ``SamplingState``, then one per forked sample of an
             ``n > 1`` request whose prompt completes now (they all draw from the prompt's last logits); else ``[]``.
+        prompt_logprobs: top logprobs per scored prompt position (``SamplingParams.prompt_logprobs``), when this
+            step scores prompt positions; else ``None``.
+        prompt_logprob_start: index in ``token_ids`` of the first scored row.
+        prompt_logprob_targets: the next prompt token of each scored row (rows ``prompt_logprob_start ..
+            + len(prompt_logprob_targets)``); its logprob and the top ``prompt_logprobs`` are returned for each.
     """
 
     request_id: str
@@ -64,6 +69,9 @@ class ScheduledRequest:
     spec_draft_probs: Optional[torch.Tensor] = None
     samples: bool = False
     sampling_states: list[SamplingState] = field(default_factory=list)
+    prompt_logprobs: Optional[int] = None
+    prompt_logprob_start: int = 0
+    prompt_logprob_targets: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -101,8 +109,11 @@ class ModelRunnerOutput:
         num_accepted: request id -> drafts accepted, for each request that verified drafts.
         logprobs: request id -> ``{token_id: logprob}`` of its sampled token (+ top alternatives), for requests
             that asked for logprobs.
+        prompt_logprobs: request id -> one ``{token_id: logprob}`` per scored prompt row (the row's next prompt
+            token + the top ``prompt_logprobs``), in position order, for entries with ``prompt_logprob_targets``.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_accepted: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)

@@ -30,6 +30,24 @@ def _priority_key(req: Request) -> tuple:
     return (req.priority, req.queue_seq)
 
 
+def _plan_prompt_logprobs(req: Request, plan: ScheduledRequest) -> None:
+    """Mark the rows of ``plan`` whose next prompt token is still to be scored (``prompt_logprobs``).
+
+    Row ``j`` (position ``p``) scores prompt token ``p + 1``: positions ``[len(req.prompt_logprobs) - 1,
+    num_prompt_tokens - 1)`` are still missing. Positions already scored (before a preemption by recompute) are not
+    scored again, so entries are never duplicated.
+    """
+    k = req.sampling_params.prompt_logprobs
+    first = max(plan.start_pos, len(req.prompt_logprobs) - 1)
+    last = min(plan.start_pos + plan.num_scheduled_tokens - len(plan.spec_token_ids), req.num_prompt_tokens - 1)
+    if k is None or first >= last:
+        return
+    assert first == len(req.prompt_logprobs) - 1, "prompt positions must be scored in order"
+    plan.prompt_logprobs = k
+    plan.prompt_logprob_start = first - plan.start_pos
+    plan.prompt_logprob_targets = req.prompt_token_ids[first + 1 : last + 1]
+
+
 class Scheduler:
     """Owns the waiting queue and the running list; allocates KV slots through ``KVCacheManager``.
 
@@ -136,6 +154,9 @@ class Scheduler:
             if len(self.running) + 1 + len(req.fork_children) > self.config.max_num_seqs:
                 break  # (a parallel-sampling request needs a slot for each of its samples)
             hits = kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
+                # cached blocks carry no logits: positions still to be scored are computed (and may share blocks)
+                hits = hits[: (len(req.prompt_logprobs) - 1) // kv.block_size]
             uncomputed = req.num_tokens - len(hits) * kv.block_size
             n = self._num_new_tokens(uncomputed, budget)
             if self.config.scheduling == "static":
@@ -163,8 +184,10 @@ class Scheduler:
         start = req.num_computed_tokens
         samples = start + n == req.num_tokens + len(drafts)
         states = [req.sampling_state] + [c.sampling_state for c in req.fork_children] if samples else []
-        return ScheduledRequest(req.request_id, req.token_slice(start, start + n - len(drafts)) + drafts, start,
+        plan = ScheduledRequest(req.request_id, req.token_slice(start, start + n - len(drafts)) + drafts, start,
                                 self.kv_cache_manager.get_block_ids(req), drafts, draft_probs, samples, states)
+        _plan_prompt_logprobs(req, plan)
+        return plan
 
     def _num_new_tokens(self, n: int, budget: int) -> int:
         """Of ``n`` uncomputed tokens, how many to compute now: all, or (chunked prefill) as many as the budget
@@ -211,6 +234,7 @@ class Scheduler:
             req = self.requests[s.request_id]
             req.num_computed_tokens += s.num_scheduled_tokens
             tokens = model_output.sampled_token_ids.get(s.request_id, [])
+            req.prompt_logprobs.extend(model_output.prompt_logprobs.get(s.request_id, ()))
             if s.spec_token_ids:
                 req.num_computed_tokens -= len(s.spec_token_ids) - (len(tokens) - 1)
                 kv.trim(req)
@@ -249,6 +273,7 @@ class Scheduler:
         child.first_token_time = now
         child.status = RequestStatus.RUNNING
         child.output_token_ids.append(token)
+        child.prompt_logprobs = parent.prompt_logprobs  # scored once, by the parent (complete now)
         if logprobs is not None:
             child.output_logprobs.append(logprobs)
         self.running.append(child)

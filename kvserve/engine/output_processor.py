@@ -86,7 +86,9 @@ class OutputProcessor:
                 num_output_tokens=sum(len(s.output_token_ids) for s in samples),
                 num_preemptions=sum(s.num_preemptions for s in samples),
             )
-            outputs.append(RequestOutput(gid, lead.prompt, lead.prompt_token_ids, completions, finished, metrics))
+            plp = list(lead.prompt_logprobs) if lead.sampling_params.prompt_logprobs is not None else None
+            outputs.append(RequestOutput(gid, lead.prompt, lead.prompt_token_ids, completions, finished, metrics,
+                                         prompt_logprobs=plp))
             if finished:
                 self.remove(gid)
         return outputs

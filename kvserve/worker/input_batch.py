@@ -117,3 +117,15 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
         query_lens=query_lens.tolist(),
         context_lens=seq_lens.tolist(),
     )
+
+
+def prompt_logprob_rows(entries: Sequence, batch: InputBatch) -> torch.Tensor:
+    """The flat rows of ``batch`` whose next prompt token is scored (``prompt_logprobs``), in entry order.
+
+    Entry ``b`` scores its rows ``prompt_logprob_start .. + len(prompt_logprob_targets)`` (``ScheduledRequest``
+    fields; entries without them score none). Returns ``[R]`` int64 on the batch's device, ``R`` = all targets.
+    """
+    starts = itertools.accumulate(batch.query_lens, initial=0)
+    rows = [q0 + e.prompt_logprob_start + j for e, q0 in zip(entries, starts)
+            for j in range(len(getattr(e, "prompt_logprob_targets", ())))]
+    return torch.as_tensor(rows, dtype=torch.long).to(batch.input_ids.device)

@@ -12,7 +12,8 @@ from kvserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, Sched
 from kvserve.model.base import CausalLM
 from kvserve.sample.rejection_sampler import RejectionSampler
 from kvserve.sample.sampler import Sampler
-from kvserve.worker.input_batch import build_input_batch
+from kvserve.worker.input_batch import build_input_batch, prompt_logprob_rows
+from kvserve.worker.prompt_logprobs import score_prompt_rows
 
 
 class ModelRunner:
@@ -40,14 +41,23 @@ class ModelRunner:
         self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=model.dtype, device=device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; returns the tokens (and logprobs) of every request that samples this step."""
+        """Run one step; returns the tokens (and logprobs) of every request that samples this step, and the
+        prompt logprobs of the prompt rows the plan marks (``prompt_logprob_targets``)."""
         out = ModelRunnerOutput()
         if not scheduler_output.scheduled:
             return out
         for src, dst in scheduler_output.block_copies:  # copy-on-write, before this step writes into dst
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         batch = build_input_batch(scheduler_output.scheduled, self.block_size, self.device)
+        scoring = [s for s in scheduler_output.scheduled if s.prompt_logprob_targets]
+        num_sampling_rows = int(batch.logits_indices.shape[0])
+        if scoring:  # prompt logprobs: the scored prefill rows' logits too, after the sampling rows
+            rows = prompt_logprob_rows(scheduler_output.scheduled, batch)
+            batch.logits_indices = torch.cat([batch.logits_indices, rows])
         logits = self.model.forward(batch, self.kv_cache)
+        if scoring:
+            out.prompt_logprobs = score_prompt_rows(logits[num_sampling_rows:], scoring)
+            logits = logits[:num_sampling_rows]
 
         # logits rows follow batch.logits_indices: per sampling entry, one row per sample, or k + 1 when verifying
         plain_rows, plain_states, verifying, row = [], [], [], 0

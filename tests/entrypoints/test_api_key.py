@@ -140,3 +140,29 @@ def test_serve_on_a_busy_port_fails_at_once_before_loading_the_model():
         busy.close()
     with socket.socket() as s:  # the port is free again
         s.bind(("127.0.0.1", port))
+
+
+def test_bench_serve_with_the_key_from_the_flag_or_the_environment(keyed, tmp_path, capsys, monkeypatch):
+    """``kvserve bench serve --api-key`` (or ``$KVSERVE_API_KEY``): every request succeeds and the ``/metrics``
+    scrape (prefix-cache counters) is authorised too; without the key the run stops with a one-line error."""
+    import json
+
+    from kvserve.entrypoints.cli import main
+
+    monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
+    args = ["bench", "serve", "--base-url", keyed.url, "--num-prompts", "2", "--random-input-len", "8",
+            "--random-output-len", "2", "--quiet"]
+    for extra, env in ((["--api-key", KEY], None), ([], KEY)):
+        if env is not None:
+            monkeypatch.setenv("KVSERVE_API_KEY", env)
+        out = tmp_path / "bench.json"
+        assert main([*args, *extra, "--output-json", str(out)]) == 0, capsys.readouterr()
+        data = json.loads(out.read_text())
+        assert data["completed"] == 2 and data["failed"] == 0
+        assert data["prefix_cache_queries"] > 0  # /metrics was read with the key
+        assert KEY not in out.read_text()
+    monkeypatch.delenv("KVSERVE_API_KEY")
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "401" in capsys.readouterr().err
+    assert main([*args, "--api-key", ""]) == 2

@@ -167,7 +167,7 @@ def _post(server, path, body, **kw):
     ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
     ("/v1/completions", {"prompt": [10**9]}, "prompt"),
     ("/v1/completions", {"prompt": "word " * 300}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "hi"}]}, "messages[0].role"),

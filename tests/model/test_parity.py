@@ -65,6 +65,19 @@ def test_logits_close_to_transformers(llm, hf_model):
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+def test_prompt_logprobs_match_transformers(llm, hf_model):
+    """``prompt_logprobs`` against transformers' log-softmax, within 1e-4 (chunked prefill, prefix-cache hits and
+    preemption: tests/engine/test_prompt_logprobs.py)."""
+    ids = llm.get_tokenizer().encode(PROMPTS[3])
+    out = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    for pos, (entry, token) in enumerate(zip(out.prompt_logprobs[1:], ids[1:])):
+        assert token in entry and int(ref[pos].argmax()) in entry
+        assert max(abs(lp - float(ref[pos, t])) for t, lp in entry.items()) < 1e-4
+
+
 def test_mixed_prefill_and_decode_batch_matches_separate_runs(llm):
     """A decode token and a prompt in the same flat batch give the same logits as run alone."""
     engine = llm.llm_engine
@@ -90,7 +103,7 @@ def test_mixed_prefill_and_decode_batch_matches_separate_runs(llm):
 
 _FALLBACK_SCRIPT = """
 import json, sys
-from kvserve import LLM, SamplingParams
+from kvserve import SamplingParams
 from kvserve.model import cpu_kernels
 llm = LLM(num_kv_blocks=64, quantization="fp32")
 assert cpu_kernels.load() is None and llm.llm_engine.model.lm_head.path != "kvserve"

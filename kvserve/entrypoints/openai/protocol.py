@@ -99,9 +99,12 @@ class CompletionRequest(_SamplingRequest):
     lists (one choice per prompt, ``index`` in order)."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, description="tokens to generate at most; default 16")
-    echo: Optional[bool] = Field(False, description="prepend the prompt text to the output text")
-    logprobs: Optional[int] = Field(None, description="top logprobs per generated token, 0..20")
+    max_tokens: Optional[int] = Field(16, description="tokens to generate at most; default 16; 0 only with echo "
+                                                      "(the prompt alone, e.g. scored with logprobs)")
+    echo: Optional[bool] = Field(False, description="prepend the prompt text to the output text (with logprobs: "
+                                                    "the prompt tokens' logprobs too)")
+    logprobs: Optional[int] = Field(None, description="top logprobs per generated (and, with echo, prompt) token, "
+                                                      "0..20")
     suffix: Optional[str] = Field(None, description="not supported (400)")
     best_of: Optional[int] = Field(None, description="only equal to n is supported")
 
@@ -162,13 +165,14 @@ class UsageInfo(_Response):
 
 
 class CompletionLogprobs(_Response):
-    """Legacy completions logprobs, one entry per generated token: ``tokens`` (the token's name:
-    ``TokenVocab.token_name``), its logprob, the top alternatives keyed by name, and ``text_offset``, the
-    character offset of the token in the choice's text (``echo`` included)."""
+    """Legacy completions logprobs, one entry per token: ``tokens`` (the token's name: ``TokenVocab.token_name``),
+    its logprob, the top alternatives keyed by name, and ``text_offset``, the character offset of the token in the
+    choice's text. With ``echo`` the prompt's tokens come first, the very first with ``null`` logprob and top
+    logprobs (nothing precedes it), then the generated ones."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -9,6 +9,7 @@ that goes away has its requests aborted at once (``RequestStream.abort``), strea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import time
@@ -88,8 +89,6 @@ class OpenAIServing:
                 bad("best_of", f"best_of other than n (ranking extra samples) is not supported, got {req.best_of}")
             if req.suffix is not None:
                 bad("suffix", "suffix (insertion) is not supported")
-            if req.echo and req.logprobs is not None:
-                bad("logprobs", "logprobs with echo=true would need prompt logprobs, which are not supported")
             return
         for name in ("tools", "functions"):
             if getattr(req, name):
@@ -104,13 +103,14 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             bad("top_logprobs", "top_logprobs needs logprobs=true")
 
-    def sampling_params(self, req, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-        """``SamplingParams`` from the request's fields (``None`` = default).
+    def sampling_params(self, req, max_tokens: int, logprobs: Optional[int],
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        """``SamplingParams`` from the request's fields (``None`` = default); ``prompt_logprobs`` for ``echo``.
 
         Raises:
             OpenAIError: a value out of range (the message from ``SamplingParams``, ``param`` the field).
         """
-        kw = dict(max_tokens=max_tokens, logprobs=logprobs)
+        kw = dict(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         for name, default in (("n", 1), ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                               ("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                               ("repetition_penalty", 1.0), ("ignore_eos", False), ("include_stop_str_in_output", False),
@@ -231,11 +231,17 @@ class OpenAIServing:
         lp = p.CompletionLogprobs()
         for t, entry, offset in zip(token_ids, entries, offsets):
             lp.tokens.append(self.vocab.token_name(t))
-            lp.token_logprobs.append(entry[t])
-            lp.top_logprobs.append({self.vocab.token_name(k): v
-                                    for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
+            lp.token_logprobs.append(None if entry is None else entry[t])  # None: a prompt's first token
+            lp.top_logprobs.append(None if entry is None else {
+                self.vocab.token_name(k): v for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
             lp.text_offset.append(offset)
         return lp
+
+    def echo_logprobs(self, pp: PreparedPrompt, prompt_logprobs: list, skip_special: bool) -> p.CompletionLogprobs:
+        """The legacy logprobs of an echoed prompt: its tokens from offset 0, the first one ``null``
+        (``RequestOutput.prompt_logprobs``, vLLM's shape)."""
+        offsets, _ = self.vocab.text_offsets(pp.token_ids, 0, skip_special)
+        return self.completion_logprobs(pp.token_ids, prompt_logprobs, offsets)
 
     def chat_logprobs(self, token_ids: list, entries: list, top_n: int) -> p.ChatLogprobs:
         """Chat logprobs for ``token_ids`` with engine entries ``{token_id: logprob}``, ``top_n`` alternatives;
@@ -265,53 +271,90 @@ class OpenAIServing:
         self.check_unsupported(req)
         prompts = await self.completion_prompts(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        # echo with max_tokens 0 returns the prompt alone (vLLM's way to score a prompt): one token is generated
+        # and dropped, so the prompt is prefilled (and scored, with logprobs) like any other
+        echo_only = bool(req.echo) and max_tokens == 0
+        if echo_only:
+            max_tokens = 1
+        elif max_tokens == 0:
+            raise OpenAIError("max_tokens must be >= 1 (0 is only allowed with echo=true: the prompt alone)",
+                              param="max_tokens")
+        want_lp = req.logprobs is not None
+        plp = req.logprobs if want_lp and req.echo else None
         params = [self.sampling_params(req, self.check_length(len(pp.token_ids), max_tokens, "prompt", "max_tokens"),
-                                       req.logprobs) for pp in prompts]
+                                       req.logprobs, plp) for pp in prompts]
         n = params[0].n
         rid, created = new_id("cmpl"), int(time.time())  # one timestamp for every chunk
         echo = [pp.text if req.echo else "" for pp in prompts]
-        want_lp = req.logprobs is not None
+        skip_special = params[0].skip_special_tokens
         streams = await self.start(req, prompts, params, rid, arrival)
+
+        def shown(c):
+            """What the client sees of a completion: nothing generated when ``echo_only``."""
+            if not echo_only:
+                return c
+            reason = None if c.finish_reason is None else "length"
+            return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if want_lp else None, delta_text="",
+                                       delta_token_ids=[], finish_reason=reason)
+
+        def logprobs_of(i: int, token_ids: list, entries: list, start: int, prompt_lps) -> tuple:
+            """(prompt part when ``prompt_lps``) + the tokens' part; ``(CompletionLogprobs or None, end offset)``."""
+            parts = [self.echo_logprobs(prompts[i], prompt_lps, skip_special)] if prompt_lps is not None else []
+            offsets, end = self.vocab.text_offsets(token_ids, start, skip_special)
+            if token_ids:
+                parts.append(self.completion_logprobs(token_ids, entries, offsets))
+            if not parts:
+                return None, end
+            lp = parts[0]
+            for more in parts[1:]:
+                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    getattr(lp, name).extend(getattr(more, name))
+            return lp, end
 
         if not req.stream:
             finals = await self._collect(streams, receive)
             if finals is None:
                 return None
+            finals = [dataclasses.replace(o, outputs=[shown(c) for c in o.outputs]) for o in finals]
             choices = []
             for i, out in enumerate(finals):
                 for c in out.outputs:
                     lp = None
                     if want_lp:
-                        offsets, _ = self.vocab.text_offsets(c.token_ids, len(echo[i]), params[i].skip_special_tokens)
-                        lp = self.completion_logprobs(c.token_ids, c.logprobs, offsets)
+                        lp, _ = logprobs_of(i, c.token_ids, c.logprobs, len(echo[i]), out.prompt_logprobs)
                     choices.append(p.CompletionChoice(index=i * n + c.index, text=echo[i] + c.text, logprobs=lp,
                                                       finish_reason=c.finish_reason))
             return p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                         usage=usage_of(prompts, finals))
 
         chars: dict = {}  # choice index -> text offset after its tokens so far (for text_offset)
-        skip_special = params[0].skip_special_tokens
+        prompt_lps: dict = {}  # prompt index -> its RequestOutput.prompt_logprobs (echo + logprobs)
         usage_null = {"usage": None} if _include_usage(req) else {}
 
+        def record(i: int, out) -> None:
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
+
         def chunk(i: int, c, first: bool) -> str:
+            c = shown(c)
             k = i * n + c.index
             head = echo[i] if first else ""
             lp = None
-            if want_lp and c.delta_token_ids:
+            if want_lp and (c.delta_token_ids or first):
                 entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
-                offsets, chars[k] = self.vocab.text_offsets(c.delta_token_ids, chars.get(k, len(echo[i])),
-                                                            skip_special)
-                lp = self.completion_logprobs(c.delta_token_ids, entries, offsets)
+                lp, chars[k] = logprobs_of(i, c.delta_token_ids, entries, chars.get(k, len(echo[i])),
+                                           prompt_lps.get(i) if first else None)
             choice = p.CompletionChoice(index=k, text=head + c.delta_text, logprobs=lp, finish_reason=c.finish_reason)
             return sse(p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
                                             **usage_null))
 
         def usage_chunk(finals) -> str:
+            finals = [dataclasses.replace(o, outputs=[shown(c) for c in o.outputs]) for o in finals]
             return sse(p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                             usage=usage_of(prompts, finals)))
 
         return self._stream(streams, [], chunk, usage_chunk if _include_usage(req) else None,
-                            always_first=bool(req.echo), with_logprobs=want_lp)
+                            always_first=bool(req.echo), with_logprobs=want_lp, on_output=record)
 
     async def create_chat_completion(self, req: p.ChatCompletionRequest, receive):
         """``POST /v1/chat/completions``; returns like ``create_completion`` (``ChatCompletionResponse``)."""
@@ -418,18 +461,21 @@ class OpenAIServing:
 
     @staticmethod
     async def _stream(streams: list, head: list, chunk, usage_chunk, always_first: bool,
-                      with_logprobs: bool) -> AsyncIterator[str]:
+                      with_logprobs: bool, on_output=None) -> AsyncIterator[str]:
         """SSE strings: ``head``; then for each new output of prompt ``i`` and each of its samples ``c`` with
         something to send (new text, new tokens when ``with_logprobs``, its first chunk when ``always_first``, or
         its finish), ``chunk(i, c, first)``; the usage chunk; ``[DONE]``. An engine shutdown or failure ends the
         stream with an error event. If the consumer stops (client disconnected: the response task is cancelled),
-        the requests are aborted."""
+        the requests are aborted. ``on_output(i, out)``, when given, sees each ``RequestOutput`` before its
+        chunks."""
         try:
             for h in head:
                 yield h
             finals = [None] * len(streams)
             started, done = set(), set()
             async for i, out in merge_streams(streams):
+                if on_output is not None:
+                    on_output(i, out)
                 for c in out.outputs:
                     key = (i, c.index)
                     first = key not in started
