@@ -170,13 +170,13 @@ class ParallelConfig:
         tensor_parallel_size: ranks the model is split over (default 1: no split). Must divide the model's
             attention heads, KV heads, ``intermediate_size`` and ``vocab_size`` (checked when the model is known);
             rank 0 is the engine process, ranks 1 .. T-1 are worker processes (see ``kvserve.distributed``).
-        distributed_timeout_seconds: bound on worker start-up and on every collective (default 120 s): a worker
+        distributed_timeout_seconds: bound on worker start-up and on every collective (default 300 s): a worker
             that dies or hangs ends the engine with an error naming its rank, never a hang.
     """
 
     tensor_parallel_size: int = _field(1, "split the model over this many processes (Megatron-style tensor "
                                           "parallelism; 1 = off)")
-    distributed_timeout_seconds: float = _field(120.0, "tensor parallelism: bound on worker start-up and on every "
+    distributed_timeout_seconds: float = _field(300.0, "tensor parallelism: bound on worker start-up and on every "
                                                        "collective, seconds")
 
     def __post_init__(self) -> None:

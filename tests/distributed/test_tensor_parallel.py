@@ -125,7 +125,8 @@ class _ThreadGroup:
     processes): every rank deposits its tensor, waits for the others, then reads the sum / concatenation."""
 
     def __init__(self, world_size: int):
-        self.world_size, self.slots, self.barrier = world_size, [None] * world_size, threading.Barrier(world_size)
+        self.world_size, self.slots = world_size, [None] * world_size
+        self.barrier = threading.Barrier(world_size, timeout=60)  # a failing rank breaks it: no hang
 
     def rank_view(self, rank: int):
         group = self
@@ -165,7 +166,7 @@ def test_qwen2_biases_split_with_their_weights(tmp_path):
         model = build_model(loaded, select_backends("cpu", torch.float32, "fp32", parallel=group.rank_view(r)))
         results[r] = forward_plan(model, torch.zeros(model.kv_cache_shape(16, 4)), plan, 4)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
