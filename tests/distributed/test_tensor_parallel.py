@@ -208,3 +208,18 @@ def test_killed_worker_ends_the_engine_with_an_error(engines):
     with pytest.raises(RuntimeError, match="worker rank 1"):  # failed for good, at once
         two.step()
     two.abort_request(rid)
+
+
+def test_new_engine_after_failure_and_garbage_collection_stops_workers(engines, tiny_llama):
+    """After the failed engine's shutdown a new tensor-parallel engine starts in this process (a fresh group), and
+    dropping the last reference stops its worker."""
+    import gc
+
+    one, two = engines
+    two.shutdown()
+    three = LLMEngine.from_engine_args(model=tiny_llama, tensor_parallel_size=2, **ENGINE)
+    assert _generate(three, PROMPTS[:1]) == _generate(one, PROMPTS[:1])
+    worker = three.model_runner.procs[0]
+    del three
+    gc.collect()
+    assert worker.exitcode == 0
