@@ -96,23 +96,17 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids)
         if tp > 1:  # rank 0 of the group: ships each plan to the workers, samples on the gathered logits
             from kvserve.distributed.executor import TensorParallelExecutor
+            from kvserve.distributed.parallel_state import free_port
+            from kvserve.distributed.worker import ShardSpec
 
-            spec = self._tp_spec(loaded, quantization, self.num_blocks, self.block_size)
-            self.model_runner = TensorParallelExecutor(self.model, sampler, spec, tp_group)
+            shard_spec = ShardSpec(str(loaded.path), mc.dtype, quantization, mc.device, mc.num_threads,
+                                   self.num_blocks, self.block_size, tp, pc.distributed_timeout_seconds, free_port())
+            self.model_runner = TensorParallelExecutor(self.model, sampler, shard_spec, tp_group)
         else:
             self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, device=mc.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
         self._ids = itertools.count()
-
-    def _tp_spec(self, loaded, quantization: str, num_blocks: int, block_size: int):
-        """The ``ShardSpec`` every tensor-parallel rank builds its shard from (a fresh rendezvous port)."""
-        from kvserve.distributed.parallel_state import free_port
-        from kvserve.distributed.worker import ShardSpec
-
-        mc, pc = self.config.model_config, self.config.parallel_config
-        return ShardSpec(str(loaded.path), mc.dtype, quantization, mc.device, mc.num_threads, num_blocks,
-                         block_size, pc.tensor_parallel_size, pc.distributed_timeout_seconds, free_port())
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op without tensor parallelism; also done when the
