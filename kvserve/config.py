@@ -1,4 +1,4 @@
-"""Engine configuration: ``EngineConfig = ModelConfig + CacheConfig + SchedulerConfig``.
+"""Engine configuration: ``EngineConfig = ModelConfig + CacheConfig + SchedulerConfig + ParallelConfig``.
 
 Every value is validated once, in ``__post_init__``, with a ``ValueError`` that names the field and the allowed
 range (``kvserve.validation``). Values that need the model (the effective ``max_model_len``, the pool size from
@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from kvserve.validation import check_bool, check_choice, check_int
+from kvserve.validation import check_bool, check_choice, check_int, check_number
 
 #: Share of the machine's available RAM given to the KV cache when neither ``kv_cache_memory_bytes`` nor
 #: ``num_kv_blocks`` is set, and the cap on that default (bytes).
@@ -162,6 +162,29 @@ class SchedulerConfig:
         check_choice("scheduling_policy", self.scheduling_policy, SUPPORTED_POLICIES)
 
 
+@dataclass
+class ParallelConfig:
+    """Tensor parallelism (vLLM's ``ParallelConfig`` names): one engine's model split over processes.
+
+    Attributes:
+        tensor_parallel_size: ranks the model is split over (default 1: no split). Must divide the model's
+            attention heads, KV heads, ``intermediate_size`` and ``vocab_size`` (checked when the model is known);
+            rank 0 is the engine process, ranks 1 .. T-1 are worker processes (see ``kvserve.distributed``).
+        distributed_timeout_seconds: bound on worker start-up and on every collective (default 300 s): a worker
+            that dies or hangs ends the engine with an error naming its rank, never a hang.
+    """
+
+    tensor_parallel_size: int = _field(1, "split the model over this many processes (Megatron-style tensor "
+                                          "parallelism; 1 = off)")
+    distributed_timeout_seconds: float = _field(300.0, "tensor parallelism: bound on worker start-up and on every "
+                                                       "collective, seconds")
+
+    def __post_init__(self) -> None:
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        check_number("distributed_timeout_seconds", self.distributed_timeout_seconds, 0.0, 86400.0,
+                     low_open=True)
+
+
 SUPPORTED_SPEC_METHODS = ("ngram", "draft_model")
 #: Layers of the self-speculative early-exit draft when ``draft_num_layers`` is not given (a measured choice:
 #: docs/benchmarks.md, "Speculative decoding").
@@ -224,6 +247,14 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: Optional[SpeculativeConfig] = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        spec, tp = self.speculative_config, self.parallel_config.tensor_parallel_size
+        if tp > 1 and spec is not None and spec.method == "draft_model":
+            raise ValueError(f"speculative_config.method='draft_model' is not supported with tensor_parallel_size="
+                             f"{tp} (the draft would need its own sharded workers); use 'ngram' or "
+                             f"tensor_parallel_size=1")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -241,17 +272,19 @@ class EngineConfig:
         elif spec is not None and not isinstance(spec, SpeculativeConfig):
             raise ValueError(f"speculative_config must be a dict or None, got {type(spec).__name__}")
         parts = {}
-        for part_cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        for part_cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
             names = {f.name for f in fields(part_cls)}
             parts[part_cls] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         if kwargs:
-            known = sorted(f.name for c in (ModelConfig, CacheConfig, SchedulerConfig) for f in fields(c))
+            known = sorted(f.name for c in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+                           for f in fields(c))
             raise ValueError(f"unknown engine argument(s) {sorted(kwargs)}; known: {known}")
         return cls(
             model_config=ModelConfig(**parts[ModelConfig]),
             cache_config=CacheConfig(**parts[CacheConfig]),
             scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
             speculative_config=spec,
+            parallel_config=ParallelConfig(**parts[ParallelConfig]),
         )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from datetime import timedelta
 from typing import Optional, Union
 
 import torch
@@ -61,7 +62,15 @@ class LLMEngine:
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.arch = loaded.arch
-        self.backends = select_backends(mc.device, loaded.weights["model.norm.weight"].dtype, quantization)
+        pc = config.parallel_config
+        tp, tp_group = pc.tensor_parallel_size, None
+        if tp > 1:  # before anything starts: the split must divide the model's heads, MLP and vocabulary
+            from kvserve.distributed.parallel_state import TensorParallelGroup
+
+            loaded.arch.check_tensor_parallel_size(tp)
+            tp_group = TensorParallelGroup(0, tp, timedelta(seconds=pc.distributed_timeout_seconds))
+        self.backends = select_backends(mc.device, loaded.weights["model.norm.weight"].dtype, quantization,
+                                        parallel=tp_group)
         self.model = build_model(loaded, self.backends)
         logger.info("%s: %s", self.arch.architecture,
                     self.backends.describe(self.model.layers[0]["qkv"], self.model.lm_head))
@@ -85,10 +94,26 @@ class LLMEngine:
         spec = config.speculative_config
         self.speculator = self._make_speculator(spec, mc, sc, sampler) if spec is not None else None
         self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids)
-        self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, device=mc.device)
+        if tp > 1:  # rank 0 of the group: ships each plan to the workers, samples on the gathered logits
+            from kvserve.distributed.executor import TensorParallelExecutor
+            from kvserve.distributed.parallel_state import free_port
+            from kvserve.distributed.worker import ShardSpec
+
+            shard_spec = ShardSpec(str(loaded.path), mc.dtype, quantization, mc.device, mc.num_threads,
+                                   self.num_blocks, self.block_size, tp, pc.distributed_timeout_seconds, free_port())
+            self.model_runner = TensorParallelExecutor(self.model, sampler, shard_spec, tp_group)
+        else:
+            self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, device=mc.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (a no-op without tensor parallelism; also done when the
+        engine is garbage collected or the interpreter exits)."""
+        stop = getattr(self.model_runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def _make_speculator(self, spec, mc, sc, sampler) -> Speculator:
         """The n-gram proposer, or the draft-model proposer with its own model view and KV pool, with the policy.

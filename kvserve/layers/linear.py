@@ -15,6 +15,7 @@ Measured side by side on this model's shapes: docs/benchmarks.md ("CPU kernels")
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from typing import Protocol
@@ -93,3 +94,136 @@ class Linear:
         if self.path == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return torch.mm(self.weight, x.t()).t().contiguous()
+
+
+# ------------------------------------------------------------------------------------------- tensor parallelism
+# Megatron-LM's split of a transformer's matmuls (Shoeybi et al. 2019, sec. 3): a column-parallel layer keeps a
+# slice of the output features (rows of ``W``) on each rank, so its output is the rank's slice and needs no
+# communication; a row-parallel layer keeps a slice of the input features (columns of ``W``), takes the matching
+# slice of its input and sums the ranks' partial products with one all-reduce. q/k/v and gate/up are
+# column-parallel, o_proj and down_proj row-parallel: one all-reduce after attention and one after the MLP.
+
+
+class ParallelGroup(Protocol):
+    """The collectives the parallel layers call (``kvserve.distributed.parallel_state.TensorParallelGroup``)."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of ``x`` over the ranks (same shape on every rank)."""
+        ...
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Rank 0: the ranks' ``x`` concatenated along ``dim`` in rank order; other ranks: ``x``."""
+        ...
+
+
+def _quant_tensor_type():
+    from kvserve.model.quant.gguf_io import QuantTensor  # here: kvserve.model.quant imports this module
+
+    return QuantTensor
+
+
+def _split(size: int, rank: int, world_size: int, what: str) -> slice:
+    if size % world_size:
+        raise ValueError(f"{what}: {size} is not divisible by tensor_parallel_size={world_size}")
+    n = size // world_size
+    return slice(rank * n, (rank + 1) * n)
+
+
+def shard_rows(weight, rank: int, world_size: int, what: str = "weight"):
+    """Rank ``rank``'s contiguous slice of the output features (rows) of ``weight``: a float ``[out, in]`` or
+    ``[out]`` tensor (a copy, contiguous), or a GGUF ``QuantTensor`` (whole rows of blocks: exact).
+
+    Raises:
+        ValueError: ``out`` not divisible by ``world_size`` (``what`` names the weight).
+    """
+    rows = _split(weight.shape[0], rank, world_size, f"{what} rows")
+    if isinstance(weight, _quant_tensor_type()):
+        return weight.take_rows(np.arange(rows.start, rows.stop))
+    return weight[rows].contiguous()
+
+
+def shard_cols(weight, rank: int, world_size: int, what: str = "weight"):
+    """Rank ``rank``'s contiguous slice of the input features (columns) of ``weight [out, in]``: a float tensor
+    (a copy, contiguous), or a GGUF ``QuantTensor`` cut between whole quantization blocks (exact: a block's
+    scale covers only its own values).
+
+    Raises:
+        ValueError: ``in`` not divisible by ``world_size``, or (quantized) the slice not a whole number of blocks
+            (K-quants have 256-value blocks), naming the weight.
+    """
+    cols = _split(weight.shape[1], rank, world_size, f"{what} columns")
+    QuantTensor = _quant_tensor_type()
+    if not isinstance(weight, QuantTensor):
+        return weight[:, cols].contiguous()
+    from kvserve.model.quant.formats import block_size
+
+    values, nbytes = block_size(weight.qtype)
+    if cols.start % values or cols.stop % values:
+        raise ValueError(f"{what}: {weight.qtype.name} blocks of {values} values cannot be split into "
+                         f"tensor_parallel_size={world_size} column slices of {cols.stop - cols.start}")
+    raw = weight.raw[:, cols.start // values * nbytes : cols.stop // values * nbytes]
+    return QuantTensor(weight.name, weight.qtype, np.ascontiguousarray(raw), (weight.shape[0], cols.stop - cols.start))
+
+
+class ColumnParallelLinear:
+    """A projection split by output features: each part (q, k, v or gate, up) is cut into ``world_size`` row
+    slices and this rank keeps slice ``rank`` of each, fused in part order (``[q_r; k_r; v_r]``).
+
+    Args:
+        parts: ``[out_i, in]`` float tensors or ``QuantTensor`` blocks (``ModelBackends.make_linear``'s input).
+        group: the ``ParallelGroup``.
+        make_linear: builds the local ``LinearMethod`` from the sliced parts.
+        gather_output: gather the slices to rank 0 (the vocabulary-parallel LM head: rank 0 gets the full
+            ``[T, out]`` logits; the other ranks get their own ``[T, out / world_size]``).
+        what: names the weight in errors.
+
+    Call with ``x [T, in]`` -> ``[T, sum(out_i) / world_size]`` (or gathered, above).
+
+    Raises:
+        ValueError: an ``out_i`` not divisible by ``world_size``.
+    """
+
+    def __init__(self, parts: list, group: ParallelGroup, make_linear, gather_output: bool = False,
+                 what: str = "weight"):
+        self.group, self.gather_output = group, gather_output
+        self.local = make_linear([shard_rows(p, group.rank, group.world_size, what) for p in parts])
+        self.in_features, self.out_features = self.local.in_features, self.local.out_features
+        self.path = f"{self.local.path}/tp{group.world_size}"
+
+    def numel(self) -> int:
+        """This rank's weights."""
+        return self.local.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.local(x)
+        return self.group.gather(y, dim=-1) if self.gather_output else y
+
+
+class RowParallelLinear:
+    """A projection split by input features; the partial products are summed over the ranks (one all-reduce).
+
+    Args:
+        weight: ``[out, in]`` float tensor or ``QuantTensor``; this rank keeps columns ``rank`` of ``world_size``.
+        group, make_linear, what: as ``ColumnParallelLinear``.
+
+    Call with this rank's input slice ``x [T, in / world_size]`` -> the full ``[T, out]`` on every rank.
+
+    Raises:
+        ValueError: ``in`` not divisible (or, quantized, not in whole blocks).
+    """
+
+    def __init__(self, weight, group: ParallelGroup, make_linear, what: str = "weight"):
+        self.group = group
+        self.local = make_linear([shard_cols(weight, group.rank, group.world_size, what)])
+        self.in_features, self.out_features = self.local.in_features, self.local.out_features
+        self.path = f"{self.local.path}/tp{group.world_size}"
+
+    def numel(self) -> int:
+        """This rank's weights."""
+        return self.local.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.local(x))

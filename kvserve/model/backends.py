@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from kvserve.attention import AttentionBackend, select_attention_backend
 from kvserve.layers.elementwise import CPUKernelOps, TorchOps
-from kvserve.layers.linear import Linear, LinearMethod
+from kvserve.layers.linear import (ColumnParallelLinear, Linear, LinearMethod, ParallelGroup, RowParallelLinear,
+                                   shard_rows)
 from kvserve.model import cpu_kernels
 from kvserve.model.quant import QuantEmbedding, QuantTensor, make_linear_method
 
@@ -31,6 +32,9 @@ class ModelBackends:
         make_linear: the parts of one projection (``[out_i, in]`` float tensors or GGUF ``QuantTensor`` blocks,
             stacked in order: q/k/v, gate/up) -> a ``LinearMethod``.
         quantization: ``"auto"``, ``"fp32"`` or ``"int8"`` (``ModelConfig.quantization``).
+        parallel: the tensor-parallel group this model is a shard of (``kvserve.distributed``), or ``None`` (the
+            whole model in this process). ``column_linear`` / ``row_linear`` / ``column_bias`` apply the sharding
+            spec when the model is built; with ``None`` they are ``make_linear`` / concatenation.
     """
 
     device: str
@@ -38,6 +42,32 @@ class ModelBackends:
     ops: TorchOps
     make_linear: Callable[[list], LinearMethod]
     quantization: str = "auto"
+    parallel: Optional[ParallelGroup] = None
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks the model is split over (1: not split)."""
+        return 1 if self.parallel is None else self.parallel.world_size
+
+    def column_linear(self, parts: list, gather_output: bool = False, what: str = "weight") -> LinearMethod:
+        """A fused projection split by output features over the ranks (q/k/v, gate/up; the LM head with
+        ``gather_output``): ``ColumnParallelLinear``, or ``make_linear(parts)`` when not split."""
+        if self.parallel is None:
+            return self.make_linear(parts)
+        return ColumnParallelLinear(parts, self.parallel, self.make_linear, gather_output, what)
+
+    def row_linear(self, weight, what: str = "weight") -> LinearMethod:
+        """A projection split by input features, summed over the ranks (o_proj, down_proj): ``RowParallelLinear``,
+        or ``make_linear([weight])`` when not split."""
+        if self.parallel is None:
+            return self.make_linear([weight])
+        return RowParallelLinear(weight, self.parallel, self.make_linear, what)
+
+    def column_bias(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The biases of a ``column_linear`` projection, each cut like its weight's rows, concatenated."""
+        if self.parallel is not None:
+            parts = [shard_rows(b, self.parallel.rank, self.parallel.world_size, "bias") for b in parts]
+        return torch.cat(parts)
 
     @staticmethod
     def make_embedding(table) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -53,9 +83,10 @@ class ModelBackends:
                 f"(LM head {lm_head.path}), norm/activation {self.ops.name}")
 
 
-def select_backends(device: str, dtype: torch.dtype, quantization: str = "auto") -> ModelBackends:
+def select_backends(device: str, dtype: torch.dtype, quantization: str = "auto",
+                    parallel: Optional[ParallelGroup] = None) -> ModelBackends:
     """Pick the attention backend, element-wise ops and linear methods for ``device`` / ``dtype`` /
-    ``quantization``.
+    ``quantization``; ``parallel``: the tensor-parallel group when the model is built as one rank's shard.
 
     kvserve's CPU kernels are used for float32 on a CPU when they build and load here (AVX2, a C compiler,
     ``KVSERVE_CPU_KERNELS`` not ``0``); otherwise PyTorch's ops, with the same results to float32 rounding.
@@ -78,6 +109,7 @@ def select_backends(device: str, dtype: torch.dtype, quantization: str = "auto")
         ops=CPUKernelOps() if fast else TorchOps(),
         make_linear=partial(_make_linear, quantization=quantization, use_kernels=kernels),
         quantization=quantization,
+        parallel=parallel,
     )
 
 

@@ -46,6 +46,16 @@ class ModelArch:
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
 
+    def check_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
+        """Raise ``ValueError`` unless every dimension tensor parallelism splits divides by
+        ``tensor_parallel_size``: attention heads, KV heads (each rank keeps whole heads and its slice of the KV
+        pool), ``intermediate_size`` (the MLP) and ``vocab_size`` (the LM head). The message names the field."""
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+            value = getattr(self, name)
+            if value % tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the model's {name}="
+                                 f"{value} ({self.architecture}); choose a divisor of {value}")
+
 
 class CausalLM(Protocol):
     """The protocol a model family implements.

@@ -23,10 +23,16 @@ class LlamaModel:
         weights: Hugging Face-named tensors (``LoadedModel.weights``), read only: float tensors, or GGUF
             ``QuantTensor`` blocks for projections and the embedding (kept quantized; the embedding then decodes
             only the looked-up rows).
-        backends: attention backend, linear method factory and element-wise ops.
+        backends: attention backend, linear method factory and element-wise ops; with ``backends.parallel`` set,
+            the model is one tensor-parallel rank's shard (``num_heads`` / ``num_kv_heads`` of the heads, its slice
+            of the KV pool; o_proj and down_proj end in an all-reduce, the LM head is gathered to rank 0).
+
+    Attributes:
+        num_heads, num_kv_heads: attention and KV heads computed here (all of them when not sharded).
 
     Raises:
-        ValueError: ``qkv_bias`` is set and a Q/K/V bias is missing.
+        ValueError: ``qkv_bias`` is set and a Q/K/V bias is missing; a tensor-parallel size that does not divide
+            the heads, KV heads, ``intermediate_size`` or ``vocab_size``.
     """
 
     #: Q, K and V projections carry a bias (Qwen2); also set when the weights include them.
@@ -37,12 +43,16 @@ class LlamaModel:
         self.backends = backends
         self.attn = backends.attention
         self.ops = backends.ops
-        linear = backends.make_linear
+        tp = backends.tp_size  # a shard of the model when > 1: whole heads per rank, Megatron-style splits
+        if tp > 1:
+            arch.check_tensor_parallel_size(tp)
+        self.num_heads, self.num_kv_heads = arch.num_attention_heads // tp, arch.num_key_value_heads // tp
+        column, row = backends.column_linear, backends.row_linear
         self.final_norm = weights["model.norm.weight"]
         self.dtype = self.final_norm.dtype  # activations and KV cache (quantized weights compute in float32)
         embed = weights["model.embed_tokens.weight"]
-        self.embed = backends.make_embedding(embed)
-        self.lm_head = linear([weights.get("lm_head.weight", embed)])
+        self.embed = backends.make_embedding(embed)  # replicated on every rank (a lookup: no matmul to split)
+        self.lm_head = column([weights.get("lm_head.weight", embed)], gather_output=True, what="lm_head")
         self.layers = []
         for i in range(arch.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -54,26 +64,27 @@ class LlamaModel:
             self.layers.append(
                 dict(
                     attn_norm=weights[p + "input_layernorm.weight"],
-                    qkv=linear([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-                    qkv_bias=torch.cat([weights[n] for n in bias_names]) if has_bias else None,
-                    o=linear([weights[p + "self_attn.o_proj.weight"]]),
+                    qkv=column([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], what=p + "qkv_proj"),
+                    qkv_bias=backends.column_bias([weights[n] for n in bias_names]) if has_bias else None,
+                    o=row(weights[p + "self_attn.o_proj.weight"], what=p + "o_proj"),
                     mlp_norm=weights[p + "post_attention_layernorm.weight"],
-                    gate_up=linear([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
-                    down=linear([weights[p + "mlp.down_proj.weight"]]),
+                    gate_up=column([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]],
+                                   what=p + "gate_up_proj"),
+                    down=row(weights[p + "mlp.down_proj.weight"], what=p + "down_proj"),
                 )
             )
         d = arch.head_dim
         self.inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of the whole pool: ``[layers, 2, num_blocks, block_size, H_kv, D]``."""
+        """Shape of the whole pool (this rank's heads): ``[layers, 2, num_blocks, block_size, H_kv, D]``."""
         a = self.arch
-        return (a.num_hidden_layers, 2, num_blocks, block_size, a.num_key_value_heads, a.head_dim)
+        return (a.num_hidden_layers, 2, num_blocks, block_size, self.num_kv_heads, a.head_dim)
 
     def bytes_per_block(self, block_size: int) -> int:
-        """Bytes one KV block takes over all layers, K and V."""
+        """Bytes one KV block takes over all layers, K and V (on this rank)."""
         a = self.arch
-        return 2 * a.num_hidden_layers * block_size * a.num_key_value_heads * a.head_dim * self.dtype.itemsize
+        return 2 * a.num_hidden_layers * block_size * self.num_kv_heads * a.head_dim * self.dtype.itemsize
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
@@ -95,10 +106,11 @@ class LlamaModel:
             kv_cache: ``[layers, 2, num_blocks, block_size, H_kv, D]`` in the model dtype.
 
         Returns:
-            ``[S, vocab_size]`` float32 logits of the rows ``batch.logits_indices`` (``S`` of them).
+            ``[S, vocab_size]`` float32 logits of the rows ``batch.logits_indices`` (``S`` of them); on a
+            tensor-parallel rank other than 0, ``[S, vocab_size / tp]`` (its own vocabulary slice).
         """
         a = self.arch
-        n_q, n_kv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        n_q, n_kv, d = self.num_heads, self.num_kv_heads, a.head_dim
         scale = d**-0.5
         meta = self.attn.build_metadata(batch)
         cos, sin = self._rope(batch.positions)

@@ -47,7 +47,8 @@ class LoadedModel:
         arch: the architecture hyperparameters.
         weights: tensor name (Hugging Face naming, e.g. ``model.layers.0.self_attn.q_proj.weight``) -> tensor
             ``[out_features, in_features]`` in the requested dtype; ``lm_head.weight`` is absent when tied.
-        tokenizer: a ``transformers`` tokenizer with the model's special tokens and chat template.
+        tokenizer: a ``transformers`` tokenizer with the model's special tokens and chat template (``None`` when
+            loaded ``weights_only``).
         eos_token_ids: token ids that end generation (the tokenizer's EOS plus any from the model's config).
     """
 
@@ -77,9 +78,13 @@ def default_model_path() -> Path:
     raise ValueError(f"package {DEFAULT_MODEL_PACKAGE!r} carries no .gguf file")
 
 
-def load_model(model: Optional[str] = None, dtype: str = "float32", keep_quantized: bool = False) -> LoadedModel:
+def load_model(model: Optional[str] = None, dtype: str = "float32", keep_quantized: bool = False,
+               weights_only: bool = False) -> LoadedModel:
     """Load weights, architecture and tokenizer (see ``_load_model``), reusing an earlier load in this process
     while the file is unchanged (several engines in one process, as in the tests, share the read-only weights).
+
+    ``weights_only``: load afresh, keep nothing cached and skip the tokenizer (``tokenizer`` is ``None``): a
+    tensor-parallel worker keeps only its shard and never detokenizes (nor imports ``transformers``).
 
     ``keep_quantized``: a GGUF file's quantized tensors stay in their block format (``QuantTensor``, memory-mapped,
     no float copy) for the quantized linear methods; otherwise every tensor is dequantized to float (``"fp32"``)."""
@@ -90,6 +95,8 @@ def load_model(model: Optional[str] = None, dtype: str = "float32", keep_quantiz
         raise ValueError(f"dtype must be one of ('float32', 'bfloat16'), got {dtype!r}")
     st = path.stat()
     keep_quantized = keep_quantized and dtype == "float32" and path.suffix == ".gguf"
+    if weights_only:
+        return _load_model(str(path), dtype, keep_quantized, with_tokenizer=False)
     return _load_model_cached(str(path.resolve()), st.st_mtime_ns, st.st_size, dtype, keep_quantized)
 
 
@@ -98,7 +105,8 @@ def _load_model_cached(path: str, _mtime_ns: int, _size: int, dtype: str, keep_q
     return _load_model(path, dtype, keep_quantized)
 
 
-def _load_model(model: Optional[str] = None, dtype: str = "float32", keep_quantized: bool = False) -> LoadedModel:
+def _load_model(model: Optional[str] = None, dtype: str = "float32", keep_quantized: bool = False,
+                with_tokenizer: bool = True) -> LoadedModel:
     """Load weights, architecture and tokenizer from a GGUF file or a Hugging Face directory.
 
     Args:
@@ -106,6 +114,7 @@ def _load_model(model: Optional[str] = None, dtype: str = "float32", keep_quanti
             ``None`` = the default SmolLM2 GGUF.
         dtype: ``"float32"`` or ``"bfloat16"`` (weights are dequantized to float32 first).
         keep_quantized: keep a GGUF file's quantized tensors as ``QuantTensor`` (float32 only).
+        with_tokenizer: load the tokenizer (else ``tokenizer`` is ``None`` and ``eos_token_ids`` only the file's).
 
     Raises:
         ValueError: the path is missing or unreadable, or the architecture is not a supported Llama family.
@@ -115,9 +124,9 @@ def _load_model(model: Optional[str] = None, dtype: str = "float32", keep_quanti
         raise ValueError(f"model path {str(path)!r} does not exist; pass a .gguf file or a Hugging Face directory")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     if path.is_dir():
-        loaded = _load_hf_dir(path)
+        loaded = _load_hf_dir(path, with_tokenizer)
     elif path.suffix == ".gguf":
-        loaded = _load_gguf(path, keep_quantized)
+        loaded = _load_gguf(path, keep_quantized, with_tokenizer)
     else:
         raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a directory with config.json")
     loaded.weights = {k: v if isinstance(v, QuantTensor) else v.to(torch_dtype).contiguous()
@@ -149,7 +158,7 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, keep_quantized: bool = False) -> LoadedModel:
+def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = True) -> LoadedModel:
     """Read a GGUF file; quantized tensors stay ``QuantTensor`` views with ``keep_quantized``, else float32."""
     import gguf
 
@@ -224,9 +233,9 @@ def _load_gguf(path: Path, keep_quantized: bool = False) -> LoadedModel:
             w = np.array(w, copy=True, order="C")
         weights[hf] = torch.from_numpy(w)
 
-    tokenizer = _gguf_tokenizer(path)
+    tokenizer = _gguf_tokenizer(path) if with_tokenizer else None
     eos = {int(field("tokenizer.ggml.eos_token_id"))} if field("tokenizer.ggml.eos_token_id") is not None else set()
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     return LoadedModel(path=path, arch=arch, weights=weights, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)))
 
@@ -260,9 +269,8 @@ def _gguf_tokenizer(path: Path):
 # ------------------------------------------------------------------------------------------- Hugging Face directory
 
 
-def _load_hf_dir(path: Path) -> LoadedModel:
+def _load_hf_dir(path: Path, with_tokenizer: bool = True) -> LoadedModel:
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
     cfg_path = path / "config.json"
     try:
@@ -304,12 +312,16 @@ def _load_hf_dir(path: Path) -> LoadedModel:
             raise ValueError(f"cannot read {str(f)!r}: {e}") from e
     if arch.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"cannot load the tokenizer from {str(path)!r}: {e}") from e
+    tokenizer = None
+    if with_tokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"cannot load the tokenizer from {str(path)!r}: {e}") from e
     eos = cfg.get("eos_token_id")
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
     return LoadedModel(path=path, arch=arch, weights=weights, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos_ids)))
