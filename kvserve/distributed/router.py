@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Optional, Sequence
 
-from kvserve.core.block_pool import hash_block
+from kvserve.core.block_pool import BlockHash, hash_block
 
 ROUTERS = ("prefix", "least-loaded", "round-robin")
 
@@ -50,9 +50,10 @@ class ReplicaLoad:
         return self.num_running + self.num_waiting
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hash values (``BlockHash.value``, 32 bytes each) of the full blocks of ``token_ids``, exactly as
-    ``KVCacheManager.block_hashes`` computes them for a request with these tokens (``hash_block``, no extra keys).
+def block_hash_chain(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The chained ``BlockHash`` of each full block of ``token_ids``, exactly as ``KVCacheManager.block_hashes``
+    computes them for a request with these tokens (``hash_block``, no extra keys), so a simulated request can carry
+    them into its KV manager.
 
     Raises:
         ValueError: ``block_size < 1``.
@@ -62,8 +63,17 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
     out, parent = [], None
     for i in range(len(token_ids) // block_size):
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
-        out.append(parent.value)
+        out.append(parent)
     return out
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The hash values (``BlockHash.value``, 32 bytes each) of ``block_hash_chain``: what the routers compare.
+
+    Raises:
+        ValueError: ``block_size < 1``.
+    """
+    return [h.value for h in block_hash_chain(token_ids, block_size)]
 
 
 def least_loaded(loads: dict) -> Hashable:

@@ -109,7 +109,8 @@ class KVServeRequestRouter(RequestRouter):
     (the ingress's per-replica calls: metrics, info); other calls go to the least loaded replica.
 
     Attributes:
-        decisions: the last ``(request_id, replica unique id)`` pairs routed (a bounded deque, newest last).
+        decisions: the last ``(request_id, replica unique id, first block hash or None)`` routed (a bounded deque,
+            newest last).
     """
 
     def initialize_state(self, router: str = "prefix", block_size: int = 16, deployment: str = DEPLOYMENT_NAME,
@@ -164,7 +165,7 @@ class KVServeRequestRouter(RequestRouter):
         self.policy.on_routed(uid, hashes)
         self.inflight[uid] += 1
         self._routed[rid] = uid
-        self.decisions.append((pending_request.args[2], uid))
+        self.decisions.append((pending_request.args[2], uid, hashes[0] if hashes else None))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         uid = self._routed.pop(internal_request_id, None)

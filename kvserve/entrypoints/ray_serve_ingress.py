@@ -268,7 +268,7 @@ def deploy(engine_args: dict, num_replicas: int, router: str = "prefix", model_n
         kw = dict(address=ray_address) if ray_address else dict(num_cpus=max(num_replicas, os.cpu_count() or 1))
         ray.init(include_dashboard=False, runtime_env={"env_vars": worker_env()}, logging_level=logging.WARNING,
                  **kw)
-    serve.start(http_options={"location": "NoServer"})
+    serve.start(proxy_location="Disabled")
     router_config = RequestRouterConfig(
         request_router_class=KVServeRequestRouter, request_routing_stats_period_s=1.0,
         request_router_kwargs={"router": router, "block_size": config.cache_config.block_size,
