@@ -118,8 +118,8 @@ class KVServeRequestRouter(RequestRouter):
         """Ray Serve calls this with ``RequestRouterConfig.request_router_kwargs``."""
         self.policy = make_router(router, **(prefix_kwargs if router == "prefix" else {}))
         self.block_size = block_size
-        self.inflight: dict = defaultdict(int)  # replica unique id -> routed, not completed
-        self._routed: dict = {}  # internal request id -> replica unique id (in flight)
+        self.inflight: dict = defaultdict(int)  # replica unique id -> chosen or routed, not completed
+        self._routed: dict = {}  # internal request id -> replica unique id (chosen, then in flight)
         self._hashes: dict = {}  # internal request id -> block hashes, between choose and routed
         self.decisions: deque = deque(maxlen=10000)
         # Serve may rebuild this class from a by-value pickle (its own copy of the module globals): register in
@@ -151,10 +151,20 @@ class KVServeRequestRouter(RequestRouter):
             return [[by_id[pinned]]] if pinned in by_id else []
         if pending_request is None or pending_request.metadata.call_method != "generate":
             return [[by_id[by_load[0]]]]
+        rid = pending_request.metadata.internal_request_id
+        self._release(rid)  # a retried choice replaces the earlier one
         hashes = prompt_block_hashes(pending_request.args[0], self.block_size)
         pick = self.policy.choose(hashes, loads)
-        self._hashes[pending_request.metadata.internal_request_id] = hashes
+        self._hashes[rid] = hashes
+        # counted at once: requests routed concurrently see each other's choices, not only completed routings
+        self._routed[rid] = pick
+        self.inflight[pick] += 1
         return [[by_id[pick]], [by_id[uid] for uid in by_load if uid != pick]]
+
+    def _release(self, internal_request_id: str) -> None:
+        uid = self._routed.pop(internal_request_id, None)
+        if uid is not None and self.inflight[uid] > 0:
+            self.inflight[uid] -= 1
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = pending_request.metadata.internal_request_id
@@ -163,14 +173,13 @@ class KVServeRequestRouter(RequestRouter):
             return
         uid = replica_id.unique_id
         self.policy.on_routed(uid, hashes)
+        self._release(rid)  # it went to the choice, or (the choice full or gone) to a lower rank
         self.inflight[uid] += 1
         self._routed[rid] = uid
         self.decisions.append((pending_request.args[2], uid, hashes[0] if hashes else None))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        uid = self._routed.pop(internal_request_id, None)
-        if uid is not None and self.inflight[uid] > 0:
-            self.inflight[uid] -= 1
+        self._release(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -5,7 +5,6 @@ import asyncio
 import json
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -95,11 +94,11 @@ def _run_rounds(cluster, waves: list, marker: int) -> tuple:
 
 
 def test_multiround_conversations_stay_on_their_replica(cluster):
-    """ShareGPT multi-round (3 users, rounds 2-4): the prefix router keeps each conversation on one replica and
-    finds at least twice round-robin's prefix hits (the same prompts behind a different first token)."""
-    tok = cluster.llm.tokenizer
-    waves = multiround_waves(tok, default_data_dir(), 3, max_input_tokens=512, output_len=2)[:3]
-    assert [len(w) for w in waves] == [3, 3, 3]
+    """ShareGPT multi-round (3 users, rounds 2 and 3, sent one by one): the prefix router keeps each conversation on
+    one replica; round-robin alternates them (3 users on 2 replicas), so the prefix router finds at least twice its
+    prefix hits on the same prompts (behind a different first token, so the two runs share no blocks)."""
+    waves = multiround_waves(cluster.llm.tokenizer, default_data_dir(), 3, max_input_tokens=512, output_len=2)[:2]
+    assert [len(w) for w in waves] == [3, 3]
     router = get_router()
     router.policy = make_router("prefix")
     prefix_rate, placed = _run_rounds(cluster, waves, 1000)
@@ -108,12 +107,12 @@ def test_multiround_conversations_stay_on_their_replica(cluster):
     rr_rate, rr_placed = _run_rounds(cluster, waves, 2000)
     assert all(len(set(uids)) == 2 for uids in rr_placed.values()), rr_placed
     print(json.dumps({"prefix_hit_rate": prefix_rate, "round_robin_hit_rate": rr_rate}))
-    assert prefix_rate >= 2 * rr_rate > 0
+    assert prefix_rate >= 2 * rr_rate and prefix_rate > 0.3
     router.policy = make_router("prefix")
 
 
 async def _stream(client, url, model, prompt, out: dict) -> None:
-    payload = {"model": model, "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+    payload = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
                "stream": True}
     out["events"] = []
     async with client.stream("POST", url + "/v1/completions", json=payload) as r:
@@ -124,7 +123,7 @@ async def _stream(client, url, model, prompt, out: dict) -> None:
 
 
 async def _post(client, url, model, prompt, out: dict) -> None:
-    payload = {"model": model, "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    payload = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
     r = await client.post(url + "/v1/completions", json=payload)
     out["status"], out["body"] = r.status_code, r.json()
 
@@ -169,6 +168,6 @@ def test_replica_killed_under_load(cluster):
         elif uid == victim:
             assert out["status"] == 503 and out["body"]["error"]["type"] == "server_shutdown", out
         else:
-            assert out["status"] == 200 and out["body"]["usage"]["completion_tokens"] == 48
-    assert after["status"] == 200 and after["body"]["usage"]["completion_tokens"] == 48
+            assert out["status"] == 200 and out["body"]["usage"]["completion_tokens"] == 32
+    assert after["status"] == 200 and after["body"]["usage"]["completion_tokens"] == 32
     assert router.decisions[-1][1] != victim
