@@ -250,3 +250,18 @@ def imbalance(counts: Iterable[int]) -> Optional[float]:
     counts = list(counts)
     mean = sum(counts) / len(counts) if counts else 0
     return max(counts) / mean if mean else None
+
+
+def add_bound_args(g) -> None:
+    """``--router-balance-abs`` / ``--router-balance-rel``: the prefix router's imbalance bound (also on ``kvserve
+    serve``)."""
+    g.add_argument("--router-balance-abs", type=int, default=8,
+                   help="prefix router: a hit is not followed when its replica has more than this many requests "
+                        "(running + waiting) above the least loaded one ... (default 8)")
+    g.add_argument("--router-balance-rel", type=float, default=1.5,
+                   help="... and more than this factor times its load (default 1.5)")
+
+
+def bound_kwargs(args) -> dict:
+    """``PrefixAwareRouter`` keywords from ``--router-balance-abs`` / ``--router-balance-rel``."""
+    return {"balance_abs": args.router_balance_abs, "balance_rel": args.router_balance_rel}

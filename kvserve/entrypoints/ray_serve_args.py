@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.distributed.router import ROUTERS
+from kvserve.distributed.router import ROUTERS, add_bound_args
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +17,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="how requests are spread over replicas (default prefix: the longest cached prefix, within "
                         "a load-imbalance bound; see kvserve.distributed.router)")
     g.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    add_bound_args(g)
 
 
 def wants_ray(args: argparse.Namespace) -> bool:

@@ -336,7 +336,8 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
         server = build_server(engine_args, args.data_parallel_size, args.router, host=args.host, port=args.port,
                               served_model_name=args.served_model_name, log_level=args.uvicorn_log_level,
                               access_log=not args.no_access_log, api_key=api_key,
-                              metrics_auth=not args.no_metrics_auth, sock=sock, ray_address=args.ray_address)
+                              metrics_auth=not args.no_metrics_auth, sock=sock, ray_address=args.ray_address,
+                              balance_abs=args.router_balance_abs, balance_rel=args.router_balance_rel)
         asyncio.run(server.serve())
     finally:
         sock.close()

@@ -22,7 +22,8 @@ from typing import Optional
 from kvserve.bench.serve import RequestResult, summarize
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
-from kvserve.distributed.router import PrefixAwareRouter, block_hash_chain, ReplicaLoad, Router, imbalance
+from kvserve.distributed.router import (PrefixAwareRouter, ReplicaLoad, Router, add_bound_args, block_hash_chain,
+                                        bound_kwargs, imbalance)
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.sim.simulator import Simulator, _fake_run
@@ -204,6 +205,7 @@ def add_args(p) -> None:
     g.add_argument("--router", default="prefix",
                    help=f"{', '.join(ROUTERS)}, or a comma list (default prefix)")
     g.add_argument("--scale-plot", default=None, help="sweep: write goodput per replica and hit rate vs N here")
+    add_bound_args(g)
 
 
 def parse_list(text: str, name: str, kind, allowed=None) -> list:
@@ -296,7 +298,7 @@ def run_cli(args, sim: Simulator, trace: list, slos: dict) -> int:
 
     replicas = parse_list(args.replicas, "replicas", int)
     routers = parse_list(args.router, "router", str, ROUTERS)
-    rows = sweep(sim, trace, replicas, routers, slos, scale_load=len(replicas) > 1)
+    rows = sweep(sim, trace, replicas, routers, slos, scale_load=len(replicas) > 1, router_kwargs=bound_kwargs(args))
     if not args.quiet:
         print(f"simulated {len(trace)} requests ({args.dataset}) on {replicas} replicas x {routers}; "
               f"{'arrivals sped up N times for N replicas; ' if len(replicas) > 1 else ''}"
