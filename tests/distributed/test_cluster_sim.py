@@ -1,5 +1,8 @@
 """``kvserve.sim.cluster``: N simulated replicas behind the shared router, exact under a constant step cost."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from kvserve.config import EngineConfig
@@ -76,3 +79,25 @@ def test_sweep_scales_the_load_and_bad_lists():
         parse_list("prefix,random", "router", str, ("prefix", "least-loaded", "round-robin"))
     with pytest.raises(ValueError, match="replicas must be an int >= 1"):
         ClusterSimulator(sim_for(), 0, RoundRobinRouter())
+
+
+def test_cli_sweep_and_bad_flags(tmp_path, capsys):
+    from kvserve.entrypoints.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"arrival_s": {i}, "prompt_tokens": 40, "output_tokens": 2, '
+                             f'"prefix_block_ids": [{i % 2}]}}\n' for i in range(6)))
+    profile = str(Path(__file__).resolve().parents[2] / "docs" / "simulator_profile.json")
+    out = tmp_path / "rows.json"
+    args = ["sim", "--profile", profile, "--dataset", "jsonl", "--trace-file", str(trace), "--prefix-block-tokens",
+            "32", "--replicas", "1,2", "--router", "prefix,round-robin", "--output-json", str(out)]
+    assert main(args) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["replicas"], r["router"], r["completed"]) for r in rows] == [
+        (1, "prefix", 6), (1, "round-robin", 6), (2, "prefix", 6), (2, "round-robin", 6)]
+    assert rows[2]["requests_per_replica"] == [3, 3]  # prefix: the two prefixes on their own replicas
+    assert "replicas" in capsys.readouterr().out
+    assert main(args[:-4] + ["--router", "random"]) == 2
+    assert "--router must be in prefix, least-loaded, round-robin" in capsys.readouterr().err
+    assert main(["serve", "--data-parallel-size", "0"]) == 2
+    assert "--data-parallel-size must be >= 1" in capsys.readouterr().err
