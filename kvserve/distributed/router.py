@@ -10,7 +10,9 @@ replica the router keeps the hashes of the prompts it has routed there (an LRU s
 a model of what that replica's prefix cache holds); a request goes to the replica holding the longest run of its
 leading hashes, unless
 
-- no replica holds at least ``min_match_blocks`` of them (no useful hit), or
+- the best hit is not useful: fewer than ``min_match_blocks`` blocks, or less than ``min_match_ratio`` of the
+  prompt's full blocks (a shared system prompt alone does not pin every request to one replica; SGLang's router has
+  the same ``cache_threshold``), or
 - that replica is overloaded: its load (running + waiting requests) exceeds the least loaded replica's by more than
   ``balance_abs`` requests AND by more than a factor ``balance_rel`` (SGLang's two-threshold rule), or its KV usage
   is above ``kv_usage_limit``;
@@ -149,7 +151,8 @@ class PrefixAwareRouter(Router):
     Args:
         cache_blocks: blocks remembered per replica (LRU); the replica's pool size (``num_blocks``) models its
             prefix cache.
-        min_match_blocks: the fewest leading blocks that make a hit worth following (>= 1).
+        min_match_blocks: the fewest leading blocks that make a hit worth following (>= 1) ...
+        min_match_ratio: ... and the least fraction of the prompt's full blocks (0..1).
         balance_abs: the prefix choice is overridden when its load exceeds the least loaded replica's by more than
             this many requests ...
         balance_rel: ... and is more than ``balance_rel`` times it.
@@ -165,18 +168,21 @@ class PrefixAwareRouter(Router):
 
     name = "prefix"
 
-    def __init__(self, cache_blocks: int = 1 << 20, min_match_blocks: int = 1, balance_abs: int = 8,
-                 balance_rel: float = 1.5, kv_usage_limit: float = 0.95):
+    def __init__(self, cache_blocks: int = 1 << 20, min_match_blocks: int = 1, min_match_ratio: float = 0.3,
+                 balance_abs: int = 8, balance_rel: float = 1.5, kv_usage_limit: float = 0.95):
         if cache_blocks < 1:
             raise ValueError(f"cache_blocks must be >= 1, got {cache_blocks}")
         if min_match_blocks < 1:
             raise ValueError(f"min_match_blocks must be >= 1, got {min_match_blocks}")
+        if not 0.0 <= min_match_ratio <= 1.0:
+            raise ValueError(f"min_match_ratio must be in [0, 1], got {min_match_ratio}")
         if balance_abs < 0 or not balance_rel >= 1.0:
             raise ValueError(f"balance_abs must be >= 0 and balance_rel >= 1, got {balance_abs}, {balance_rel}")
         if not 0.0 < kv_usage_limit <= 1.0:
             raise ValueError(f"kv_usage_limit must be in (0, 1], got {kv_usage_limit}")
         self.cache_blocks = cache_blocks
         self.min_match_blocks = min_match_blocks
+        self.min_match_ratio = min_match_ratio
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.kv_usage_limit = kv_usage_limit
@@ -210,7 +216,7 @@ class PrefixAwareRouter(Router):
             n = self.match_length(r, block_hashes)
             if n > best_len:
                 best, best_len = r, n
-        if best is not None and best_len >= self.min_match_blocks:
+        if best is not None and best_len >= max(self.min_match_blocks, self.min_match_ratio * len(block_hashes)):
             if not self.overloaded(best, loads):
                 self.num_prefix_routed += 1
                 return best

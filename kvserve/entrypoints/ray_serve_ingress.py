@@ -290,7 +290,8 @@ def build_client(handle, engine_args: dict) -> RayEngineClient:
 def build_server(engine_args: dict, num_replicas: int, router: str = "prefix", host: str = "127.0.0.1",
                  port: int = 8000, served_model_name: Optional[str] = None, log_level: str = "info",
                  access_log: bool = True, api_key: Optional[str] = None, metrics_auth: bool = True,
-                 sock=None, ray_address: Optional[str] = None, **router_kwargs) -> KVServeServer:
+                 sock=None, ray_address: Optional[str] = None, autoscaling: Optional[dict] = None,
+                 **router_kwargs) -> KVServeServer:
     """Deploy the replicas and build the ingress server (not started): ``api_server.build_app`` over a
     ``RayEngineClient``; ``/metrics`` per replica. Arguments as ``api_server.build_server`` and ``deploy``.
 
@@ -299,7 +300,7 @@ def build_server(engine_args: dict, num_replicas: int, router: str = "prefix", h
     """
     config = EngineConfig.from_kwargs(**{k: v for k, v in engine_args.items() if v is not None})
     name = served_model_name or Path(config.model_config.model or _default_model()).stem
-    handle = deploy(engine_args, num_replicas, router, name, ray_address, **router_kwargs)
+    handle = deploy(engine_args, num_replicas, router, name, ray_address, autoscaling, **router_kwargs)
     client = build_client(handle, engine_args)
     app = build_app(client, name, stat_logger=client.stat_logger, api_key=api_key, metrics_auth=metrics_auth)
     app.user_middleware.append(Middleware(MetricsRefresh, metrics=client.stat_logger))  # innermost

@@ -1,5 +1,6 @@
-"""``kvserve serve --data-parallel-size 2`` on a local Ray cluster: 2 replicas (1 CPU each) behind the kvserve
-OpenAI server, the prefix-aware request router, a replica killed under load. Skipped without the ``ray`` extra."""
+"""``kvserve serve --data-parallel-size 2`` on a local Ray cluster: replicas (1 CPU each) behind the kvserve
+OpenAI server — one at first, scaled to two under load by Serve's autoscaler — the prefix-aware request router, a
+replica killed under load. Skipped without the ``ray`` extra."""
 
 import asyncio
 import json
@@ -22,11 +23,15 @@ from kvserve.entrypoints import ray_serve_ingress as ingress  # noqa: E402
 from kvserve.entrypoints.ray_serve import APP_NAME, DEPLOYMENT_NAME, get_router  # noqa: E402
 
 ENGINE_ARGS = {"max_model_len": 1024}
+# one replica at first; Serve adds the second when more than one request per replica is in flight
+AUTOSCALING = {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+               "upscale_delay_s": 0, "downscale_delay_s": 3600, "metrics_interval_s": 0.5, "look_back_period_s": 1}
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    server = ingress.build_server(ENGINE_ARGS, 2, "prefix", port=0, log_level="warning", access_log=False)
+    server = ingress.build_server(ENGINE_ARGS, 1, "prefix", port=0, log_level="warning", access_log=False,
+                                  autoscaling=AUTOSCALING)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -66,6 +71,34 @@ def test_greedy_answers_match_a_single_engine(cluster):
     # the server's validation is kvserve serve's: a 400 naming the field
     bad = httpx.post(cluster.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5000}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_scale_from_one_to_two_replicas_under_load(cluster):
+    """Streams in flight on the one replica make Serve start a second; every request of the load succeeds while it
+    starts, and once it is up the router sends requests to both."""
+    router = get_router()
+    assert len(router.replica_ids()) == 1
+    router.policy = make_router("least-loaded")
+    prompts = [f"Count to ten, take {i}:" for i in range(3)]
+
+    async def load():
+        async with httpx.AsyncClient(timeout=120) as client:
+            deadline = time.monotonic() + 300
+            rounds = 0
+            while len(router.replica_ids()) < 2 or rounds < 1:
+                assert time.monotonic() < deadline, "no second replica within 300 s"
+                if len(router.replica_ids()) == 2:
+                    rounds += 1  # one more round with both replicas up
+                n0 = len(router.decisions)
+                outs = [{} for _ in prompts]
+                await asyncio.gather(*(_post(client, cluster.url, cluster.model, p, o, 16)
+                                       for p, o in zip(prompts, outs)))
+                assert all(o["status"] == 200 and o["body"]["usage"]["completion_tokens"] == 16 for o in outs), outs
+            return {u for _, u, _ in list(router.decisions)[n0:]}
+
+    used = asyncio.run(load())
+    assert used == set(router.replica_ids()) and len(used) == 2
+    router.policy = make_router("prefix")
 
 
 def test_metrics_per_replica(cluster):
@@ -122,8 +155,8 @@ async def _stream(client, url, model, prompt, out: dict) -> None:
                 out["events"].append(json.loads(line[6:]))
 
 
-async def _post(client, url, model, prompt, out: dict) -> None:
-    payload = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+async def _post(client, url, model, prompt, out: dict, max_tokens: int = 32) -> None:
+    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     r = await client.post(url + "/v1/completions", json=payload)
     out["status"], out["body"] = r.status_code, r.json()
 

@@ -60,6 +60,18 @@ def test_prefix_follows_the_longest_cached_run():
     assert (r.num_prefix_routed, r.num_fallback_routed, r.num_overridden) == (2, 2, 0)
 
 
+def test_prefix_hit_must_cover_a_share_of_the_prompt():
+    r = PrefixAwareRouter(min_match_ratio=0.5)
+    shared = list(range(8))  # a 2-block "system prompt" every request starts with
+    r.on_routed(1, prompt_block_hashes(shared + list(range(100, 116)), BS))
+    loads = {0: ReplicaLoad(0, 0), 1: ReplicaLoad(1, 0)}
+    assert r.choose(prompt_block_hashes(shared + list(range(200, 216)), BS), loads) == 0  # 2 of 6 blocks: < half
+    assert r.choose(prompt_block_hashes(shared + list(range(100, 112)), BS), loads) == 1  # 5 of 5
+    assert r.choose(prompt_block_hashes(shared + list(range(100, 104)) + list(range(300, 308)), BS), loads) == 1
+    with pytest.raises(ValueError, match="min_match_ratio"):
+        PrefixAwareRouter(min_match_ratio=1.5)
+
+
 def test_prefix_imbalance_bound_and_kv_limit():
     r = PrefixAwareRouter(balance_abs=4, balance_rel=2.0, kv_usage_limit=0.9)
     h = prompt_block_hashes(list(range(8)), BS)
