@@ -23,8 +23,9 @@ from kvserve.entrypoints import ray_serve_ingress as ingress  # noqa: E402
 from kvserve.entrypoints.ray_serve import APP_NAME, DEPLOYMENT_NAME, get_router  # noqa: E402
 
 ENGINE_ARGS = {"max_model_len": 1024}
-# one replica at first; Serve adds the second when more than one request per replica is in flight
-AUTOSCALING = {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+# one replica at first; Serve adds the second when more than two requests per replica are in flight (the tests
+# before the scale-up send one request at a time)
+AUTOSCALING = {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
                "upscale_delay_s": 0, "downscale_delay_s": 3600, "metrics_interval_s": 0.5, "look_back_period_s": 1}
 
 
@@ -79,7 +80,7 @@ def test_scale_from_one_to_two_replicas_under_load(cluster):
     router = get_router()
     assert len(router.replica_ids()) == 1
     router.policy = make_router("least-loaded")
-    prompts = [f"Count to ten, take {i}:" for i in range(3)]
+    prompts = [f"Count to ten, take {i}:" for i in range(4)]
 
     async def load():
         async with httpx.AsyncClient(timeout=120) as client:
