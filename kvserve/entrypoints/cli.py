@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
     add_engine_args(srv)
     api_server.add_args(srv)
+    from kvserve.entrypoints import ray_serve_args
+    ray_serve_args.add_args(srv)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -87,6 +89,8 @@ def main(argv=None) -> int:
         if args.command == "bench" and args.bench_command == "report":
             return report.run(args)
         if args.command == "serve":
+            if ray_serve_args.wants_ray(args):
+                return ray_serve_args.run(args, engine_kwargs(args))
             return api_server.run(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "serve":
             return bench_serve.run(args)

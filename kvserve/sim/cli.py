@@ -51,6 +51,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot-dir", default=None,
                    help="write kv_usage.png (KV usage, running and waiting over time) and latency_cdf.png here")
     p.add_argument("--quiet", action="store_true")
+    from kvserve.sim import cluster
+
+    cluster.add_args(p)
 
 
 def plot(res, out_dir) -> list:
@@ -166,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     sim, prof = build_simulator(engine_kwargs(args), args.profile, args.server_calibration)
     trace = load_trace(args)
+    from kvserve.sim import cluster
+
+    if cluster.wants_cluster(args):
+        return cluster.run_cli(args, sim, trace, slos)
     res = sim.run(trace, slos, sample_every=max(1, len(trace) // 200))
     s = res.summary
     if not args.quiet:
