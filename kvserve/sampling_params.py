@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from kvserve.validation import check_bool as _boolean
 from kvserve.validation import check_int as _integer
 from kvserve.validation import check_number as _number
 from kvserve.validation import check_text
+
+if TYPE_CHECKING:
+    from kvserve.structured.params import StructuredOutputsParams
 
 #: Temperatures below this are treated as greedy (dividing logits by ~0 would overflow).
 GREEDY_EPS = 1e-5
@@ -43,6 +46,9 @@ class SamplingParams:
         logprobs: number of top logprobs to return per generated token, ``[0, 20]`` (the sampled token's own
             logprob is always included); ``None`` = none.
         skip_special_tokens: drop special tokens from the text.
+        structured_outputs: a ``StructuredOutputsParams`` (JSON schema, any JSON object, regex, choice or EBNF
+            grammar) the output must match; each sampled token is drawn only from the tokens the grammar allows,
+            EOS only where the text may end. ``None`` = unconstrained.
 
     Raises:
         ValueError: any field out of range (the message names the field and the range).
@@ -65,6 +71,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    structured_outputs: Optional["StructuredOutputsParams"] = None
 
     def __post_init__(self) -> None:
         _integer("n", self.n, 1, MAX_N)
@@ -97,6 +104,14 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _integer("stop_token_ids[]", t, 0)
         self.stop_token_ids = list(self.stop_token_ids)
+        self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> None:
+        from kvserve.structured.params import StructuredOutputsParams
+
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
 
     @property
     def greedy(self) -> bool:
