@@ -104,12 +104,12 @@ class Sampler:
         """Structured outputs: disallowed tokens -> -inf, per row, from each request's grammar state. Where
         ``min_tokens`` suppressed every token the grammar allows (its text can only end now), the grammar wins:
         the row is ``raw`` under the grammar mask alone."""
-        bitmask = bitmask_for([r.grammar for r in states], logits.shape[1])
-        if bitmask is None:
+        masks = bitmask_for([r.grammar for r in states], logits.shape[1])
+        if masks is None:
             return
-        apply_bitmask(logits, bitmask)
-        dead = [i for i, r in enumerate(states) if r.grammar is not None and not torch.isfinite(logits[i]).any()]
-        for i in dead:
+        bitmask, rows = masks
+        apply_bitmask(logits, bitmask, rows)
+        for i in [i for i in rows if not torch.isfinite(logits[i]).any()]:
             logits[i] = raw[i]
             apply_bitmask(logits[i : i + 1], bitmask[i : i + 1])
 

@@ -163,30 +163,34 @@ class GrammarState:
             self.matcher.rollback(advanced)
 
 
-def bitmask_for(states: list[Optional[GrammarState]], vocab_size: int) -> Optional[torch.Tensor]:
-    """``[B, ceil(V/32)]`` int32 bitmask, row b from ``states[b]`` (all allowed where ``None``), or ``None`` when
-    no row has a grammar."""
-    if all(s is None for s in states):
+def bitmask_for(states: list[Optional[GrammarState]], vocab_size: int) -> Optional[tuple[torch.Tensor, list[int]]]:
+    """``([B, ceil(V/32)] int32 bitmask, rows)``: row b filled from ``states[b]`` for the ``rows`` that have a
+    grammar (the others stay all-allowed and are skipped when applying), or ``None`` when no row has one."""
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if not rows:
         return None
     bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for i, s in enumerate(states):
-        if s is not None:
-            s.fill(bitmask, i)
-    return bitmask
+    for i in rows:
+        states[i].fill(bitmask, i)
+    return bitmask, rows
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set ``logits[b, t] = -inf`` where bit ``t`` of ``bitmask[b]`` is 0 (in place).
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None) -> None:
+    """Set ``logits[b, t] = -inf`` where bit ``t`` of ``bitmask[b]`` is 0 (in place), for ``b`` in ``rows``
+    (default: every row).
 
     Args:
         logits: ``[B, V]`` float (CPU or accelerator).
         bitmask: ``[B, ceil(V/32)]`` int32 on the CPU.
+        rows: the rows to mask, or ``None`` for all.
     """
     import xgrammar as xgr
 
-    if logits.device.type == "cpu":
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1])
+    if logits.device.type == "cpu":  # xgrammar's C++ kernel (a few times faster than unpacking bits in torch)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
         return
+    idx = list(range(bitmask.shape[0])) if rows is None else rows
     bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, : logits.shape[1]]
-    logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+    allowed = ((bitmask[idx, :, None] >> bits) & 1).bool().reshape(len(idx), -1)[:, : logits.shape[1]]
+    sel = torch.tensor(idx, device=logits.device)
+    logits[sel] = logits[sel].masked_fill(~allowed.to(logits.device), float("-inf"))
