@@ -147,3 +147,14 @@ def test_bad_constraints_are_value_errors(llm):
         with pytest.raises(ValueError, match=match):
             llm.generate("Hi", SamplingParams(max_tokens=2, structured_outputs=so))
     assert_pool_clean(engine)
+
+
+def test_preemption_does_not_double_advance_the_matchers(bfcl_greedy):
+    """A starved pool preempts (recompute) mid-generation; each matcher still sees every token once, so the
+    greedy outputs equal the roomy pool's."""
+    items, params, greedy = (x[:3] for x in bfcl_greedy)
+    starved = LLM(num_kv_blocks=10, block_size=16, max_num_seqs=3)
+    outs = starved.generate([p for p, _ in items], params)
+    assert starved.llm_engine.stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in greedy]
+    assert_pool_clean(starved.llm_engine)
