@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from kvserve.validation import check_bool as _boolean
 from kvserve.validation import check_int as _integer
 from kvserve.validation import check_number as _number
 from kvserve.validation import check_text
+
+if TYPE_CHECKING:
+    from kvserve.structured.params import StructuredOutputsParams
 
 #: Temperatures below this are treated as greedy (dividing logits by ~0 would overflow).
 GREEDY_EPS = 1e-5
@@ -46,6 +49,9 @@ class SamplingParams:
         prompt_logprobs: number of top logprobs to return per prompt token, ``[0, 20]`` (the prompt token's own
             logprob is always included); ``None`` = none. Computed in the prefill; such a request takes no
             prefix-cache hits for the positions still to be scored (``RequestOutput.prompt_logprobs``).
+        structured_outputs: a ``StructuredOutputsParams`` (JSON schema, any JSON object, regex, choice or EBNF
+            grammar) the output must match; each sampled token is drawn only from the tokens the grammar allows,
+            EOS only where the text may end. ``None`` = unconstrained.
 
     Raises:
         ValueError: any field out of range (the message names the field and the range).
@@ -69,6 +75,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional["StructuredOutputsParams"] = None
 
     def __post_init__(self) -> None:
         _integer("n", self.n, 1, MAX_N)
@@ -103,6 +110,14 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _integer("stop_token_ids[]", t, 0)
         self.stop_token_ids = list(self.stop_token_ids)
+        self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> None:
+        from kvserve.structured.params import StructuredOutputsParams
+
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
 
     @property
     def greedy(self) -> bool:

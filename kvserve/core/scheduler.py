@@ -290,6 +290,11 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if not sp.ignore_eos and token in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
+        grammar = req.sampling_state.grammar
+        if grammar is not None:  # structured outputs: the matcher takes the appended token
+            grammar.sync(req.output_token_ids)
+            if grammar.finished:  # the grammar allows nothing more
+                return RequestStatus.FINISHED_STOPPED
         if n_out >= sp.max_tokens or req.num_tokens >= req.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

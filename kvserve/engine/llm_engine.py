@@ -29,6 +29,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.sample.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.speculator import Speculator
+from kvserve.structured.backend import GrammarBackend
 from kvserve.validation import check_text
 from kvserve.worker.model_runner import ModelRunner
 
@@ -105,6 +106,7 @@ class LLMEngine:
         else:
             self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, device=mc.device)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammar_backend = GrammarBackend(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
         self._ids = itertools.count()
 
@@ -204,8 +206,8 @@ class LLMEngine:
         Raises:
             ValueError: empty or invalid prompt; prompt longer than ``max_model_len``; prompt needing more KV blocks
                 than the whole pool; without chunked prefill, prompt longer than ``max_num_batched_tokens``; a duplicate
-                ``request_id``; a non-integer ``priority``.
-                Nothing is queued or allocated then.
+                ``request_id``; a non-integer ``priority``; ``structured_outputs`` the grammar backend cannot
+                compile. Nothing is queued or allocated then.
         """
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
@@ -230,6 +232,7 @@ class LLMEngine:
             )
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        grammar = None if sp.structured_outputs is None else self.grammar_backend.compile(sp.structured_outputs)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self.output_processor.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -247,6 +250,9 @@ class LLMEngine:
             )
             for i in range(sp.n)
         ]
+        if grammar is not None:  # one matcher per sample
+            for s in samples:
+                s.sampling_state.grammar = self.grammar_backend.new_state(grammar)
         if sp.n > 1:
             for i, s in enumerate(samples):
                 s.parent_id, s.sample_index = rid, i

@@ -2,7 +2,10 @@
 
 A message is ``{"role", "content"}`` (plus an optional ``name``, accepted and not rendered):
 
-- ``role``: ``system``, ``developer`` (rendered as ``system``), ``user`` or ``assistant``;
+- ``role``: ``system``, ``developer`` (rendered as ``system``), ``user``, ``assistant`` or ``tool`` (a tool's
+  result, with an optional ``tool_call_id``); an assistant message may carry ``tool_calls``
+  (``[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]``, passed to the template with
+  ``arguments`` parsed, the Hugging Face convention);
 - ``content``: a string, or a list of text parts ``{"type": "text", "text": str}`` (joined); ``null`` only for an
   ``assistant`` message (rendered as empty text), as in OpenAI's API;
 - every string valid Unicode (no lone surrogates: ``check_text``).
@@ -12,12 +15,13 @@ Anything else raises ``MessageError`` (a ``ValueError``) whose ``param`` names t
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 from kvserve.validation import check_text
 
-ROLES = ("system", "developer", "user", "assistant")
-_KEYS = ("role", "content", "name")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
 
 class MessageError(ValueError):
@@ -55,15 +59,99 @@ def conversation_from_messages(messages: Any) -> list[dict]:
             if not isinstance(name, str):
                 raise MessageError(f"{where}.name must be a string, got {type(name).__name__}", f"{where}.name")
             _check(f"{where}.name", name)
-        conversation.append({"role": "system" if role == "developer" else role,
-                             "content": _content(m.get("content"), role, where)})
+        item = {"role": "system" if role == "developer" else role,
+                "content": _content(m.get("content"), role, where, bool(m.get("tool_calls")))}
+        item.update(_tool_fields(m, role, where))
+        conversation.append(item)
     return conversation
 
 
-def _content(content: Any, role: str, where: str) -> str:
+def _tool_fields(m: dict, role: str, where: str) -> dict:
+    """``tool_calls`` of an assistant message (arguments parsed) / ``tool_call_id`` of a tool message."""
+    out = {}
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise MessageError(f"{where}.tool_calls is only allowed in an assistant message", f"{where}.tool_calls")
+        if not isinstance(calls, list):
+            raise MessageError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+        out["tool_calls"] = []
+        for j, c in enumerate(calls):
+            at = f"{where}.tool_calls[{j}].function"
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise MessageError(f"{at} must be {{'name': str, 'arguments': str}}", at)
+            _check(f"{at}.name", fn["name"])
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except (TypeError, ValueError):
+                raise MessageError(f"{at}.arguments must be a JSON text of an object", f"{at}.arguments") from None
+            out["tool_calls"].append({"id": c.get("id"), "type": "function",
+                                      "function": {"name": fn["name"], "arguments": args}})
+    call_id = m.get("tool_call_id")
+    if call_id is not None:
+        if role != "tool" or not isinstance(call_id, str):
+            raise MessageError(f"{where}.tool_call_id must be a string, in a tool message", f"{where}.tool_call_id")
+        out["tool_call_id"] = call_id
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- templates
+TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def template_supports_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders ``tools`` itself."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return isinstance(template, str) and "tools" in template
+
+
+def render_chat(tokenizer, conversation: list[dict], tools: Optional[list] = None, **kwargs) -> str:
+    """The chat template's text for ``conversation`` (from ``conversation_from_messages``) and OpenAI ``tools``.
+
+    A template that knows tools gets them (``apply_chat_template(tools=...)``). Otherwise (SmolLM2's template
+    ignores tools and tool calls) the conversation is rewritten in the Hermes convention first: the tools and
+    the ``<tool_call>`` format go into the system message (``TOOLS_PROMPT``), an assistant's tool calls become
+    ``<tool_call>{...}</tool_call>`` text, and a tool result becomes a user turn ``<tool_response>...``.
+    ``kwargs`` go to ``apply_chat_template`` (``add_generation_prompt`` ...)."""
+    if template_supports_tools(tokenizer):
+        return tokenizer.apply_chat_template(conversation, tools=tools or None, tokenize=False, **kwargs)
+    conv = []
+    for m in conversation:
+        if m.get("tool_calls"):
+            blocks = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                             "arguments": c["function"]["arguments"]})
+                                + "\n</tool_call>" for c in m["tool_calls"])
+            conv.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + blocks})
+        elif m["role"] == "tool":
+            conv.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        else:
+            conv.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if conv and conv[0]["role"] == "system":
+            conv[0] = {"role": "system", "content": conv[0]["content"] + "\n\n" + prompt}
+        else:
+            conv.insert(0, {"role": "system", "content": prompt})
+    return tokenizer.apply_chat_template(conv, tokenize=False, **kwargs)
+
+
+def _content(content: Any, role: str, where: str, has_tool_calls: bool = False) -> str:
     param = f"{where}.content"
     if content is None:
-        if role == "assistant":
+        if role == "assistant" or has_tool_calls:
             return ""
         raise MessageError(f"{param} must be a string or a list of text parts; null is allowed only in an "
                            f"assistant message, this one has role {role!r}", param)

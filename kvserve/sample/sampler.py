@@ -1,6 +1,7 @@
 """Batched sampling from next-token logits, with per-request parameters and generators.
 
 Order of operations, as in vLLM: raw logprobs (for ``logprobs``) -> min_tokens suppression of stop tokens ->
+grammar masks (structured outputs: one ``[B, ceil(V/32)]`` bitmask, a row per request with a grammar) ->
 repetition / presence / frequency penalties -> greedy rows take the argmax; sampled rows: temperature -> top-k ->
 top-p (nucleus, Holtzman et al. 2020) -> min-p -> one draw per row.
 
@@ -16,6 +17,7 @@ from typing import Optional
 import torch
 
 from kvserve.core.sched_output import SamplingState
+from kvserve.structured.backend import apply_bitmask, bitmask_for
 
 
 class Sampler:
@@ -48,8 +50,10 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        raw = logits
         logits = logits.clone()
         self._suppress_stop_tokens(logits, states)
+        self._apply_grammar_masks(logits, raw, states)
         self._apply_penalties(logits, states)
 
         tokens = logits.argmax(dim=-1)
@@ -94,6 +98,20 @@ class Sampler:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, banned] = float("-inf")
+
+    @staticmethod
+    def _apply_grammar_masks(logits: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> None:
+        """Structured outputs: disallowed tokens -> -inf, per row, from each request's grammar state. Where
+        ``min_tokens`` suppressed every token the grammar allows (its text can only end now), the grammar wins:
+        the row is ``raw`` under the grammar mask alone."""
+        masks = bitmask_for([r.grammar for r in states], logits.shape[1])
+        if masks is None:
+            return
+        bitmask, rows = masks
+        apply_bitmask(logits, bitmask, rows)
+        for i in [i for i in rows if not torch.isfinite(logits[i]).any()]:
+            logits[i] = raw[i]
+            apply_bitmask(logits[i : i + 1], bitmask[i : i + 1])
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:

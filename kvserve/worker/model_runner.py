@@ -12,6 +12,7 @@ from kvserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, Sched
 from kvserve.model.base import CausalLM
 from kvserve.sample.rejection_sampler import RejectionSampler
 from kvserve.sample.sampler import Sampler
+from kvserve.structured.backend import apply_bitmask
 from kvserve.worker.input_batch import build_input_batch, prompt_logprob_rows
 from kvserve.worker.prompt_logprobs import score_prompt_rows
 
@@ -100,7 +101,8 @@ class ModelRunner:
         states = [s.sampling_states[0] for s, _ in verifying]
         for i, (s, row) in enumerate(verifying):
             k = len(s.spec_token_ids)
-            target[i, : k + 1] = self.sampler.target_probs(logits[row : row + k + 1], states[i])
+            target[i, : k + 1] = self.sampler.target_probs(
+                self._grammar_masked(logits[row : row + k + 1], states[i], s.spec_token_ids), states[i])
             drafts[i, :k] = torch.tensor(s.spec_token_ids)
             if with_q and s.spec_draft_probs is not None:
                 draft_probs[i, :k] = s.spec_draft_probs[:k]
@@ -114,3 +116,19 @@ class ModelRunner:
             emitted = [t for t in row if t >= 0]
             out.sampled_token_ids[s.request_id] = emitted
             out.num_accepted[s.request_id] = len(emitted) - 1
+
+    @staticmethod
+    def _grammar_masked(rows: torch.Tensor, state, drafts: list[int]) -> torch.Tensor:
+        """Structured outputs under speculation: the ``[k + 1, V]`` logits of a request's draft positions, row
+        ``j`` masked by its grammar advanced through drafts ``0 .. j-1`` (then rolled back: the scheduler advances
+        it through the tokens actually kept). A draft the grammar refuses has target probability 0, so it is
+        rejected and the recovered token is drawn from the masked distribution. Rows of requests without a
+        grammar are returned as they are."""
+        if state.grammar is None:
+            return rows
+        bitmask = torch.empty((rows.shape[0], (rows.shape[1] + 31) // 32), dtype=torch.int32)
+        state.grammar.sync(state.output_token_ids)
+        state.grammar.fill_drafts(bitmask, drafts)
+        rows = rows.float().clone()
+        apply_bitmask(rows, bitmask)
+        return rows

@@ -3,8 +3,7 @@
 Field names follow OpenAI, plus vLLM's sampling extras (``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``priority``) and vLLM's tokenizer routes. Fields that OpenAI defines but this engine
-cannot honour (``best_of`` other than ``n``, ``logit_bias``, ``suffix``, tools, ``response_format`` other than
-text) are declared so that a request using them gets a 400 naming them (``serving.check_unsupported``) instead of
+cannot honour (``best_of`` other than ``n``, ``logit_bias``, ``suffix``, the deprecated ``functions``) are declared so that a request using them gets a 400 naming them (``serving.check_unsupported``) instead of
 being silently ignored; any other unknown field is rejected by ``extra="forbid"``.
 
 Requests are validated strictly, as OpenAI's API does: no type coercion (``"max_tokens": "4"`` or ``true``,
@@ -67,6 +66,24 @@ class StreamOptions(_Strict):
     include_usage: Optional[bool] = False
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: ``schema`` is the JSON schema the output follows."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` (any JSON object) or
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions (``None`` = the default)."""
 
@@ -92,6 +109,12 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     priority: Optional[int] = Field(None, description="lower runs first; needs --scheduling-policy priority")
+    # structured outputs: OpenAI's response_format and vLLM's guided_* extras (at most one of them)
+    response_format: Optional[ResponseFormat] = Field(None, description="text, json_object or json_schema")
+    guided_json: Optional[Union[str, dict[str, Any]]] = Field(None, description="a JSON schema the output follows")
+    guided_regex: Optional[str] = Field(None, description="a regular expression the output matches")
+    guided_choice: Optional[list[str]] = Field(None, description="the output is one of these strings")
+    guided_grammar: Optional[str] = Field(None, description="an EBNF grammar (start rule root)")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -117,11 +140,51 @@ class ContentPart(_Open):
     text: Optional[str] = None
 
 
+class FunctionDefinition(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema of the arguments object")
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Strict):
+    """A tool: ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming one function: the model must call it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str = Field(..., description="the arguments as a JSON text")
+
+
+class ToolCallIn(_Strict):
+    """A tool call of an earlier assistant message."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCallIn
+
+
 class ChatMessage(_Strict):
-    role: str = Field(..., description="system, developer, user or assistant")
+    role: str = Field(..., description="system, developer, user, assistant or tool")
     content: Optional[Union[str, list[ContentPart]]] = Field(
         None, description="a string or a list of text parts; null only for an assistant message")
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = Field(None, description="an assistant message's tool calls")
+    tool_call_id: Optional[str] = Field(None, description="a tool message: the call it answers")
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -132,12 +195,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: Optional[int] = Field(None, description="deprecated alias of max_completion_tokens")
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, description="0..20, needs logprobs=true")
-    tools: Optional[list[Any]] = Field(None, description="not supported (400 unless empty)")
-    tool_choice: Optional[Any] = Field(None, description="not supported (400 unless 'none')")
-    parallel_tool_calls: Optional[bool] = Field(None, description="not supported (400 if true)")
-    functions: Optional[list[Any]] = Field(None, description="not supported (400 unless empty)")
-    function_call: Optional[Any] = Field(None, description="not supported (400 unless 'none')")
-    response_format: Optional[dict[str, Any]] = Field(None, description="only {'type': 'text'}")
+    tools: Optional[list[ChatTool]] = Field(None, description="functions the model may call")
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = Field(
+        None, description="none, auto (the default with tools), required, or a named function")
+    parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call (required)")
+    functions: Optional[list[Any]] = Field(None, description="deprecated; not supported (400), use tools")
+    function_call: Optional[Any] = Field(None, description="deprecated; not supported (400), use tool_choice")
 
 
 # ---------------------------------------------------------------------------------------------------- responses
@@ -217,10 +280,25 @@ class ChatLogprobs(_Response):
     refusal: Optional[list[ChatTokenLogprob]] = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    """A call the model made: ``id`` ``call_<24 hex>``, ``function.arguments`` a JSON text."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ("tool_calls",)
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
     refusal: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(_Response):
@@ -239,13 +317,31 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(_Response):
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ("name", "arguments")
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_Response):
+    """A streamed piece of a tool call: its first delta has ``id``, ``type`` and ``function.name``; later ones
+    append to ``function.arguments``."""
+
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ("id", "type", "function")
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class DeltaMessage(_Response):
     """What a chunk adds to the message: ``role`` in a choice's first chunk, then ``content``; both optional in
     OpenAI's schema, so left out unless set (a choice's last chunk may have an empty delta ``{}``)."""
 
-    _omit_if_unset: ClassVar[tuple[str, ...]] = ("role", "content")
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ("role", "content", "tool_calls")
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatStreamChoice(_Response):

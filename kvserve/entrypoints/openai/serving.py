@@ -19,9 +19,11 @@ from typing import AsyncIterator, Optional
 
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError, RequestStream
 from kvserve.engine.detokenizer import TokenVocab
-from kvserve.entrypoints.chat_utils import MessageError, conversation_from_messages
+from kvserve.entrypoints.chat_utils import MessageError, conversation_from_messages, render_chat
 from kvserve.entrypoints.openai import protocol as p
+from kvserve.entrypoints.openai import tool_parsers as tp
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import StructuredOutputsParams
 from kvserve.validation import check_text
 
 
@@ -90,16 +92,10 @@ class OpenAIServing:
             if req.suffix is not None:
                 bad("suffix", "suffix (insertion) is not supported")
             return
-        for name in ("tools", "functions"):
-            if getattr(req, name):
-                bad(name, f"{name} (tool / function calling) is not supported")
-        for name in ("tool_choice", "function_call"):
-            if getattr(req, name) not in (None, "none"):
-                bad(name, f"{name} is not supported (tool / function calling is not implemented)")
-        if req.parallel_tool_calls:
-            bad("parallel_tool_calls", "tool calling is not supported")
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            bad("response_format", "only response_format {'type': 'text'} is supported")
+        if req.functions:
+            bad("functions", "the deprecated functions are not supported; use tools")
+        if req.function_call not in (None, "none"):
+            bad("function_call", "the deprecated function_call is not supported; use tool_choice")
         if req.top_logprobs is not None and not req.logprobs:
             bad("top_logprobs", "top_logprobs needs logprobs=true")
 
@@ -171,9 +167,9 @@ class OpenAIServing:
         return out
 
     async def chat_prompt(self, messages: list, add_generation_prompt: bool = True,
-                          continue_final_message: bool = False) -> PreparedPrompt:
+                          continue_final_message: bool = False, tools: Optional[list] = None) -> PreparedPrompt:
         """Apply the chat template to ``messages`` (validated by ``conversation_from_messages``, the rule the
-        offline ``LLM.chat`` uses too).
+        offline ``LLM.chat`` uses too) and ``tools`` (``chat_utils.render_chat``).
 
         Raises:
             OpenAIError: no messages, a bad role or content (``param`` names it, e.g. ``messages[0].content``), a
@@ -188,8 +184,8 @@ class OpenAIServing:
                               param="continue_final_message")
 
         def render() -> str:
-            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message, tokenize=False)
+            return render_chat(self.tokenizer, conversation, tools, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message)
 
         try:
             text = await asyncio.to_thread(render)
@@ -269,6 +265,7 @@ class OpenAIServing:
         arrival = now_s()
         self.check_model(req.model)
         self.check_unsupported(req)
+        structured = await self.structured_outputs(req)
         prompts = await self.completion_prompts(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         # echo with max_tokens 0 returns the prompt alone (vLLM's way to score a prompt): one token is generated
@@ -283,6 +280,8 @@ class OpenAIServing:
         plp = req.logprobs if want_lp and req.echo else None
         params = [self.sampling_params(req, self.check_length(len(pp.token_ids), max_tokens, "prompt", "max_tokens"),
                                        req.logprobs, plp) for pp in prompts]
+        for sp in params:
+            sp.structured_outputs = structured
         n = params[0].n
         rid, created = new_id("cmpl"), int(time.time())  # one timestamp for every chunk
         echo = [pp.text if req.echo else "" for pp in prompts]
@@ -361,13 +360,16 @@ class OpenAIServing:
         arrival = now_s()
         self.check_model(req.model)
         self.check_unsupported(req)
-        pp = await self.chat_prompt(req.messages)
+        tools = ToolChoice.of(req)
+        structured = await self.structured_outputs(req, tools)
+        pp = await self.chat_prompt(req.messages, tools=tools.prompt_tools)
         use_mct = req.max_completion_tokens is not None
         requested = req.max_completion_tokens if use_mct else req.max_tokens
         max_tokens = self.check_length(len(pp.token_ids), requested, "messages",
                                        "max_completion_tokens" if use_mct else "max_tokens")
         top_n = req.top_logprobs or 0
         params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None)]
+        params[0].structured_outputs = structured
         rid, created = new_id("chatcmpl"), int(time.time())
         streams = await self.start(req, [pp], params, rid, arrival)
 
@@ -378,8 +380,14 @@ class OpenAIServing:
             choices = []
             for c in finals[0].outputs:
                 lp = self.chat_logprobs(c.token_ids, c.logprobs, top_n) if req.logprobs else None
-                choices.append(p.ChatChoice(index=c.index, message=p.ChatResponseMessage(content=c.text), logprobs=lp,
-                                            finish_reason=c.finish_reason))
+                content, calls = tools.extract(c.text)
+                message = p.ChatResponseMessage(content=content)
+                if calls:
+                    message.tool_calls = [p.ToolCall(id=t.id, function=p.FunctionCall(name=t.name,
+                                                                                     arguments=t.arguments))
+                                          for t in calls]
+                choices.append(p.ChatChoice(index=c.index, message=message, logprobs=lp,
+                                            finish_reason=_tool_finish(c.finish_reason, calls)))
             return p.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                             usage=usage_of([pp], finals))
 
@@ -394,13 +402,58 @@ class OpenAIServing:
             if req.logprobs and c.delta_token_ids:
                 entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
                 lp = self.chat_logprobs(c.delta_token_ids, entries, top_n)
-            delta = p.DeltaMessage(content=c.delta_text) if c.delta_text else p.DeltaMessage()
-            return make([p.ChatStreamChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=c.finish_reason)])
+            text, calls = tools.stream(c.index, c.delta_text, c.finish_reason is not None)
+            delta = p.DeltaMessage(content=text) if text else p.DeltaMessage()
+            if calls:
+                delta.tool_calls = [p.DeltaToolCall(index=j, id=t.id, type="function", function=p.DeltaFunctionCall(
+                    name=t.name, arguments=t.arguments)) for j, t in enumerate(calls)]
+            return make([p.ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
+                                            finish_reason=_tool_finish(c.finish_reason, calls))])
 
         head = [make([p.ChatStreamChoice(index=j, delta=p.DeltaMessage(role="assistant", content=""))])
                 for j in range(params[0].n)]
         usage_chunk = (lambda finals: make([], usage_of([pp], finals))) if _include_usage(req) else None
         return self._stream(streams, head, chunk, usage_chunk, always_first=False, with_logprobs=bool(req.logprobs))
+
+    async def structured_outputs(self, req, tools: Optional["ToolChoice"] = None) -> Optional[StructuredOutputsParams]:
+        """The request's grammar: ``response_format`` (json_object / json_schema), one of vLLM's ``guided_*``
+        fields, or the tool-call schema of ``tool_choice`` "required" / a named function; compiled now (cached
+        per engine), so a bad one is a 400 before anything is queued.
+
+        Raises:
+            OpenAIError: more than one of them; a schema that is not an object or uses an unsupported feature (the
+                message names it); a regex / grammar that does not compile (``param`` the field).
+        """
+        given = [n for n in ("response_format", *GUIDED_FIELDS) if getattr(req, n) is not None]
+        if req.response_format is not None and req.response_format.type == "text":
+            given.remove("response_format")
+        if tools is not None and tools.schema is not None:
+            given.append("tool_choice")
+        if len(given) > 1:
+            raise OpenAIError(f"{given[1]}: cannot be combined with {given[0]} (one output constraint per request)",
+                              param=given[1])
+        if not given:
+            return None
+        name = given[0]
+        label = {"response_format": "response_format.json_schema.schema", "tool_choice": "tools"}.get(name, name)
+        try:
+            if name == "response_format":
+                rf = req.response_format
+                if rf.type == "json_object":
+                    so = StructuredOutputsParams(json_object=True)
+                elif rf.json_schema is None or rf.json_schema.json_schema is None:
+                    raise ValueError(f"{label} is required with response_format type 'json_schema'")
+                else:
+                    so = StructuredOutputsParams(json=rf.json_schema.json_schema)
+            elif name == "tool_choice":
+                so = StructuredOutputsParams(json=tools.schema)
+            else:
+                so = StructuredOutputsParams(**{name.removeprefix("guided_"): getattr(req, name)})
+            await asyncio.to_thread(self.llm.engine.grammar_backend.compile, so)
+        except ValueError as e:
+            message = re.sub(r"structured_outputs\.(json_object|json|regex|choice|grammar)", label, str(e))
+            raise OpenAIError(message, param="tools" if name == "tool_choice" else name) from None
+        return so
 
     async def tokenize(self, body: dict) -> p.TokenizeResponse:
         """``POST /tokenize`` (vLLM's shapes): ``{"prompt": str}`` (``TokenizeCompletionRequest``) or
@@ -496,6 +549,74 @@ class OpenAIServing:
         finally:
             for s in streams:
                 s.abort()
+
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _tool_finish(finish_reason: Optional[str], calls: list) -> Optional[str]:
+    """``"tool_calls"`` for a choice that ended on its own (``"stop"``) with tool calls."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+class ToolChoice:
+    """A chat request's tool mode: ``choice`` "none" (tools left out of the prompt), "auto" (the model's own
+    format, parsed by a ``ToolParser``), "required" or a named function (enforced by ``schema``).
+
+    Attributes:
+        tools: the OpenAI tools as dicts; ``prompt_tools``: those the chat template gets.
+        choice: "none", "auto", "required" or ``{"type": "function", "function": {"name"}}``.
+        schema: the JSON schema that enforces "required" / a named choice, else ``None``.
+    """
+
+    def __init__(self, tools: list, choice, schema: Optional[dict]):
+        self.tools, self.choice, self.schema = tools, choice, schema
+        self.prompt_tools = tools if choice != "none" else None
+        self.parser = tp.get_tool_parser("hermes") if choice == "auto" else None
+        self._streams: dict = {}
+
+    @classmethod
+    def of(cls, req: p.ChatCompletionRequest) -> "ToolChoice":
+        """Raises ``OpenAIError`` for a ``tool_choice`` without ``tools`` or naming an unknown function."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        choice = req.tool_choice or ("auto" if tools else "none")
+        if isinstance(choice, p.NamedToolChoice):
+            choice = choice.model_dump()
+        if choice != "none" and not tools:
+            raise OpenAIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+        try:
+            schema = tp.tool_choice_schema(tools, choice, req.parallel_tool_calls)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="tool_choice") from None
+        return cls(tools, choice, schema)
+
+    def extract(self, text: str) -> tuple[Optional[str], list]:
+        """``(content, calls)`` of a finished choice's text."""
+        if self.schema is not None:
+            calls = tp.calls_from_forced(text, self.choice)
+            return (None, calls) if calls else (text, [])
+        if self.parser is not None:
+            ex = self.parser.extract(text)
+            return ex.content, ex.tool_calls
+        return text, []
+
+    def stream(self, index: int, delta: str, finished: bool) -> tuple[str, list]:
+        """``(content to send, calls)`` for a streamed choice's new text: "auto" passes content through until a
+        call may begin; forced calls are buffered; calls are sent in the choice's last chunk."""
+        if self.schema is None and self.parser is None:
+            return delta, []
+        if self.schema is not None:
+            buf = self._streams[index] = self._streams.get(index, "") + delta
+            if not finished:
+                return "", []
+            content, calls = self.extract(buf)
+            return content or "", calls
+        streamer = self._streams.setdefault(index, tp.AutoToolStreamer(self.parser))
+        out = streamer.feed(delta)
+        if not finished:
+            return out, []
+        rest, calls = streamer.finish()
+        return out + rest, calls
 
 
 def _include_usage(req) -> bool:

@@ -1,0 +1,88 @@
+"""``StructuredOutputsParams``: what a request's output must match (vLLM's name and fields), validated on creation."""
+
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from kvserve.structured.schema_check import check_json_schema
+from kvserve.validation import check_text
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint on the generated text.
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text); the output is one JSON value valid under it.
+        json_object: ``True``: the output is any JSON object.
+        regex: the output matches this regular expression (whole text).
+        choice: the output is exactly one of these non-empty strings.
+        grammar: an EBNF grammar (xgrammar / GBNF dialect, start rule ``root``).
+
+    Raises:
+        ValueError: none or more than one field set; a field of the wrong type; a schema that is not JSON, not an
+            object, or uses a feature the backend cannot enforce (the message names the feature and its path);
+            a lone surrogate in any string. Regex and grammar syntax is checked when compiled
+            (``GrammarBackend.compile``, also a ``ValueError``).
+    """
+
+    json: Union[None, str, dict] = None
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[list] = None
+    grammar: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}; got "
+                             f"{', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            self.json = _schema(self.json)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+                check_text(f"structured_outputs.{name}", value)
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+                                 f"{self.choice!r}")
+            self.choice = list(self.choice)
+            for c in self.choice:
+                check_text("structured_outputs.choice[]", c)
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: one of ``KINDS``."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """``(kind, canonical text)``: equal constraints have equal keys (the compiled-grammar cache key)."""
+        value = getattr(self, self.kind)
+        if self.kind in ("json", "choice"):
+            return self.kind, _json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return self.kind, "" if self.kind == "json_object" else value
+
+
+def _schema(value: Any) -> dict:
+    if isinstance(value, str):
+        check_text("structured_outputs.json", value)
+        try:
+            value = _json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if isinstance(value, bool):  # JSON schema allows true/false; only object schemas are enforceable here
+        raise ValueError("structured_outputs.json must be a JSON schema object, got a boolean schema")
+    if not isinstance(value, dict):
+        raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(value).__name__}")
+    check_json_schema(value)
+    return value

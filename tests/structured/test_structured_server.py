@@ -1,0 +1,173 @@
+"""Structured outputs and tool calling through the OpenAI server, with the ``openai`` client on a live server:
+``response_format`` (json_object, json_schema) and vLLM's ``guided_*`` on chat and completions, ``tools`` with
+``tool_choice`` required / named / auto (streamed ``delta.tool_calls`` too), multi-turn with tool messages, and 400s
+naming the field."""
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.conftest import LiveServer
+from tests.structured.common import assert_valid, bfcl_tools
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    """Room for the tool prompt (the tools' JSON goes into the system message)."""
+    s = LiveServer(num_kv_blocks=256, max_num_seqs=16, max_model_len=1024).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(tool_server):
+    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(tool_server):
+    return tool_server.llm_model_name
+
+
+@pytest.fixture(scope="module")
+def tools():
+    return [t for t in bfcl_tools() if t["function"]["name"] in ("add", "send_message")]
+
+
+ADD_CALL = r'<tool_call>\n\{"name": "add", "arguments": \{"a": [0-9]{1,2}, "b": [0-9]{1,2}\}\}\n</tool_call>'
+
+
+def _chat(q):
+    return [{"role": "user", "content": q}]
+
+
+def test_response_format_and_guided_fields(model, client, tool_server):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                               "sunny": {"type": "boolean"}}, "required": ["city", "sunny"]}
+    r = client.chat.completions.create(model=model, messages=_chat("Weather in Paris as JSON."), temperature=0,
+                                       max_tokens=40, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "weather", "schema": schema, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    assert_valid(json.loads(r.choices[0].message.content), schema)
+    r = client.completions.create(model=model, prompt='{"name": "Tom", "age": 3}\n{"name": "Ann", "age": 5}\n',
+                                  temperature=0, max_tokens=40, extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].text), dict)
+    for extra, check in (({"guided_choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+                         ({"guided_regex": r"[A-Z][a-z]{2,8}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,8}", t)),
+                         ({"guided_grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+                         ({"guided_json": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
+                          lambda t: all(isinstance(x, int) for x in json.loads(t)))):
+        r = client.completions.create(model=model, prompt="My favourite colour is", temperature=0, max_tokens=24,
+                                      extra_body=extra)
+        assert r.choices[0].finish_reason == "stop" and check(r.choices[0].text), (extra, r.choices[0].text)
+
+
+def test_tool_choice_required_streamed_equals_non_streamed_and_validates(model, client, tools):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    kw = dict(model=model, messages=_chat("Add 3 and 4."), tools=tools, tool_choice="required", temperature=0,
+              max_tokens=60)
+    full = client.chat.completions.create(**kw).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content is None and full.message.tool_calls
+    for call in full.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert_valid(json.loads(call.function.arguments), schemas[call.function.name])
+    calls, content, finish = _stream(client, kw)
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (t.function.name, t.function.arguments) for t in full.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def _stream(client, kw):
+    """Streamed calls ``{index: {id, name, arguments}}``, content and finish reason of choice 0."""
+    calls, content, finish = {}, "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                entry["arguments"] += d.function.arguments or ""
+    return calls, content, finish
+
+
+def test_named_tool_choice_validates(model, client, tools):
+    schema = tools[0]["function"]["parameters"]
+    assert tools[0]["function"]["name"] == "send_message"
+    r = client.chat.completions.create(model=model, messages=_chat("Tell USR002 that lunch is ready."), tools=tools,
+                                       tool_choice={"type": "function", "function": {"name": "send_message"}},
+                                       temperature=0, max_tokens=60)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "send_message" and r.choices[0].finish_reason == "tool_calls"
+    assert_valid(json.loads(call.function.arguments), schema)
+
+
+def test_auto_parses_the_models_tool_call_format(model, client, tools):
+    """"auto": the model's own ``<tool_call>`` text (here forced by a regex, as a model trained for it would
+    write it) is parsed into ``tool_calls``, streamed as ``delta.tool_calls``; text without a call is content."""
+    calls, content, finish = _stream(client, dict(model=model, messages=_chat("Add 3 and 4."), tools=tools,
+                                                  temperature=0, max_tokens=40, extra_body={"guided_regex": ADD_CALL}))
+    assert finish == "tool_calls" and content == ""
+    (call,) = calls.values()
+    assert call["name"] == "add" and call["id"].startswith("call_")
+    assert set(json.loads(call["arguments"])) == {"a", "b"}
+    r = client.chat.completions.create(model=model, messages=_chat("Say hi."), tools=tools, temperature=0,
+                                       max_tokens=8, extra_body={"guided_regex": "Hi there[.!]"})
+    assert r.choices[0].message.content in ("Hi there.", "Hi there!") and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_none_leaves_tools_out_of_the_prompt(model, client, tools):
+    with_tools = client.chat.completions.create(model=model, messages=_chat("Hi"), tools=tools, tool_choice="auto",
+                                                max_tokens=1).usage.prompt_tokens
+    none = client.chat.completions.create(model=model, messages=_chat("Hi"), tools=tools, tool_choice="none",
+                                          max_tokens=1).usage.prompt_tokens
+    assert none < with_tools
+
+
+def test_multi_turn_with_tool_messages(model, client, tools, tool_server):
+    messages = [{"role": "user", "content": "Add 3 and 4."},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "add",
+                                                                      "arguments": '{"a": 3, "b": 4}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"result": 7}'}]
+    r = httpx.post(tool_server.url + "/tokenize", json={"messages": messages}, timeout=30)
+    text = "".join(httpx.post(tool_server.url + "/detokenize", json={"tokens": r.json()["tokens"]},
+                              timeout=30).json()["prompt"])
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>' in text
+    assert '<tool_response>\n{"result": 7}\n</tool_response>' in text
+    r = client.chat.completions.create(model=model, messages=messages, tools=tools, temperature=0, max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", ""),
+    ({"guided_json": {"type": "object", "properties": {"a": {"not": {}}}}}, "guided_json", "'not'"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
+    ({"guided_regex": "(ab"}, "guided_regex", "cannot be compiled"),
+    ({"guided_grammar": "root ::= x"}, "guided_grammar", "cannot be compiled"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "cannot be combined"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": "T", "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": "T", "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "cannot be combined"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "if": {}}}}],
+      "tool_choice": "required"}, "tools", "'if'"),
+    ({"functions": [{"name": "f"}]}, "functions", "tools"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls", "assistant"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "JSON"),
+])
+def test_bad_structured_and_tool_inputs_are_400(tool_server, tools, body, param, words):
+    body = {"messages": _chat("hi"), "max_tokens": 2, **body}
+    if body.get("tools") == "T":
+        body["tools"] = tools
+    r = httpx.post(tool_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
