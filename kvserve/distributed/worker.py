@@ -2,7 +2,7 @@
 every step plan rank 0 sends it.
 
 The scheduler runs once, on rank 0, which sends each step's plan (a ``SchedulerOutput``, stripped of what only
-sampling reads) through a pipe; every rank builds the same flat batch from it (``build_input_batch``: the same block
+sampling reads) through a pipe; every rank builds the same flat batch from it (``build_step_batch``: the same block
 ids on every rank, each rank holding its own KV heads of each block) and runs the same forward, meeting the others
 in its all-reduces and the LM head's gather. Workers never sample: rank 0 does, on the gathered logits.
 """
@@ -20,7 +20,7 @@ import torch
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel_state import TensorParallelGroup
 from kvserve.model.base import CausalLM
-from kvserve.worker.input_batch import build_input_batch
+from kvserve.worker.input_batch import build_step_batch
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def forward_plan(model: CausalLM, kv_cache: torch.Tensor, plan: SchedulerOutput,
     does before sampling. Returns the model's logits (full ``[S, V]`` on rank 0, the rank's slice elsewhere)."""
     for src, dst in plan.block_copies:
         kv_cache[:, :, dst].copy_(kv_cache[:, :, src])
-    return model.forward(build_input_batch(plan.scheduled, block_size, device), kv_cache)
+    return model.forward(build_step_batch(plan.scheduled, block_size, device)[0], kv_cache)
 
 
 def worker_main(rank: int, spec: ShardSpec, conn) -> None:

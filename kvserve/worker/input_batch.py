@@ -129,3 +129,17 @@ def prompt_logprob_rows(entries: Sequence, batch: InputBatch) -> torch.Tensor:
     rows = [q0 + e.prompt_logprob_start + j for e, q0 in zip(entries, starts)
             for j in range(len(getattr(e, "prompt_logprob_targets", ())))]
     return torch.as_tensor(rows, dtype=torch.long).to(batch.input_ids.device)
+
+
+def build_step_batch(entries: Sequence, block_size: int, device: str = "cpu") -> tuple[InputBatch, int]:
+    """The batch one step's forward runs on, on every rank alike: ``build_input_batch`` plus, after the sampling
+    rows, the rows whose next prompt token is scored (``prompt_logprob_rows``) in ``logits_indices``.
+
+    Returns ``(batch, num_sampling_rows)``: logits rows ``[0, num_sampling_rows)`` are the sampling rows (per entry,
+    one per sample, or k + 1 when verifying drafts), the rest the scored prompt rows in entry order.
+    """
+    batch = build_input_batch(entries, block_size, device)
+    num_sampling_rows = int(batch.logits_indices.shape[0])
+    if any(getattr(e, "prompt_logprob_targets", None) for e in entries):
+        batch.logits_indices = torch.cat([batch.logits_indices, prompt_logprob_rows(entries, batch)])
+    return batch, num_sampling_rows

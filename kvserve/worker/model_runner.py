@@ -13,7 +13,7 @@ from kvserve.model.base import CausalLM
 from kvserve.sample.rejection_sampler import RejectionSampler
 from kvserve.sample.sampler import Sampler
 from kvserve.structured.backend import apply_bitmask
-from kvserve.worker.input_batch import build_input_batch, prompt_logprob_rows
+from kvserve.worker.input_batch import build_step_batch
 from kvserve.worker.prompt_logprobs import score_prompt_rows
 
 
@@ -49,13 +49,9 @@ class ModelRunner:
             return out
         for src, dst in scheduler_output.block_copies:  # copy-on-write, before this step writes into dst
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        batch = build_input_batch(scheduler_output.scheduled, self.block_size, self.device)
-        scoring = [s for s in scheduler_output.scheduled if s.prompt_logprob_targets]
-        num_sampling_rows = int(batch.logits_indices.shape[0])
-        if scoring:  # prompt logprobs: the scored prefill rows' logits too, after the sampling rows
-            rows = prompt_logprob_rows(scheduler_output.scheduled, batch)
-            batch.logits_indices = torch.cat([batch.logits_indices, rows])
+        batch, num_sampling_rows = build_step_batch(scheduler_output.scheduled, self.block_size, self.device)
         logits = self.model.forward(batch, self.kv_cache)
+        scoring = [s for s in scheduler_output.scheduled if s.prompt_logprob_targets]
         if scoring:
             out.prompt_logprobs = score_prompt_rows(logits[num_sampling_rows:], scoring)
             logits = logits[:num_sampling_rows]

@@ -102,6 +102,21 @@ def test_greedy_tokens_match_single_process(engines):
     assert two.kv_cache_manager.prefix_cache_hits > 0
 
 
+def test_prompt_logprobs_match_single_process(engines):
+    """Prompt logprobs add scored prefill rows to the logits on every rank (the same step batch), so T=2 scores
+    the prompt like T=1."""
+    def score(engine):
+        rid = engine.add_request(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished and o.request_id == rid:
+                    return o.prompt_logprobs
+    ref, got = score(engines[0]), score(engines[1])
+    assert got[0] is None and len(got) == len(ref) == len(PROMPTS[2])
+    for r, g in zip(ref[1:], got[1:]):
+        assert r.keys() == g.keys() and all(abs(r[t] - g[t]) < 1e-4 for t in r)
+
+
 @pytest.mark.parametrize("tp, field", [(3, "num_attention_heads=4"), (4, "num_key_value_heads=2")])
 def test_size_that_does_not_divide_is_refused(tiny_llama, tp, field):
     with pytest.raises(ValueError, match=f"tensor_parallel_size={tp} must divide the model's {field}"):
