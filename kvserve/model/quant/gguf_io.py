@@ -1,8 +1,9 @@
 """Read a GGUF file's tensors keeping quantized ones in their block format (no float32 copy of them is made).
 
 ``GGUFFile(path)`` parses the header, the metadata and the tensor table with ``struct`` (GGUF spec v2/v3,
-``ggml/docs/gguf.md``) and memory-maps the data: ~0.1 s for the default model, where ``gguf.GGUFReader`` takes
-~10 s (it builds a numpy view per metadata item: ~100,000 of them for a 49k-token vocabulary with its merges).
+``ggml/docs/gguf.md``) and memory-maps the data. ``gguf.GGUFReader`` builds a numpy view per metadata item --
+~100,000 of them for a 49k-token vocabulary with its merges -- which made it the slowest step of start-up
+(docs/benchmarks.md, start-up).
 
 ``read_gguf_tensors(path)`` maps each tensor name (GGUF naming, e.g. ``blk.0.attn_q.weight``) to a ``QuantTensor``
 for the block formats of ``formats.QUANTIZED_TYPES`` -- a read-only view of the file's memory-mapped bytes, so
