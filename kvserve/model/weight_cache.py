@@ -236,7 +236,7 @@ class WeightCache:
             return None
         try:
             return self._read(path, quantization)
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
             logger.warning("packed-weight cache %s unusable (%s); rebuilding it", path, e)
             return None
 
@@ -247,17 +247,19 @@ class WeightCache:
         magic, hlen, crc = _PREAMBLE.unpack(bytes(mm[: _PREAMBLE.size]))
         if magic != _MAGIC:
             raise ValueError(f"bad magic {magic!r}")
+        start = -(-(_PREAMBLE.size + hlen) // _ALIGN) * _ALIGN
+        if len(mm) < start:
+            raise ValueError("truncated header")
         hbytes = bytes(mm[_PREAMBLE.size: _PREAMBLE.size + hlen])
+        payload = mm[start:]
+        if zlib.crc32(memoryview(payload), zlib.crc32(hbytes)) != crc:  # before anything is parsed
+            raise ValueError("checksum mismatch (truncated or corrupt)")
         header = json.loads(hbytes)
         for k, v in self._expected(quantization).items():
             if header.get(k) != v:
                 raise ValueError(f"stale: {k} is {header.get(k)!r}, expected {v!r}")
-        start = -(-(_PREAMBLE.size + hlen) // _ALIGN) * _ALIGN
-        if len(mm) != start + header["payload_bytes"]:
-            raise ValueError(f"size {len(mm)} bytes, expected {start + header['payload_bytes']} (truncated?)")
-        payload = mm[start:]
-        if zlib.crc32(memoryview(payload), zlib.crc32(hbytes)) != crc:
-            raise ValueError("checksum mismatch")
+        if len(payload) != header["payload_bytes"]:
+            raise ValueError(f"payload of {len(payload)} bytes, expected {header['payload_bytes']}")
 
         def array(spec):
             if spec is None:
