@@ -223,8 +223,8 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
             tps = prefill_tokens_per_s(eargs, args.prefill_tokens)
             bound = prefill_bound_tokens_per_s(cost, peak)
             res["prefill"] = {"tokens": args.prefill_tokens, "tokens_per_s": tps, "bound_tokens_per_s": bound}
-            print(f"prefill of {args.prefill_tokens} tokens: {tps:.0f} tokens/s (compute bound {bound:.0f}; "
-                  f"{bound / tps:.2f}x from it)")
+            print(f"prefill of {args.prefill_tokens} tokens: {tps:.0f} tokens/s, {tps / bound:.2f} of its compute "
+                  f"bound ({bound:.0f} tokens/s)")
         report["quantizations"][q] = res
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
