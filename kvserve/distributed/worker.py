@@ -21,6 +21,7 @@ from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel_state import TensorParallelGroup
 from kvserve.model.base import CausalLM
 from kvserve.worker.input_batch import build_step_batch
+from kvserve.worker.kv_pool import lazy_zeros
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,7 @@ def worker_main(rank: int, spec: ShardSpec, conn) -> None:
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         model = build_shard(spec, group)
-        kv_cache = torch.zeros(model.kv_cache_shape(spec.num_blocks, spec.block_size), dtype=model.dtype,
-                               device=spec.device)
+        kv_cache = lazy_zeros(model.kv_cache_shape(spec.num_blocks, spec.block_size), model.dtype, spec.device)
         conn.send(("ready", None))
         group.init(spec.port, spec.device)
         while True:

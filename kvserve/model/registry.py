@@ -31,5 +31,10 @@ def build_model(loaded, backends: ModelBackends) -> CausalLM:
     """Build the model of a ``LoadedModel`` (``kvserve.model.loader``) with the chosen backends.
 
     ``loaded.weights`` is read, not consumed: fused copies are made (several engines in one process share a load).
+    Quantized projections are served from ``loaded.weight_cache`` (packed once, on disk) when the load has one.
     """
-    return model_class(loaded.arch.architecture)(loaded.arch, loaded.weights, backends)
+    cls = model_class(loaded.arch.architecture)
+    cache = getattr(loaded, "weight_cache", None)
+    if cache is None or backends.quantization == "fp32":
+        return cls(loaded.arch, loaded.weights, backends)
+    return cache.build_model(lambda b: cls(loaded.arch, loaded.weights, b), backends)

@@ -14,6 +14,7 @@ from kvserve.sample.rejection_sampler import RejectionSampler
 from kvserve.sample.sampler import Sampler
 from kvserve.structured.backend import apply_bitmask
 from kvserve.worker.input_batch import build_step_batch
+from kvserve.worker.kv_pool import lazy_zeros
 from kvserve.worker.prompt_logprobs import score_prompt_rows
 
 
@@ -29,7 +30,8 @@ class ModelRunner:
         device: where the cache and the step's tensors live.
 
     The cache is one zero-initialised tensor ``[layers, 2, num_blocks, block_size, H_kv, D]`` in the model dtype
-    (zeros, not garbage: masked-out keys are multiplied by 0 in attention, and 0 * NaN would be NaN).
+    (zeros, not garbage: masked-out keys are multiplied by 0 in attention, and 0 * NaN would be NaN), allocated
+    lazily (``kv_pool.lazy_zeros``: a page counts in RSS only once a block on it is written).
     """
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler,
@@ -39,7 +41,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.rejection_sampler = rejection_sampler or RejectionSampler()
-        self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=model.dtype, device=device)
+        self.kv_cache = lazy_zeros(model.kv_cache_shape(num_blocks, block_size), model.dtype, device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the tokens (and logprobs) of every request that samples this step, and the

@@ -1,0 +1,278 @@
+"""On-disk cache of packed quantized weights, so a second start-up skips decoding and repacking the GGUF blocks.
+
+One file per (model file content, quantization, code version) in ``<cache root>/weights/`` (the cache root is the
+kernels' folder: ``$KVSERVE_CACHE_DIR``, default ``~/.cache/kvserve``):
+``<sha256 of the model file, 16 hex>-<quantization>-<code version, 16 hex>.kvpack``.
+
+Keys:
+
+- **Model file content**: the SHA-256 of the whole file (``source_sha256``), memoised in
+  ``<root>/hashes/<path hash>.json`` by ``(device, inode, size, mtime_ns, ctime_ns)``. ``ctime`` is set by the kernel
+  on every write, rename or ``utime`` and cannot be set from user space, so an edited file never matches an old
+  memo, even when its size and mtime are restored; a hash of only the header would miss re-quantized data with
+  the same layout. The first hash reads the file once (fast next to the packing it guards).
+- **Quantization**: ``"auto"`` or ``"int8"`` (``"fp32"`` keeps no packed weights).
+- **Code version** (``code_version``): ``PACK_VERSION`` plus a hash of the sources that define the packed layout
+  and how it is made (``quant/pack.py``, ``quant/formats.py``, ``quant/linear.py``, ``csrc/qgemm.c``): a change
+  to any of them makes a new entry (and the old one of that model and quantization is deleted).
+
+File layout: ``b"KVSPACK1"``, ``uint64`` header length, ``uint32`` CRC-32 of header and payload, the JSON header
+(format, keys, and per fused projection the packed parts: kind, format, shapes, payload offsets), zero padding to
+64 bytes, then the payload (each array 64-byte aligned). Written to a temporary file and ``os.replace``-d into
+place (readers see nothing or the whole file). Read with ``numpy.memmap`` (copy-on-write mapping: the weights are
+the file's pages, never copied); before use the size, the header's keys and the CRC are checked, and anything
+wrong (truncated, flipped bytes, another version or model) means the entry is rebuilt, never used.
+
+``WeightCache.build_model`` is called by ``registry.build_model``: it gives the model a ``make_linear`` that serves
+each projection (named by its GGUF tensors) from the entry, or builds it with the backends' own and writes the
+entry after the model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from kvserve.model.cpu_kernels import cache_root
+from kvserve.model.quant import pack as P
+from kvserve.model.quant.gguf_io import QuantTensor
+from kvserve.model.quant.linear import ConcatLinear, QuantLinear
+
+logger = logging.getLogger(__name__)
+
+#: Bump when the entry format or the meaning of its fields changes (source changes are hashed anyway).
+PACK_VERSION = 1
+_MAGIC = b"KVSPACK1"
+_PREAMBLE = struct.Struct("<8sQI")
+_ALIGN = 64
+_QUANT_DIR = Path(__file__).resolve().parent / "quant"
+_VERSIONED_SOURCES = [_QUANT_DIR / "pack.py", _QUANT_DIR / "formats.py", _QUANT_DIR / "linear.py",
+                      Path(__file__).resolve().parent / "csrc" / "qgemm.c"]
+
+
+@functools.lru_cache(maxsize=None)
+def code_version() -> str:
+    """16 hex digits: ``PACK_VERSION`` and the packing sources' bytes, hashed."""
+    h = hashlib.sha256(f"kvpack{PACK_VERSION}".encode())
+    for p in _VERSIONED_SOURCES:
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _atomic_write(path: Path, chunks) -> None:
+    """Write ``chunks`` (bytes-like) to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def source_sha256(path: Path, root: Optional[Path] = None) -> str:
+    """SHA-256 (hex) of a file's content, memoised by ``(device, inode, size, mtime_ns, ctime_ns)`` in
+    ``<root>/hashes/`` (see the module docstring for why that identity is safe). A memo that cannot be read or
+    written is ignored (the hash is then computed each time)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    ident = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    memo = (root or cache_root()) / "hashes" / (hashlib.sha256(str(path).encode()).hexdigest()[:16] + ".json")
+    try:
+        saved = json.loads(memo.read_text())
+        if saved.get("identity") == ident and len(saved.get("sha256", "")) == 64:
+            return saved["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        _atomic_write(memo, [json.dumps({"path": str(path), "identity": ident, "sha256": digest}).encode()])
+    except OSError as e:
+        logger.debug("cannot memoise the hash of %s in %s: %s", path, memo, e)
+    return digest
+
+
+def _names(parts: list) -> Optional[str]:
+    """The cache key of a projection: its GGUF tensor names joined by ``|``; ``None`` if a part is not a GGUF
+    ``QuantTensor`` (float weights are not cached)."""
+    if not all(isinstance(p, QuantTensor) for p in parts):
+        return None
+    return "|".join(p.name for p in parts)
+
+
+def _quant_parts(layer) -> Optional[list]:
+    """The ``QuantLinear`` parts of a built layer (one, or a ``ConcatLinear``'s), or ``None`` if it has others."""
+    parts = layer.parts if isinstance(layer, ConcatLinear) else [layer]
+    return parts if all(isinstance(p, QuantLinear) for p in parts) else None
+
+
+class WeightCache:
+    """The packed-weight entries of one model file.
+
+    Args:
+        source: the ``.gguf`` file.
+        source_hash: its ``source_sha256``.
+        root: the cache folder (default ``cache_root()``).
+    """
+
+    def __init__(self, source: Path, source_hash: str, root: Optional[Path] = None):
+        self.source = Path(source)
+        self.source_hash = source_hash
+        self.root = Path(root) if root is not None else cache_root()
+
+    def entry_path(self, quantization: str) -> Path:
+        """Where the entry of ``quantization`` lives (for the current ``code_version``)."""
+        return self.root / "weights" / f"{self.source_hash[:16]}-{quantization}-{code_version()}.kvpack"
+
+    def _expected(self, quantization: str) -> dict:
+        return {"format": PACK_VERSION, "source_sha256": self.source_hash, "quantization": quantization,
+                "code_version": code_version()}
+
+    # ------------------------------------------------------------------------------------------------- build
+    def build_model(self, build: Callable, backends):
+        """``build(backends)`` with the backends' ``make_linear`` served from the entry of
+        ``backends.quantization``; on a miss (absent, corrupt or stale entry) the layers are built as usual and the
+        entry is written afterwards. Returns what ``build`` returns."""
+        quantization = backends.quantization
+        path = self.entry_path(quantization)
+        entry = self.read(quantization)
+        if entry is None:
+            logger.info("first run: packing weights into %s (one-off)", path)
+        built: dict = {}
+        make = backends.make_linear
+
+        def make_linear(parts: list):
+            key = _names(parts)
+            if key is not None and entry is not None and key in entry:
+                return entry[key]
+            layer = make(parts)
+            if key is not None:
+                built[key] = layer
+            return layer
+
+        model = build(dataclasses.replace(backends, make_linear=make_linear))
+        if entry is None and built:
+            try:
+                self.write(quantization, built)
+            except OSError as e:
+                logger.warning("cannot write the packed-weight cache %s: %s", path, e)
+        return model
+
+    # ------------------------------------------------------------------------------------------------ write
+    def write(self, quantization: str, layers: dict) -> Path:
+        """Write the entry of ``quantization``: ``layers`` maps a key (``_names``) to a built layer; layers other
+        than ``QuantLinear`` / ``ConcatLinear`` of them are skipped. Older entries of this model and
+        quantization are deleted. Returns the path.
+
+        Raises:
+            OSError: the folder or file cannot be written.
+        """
+        header = dict(self._expected(quantization), layers={})
+        arrays, offset = [], 0
+        for key, layer in layers.items():
+            parts = _quant_parts(layer)
+            if parts is None:
+                continue
+            specs = []
+            for q in parts:
+                pw = q.packed
+                spec = {"kind": q.path.rsplit("/", 1)[0], "fmt": pw.fmt, "out_features": pw.out_features,
+                        "in_features": pw.in_features, "layer_in_features": q.in_features}
+                for field, t in (("data", pw.data), ("oscale", pw.oscale)):
+                    if t is None:
+                        spec[field] = None
+                        continue
+                    a = t.numpy()
+                    spec[field] = {"offset": offset, "dtype": a.dtype.str, "shape": list(a.shape)}
+                    arrays.append((offset, a))
+                    offset += -(-a.nbytes // _ALIGN) * _ALIGN
+                specs.append(spec)
+            header["layers"][key] = specs
+        header["payload_bytes"] = offset
+        hbytes = json.dumps(header, sort_keys=True).encode()
+        start = -(-(_PREAMBLE.size + len(hbytes)) // _ALIGN) * _ALIGN
+        pad_head = bytes(start - _PREAMBLE.size - len(hbytes))
+        payload_chunks, pos = [], 0
+        for off, a in arrays:
+            if off > pos:
+                payload_chunks.append(bytes(off - pos))
+            payload_chunks.append(memoryview(np.ascontiguousarray(a)).cast("B"))
+            pos = off + a.nbytes
+        if offset > pos:
+            payload_chunks.append(bytes(offset - pos))
+        crc = zlib.crc32(hbytes)
+        for c in payload_chunks:
+            crc = zlib.crc32(c, crc)
+        path = self.entry_path(quantization)
+        _atomic_write(path, [_PREAMBLE.pack(_MAGIC, len(hbytes), crc), hbytes, pad_head, *payload_chunks])
+        for old in path.parent.glob(f"{self.source_hash[:16]}-{quantization}-*.kvpack"):
+            if old != path:
+                old.unlink(missing_ok=True)
+        return path
+
+    # ------------------------------------------------------------------------------------------------- read
+    def read(self, quantization: str) -> Optional[dict]:
+        """The entry of ``quantization`` as key -> built layer (``QuantLinear`` or ``ConcatLinear``) over
+        memory-mapped packed weights, or ``None`` when it is absent, corrupt or stale (logged; it is then
+        rebuilt by ``build_model``)."""
+        path = self.entry_path(quantization)
+        if not path.exists():
+            return None
+        try:
+            return self._read(path, quantization)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+            logger.warning("packed-weight cache %s unusable (%s); rebuilding it", path, e)
+            return None
+
+    def _read(self, path: Path, quantization: str) -> dict:
+        mm = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: writable views, pages never copied
+        if len(mm) < _PREAMBLE.size:
+            raise ValueError("truncated")
+        magic, hlen, crc = _PREAMBLE.unpack(bytes(mm[: _PREAMBLE.size]))
+        if magic != _MAGIC:
+            raise ValueError(f"bad magic {magic!r}")
+        start = -(-(_PREAMBLE.size + hlen) // _ALIGN) * _ALIGN
+        if len(mm) < start:
+            raise ValueError("truncated header")
+        hbytes = bytes(mm[_PREAMBLE.size: _PREAMBLE.size + hlen])
+        payload = mm[start:]
+        if zlib.crc32(memoryview(payload), zlib.crc32(hbytes)) != crc:  # before anything is parsed
+            raise ValueError("checksum mismatch (truncated or corrupt)")
+        header = json.loads(hbytes)
+        for k, v in self._expected(quantization).items():
+            if header.get(k) != v:
+                raise ValueError(f"stale: {k} is {header.get(k)!r}, expected {v!r}")
+        if len(payload) != header["payload_bytes"]:
+            raise ValueError(f"payload of {len(payload)} bytes, expected {header['payload_bytes']}")
+
+        def array(spec):
+            if spec is None:
+                return None
+            dt = np.dtype(spec["dtype"])
+            n = int(np.prod(spec["shape"], dtype=np.int64))
+            a = payload[spec["offset"]: spec["offset"] + n * dt.itemsize].view(dt).reshape(spec["shape"])
+            return torch.from_numpy(a)
+
+        layers = {}
+        for key, specs in header["layers"].items():
+            parts = [QuantLinear(P.PackedWeight(s["fmt"], array(s["data"]), s["out_features"], s["in_features"],
+                                                array(s["oscale"])), s["kind"], in_features=s["layer_in_features"])
+                     for s in specs]
+            layers[key] = parts[0] if len(parts) == 1 else ConcatLinear(parts)
+        return layers
