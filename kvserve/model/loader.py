@@ -1,7 +1,9 @@
 """Load a model of a registered family (``kvserve.model.registry``): weights (Hugging Face names and layout) + architecture + tokenizer.
 
 Two sources:
-- a ``.gguf`` file, parsed by ``quant.gguf_io.GGUFFile`` (memory-mapped); quantized tensors stay in their block
+- a ``.gguf`` file: the first run reads it with ``gguf.GGUFReader`` (slow, a one-off, logged) and caches its
+  metadata and tensor table (``weight_cache.read_gguf_cached``, keyed by the file's content hash); later runs read
+  that entry and memory-map the file (no ``GGUFReader``). Quantized tensors stay in their block
   format (``keep_quantized``: packed once, then served from ``weight_cache``'s on-disk cache) or are dequantized
   to float32 (``gguf.quants.dequantize``). llama.cpp's converter permutes the rows of Q and K for its interleaved
   RoPE, so they are permuted back to the Hugging Face "rotate half" layout here. The tokenizer and chat template
@@ -27,14 +29,13 @@ from typing import Optional
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 
 from kvserve.model.base import ModelArch
 from kvserve.model.cpu_kernels import cache_root
 from kvserve.model.quant.formats import QUANTIZED_TYPES
-from kvserve.model.quant.gguf_io import GGUFFile, QuantTensor, rope_unpermute_index
+from kvserve.model.quant.gguf_io import QuantTensor, rope_unpermute_index
 from kvserve.model.registry import SUPPORTED_ARCHITECTURES
-from kvserve.model.weight_cache import WeightCache, source_sha256
+from kvserve.model.weight_cache import WeightCache, read_gguf_cached, source_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +158,6 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-
-
 def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> Hugging Face rotate-half halves).
 
@@ -170,13 +168,17 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = True) -> LoadedModel:
-    """Read a GGUF file (``gguf_io.GGUFFile``); quantized tensors stay ``QuantTensor`` views with
-    ``keep_quantized`` (then with a ``WeightCache`` for their packed forms), else float32; no tokenizer
-    without ``with_tokenizer``."""
+    """Read a GGUF file (``weight_cache.read_gguf_cached``: ``gguf.GGUFReader`` on the first run, then the cached
+    metadata and a memory map); quantized tensors stay ``QuantTensor`` views with ``keep_quantized`` (then with a
+    ``WeightCache`` for their packed forms), else float32; no tokenizer without ``with_tokenizer``."""
     import gguf
 
-    reader = GGUFFile(path)
-    field = reader.field
+    source_hash = source_sha256(path)
+    meta, tensors = read_gguf_cached(path, source_hash)
+
+    def field(key, default=None):
+        return meta["fields"].get(key, default)
+
     arch_name = field("general.architecture")
     if arch_name not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -189,7 +191,6 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     n_head = int(field(f"{a}.attention.head_count"))
     n_kv = int(field(f"{a}.attention.head_count_kv", n_head))
     hidden = int(field(f"{a}.embedding_length"))
-    tensors = {t.name: t for t in reader.tensors}
     vocab = int(field(f"{a}.vocab_size", tensors["token_embd.weight"].shape[0]))
     arch = ModelArch(
         vocab_size=vocab,
@@ -207,12 +208,9 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     )
 
     weights = {}
-    for name, t in tensors.items():
-        if t.tensor_type in _FLOAT_TYPES or (keep_quantized and t.tensor_type in QUANTIZED_TYPES):
-            w = reader.tensor(t)  # float32, or a QuantTensor: a view of the file's blocks, never a float copy
-        else:
-            w = gguf.quants.dequantize(reader.tensor_bytes(t), t.tensor_type).astype(np.float32, copy=False)
-            w = w.reshape(t.shape)
+    for name, w in tensors.items():  # float32 arrays, or QuantTensors: views of the file's blocks
+        if isinstance(w, QuantTensor) and not (keep_quantized and w.qtype in QUANTIZED_TYPES):
+            w = gguf.quants.dequantize(w.raw, w.qtype).astype(np.float32, copy=False).reshape(w.shape)
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -239,7 +237,6 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
             w = np.array(w, copy=True, order="C")
         weights[hf] = torch.from_numpy(w)
 
-    source_hash = source_sha256(path)
     tokenizer = _gguf_tokenizer(path, source_hash) if with_tokenizer else None
     eos = {int(field("tokenizer.ggml.eos_token_id"))} if field("tokenizer.ggml.eos_token_id") is not None else set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -16,7 +16,14 @@ Keys:
   and how it is made (``quant/pack.py``, ``quant/formats.py``, ``quant/linear.py``, ``csrc/qgemm.c``): a change
   to any of them makes a new entry (and the old one of that model and quantization is deleted).
 
-File layout: ``b"KVSPACK1"``, ``uint64`` header length, ``uint32`` CRC-32 of header and payload, the JSON header
+The GGUF metadata cache (``read_gguf_cached``) lives in the same root: ``<root>/gguf-meta/<sha256 of the model
+file, 16 hex>-m<METADATA_VERSION>.json`` holds ``quant.gguf_io.gguf_metadata`` (the scalar metadata fields and the
+tensor table), the full content hash and a SHA-256 of the body, written the same atomic way. A first run reads the
+file with ``gguf.GGUFReader`` (slow: a numpy view per vocabulary item; logged as a one-off) and writes the entry;
+later runs read the JSON and memory-map the file. An entry that is unreadable, of another version or model, fails
+its checksum, or whose tensor table does not fit the file is rebuilt, never used.
+
+File layout of a ``.kvpack``: ``b"KVSPACK1"``, ``uint64`` header length, ``uint32`` CRC-32 of header and payload, the JSON header
 (format, keys, and per fused projection the packed parts: kind, format, shapes, payload offsets), zero padding to
 64 bytes, then the payload (each array 64-byte aligned). Written to a temporary file and ``os.replace``-d into
 place (readers see nothing or the whole file). Read with ``numpy.memmap`` (copy-on-write mapping: the weights are
@@ -47,7 +54,7 @@ import torch
 
 from kvserve.model.cpu_kernels import cache_root
 from kvserve.model.quant import pack as P
-from kvserve.model.quant.gguf_io import QuantTensor
+from kvserve.model.quant.gguf_io import METADATA_VERSION, QuantTensor, gguf_metadata, gguf_tensors, open_gguf
 from kvserve.model.quant.linear import ConcatLinear, QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -276,3 +283,55 @@ class WeightCache:
                      for s in specs]
             layers[key] = parts[0] if len(parts) == 1 else ConcatLinear(parts)
         return layers
+
+
+# ------------------------------------------------------------------------------------------- GGUF metadata cache
+
+
+def gguf_metadata_path(source_hash: str, root: Optional[Path] = None) -> Path:
+    """Where the metadata entry of the model file with content hash ``source_hash`` lives."""
+    return (root or cache_root()) / "gguf-meta" / f"{source_hash[:16]}-m{METADATA_VERSION}.json"
+
+
+def _body_sha256(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_gguf_cached(path: Path, source_hash: str, root: Optional[Path] = None) -> tuple:
+    """A GGUF file's metadata and tensors, from the metadata cache when it holds this content.
+
+    Args:
+        path: the ``.gguf`` file.
+        source_hash: its ``source_sha256``.
+        root: the cache folder (default ``cache_root()``).
+
+    Returns:
+        ``(meta, tensors)``: ``meta`` as ``gguf_io.gguf_metadata`` returns it (``meta["fields"]``: the scalar
+        metadata); ``tensors``: name -> ``QuantTensor`` or float32 array, views of a ``numpy.memmap`` of the file
+        (``gguf_io.gguf_tensors``).
+
+    Raises:
+        ValueError: on a miss, the file cannot be parsed by ``gguf.GGUFReader`` or holds an unsupported tensor.
+    """
+    entry_path = gguf_metadata_path(source_hash, root)
+    if entry_path.exists():
+        try:
+            entry = json.loads(entry_path.read_text())
+            body = entry["body"]
+            for k, v in (("format", METADATA_VERSION), ("source_sha256", source_hash), ("sha256", _body_sha256(body))):
+                if entry.get(k) != v:
+                    raise ValueError(f"{k} is {entry.get(k)!r}, expected {v!r}")
+            if not isinstance(body.get("fields"), dict):
+                raise ValueError("no fields")
+            return body, gguf_tensors(path, body)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            logger.warning("GGUF metadata cache %s unusable (%s); rebuilding it", entry_path, e)
+    logger.info("first run: reading %s with gguf.GGUFReader into %s (one-off)", path, entry_path)
+    body = gguf_metadata(open_gguf(path))
+    tensors = gguf_tensors(path, body)
+    entry = {"format": METADATA_VERSION, "source_sha256": source_hash, "sha256": _body_sha256(body), "body": body}
+    try:
+        _atomic_write(entry_path, [json.dumps(entry, sort_keys=True).encode()])
+    except OSError as e:
+        logger.warning("cannot write the GGUF metadata cache %s: %s", entry_path, e)
+    return body, tensors

@@ -1,6 +1,7 @@
-"""The on-disk packed-weight cache (``kvserve.model.weight_cache``), the model-file hash memo, the struct-based GGUF
-parser and the lazily zeroed KV pool, on the real default model where it matters."""
+"""The on-disk packed-weight cache (``kvserve.model.weight_cache``), the model-file hash memo, the GGUF
+metadata cache and the lazily zeroed KV pool, on the real default model where it matters."""
 
+import json
 import logging
 import os
 
@@ -14,7 +15,7 @@ from kvserve.model.backends import select_backends
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model
 from kvserve.model.quant import QuantLinear
-from kvserve.model.quant.gguf_io import GGUFFile
+from kvserve.model.quant.gguf_io import QuantTensor
 from kvserve.worker.kv_pool import lazy_zeros
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]  # any ids: the test compares two loads
@@ -124,37 +125,113 @@ def test_source_hash_memo_follows_content(tmp_path):
     assert wc.source_sha256(f, root=tmp_path) == __import__("hashlib").sha256(b"b" * 4096).hexdigest()
 
 
-def test_gguf_parser_reads_fields_and_tensors(tmp_path):
+def _write_gguf(path, seed):
+    """A tiny one-layer Llama GGUF written by ``gguf.GGUFWriter``: Q8_0, F16 and F32 tensors, a token list (an
+    array field, left out of the metadata entry) and an EOS id."""
     import gguf
 
-    path = tmp_path / "t.gguf"
+    rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_uint32("t.u32", 7)
-    w.add_float32("t.f32", 0.5)
-    w.add_bool("t.bool", True)
-    w.add_string("t.str", "héllo")
-    w.add_array("t.strs", ["a", "bc", ""])
-    w.add_array("t.ints", [1, -2, 3])
-    a = np.arange(12, dtype=np.float32).reshape(3, 4)
-    q = np.random.default_rng(0).integers(0, 256, (2, 34), dtype=np.uint8)  # 2 rows of one Q8_0 block
-    w.add_tensor("a", a)
-    w.add_tensor("q", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    for add, v in ((w.add_block_count, 1), (w.add_context_length, 128), (w.add_embedding_length, 64),
+                   (w.add_feed_forward_length, 96), (w.add_head_count, 2), (w.add_head_count_kv, 1),
+                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 5e5), (w.add_eos_token_id, 3)):
+        add(v)
+    w.add_token_list([f"t{i}" for i in range(40)])
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, shape, qtype in (("token_embd.weight", (40, 64), q8), ("blk.0.attn_q.weight", (64, 64), q8),
+                               ("blk.0.attn_k.weight", (32, 64), q8), ("blk.0.ffn_down.weight", (64, 96), q8),
+                               ("blk.0.attn_norm.weight", (64,), gguf.GGMLQuantizationType.F16),
+                               ("output_norm.weight", (64,), gguf.GGMLQuantizationType.F32)):
+        x = rng.standard_normal(shape).astype(np.float32)
+        if qtype == q8:
+            w.add_tensor(name, gguf.quants.quantize(x, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(name, x.astype(np.float16) if qtype == gguf.GGMLQuantizationType.F16 else x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    f = GGUFFile(path)
-    assert (f.field("general.architecture"), f.field("t.u32"), f.field("t.f32"), f.field("t.bool")) == (
-        "llama", 7, 0.5, True)
-    assert f.field("t.str") == "héllo" and f.field("t.strs") == ["a", "bc", ""]
-    assert f.field("t.ints").tolist() == [1, -2, 3] and f.field("missing", 3) == 3
-    ta, tq = f.tensors
-    assert (ta.name, ta.shape, tq.name, tq.shape) == ("a", (3, 4), "q", (2, 32))
-    assert np.array_equal(f.tensor(ta), a)
-    assert np.array_equal(f.tensor(tq).raw, q)
-    path.write_bytes(path.read_bytes()[: f.data_offset + 20])  # data cut short
-    with pytest.raises(ValueError, match="past the end"):
-        GGUFFile(path)
+
+
+def _same_load(a, b):
+    assert a.arch == b.arch and a.eos_token_ids == b.eos_token_ids == (3,) and a.weights.keys() == b.weights.keys()
+    for k, x in a.weights.items():
+        y = b.weights[k]
+        if isinstance(x, QuantTensor):
+            assert (x.qtype, x.shape) == (y.qtype, y.shape) and np.array_equal(x.raw, y.raw)
+        else:
+            assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_gguf_metadata_cache_miss_hit_corrupt_and_changed(tmp_path, monkeypatch, caplog):
+    import gguf
+
+    from kvserve.model.loader import _load_gguf
+    from kvserve.model.quant import gguf_io
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, 0)
+    reader = gguf.GGUFReader(str(path))
+    source_hash = wc.source_sha256(path)
+    entry = wc.gguf_metadata_path(source_hash)
+    with caplog.at_level(logging.INFO, logger="kvserve.model.weight_cache"):
+        miss = {q: _load_gguf(path, keep_quantized=q, with_tokenizer=False) for q in (True, False)}
+    assert "with gguf.GGUFReader" in caplog.text and "(one-off)" in caplog.text and entry.exists()
+    arch = miss[True].arch
+    assert (arch.vocab_size, arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers) == (40, 64, 96, 1)
+    assert (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.max_position_embeddings) == (
+        2, 1, 32, 128)
+    assert (arch.rope_theta, arch.tie_word_embeddings) == (5e5, True)
+    assert arch.rms_norm_eps == float(np.float32(1e-5))
+    meta, tensors = wc.read_gguf_cached(path, source_hash)
+    assert "tokenizer.ggml.tokens" not in meta["fields"] and meta["fields"]["tokenizer.ggml.eos_token_id"] == 3
+    for t in reader.tensors:  # the tensor table's views hold exactly the library's bytes
+        mine = tensors[t.name]
+        if isinstance(mine, QuantTensor):
+            assert mine.qtype == t.tensor_type and np.array_equal(mine.raw, t.data)
+        else:
+            assert np.array_equal(mine, np.asarray(t.data, np.float32).reshape(mine.shape))
+    fp32 = miss[False].weights["model.layers.0.self_attn.q_proj.weight"]
+    q = tensors["blk.0.attn_q.weight"]
+    assert torch.equal(fp32, torch.from_numpy(q.take_rows(gguf_io.rope_unpermute_index(64, 2)).dequantize()))
+
+    def no_reader(*a, **k):
+        raise AssertionError("GGUFReader used on a hit")
+
+    monkeypatch.setattr(gguf_io, "GGUFReader", no_reader)
+    for q in (True, False):  # a hit: the JSON entry + a memory map, no GGUFReader
+        _same_load(miss[q], _load_gguf(path, keep_quantized=q, with_tokenizer=False))
+    monkeypatch.undo()
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+    good = entry.read_bytes()
+    head_count = good.replace(b'"llama.attention.head_count": 2', b'"llama.attention.head_count": 4')
+    assert head_count != good
+    e = json.loads(good)
+    e["body"]["tensors"][0]["offset"] += path.stat().st_size  # a tensor table that does not fit the file...
+    e["sha256"] = wc._body_sha256(e["body"])  # ...behind a valid checksum
+    for damaged in (head_count, json.dumps(e).encode(), good[: len(good) // 2], b"", b"[]"):
+        entry.write_bytes(damaged)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvserve.model.weight_cache"):
+            _same_load(miss[True], _load_gguf(path, keep_quantized=True, with_tokenizer=False))
+        assert "unusable" in caplog.text and "with gguf.GGUFReader" in caplog.text  # rebuilt, never used
+        assert entry.read_bytes() == good
+
+    old_embedding = np.array(miss[True].weights["model.embed_tokens.weight"].raw)  # (the map follows the file)
+    _write_gguf(path, 1)  # new content: a new hash, a miss
+    new_hash = wc.source_sha256(path)
+    assert new_hash != source_hash and not wc.gguf_metadata_path(new_hash).exists()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvserve.model.weight_cache"):
+        changed = _load_gguf(path, keep_quantized=True, with_tokenizer=False)
+    assert "with gguf.GGUFReader" in caplog.text and wc.gguf_metadata_path(new_hash).exists()
+    assert changed.arch == arch
+    new_reader = gguf.GGUFReader(str(path))
+    emb = next(t for t in new_reader.tensors if t.name == "token_embd.weight")
+    assert np.array_equal(changed.weights["model.embed_tokens.weight"].raw, emb.data)
+    assert not np.array_equal(changed.weights["model.embed_tokens.weight"].raw, old_embedding)
 
 
 def _vm_rss_kib() -> int:
