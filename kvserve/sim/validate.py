@@ -113,16 +113,24 @@ def start_server(engine_args: dict, timeout: float = 600.0) -> tuple:
     raise ValueError(f"kvserve serve not healthy after {timeout} s")
 
 
-def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24) -> dict:
-    """Measure a live server's decode step: the median inter-token gap of 1 and of 8 concurrent streams (fresh
-    ``context``-token prompts, ``output_len`` tokens, the first 3 gaps of each stream dropped), against the cost
-    model's prediction for the same steps; fits ``server = offset_s + scale * predicted`` through the two points.
+def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24,
+              prefill_len: int = 192, prefill_runs: int = 3) -> dict:
+    """Measure a live server's decode and prefill steps against the cost model's predictions.
 
-    Returns ``{"offset_s", "scale", "points": [(batch, measured_s, predicted_s)]}``.
+    Decode: the median inter-token gap of 1 and of 8 concurrent streams (fresh ``context``-token prompts,
+    ``output_len`` tokens, the first 3 gaps of each stream dropped); ``server = offset_s + scale * predicted`` is
+    fitted through the two points. Prefill: the median time to first token of ``prefill_runs`` lone fresh prompts of
+    ``prefill_len`` tokens (one step that prefills the prompt and samples; the request's HTTP round trip is in it
+    too, as it is in every real TTFT); ``prefill_scale`` is what the prefill terms must be multiplied by so that the
+    calibrated step equals it.
+
+    Returns ``{"offset_s", "scale", "prefill_scale", "points": [(batch, measured_s, predicted_s)],
+    "prefill_points": [(prompt_len, measured_s, predicted_s)]}``; ``prefill_scale`` is ``None`` when the
+    measurement leaves nothing positive for the prefill terms.
     """
     import statistics
 
-    from kvserve.sim.cost_model import decode_features
+    from kvserve.sim.cost_model import decode_features, prefill_features
 
     points = []
     for b, base in ((1, 11000), (8, 12000)):
@@ -137,7 +145,19 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     offset = m1 - scale * p1
     if not scale > 0 or offset < 0:  # not two consistent points: a pure ratio
         scale, offset = (m1 + m8) / (p1 + p8), 0.0
-    return {"offset_s": offset, "scale": scale, "points": points}
+    ttfts = []
+    for i in range(prefill_runs):  # one at a time: each prompt is a step of its own
+        req = LoadRequest([14000 + 1000 * i + k for k in range(prefill_len)], 2, 0.0)
+        results, _ = asyncio.run(run_benchmark(base_url, model, [req], [0.0]))
+        ttfts += [r.ttft for r in results if r.success]
+    if not ttfts:
+        raise ValueError("calibration of the prefill step got no successful request")
+    f = prefill_features(prefill_len)
+    measured, pre = statistics.median(ttfts), cost.prefill_time(f)
+    rest = offset + scale * (cost.step_time(f) - pre)
+    prefill_scale = (measured - rest) / pre if pre > 0 and measured > rest else None
+    return {"offset_s": offset, "scale": scale, "prefill_scale": prefill_scale, "points": points,
+            "prefill_points": [(prefill_len, measured, cost.step_time(f))]}
 
 
 def compare(real: dict, sim: dict) -> dict:
@@ -186,10 +206,13 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
         if args.save_calibration:
             cal = calibrate(base_url, model, raw_sim.step_time)
+            ps = cal["prefill_scale"]
             print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
-                  f"(measured / predicted decode step: " +
-                  ", ".join(f"batch {b} {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) + ")",
-                  flush=True)
+                  f"(prefill terms x {ps if ps is None else round(ps, 3)}; measured / predicted decode step: " +
+                  ", ".join(f"batch {b} {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) +
+                  "; lone prefill: " +
+                  ", ".join(f"{n} tokens {m * 1000:.0f} / {p * 1000:.0f} ms" for n, m, p in cal["prefill_points"]) +
+                  ")", flush=True)
             prof["server_calibration"] = {**cal, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
             with open(args.profile, "w") as f:
                 json.dump(prof, f, indent=1)
