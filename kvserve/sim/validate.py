@@ -55,6 +55,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-calibration", action="store_true",
                    help="measure the server calibration first and store it in the profile (else the profile's own, "
                         "if any, is used)")
+    p.add_argument("--calibrate-each-level", action="store_true",
+                   help="with --save-calibration: measure the calibration again before every level (on a shared "
+                        "machine whose load drifts, each level is then simulated at its own moment's speed)")
 
 
 def level_requests(args, rate: float, seed: int) -> list:
@@ -204,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         model = fetch_model(base_url)
         warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(4)]
         asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
-        if args.save_calibration:
+        def recalibrate():
             cal = calibrate(base_url, model, raw_sim.step_time)
             ps = cal["prefill_scale"]
             print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
@@ -216,8 +219,14 @@ def run(args: argparse.Namespace) -> int:
             prof["server_calibration"] = {**cal, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
             with open(args.profile, "w") as f:
                 json.dump(prof, f, indent=1)
-            sim, _ = build_simulator(eargs, args.profile)
+            return build_simulator(eargs, args.profile)[0], prof["server_calibration"]
+
+        cal = prof.get("server_calibration")
+        if args.save_calibration:
+            sim, cal = recalibrate()
         for i, rate in enumerate(rates):
+            if args.save_calibration and args.calibrate_each_level and i > 0:
+                sim, cal = recalibrate()
             reqs = level_requests(args, rate, args.seed + i)
             offsets = [r.arrival_s for r in reqs]
             before = fetch_prefix_counters(base_url)
@@ -232,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
             name = f"{rate:g} req/s"
             comp = compare(real, simulated)
             rows.append((name, comp))
-            report.append({"rate": rate, "seed": args.seed + i, "real": real, "sim": simulated, "sim_uncalibrated": raw,
+            report.append({"rate": rate, "seed": args.seed + i, "server_calibration": cal, "real": real, "sim": simulated, "sim_uncalibrated": raw,
                            "errors": {k: v[2] for k, v in comp.items()},
                            "errors_uncalibrated": {k: v[2] for k, v in compare(real, raw).items()}})
             print(format_comparison([(name, comp)]), flush=True)
