@@ -117,7 +117,7 @@ def start_server(engine_args: dict, timeout: float = 600.0) -> tuple:
 
 
 def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24,
-              prefill_len: int = 192, prefill_runs: int = 3) -> dict:
+              prefill_len: int = 192, prefill_runs: int = 3, seed: int = 0) -> dict:
     """Measure a live server's decode and prefill steps against the cost model's predictions.
 
     Decode: the median inter-token gap of 1 and of 8 concurrent streams (fresh ``context``-token prompts,
@@ -129,15 +129,22 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
 
     Returns ``{"offset_s", "scale", "prefill_scale", "points": [(batch, measured_s, predicted_s)],
     "prefill_points": [(prompt_len, measured_s, predicted_s)]}``; ``prefill_scale`` is ``None`` when the
-    measurement leaves nothing positive for the prefill terms.
+    measurement leaves nothing positive for the prefill terms. Every prompt is drawn fresh from ``seed`` (random
+    token ids): a second calibration on the same server must not find the first one's prompts in its prefix cache.
     """
+    import random
     import statistics
+
+    rng = random.Random(f"calibrate-{seed}")
+
+    def fresh(n: int) -> list:
+        return [rng.randrange(1000, 30000) for _ in range(n)]
 
     from kvserve.sim.cost_model import decode_features, prefill_features
 
     points = []
-    for b, base in ((1, 11000), (8, 12000)):
-        reqs = [LoadRequest([base + 100 * i + k for k in range(context)], output_len, 0.0) for i in range(b)]
+    for b in (1, 8):
+        reqs = [LoadRequest(fresh(context), output_len, 0.0) for _ in range(b)]
         results, _ = asyncio.run(run_benchmark(base_url, model, reqs, [0.0] * b))
         gaps = [g for r in results if r.success for g in r.itl[3:]]
         if not gaps:
@@ -150,7 +157,7 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
         scale, offset = (m1 + m8) / (p1 + p8), 0.0
     ttfts = []
     for i in range(prefill_runs):  # one at a time: each prompt is a step of its own
-        req = LoadRequest([14000 + 1000 * i + k for k in range(prefill_len)], 2, 0.0)
+        req = LoadRequest(fresh(prefill_len), 2, 0.0)
         results, _ = asyncio.run(run_benchmark(base_url, model, [req], [0.0]))
         ttfts += [r.ttft for r in results if r.success]
     if not ttfts:
@@ -207,8 +214,8 @@ def run(args: argparse.Namespace) -> int:
         model = fetch_model(base_url)
         warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(4)]
         asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
-        def recalibrate():
-            cal = calibrate(base_url, model, raw_sim.step_time)
+        def recalibrate(level: int = 0):
+            cal = calibrate(base_url, model, raw_sim.step_time, seed=args.seed * 1000 + level)
             ps = cal["prefill_scale"]
             print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
                   f"(prefill terms x {ps if ps is None else round(ps, 3)}; measured / predicted decode step: " +
@@ -226,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
             sim, cal = recalibrate()
         for i, rate in enumerate(rates):
             if args.save_calibration and args.calibrate_each_level and i > 0:
-                sim, cal = recalibrate()
+                sim, cal = recalibrate(i)
             reqs = level_requests(args, rate, args.seed + i)
             offsets = [r.arrival_s for r in reqs]
             before = fetch_prefix_counters(base_url)
