@@ -88,6 +88,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # request_id -> the same table as block ids, kept in step with req_to_blocks, so that get_block_ids (once per
+        # scheduled request per step) is a list copy instead of a walk over the blocks
+        self._block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # request_id -> how many of its leading blocks are in the cache
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -138,43 +141,65 @@ class KVCacheManager:
             on ``None`` nothing was allocated or referenced.
         """
         rid = request.request_id
-        first = rid not in self.req_to_blocks  # (a static batch member is allocated before its first chunk runs)
-        held = self.req_to_blocks.get(rid, [])
+        bs = self.block_size
+        pool = self.block_pool
+        computed = request.num_computed_tokens
+        held = self.req_to_blocks.get(rid)
+        if held is not None and not computed_blocks:  # a running request's next tokens: the per-step path
+            need = -(-(computed + num_new_tokens) // bs) - len(held)  # blocks_needed(total) - held
+            i, offset = divmod(computed, bs)
+            if not (offset and i < len(held) and held[i].ref_cnt > 1):  # (else: copy-on-write, below)
+                if need <= 0:
+                    return []
+                if need > len(pool._free):
+                    return None
+                new = pool.get_new_blocks(need)
+                held.extend(new)
+                new_ids = [b.block_id for b in new]
+                self._block_ids[rid].extend(new_ids)
+                return new_ids
+        first = held is None  # (a static batch member is allocated before its first chunk runs)
+        if first:
+            held = []
         n_hit = len(computed_blocks)
-        total = request.num_computed_tokens + n_hit * self.block_size + num_new_tokens
-        need = blocks_needed(total, self.block_size) - len(held) - n_hit
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # leave the free queue when touched
-        cow = self._shared_write_block(request, held)
-        if max(need, 0) + (cow is not None) > self.block_pool.num_free_blocks - reclaimed:
+        total = computed + n_hit * bs + num_new_tokens
+        need = -(-total // bs) - len(held) - n_hit  # blocks_needed(total); total >= 0
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0) if n_hit else 0  # leave the free queue
+        # the partially filled block the next token goes into, if other tables share it (copy-on-write)
+        i, offset = divmod(computed, bs)
+        cow = i if offset and i < len(held) and held[i].ref_cnt > 1 else None
+        if (need if need > 0 else 0) + (cow is not None) > len(pool._free) - reclaimed:
             return None
         if cow is not None:
-            self._copy_on_write(held, cow)
-        blocks = self.req_to_blocks.setdefault(rid, [])
+            self._copy_on_write(rid, held, cow)
+        if first:
+            self.req_to_blocks[rid] = held
+            self._block_ids[rid] = []
+        ids = self._block_ids[rid]
         if computed_blocks:
-            self.block_pool.touch(computed_blocks)
-            blocks.extend(computed_blocks)
+            pool.touch(computed_blocks)
+            held.extend(computed_blocks)
+            ids.extend([b.block_id for b in computed_blocks])
             self.num_cached_blocks[rid] = n_hit
         if first and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += n_hit * self.block_size
-        new = self.block_pool.get_new_blocks(need) if need > 0 else []
-        blocks.extend(new)
-        return [b.block_id for b in new]
+            self.prefix_cache_hits += n_hit * bs
+        if need <= 0:
+            return []
+        new = pool.get_new_blocks(need)
+        held.extend(new)
+        new_ids = [b.block_id for b in new]
+        ids.extend(new_ids)
+        return new_ids
 
-    def _shared_write_block(self, request: SeqLike, held: list[KVCacheBlock]) -> Optional[int]:
-        """Index in ``held`` of the partially filled block the next token goes into, if other tables share it."""
-        i, offset = divmod(request.num_computed_tokens, self.block_size)
-        if offset and i < len(held) and held[i].ref_cnt > 1:
-            return i
-        return None
-
-    def _copy_on_write(self, held: list[KVCacheBlock], i: int) -> None:
-        """Give the table a private copy of its shared block ``i`` (the copy itself is queued in
-        ``pending_copies`` and done by the model runner before the step's writes)."""
+    def _copy_on_write(self, rid: str, held: list[KVCacheBlock], i: int) -> None:
+        """Give the table ``held`` of request ``rid`` a private copy of its shared block ``i`` (the copy itself is
+        queued in ``pending_copies`` and done by the model runner before the step's writes)."""
         shared = held[i]
         [private] = self.block_pool.get_new_blocks(1)
         self.pending_copies.append((shared.block_id, private.block_id))
         held[i] = private
+        self._block_ids[rid][i] = private.block_id
         self.block_pool.free_blocks([shared])
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -188,6 +213,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks[parent.request_id]
         self.block_pool.touch(blocks)
         self.req_to_blocks[child.request_id] = list(blocks)
+        self._block_ids[child.request_id] = list(self._block_ids[parent.request_id])
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
     def cache_computed_blocks(self, request: SeqLike) -> None:
@@ -213,17 +239,19 @@ class KVCacheManager:
         if len(blocks) > keep:
             extra = blocks[keep:]
             del blocks[keep:]
+            del self._block_ids[request.request_id][keep:]
             self.block_pool.free_blocks(reversed(extra))
 
     def free(self, request: SeqLike) -> None:
         """Release every block of ``request`` (tail first); cached blocks keep their contents until evicted."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request: SeqLike) -> list[int]:
         """The request's block table: physical block ids in logical order."""
-        return [b.block_id for b in self.req_to_blocks.get(request.request_id, ())]
+        return list(self._block_ids.get(request.request_id, ()))
 
     def stats(self, running: Iterable = ()) -> KVCacheStats:
         """Snapshot of the pool; ``running`` (requests with blocks) gives stored tokens and the naive reservation."""
@@ -253,5 +281,6 @@ class KVCacheManager:
         """Assert the DESIGN.md invariants: sum(ref_cnt) == block-table entries; free + used == total."""
         self.block_pool.check_integrity()
         entries = sum(len(b) for b in self.req_to_blocks.values())
+        assert self._block_ids == {rid: [b.block_id for b in t] for rid, t in self.req_to_blocks.items()}
         assert sum(b.ref_cnt for b in self.block_pool.blocks) == entries
         assert self.block_pool.num_free_blocks + self.block_pool.num_used_blocks == self.num_blocks

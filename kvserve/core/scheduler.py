@@ -117,18 +117,32 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled: dict[str, ScheduledRequest] = {}
 
-        for req in sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1):
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted as a victim earlier in this loop
-            n = self._num_new_tokens(req.num_uncomputed_tokens, budget)
-            drafts, req.spec_token_ids = req.spec_token_ids, []
-            draft_probs, req.spec_draft_probs = req.spec_draft_probs, None
+        chunked = self.config.enable_chunked_prefill
+        running_status = RequestStatus.RUNNING
+        # decodes first, then unfinished prefills, each in running order (a stable partition)
+        decodes, prefills = [], []
+        for req in self.running:
+            uncomputed = req.num_uncomputed_tokens
+            (decodes if uncomputed <= 1 else prefills).append((req, uncomputed))
+        decodes += prefills
+        for req, uncomputed in decodes:
+            if req.status is not running_status:
+                continue  # preempted as a victim earlier in this loop (a running request's count is unchanged)
+            n = uncomputed
+            if n > budget:  # _num_new_tokens, inlined (this loop runs once per running request per step)
+                n = budget if chunked else 0
+            drafts = req.spec_token_ids
+            if drafts:
+                req.spec_token_ids = []
+            draft_probs = req.spec_draft_probs
+            if draft_probs is not None:
+                req.spec_draft_probs = None
             if n == 0:
                 continue
-            if drafts and n == req.num_uncomputed_tokens:  # caught up: verify the drafts in the same pass
+            if drafts and n == uncomputed:  # caught up: verify the drafts in the same pass
                 drafts = drafts[: budget - n]
                 n += len(drafts)
-            else:
+            elif drafts:
                 drafts = []
             if draft_probs is not None:  # q rows stay aligned with the (possibly truncated) drafts
                 draft_probs = draft_probs[: len(drafts)] if drafts else None
@@ -180,12 +194,23 @@ class Scheduler:
 
     def _plan(self, req: Request, n: int, drafts: Optional[list[int]] = None, draft_probs=None) -> ScheduledRequest:
         """The self-contained plan entry of ``req`` computing ``n`` tokens (the last ``len(drafts)`` are drafts)."""
-        drafts = drafts or []
         start = req.num_computed_tokens
-        samples = start + n == req.num_tokens + len(drafts)
-        states = [req.sampling_state] + [c.sampling_state for c in req.fork_children] if samples else []
-        plan = ScheduledRequest(req.request_id, req.token_slice(start, start + n - len(drafts)) + drafts, start,
-                                self.kv_cache_manager.get_block_ids(req), drafts, draft_probs, samples, states)
+        end = start + n
+        if drafts:
+            samples = end == req.num_tokens + len(drafts)
+            token_ids = req.token_slice(start, end - len(drafts)) + drafts
+        else:
+            drafts = []
+            samples = end == req.num_tokens
+            token_ids = req.token_slice(start, end)
+        if not samples:
+            states = []
+        elif req.fork_children:
+            states = [req.sampling_state] + [c.sampling_state for c in req.fork_children]
+        else:
+            states = [req.sampling_state]
+        plan = ScheduledRequest(req.request_id, token_ids, start, self.kv_cache_manager.get_block_ids(req), drafts,
+                                draft_probs, samples, states)
         _plan_prompt_logprobs(req, plan)
         return plan
 
@@ -230,19 +255,21 @@ class Scheduler:
         now = time.monotonic()
         kv = self.kv_cache_manager
         updated = []
+        sampled, logprobs = model_output.sampled_token_ids, model_output.logprobs
         for s in scheduler_output.scheduled:
             req = self.requests[s.request_id]
-            req.num_computed_tokens += s.num_scheduled_tokens
-            tokens = model_output.sampled_token_ids.get(s.request_id, [])
-            req.prompt_logprobs.extend(model_output.prompt_logprobs.get(s.request_id, ()))
+            req.num_computed_tokens += len(s.token_ids)
+            tokens = sampled.get(s.request_id, ())
+            if model_output.prompt_logprobs:
+                req.prompt_logprobs.extend(model_output.prompt_logprobs.get(s.request_id, ()))
             if s.spec_token_ids:
                 req.num_computed_tokens -= len(s.spec_token_ids) - (len(tokens) - 1)
                 kv.trim(req)
             if not tokens:  # a prompt chunk that does not reach the end
                 kv.cache_computed_blocks(req)
                 continue
-            if s.request_id in model_output.logprobs:
-                req.output_logprobs.append(model_output.logprobs[s.request_id])
+            if logprobs and s.request_id in logprobs:
+                req.output_logprobs.append(logprobs[s.request_id])
             if req.first_token_time is None:
                 req.first_token_time = now
             status = None
@@ -253,7 +280,9 @@ class Scheduler:
                     req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
                     break
             kv.cache_computed_blocks(req)
-            children, req.fork_children = req.fork_children, []
+            children = req.fork_children
+            if children:
+                req.fork_children = []
             for child in children:  # parallel sampling: the other samples share the prompt's blocks
                 kv.fork(req, child)
             if status is not None:

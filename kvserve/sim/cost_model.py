@@ -1,48 +1,57 @@
 """The step-time cost model of ``kvserve sim``: a linear model over a step plan's work, fitted to measured steps.
 
-A step's plan (``SchedulerOutput``) is reduced to five features (``step_features``):
+A step's plan (``SchedulerOutput``) is reduced to six features (``step_features``), prefill and decode apart:
 
 | feature | unit | what it stands for |
 |---|---|---|
-| ``tokens`` | tokens | every scheduled token goes through every projection (the flat batch's matmuls) |
+| ``prefill_tokens`` | tokens | tokens of prompt chunks (rows of more than one token): the flat batch's matmuls |
+| ``decode_tokens`` | tokens | single-token (decode) rows and verified drafts: the same matmuls, one row each |
 | ``logit_rows`` | rows | rows that sample: the LM head (vocab x hidden) and the sampler run once per row |
 | ``decode_ctx`` | k tokens | keys read by single-token (decode) rows: the paged-attention kernel |
 | ``prefill_attn`` | M query-key pairs | causal attention of prompt chunks: ``q * (start + (q + 1) / 2)`` per chunk |
 | ``rows`` | rows | per-request bookkeeping: block tables, batch building, output processing |
 
 and ``step_s = intercept + sum(coef[f] * feature[f])`` (intercept: reading the weights once per step, Python
-overhead). The coefficients are fitted by non-negative least squares on relative error (every measured step
-counts alike, a 40 ms decode as much as a 2 s prefill), so the model can be replayed anywhere. The same shape is
-used by Vidur (Agrawal et al., MLSys 2024), which fits per-operator costs; a whole-step model is coarser but needs
-only a few minutes of measurements on the real engine (``kvserve sim profile``).
+overhead). Prefill and decode tokens get their own coefficients because they run at different efficiency (a
+512-token chunk is one large matmul; 32 decode rows are 32 rows with a paged-attention read each), and so that a
+server calibration can scale the two parts apart (``ServerCalibrated``). The coefficients are fitted by
+non-negative least squares on relative error (every measured step counts alike, a 40 ms decode as much as a 2 s
+prefill), so the model can be replayed anywhere. The same shape is used by Vidur (Agrawal et al., MLSys 2024),
+which fits per-operator costs; a whole-step model is coarser but needs only a few minutes of measurements on the
+real engine (``kvserve sim profile``). Profiles of the first format, with one ``tokens`` feature, still load: its
+coefficient becomes both token coefficients (the same prediction).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from kvserve.core.sched_output import SchedulerOutput
 
-FEATURES = ("tokens", "logit_rows", "decode_ctx", "prefill_attn", "rows")
+FEATURES = ("prefill_tokens", "decode_tokens", "logit_rows", "decode_ctx", "prefill_attn", "rows")
+PREFILL_FEATURES = ("prefill_tokens", "prefill_attn")  # the part of a step a prefill calibration scales
 
 
 def step_features(so: SchedulerOutput) -> tuple:
-    """The ``FEATURES`` of one step plan, in that order (tokens, rows, thousands of keys, millions of pairs)."""
-    tokens = rows = logit_rows = 0
+    """The ``FEATURES`` of one step plan, in that order (tokens, tokens, rows, thousands of keys, millions of pairs,
+    rows)."""
+    prefill_tokens = decode_tokens = rows = logit_rows = 0
     decode_ctx = prefill_attn = 0.0
     for s in so.scheduled:
         q = len(s.token_ids)
-        tokens += q
         rows += 1
         if s.samples:
             logit_rows += len(s.sampling_states) + len(s.spec_token_ids)
         if q == 1 or s.spec_token_ids:
+            decode_tokens += q
             decode_ctx += q * (s.start_pos + q)
         else:
+            prefill_tokens += q
             prefill_attn += q * (s.start_pos + (q + 1) / 2)
-    return (tokens, logit_rows, decode_ctx / 1e3, prefill_attn / 1e6, rows)
+    return (prefill_tokens, decode_tokens, logit_rows, decode_ctx / 1e3, prefill_attn / 1e6, rows)
 
 
 @dataclass
@@ -57,13 +66,20 @@ class CostModel:
     intercept: float
     coef: dict
 
+    def __post_init__(self):
+        self._coefs = tuple(self.coef[name] for name in FEATURES)
+        self._prefill = tuple(i for i, name in enumerate(FEATURES) if name in PREFILL_FEATURES)
+
     def step_time(self, features: tuple) -> float:
         """Predicted seconds of a step with these ``FEATURES`` values."""
-        c = self.coef
         t = self.intercept
-        for name, x in zip(FEATURES, features):
-            t += c[name] * x
+        for c, x in zip(self._coefs, features):
+            t += c * x
         return t
+
+    def prefill_time(self, features: tuple) -> float:
+        """The ``PREFILL_FEATURES`` terms of ``step_time`` (seconds): the prompt chunks' own cost."""
+        return sum(self._coefs[i] * features[i] for i in self._prefill)
 
     def __call__(self, so: SchedulerOutput) -> float:
         return self.step_time(step_features(so))
@@ -76,7 +92,12 @@ class CostModel:
         """Raises ``ValueError`` naming the missing or negative field."""
         try:
             intercept = float(d["intercept_s"])
-            coef = {name: float(d["coef_s"][name]) for name in FEATURES}
+            given = dict(d["coef_s"])
+            if "tokens" in given:  # the first profile format: one coefficient for every scheduled token
+                shared = given.pop("tokens")
+                for name in ("prefill_tokens", "decode_tokens"):
+                    given[name] = float(given.get(name, 0.0)) + float(shared)
+            coef = {name: float(given[name]) for name in FEATURES}
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: cost model needs 'intercept_s' and 'coef_s' with {list(FEATURES)} "
                              f"({type(e).__name__}: {e})") from None
@@ -88,26 +109,34 @@ class CostModel:
 
 @dataclass
 class ServerCalibrated:
-    """A ``CostModel`` seen through a server: ``step_s = offset_s + scale * base(plan)``.
+    """A ``CostModel`` seen through a server: ``step_s = offset_s + scale * (base - prefill part) + prefill_scale *
+    prefill part``, where the prefill part is ``base.prefill_time`` (the prompt-chunk terms).
 
     ``kvserve serve`` runs each step in a worker thread beside an event loop that streams every token to its client,
-    and on a shared CPU at another moment than the profile run; the two numbers absorb both differences (on this
+    and on a shared CPU at another moment than the profile run; the numbers absorb both differences (on this
     project's 2-core machine mostly the second: docs/simulator.md). ``kvserve sim validate --save-calibration``
-    measures them from decode steps of a live server (the
-    inter-token gaps of 1 and of 8 concurrent streams) and stores them in the profile.
+    measures ``offset_s`` and ``scale`` from decode steps of a live server (the inter-token gaps of 1 and of 8
+    concurrent streams) and ``prefill_scale`` from the time to first token of lone prompts, and stores them in the
+    profile. Decode and prefill are calibrated apart because they need not drift alike: a prefill chunk is one
+    large matmul, a decode step many small rows plus Python per row.
 
     Attributes:
         base: the engine-step cost model.
         offset_s: seconds added per step.
-        scale: multiplier on the engine step time, > 0.
+        scale: multiplier on the engine step's decode and per-step terms, > 0.
+        prefill_scale: multiplier on its prefill terms, > 0; ``None``: ``scale`` (one factor for the whole step).
     """
 
     base: CostModel
     offset_s: float = 0.0
     scale: float = 1.0
+    prefill_scale: Optional[float] = None
 
     def step_time(self, features: tuple) -> float:
-        return self.offset_s + self.scale * self.base.step_time(features)
+        t = self.offset_s + self.scale * self.base.step_time(features)
+        if self.prefill_scale is not None:
+            t += (self.prefill_scale - self.scale) * self.base.prefill_time(features)
+        return t
 
     def __call__(self, so: SchedulerOutput) -> float:
         return self.step_time(step_features(so))
@@ -115,7 +144,13 @@ class ServerCalibrated:
 
 def decode_features(batch: int, context: int) -> tuple:
     """``FEATURES`` of a step of ``batch`` single-token decodes at ``context`` tokens each."""
-    return (batch, batch, batch * (context + 1) / 1e3, 0.0, batch)
+    return (0, batch, batch, batch * (context + 1) / 1e3, 0.0, batch)
+
+
+def prefill_features(prompt_len: int) -> tuple:
+    """``FEATURES`` of a step that prefills one ``prompt_len``-token prompt in one chunk and samples its first
+    token."""
+    return (prompt_len, 0, 1, 0.0, prompt_len * (prompt_len + 1) / 2 / 1e6, 1)
 
 
 def fit(samples: list[tuple[tuple, float]]) -> CostModel:

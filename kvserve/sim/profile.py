@@ -29,7 +29,8 @@ from kvserve.sim.cost_model import FEATURES, CostModel, ServerCalibrated, fit, f
 
 logger = logging.getLogger(__name__)
 
-PROFILE_FORMAT = "kvserve-sim-profile/1"
+PROFILE_FORMAT = "kvserve-sim-profile/2"  # /2: prefill and decode tokens as separate features
+READABLE_FORMATS = ("kvserve-sim-profile/1", PROFILE_FORMAT)
 DECODE_BATCHES = (1, 4, 16, 32)
 DECODE_CONTEXTS = (32, 512)
 PREFILL_LENS = (128, 512)
@@ -138,8 +139,8 @@ def load(path, model_name: str | None = None, server_calibration: bool = True) -
         prof = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: line {e.lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(prof, dict) or prof.get("format") != PROFILE_FORMAT:
-        raise ValueError(f"{p}: not a kvserve sim profile (field 'format' must be {PROFILE_FORMAT!r})")
+    if not isinstance(prof, dict) or prof.get("format") not in READABLE_FORMATS:
+        raise ValueError(f"{p}: not a kvserve sim profile (field 'format' must be one of {list(READABLE_FORMATS)})")
     for key in ("model", "kv_bytes_per_token", "max_position_embeddings", "cost_model"):
         if key not in prof:
             raise ValueError(f"{p}: missing field {key!r}")
@@ -151,14 +152,23 @@ def load(path, model_name: str | None = None, server_calibration: bool = True) -
     if server_calibration and cal:
         try:
             offset, scale = float(cal["offset_s"]), float(cal["scale"])
+            prefill_scale = None if cal.get("prefill_scale") is None else float(cal["prefill_scale"])
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{p}: field 'server_calibration' needs numbers 'offset_s' and 'scale'") from None
-        if not scale > 0:
-            raise ValueError(f"{p}: field 'server_calibration.scale' must be > 0, got {scale}")
-        return prof, ServerCalibrated(cost, offset, scale)
+            raise ValueError(f"{p}: field 'server_calibration' needs numbers 'offset_s' and 'scale' (and optionally "
+                             f"'prefill_scale')") from None
+        for name, v in (("scale", scale), ("prefill_scale", prefill_scale)):
+            if v is not None and not v > 0:
+                raise ValueError(f"{p}: field 'server_calibration.{name}' must be > 0, got {v}")
+        return prof, ServerCalibrated(cost, offset, scale, prefill_scale)
     return prof, cost
 
 
 def refit(profile: dict) -> CostModel:
-    """Fit the cost model again from the profile's raw samples."""
+    """Fit the cost model again from the profile's raw samples.
+
+    Raises:
+        ValueError: the samples have other features than ``FEATURES`` (a profile of the first format).
+    """
+    if profile.get("features") != list(FEATURES):
+        raise ValueError(f"profile features {profile.get('features')} are not {list(FEATURES)}; measure it again")
     return fit([(tuple(s["features"]), s["step_s"]) for s in profile["samples"]])

@@ -17,9 +17,12 @@ The per-request results are ``kvserve.bench.serve.RequestResult`` objects and th
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
+
+import numpy as np
 
 from kvserve.bench.serve import RequestResult, summarize
 from kvserve.config import EngineConfig
@@ -51,12 +54,13 @@ class SimResult:
     kv_usage: list = field(default_factory=list)
 
 
+_ONE_TOKEN = (SIM_TOKEN_ID,)  # shared by every sampled row: the scheduler only reads it
+
+
 def _fake_run(so: SchedulerOutput) -> ModelRunnerOutput:
+    """The model-free runner: ``SIM_TOKEN_ID`` for every sample the plan draws (forked samples included)."""
     out = ModelRunnerOutput()
-    for s in so.scheduled:
-        if s.samples:
-            for st in s.sampling_states:
-                out.sampled_token_ids[st.request_id] = [SIM_TOKEN_ID]
+    out.sampled_token_ids = {st.request_id: _ONE_TOKEN for s in so.scheduled if s.samples for st in s.sampling_states}
     return out
 
 
@@ -110,57 +114,63 @@ class Simulator:
             raise ValueError("trace arrivals must be in non-decreasing order")
         kv = KVCacheManager(self.num_blocks, self.block_size, self.config.cache_config.enable_prefix_caching)
         sched = Scheduler(self.config.scheduler_config, kv, eos_token_ids=())
+        pool = kv.block_pool
         results = [RequestResult() for _ in trace]
         arrival = [r.arrival_s for r in trace]
-        last_token = [0.0] * len(trace)
+        index_of: dict[str, int] = {}  # request id -> trace index
         n = len(trace)
         t, i, steps = 0.0, 0, 0
         usage_sum, usage_max, samples = 0.0, 0.0, []
         running_time = 0.0
-        while i < n or sched.has_unfinished_requests():
-            if not sched.has_unfinished_requests() and arrival[i] > t:
-                t = arrival[i]
-            while i < n and arrival[i] <= t:
-                r = trace[i]
-                res = results[i]
-                res.start_s, res.prompt_tokens = r.arrival_s, r.prompt_len
-                why = self.reject_reason(r)
-                if why:
-                    res.error = f"HTTP 400: {why}"
-                else:
-                    sp = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0)
-                    sched.add_request(Request(str(i), prompt_token_ids(r, i), sp, self.max_total_tokens,
-                                              arrival_time=r.arrival_s, priority=r.priority))
-                i += 1
-            if not sched.has_unfinished_requests():
-                continue
-            so = sched.schedule()
-            if not so.scheduled:  # only possible with nothing running: a request that can never be admitted
-                raise RuntimeError(f"the scheduler made no progress at t={t:.3f} s with "
-                                   f"{sched.num_waiting} waiting; check the pool size and token budget")
-            dt = self.step_time(so)
-            t += dt
-            running_time += dt
-            out = _fake_run(so)
-            sched.update_from_output(so, out)
-            steps += 1
-            for rid in out.sampled_token_ids:
-                k = int(rid)
-                res = results[k]
-                if res.output_tokens == 0:
-                    res.ttft = t - arrival[k]
-                else:
-                    res.itl.append(t - last_token[k])
-                last_token[k] = t
-                res.output_tokens += 1
-                if res.output_tokens == trace[k].output_len:
-                    res.success = True
-                    res.e2el = t - arrival[k]
-            used = kv.block_pool.num_used_blocks / self.num_blocks
-            usage_sum += used * dt
-            usage_max = max(usage_max, used)
-            if steps % sample_every == 0:
-                samples.append((t, used, sched.num_running, sched.num_waiting))
+        # Token deliveries, kept flat and turned into per-request results once at the end (numpy): per step its
+        # end time and how many tokens it delivered, and the trace index of each delivered token in step order.
+        step_end, step_tokens, token_req = [], [], []
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # millions of short-lived plan objects and no cycles: the collector would only rescan them
+        try:
+            while i < n or sched.has_unfinished_requests():
+                if not sched.has_unfinished_requests() and arrival[i] > t:
+                    t = arrival[i]  # an idle engine waits for the next arrival
+                while i < n and arrival[i] <= t:
+                    r = trace[i]
+                    res = results[i]
+                    res.start_s, res.prompt_tokens = r.arrival_s, r.prompt_len
+                    why = self.reject_reason(r)
+                    if why:
+                        res.error = f"HTTP 400: {why}"
+                    else:
+                        sp = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0)
+                        rid = str(i)
+                        index_of[rid] = i
+                        sched.add_request(Request(rid, prompt_token_ids(r, i), sp, self.max_total_tokens,
+                                                  arrival_time=r.arrival_s, priority=r.priority))
+                    i += 1
+                if not sched.has_unfinished_requests():
+                    continue
+                so = sched.schedule()
+                if not so.scheduled:  # only possible with nothing running: a request that can never be admitted
+                    raise RuntimeError(f"the scheduler made no progress at t={t:.3f} s with "
+                                       f"{sched.num_waiting} waiting; check the pool size and token budget")
+                dt = self.step_time(so)
+                t += dt
+                running_time += dt
+                out = _fake_run(so)
+                sched.update_from_output(so, out)
+                steps += 1
+                delivered = out.sampled_token_ids
+                step_end.append(t)
+                step_tokens.append(len(delivered))
+                token_req.extend(map(index_of.__getitem__, delivered))
+                used = pool.num_used_blocks / self.num_blocks
+                usage_sum += used * dt
+                if used > usage_max:
+                    usage_max = used
+                if steps % sample_every == 0:
+                    samples.append((t, used, sched.num_running, sched.num_waiting))
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        self._fill_results(trace, results, step_end, step_tokens, token_req)
         duration = t  # like bench serve: from the first send to the last byte
         summary = summarize(results, duration, slos or {})
         summary.update({
@@ -175,3 +185,29 @@ class Simulator:
             "sim_wall_s": time.perf_counter() - wall0,
         })
         return SimResult(summary, results, samples)
+
+    @staticmethod
+    def _fill_results(trace: list[TraceRequest], results: list, step_end: list, step_tokens: list,
+                      token_req: list) -> None:
+        """Per-request TTFT, ITL, e2e latency, token count and success from the flat token deliveries: token ``j``
+        of the run went to request ``token_req[j]``; step ``k`` ended at ``step_end[k]`` (seconds) and delivered
+        ``step_tokens[k]`` tokens. Latencies are differences of the same float times a per-token loop would take."""
+        if not token_req:
+            return
+        req = np.asarray(token_req, dtype=np.int64)
+        when = np.repeat(np.asarray(step_end, dtype=np.float64), np.asarray(step_tokens, dtype=np.int64))
+        order = np.argsort(req, kind="stable")  # each request's tokens, in delivery order
+        req, when = req[order], when[order]
+        bounds = np.flatnonzero(np.diff(req)) + 1
+        starts = np.concatenate(([0], bounds)).tolist()
+        ends = np.concatenate((bounds, [len(req)])).tolist()
+        for a, b in zip(starts, ends):
+            k = int(req[a])
+            res, times = results[k], when[a:b]
+            arrival = trace[k].arrival_s
+            res.output_tokens = b - a
+            res.ttft = float(times[0]) - arrival
+            res.itl = np.diff(times).tolist()
+            if res.output_tokens == trace[k].output_len:
+                res.success = True
+                res.e2el = float(times[-1]) - arrival

@@ -55,6 +55,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-calibration", action="store_true",
                    help="measure the server calibration first and store it in the profile (else the profile's own, "
                         "if any, is used)")
+    p.add_argument("--calibrate-each-level", action="store_true",
+                   help="with --save-calibration: measure the calibration again before every level (on a shared "
+                        "machine whose load drifts, each level is then simulated at its own moment's speed)")
 
 
 def level_requests(args, rate: float, seed: int) -> list:
@@ -113,20 +116,35 @@ def start_server(engine_args: dict, timeout: float = 600.0) -> tuple:
     raise ValueError(f"kvserve serve not healthy after {timeout} s")
 
 
-def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24) -> dict:
-    """Measure a live server's decode step: the median inter-token gap of 1 and of 8 concurrent streams (fresh
-    ``context``-token prompts, ``output_len`` tokens, the first 3 gaps of each stream dropped), against the cost
-    model's prediction for the same steps; fits ``server = offset_s + scale * predicted`` through the two points.
+def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24,
+              prefill_len: int = 192, prefill_runs: int = 3, seed: int = 0) -> dict:
+    """Measure a live server's decode and prefill steps against the cost model's predictions.
 
-    Returns ``{"offset_s", "scale", "points": [(batch, measured_s, predicted_s)]}``.
+    Decode: the median inter-token gap of 1 and of 8 concurrent streams (fresh ``context``-token prompts,
+    ``output_len`` tokens, the first 3 gaps of each stream dropped); ``server = offset_s + scale * predicted`` is
+    fitted through the two points. Prefill: the median time to first token of ``prefill_runs`` lone fresh prompts of
+    ``prefill_len`` tokens (one step that prefills the prompt and samples; the request's HTTP round trip is in it
+    too, as it is in every real TTFT); ``prefill_scale`` is what the prefill terms must be multiplied by so that the
+    calibrated step equals it.
+
+    Returns ``{"offset_s", "scale", "prefill_scale", "points": [(batch, measured_s, predicted_s)],
+    "prefill_points": [(prompt_len, measured_s, predicted_s)]}``; ``prefill_scale`` is ``None`` when the
+    measurement leaves nothing positive for the prefill terms. Every prompt is drawn fresh from ``seed`` (random
+    token ids): a second calibration on the same server must not find the first one's prompts in its prefix cache.
     """
+    import random
     import statistics
 
-    from kvserve.sim.cost_model import decode_features
+    rng = random.Random(f"calibrate-{seed}")
+
+    def fresh(n: int) -> list:
+        return [rng.randrange(1000, 30000) for _ in range(n)]
+
+    from kvserve.sim.cost_model import decode_features, prefill_features
 
     points = []
-    for b, base in ((1, 11000), (8, 12000)):
-        reqs = [LoadRequest([base + 100 * i + k for k in range(context)], output_len, 0.0) for i in range(b)]
+    for b in (1, 8):
+        reqs = [LoadRequest(fresh(context), output_len, 0.0) for _ in range(b)]
         results, _ = asyncio.run(run_benchmark(base_url, model, reqs, [0.0] * b))
         gaps = [g for r in results if r.success for g in r.itl[3:]]
         if not gaps:
@@ -137,7 +155,19 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     offset = m1 - scale * p1
     if not scale > 0 or offset < 0:  # not two consistent points: a pure ratio
         scale, offset = (m1 + m8) / (p1 + p8), 0.0
-    return {"offset_s": offset, "scale": scale, "points": points}
+    ttfts = []
+    for i in range(prefill_runs):  # one at a time: each prompt is a step of its own
+        req = LoadRequest(fresh(prefill_len), 2, 0.0)
+        results, _ = asyncio.run(run_benchmark(base_url, model, [req], [0.0]))
+        ttfts += [r.ttft for r in results if r.success]
+    if not ttfts:
+        raise ValueError("calibration of the prefill step got no successful request")
+    f = prefill_features(prefill_len)
+    measured, pre = statistics.median(ttfts), cost.prefill_time(f)
+    rest = offset + scale * (cost.step_time(f) - pre)
+    prefill_scale = (measured - rest) / pre if pre > 0 and measured > rest else None
+    return {"offset_s": offset, "scale": scale, "prefill_scale": prefill_scale, "points": points,
+            "prefill_points": [(prefill_len, measured, cost.step_time(f))]}
 
 
 def compare(real: dict, sim: dict) -> dict:
@@ -184,17 +214,26 @@ def run(args: argparse.Namespace) -> int:
         model = fetch_model(base_url)
         warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(4)]
         asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
-        if args.save_calibration:
-            cal = calibrate(base_url, model, raw_sim.step_time)
+        def recalibrate(level: int = 0):
+            cal = calibrate(base_url, model, raw_sim.step_time, seed=args.seed * 1000 + level)
+            ps = cal["prefill_scale"]
             print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
-                  f"(measured / predicted decode step: " +
-                  ", ".join(f"batch {b} {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) + ")",
-                  flush=True)
+                  f"(prefill terms x {ps if ps is None else round(ps, 3)}; measured / predicted decode step: " +
+                  ", ".join(f"batch {b} {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) +
+                  "; lone prefill: " +
+                  ", ".join(f"{n} tokens {m * 1000:.0f} / {p * 1000:.0f} ms" for n, m, p in cal["prefill_points"]) +
+                  ")", flush=True)
             prof["server_calibration"] = {**cal, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
             with open(args.profile, "w") as f:
                 json.dump(prof, f, indent=1)
-            sim, _ = build_simulator(eargs, args.profile)
+            return build_simulator(eargs, args.profile)[0], prof["server_calibration"]
+
+        cal = prof.get("server_calibration")
+        if args.save_calibration:
+            sim, cal = recalibrate()
         for i, rate in enumerate(rates):
+            if args.save_calibration and args.calibrate_each_level and i > 0:
+                sim, cal = recalibrate(i)
             reqs = level_requests(args, rate, args.seed + i)
             offsets = [r.arrival_s for r in reqs]
             before = fetch_prefix_counters(base_url)
@@ -209,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
             name = f"{rate:g} req/s"
             comp = compare(real, simulated)
             rows.append((name, comp))
-            report.append({"rate": rate, "seed": args.seed + i, "real": real, "sim": simulated, "sim_uncalibrated": raw,
+            report.append({"rate": rate, "seed": args.seed + i, "server_calibration": cal, "real": real, "sim": simulated, "sim_uncalibrated": raw,
                            "errors": {k: v[2] for k, v in comp.items()},
                            "errors_uncalibrated": {k: v[2] for k, v in compare(real, raw).items()}})
             print(format_comparison([(name, comp)]), flush=True)

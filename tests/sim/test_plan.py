@@ -62,3 +62,17 @@ def test_sim_refuses_a_profile_of_another_model(files, capsys, tmp_path):
                "--trace-file", str(t)])
     assert rc == 2
     assert "measured on another model than 'Other.gguf'" in capsys.readouterr().err
+
+
+def test_sim_names_the_line_of_a_malformed_trace(files, capsys, tmp_path):
+    p, t = files
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(t.read_text().splitlines()[0] + "\n" + '{"arrival_s": 1, "prompt_tokens": 8,\n')
+    rc = main(["sim", "--profile", str(p), "--dataset", "jsonl", "--trace-file", str(bad)])
+    assert rc == 2
+    assert "bad.jsonl: line 2: not valid JSON" in capsys.readouterr().err
+    csv = tmp_path / "a.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:47.0,9\n")
+    rc = main(["sim", "--profile", str(p), "--dataset", "azure", "--trace-file", str(csv)])
+    assert rc == 2
+    assert "a.csv: line 3: expected 3 fields, got 2" in capsys.readouterr().err

@@ -15,8 +15,11 @@ def test_quick_profile_then_simulate(tmp_path, capsys):
     assert prof["features"] == list(FEATURES) and prof["model"].endswith(".gguf")
     assert prof["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M fp32: 30 layers, 3 KV heads of 64
     assert len(prof["samples"]) >= 20
-    decodes = [s for s in prof["samples"] if s["features"][0] == s["features"][4] == 4]  # 4 single-token rows
-    assert decodes and all(s["step_s"] > 0 for s in decodes)
+    f = {name: i for i, name in enumerate(FEATURES)}
+    decodes = [s["step_s"] for s in prof["samples"]  # 4 single-token rows and no prompt chunk
+               if s["features"][f["decode_tokens"]] == s["features"][f["rows"]] == 4
+               and s["features"][f["prefill_tokens"]] == 0]
+    assert decodes and all(t > 0 for t in decodes)
     cm = prof["cost_model"]
     assert cm["intercept_s"] >= 0 and all(v >= 0 for v in cm["coef_s"].values())
     assert prof["fit"]["mean_abs_rel_err"] < 1.0

@@ -86,15 +86,16 @@ def test_prompt_token_ids_share_exactly_the_prefix_ids():
 
 
 def test_fit_recovers_a_known_linear_model():
-    truth = CostModel(0.03, {"tokens": 0.002, "logit_rows": 0.004, "decode_ctx": 0.001, "prefill_attn": 0.05,
-                             "rows": 0.0})
-    feats = [(t, lr, dc, pa, r) for t, lr, dc, pa, r in
-             [(1, 1, 0.1, 0, 1), (8, 8, 2.0, 0, 8), (512, 1, 0, 0.13, 1), (256, 9, 1.0, 0.03, 9),
-              (32, 32, 30.0, 0, 32), (128, 1, 0, 0.5, 1), (64, 4, 0.3, 0.002, 5), (4, 4, 4.0, 0, 4)]]
+    truth = CostModel(0.03, {"prefill_tokens": 0.002, "decode_tokens": 0.003, "logit_rows": 0.004,
+                             "decode_ctx": 0.001, "prefill_attn": 0.05, "rows": 0.0})
+    feats = [(0, 1, 1, 0.1, 0, 1), (0, 8, 8, 2.0, 0, 8), (512, 0, 1, 0, 0.13, 1), (248, 8, 9, 1.0, 0.03, 9),
+             (0, 32, 32, 30.0, 0, 32), (128, 0, 1, 0, 0.5, 1), (60, 4, 4, 0.3, 0.002, 5), (0, 4, 4, 4.0, 0, 4),
+             (300, 2, 3, 0.5, 0.05, 3)]
     model = fit([(f, truth.step_time(f)) for f in feats])
     assert model.intercept == pytest.approx(0.03, rel=1e-6)
     for k, v in truth.coef.items():
         assert model.coef[k] == pytest.approx(v, rel=1e-6, abs=1e-9)
+    assert model.prefill_time((512, 0, 1, 0, 0.13, 1)) == pytest.approx(512 * 0.002 + 0.13 * 0.05)
 
 
 def test_step_features_of_a_plan():
@@ -102,7 +103,7 @@ def test_step_features_of_a_plan():
 
     so = SchedulerOutput([ScheduledRequest("a", [1], 99, [0], samples=True, sampling_states=[object()]),
                           ScheduledRequest("b", [1] * 4, 8, [0], samples=False)])
-    assert step_features(so) == (5, 1, 0.1, 4 * (8 + 2.5) / 1e6, 2)
+    assert step_features(so) == (4, 1, 1, 0.1, 4 * (8 + 2.5) / 1e6, 2)
 
 
 def _write(tmp_path, name, text):

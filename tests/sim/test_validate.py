@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.sim.cost_model import FEATURES, ServerCalibrated, decode_features
+from kvserve.sim.cost_model import FEATURES, ServerCalibrated, decode_features, prefill_features
 from kvserve.sim.profile import PROFILE_FORMAT, load
 from kvserve.sim.validate import _engine_flags, compare, level_requests
 
@@ -45,6 +45,12 @@ def test_server_calibration_is_applied_from_the_profile(tmp_path):
     assert cost.step_time(decode_features(4, 10)) == pytest.approx(0.005 + 2 * (0.1 + 0.04))
     _, raw = load(p, server_calibration=False)
     assert raw.step_time(decode_features(4, 10)) == pytest.approx(0.14)
+    # prefill calibrated apart: only the prompt-chunk terms take prefill_scale
+    prof["server_calibration"]["prefill_scale"] = 3.0
+    p.write_text(json.dumps(prof))
+    _, cost = load(p)
+    assert cost.step_time(decode_features(4, 10)) == pytest.approx(0.005 + 2 * (0.1 + 0.04))
+    assert cost.step_time(prefill_features(100)) == pytest.approx(0.005 + 2 * (0.1 + 0.0) + 3 * (100 * 0.01))
     prof["server_calibration"]["scale"] = 0
     p.write_text(json.dumps(prof))
     with pytest.raises(ValueError, match="server_calibration.scale' must be > 0"):
