@@ -7,7 +7,7 @@ summation order of the same fp32 ops).
 import pytest
 import torch
 
-from kvserve import SamplingParams
+from kvserve import LLM, SamplingParams
 from kvserve.model.hf_reference import to_hf_model
 from kvserve.model.loader import load_model
 from tests.conftest import flat_batch
@@ -103,7 +103,7 @@ def test_mixed_prefill_and_decode_batch_matches_separate_runs(llm):
 
 _FALLBACK_SCRIPT = """
 import json, sys
-from kvserve import SamplingParams
+from kvserve import LLM, SamplingParams
 from kvserve.model import cpu_kernels
 llm = LLM(num_kv_blocks=64, quantization="fp32")
 assert cpu_kernels.load() is None and llm.llm_engine.model.lm_head.path != "kvserve"
