@@ -1,15 +1,15 @@
 /* kvserve's quantized CPU matmul: y[M, N] = x[M, K] . W[N, K]^T with W kept in 4 or 8 bits and integer dot products.
  *
- * The scheme is llama.cpp's (ggml-cpu quants: vec_dot_q4_1_q8_1, vec_dot_q8_0_q8_0): every activation row is
- * quantized per block of QK = 32 values to int8 with one float scale (d_x = max|x| / 127, q = round-to-nearest-even
- * (x / d_x), as llama.cpp's Q8_0/Q8_1 activations), so a block's dot product is an exact integer sum times float
- * scales:
+ * The scheme follows llama.cpp's (ggml-cpu quants: vec_dot_q4_1_q8_1, vec_dot_q8_0_q8_0), with one change for
+ * accuracy: every activation row is quantized per block of QK = 32 values to a *pair* of int8 vectors with one float
+ * step d_x, x ~= d_x * (254 q1 + q2) (q1 as llama.cpp's Q8_0/Q8_1 activation, q2 its rounding residual; see
+ * "activations" below), so a block's dot product is an exact integer sum times float scales:
  *
  *   4-bit weights, w = d_w * q_w + m_w (q_w in 0..15; GGUF Q4_1, and Q4_0 with m_w = -8 d_w):
- *       sum_k w_k x_k ~= d_w d_x * sum_k q_w q_x  +  m_w * (d_x * sum_k q_x)
+ *       sum_k w_k x_k ~= d_w d_x * (254 sum_k q_w q1_k + sum_k q_w q2_k)  +  m_w * (d_x * sum_k (254 q1_k + q2_k))
  *   8-bit weights, w = d_w * q_w (q_w in -128..127; GGUF Q8_0, and kvserve's per-channel "int8" with d_w = 1 and a
  *   per-output float scale applied at the end):
- *       sum_k w_k x_k ~= d_w d_x * sum_k q_w q_x
+ *       sum_k w_k x_k ~= d_w d_x * (254 sum_k q_w q1_k + sum_k q_w q2_k)
  *
  * Packed weight layout (built in kvserve/model/quant/pack.py): output features in groups of G = 16, each group's
  * blocks contiguous, group-major: block (g, b) at byte (g * nb + b) * BLOCK_BYTES, nb = K / 32.
@@ -28,9 +28,11 @@
  * self-check, KVSERVE_CPU_ISA to force one):
  *   AVX2:         _mm256_maddubs_epi16 (u8 x s8 pairs -> s16) + _mm256_madd_epi16 (-> s32), 8 outputs x MR2 rows.
  *                 4-bit: eight u4 x s8 products of one lane pair sum at most 8 * 2 * 15 * 127 = 30480 < 2^15, so a
- *                 whole block accumulates in 16 bits. 8-bit: the sign trick (|w| x sign(x, w)), one madd per step.
+ *                 whole block accumulates in 16 bits (one accumulator for q1, one for q2; the x254 rides on the
+ *                 final madd). 8-bit: the sign trick (|w| x sign(x, w)), one madd per step (by 254 for q1).
  *   AVX-512 VNNI: _mm512_dpbusd_epi32 (u8 x s8 quads -> s32), 16 outputs x MR5 rows. 8-bit weights are the signed
  *                 operand, the activation is made unsigned (q_x + 128) and 128 * sum q_w is subtracted per block.
+ *                 q1 and q2 accumulate apart and meet as 254 a1 + a2 (int32: at most 254 * 32 * 128 * 128 < 2^31).
  * Groups are split across OpenMP threads; within a group the rows are tiled, so each weight block is loaded and
  * unpacked once per MR rows and stays in L1/L2 while the row tiles pass over it.
  */
@@ -67,35 +69,49 @@ enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
 #define PREFETCH(blk, bytes) \
     for (int _l = 0; _l < (bytes); _l += 64) _mm_prefetch((const char *)(blk) + PF_DIST + _l, _MM_HINT_T0);
 
-/* ---- activations: per-32-block int8, round half to even like np.rint; scalar reference and AVX2 ---- */
+/* ---- activations: per-32-block int8 pairs (a 15-bit value), round half to even like np.rint ---- */
 
-/* x[K] -> q[K] int8, d[K/32] = max|x|/127 per block, s[K/32] = d * sum(q) per block. K must be a multiple of 32. */
+/* Each block of 32 activations becomes two int8 vectors q1, q2 and one float step d: x ~= d * (RES * q1 + q2) with
+ * d1 = max|x| / 127, q1 = rint(x / d1) (llama.cpp's Q8 activation), d = d1 / RES, q2 = rint((x - q1 d1) / d).
+ * The residual |x - q1 d1| <= d1 / 2, so q2 fits in -127..127 and the rounding error is at most d / 2 = d1 / 508:
+ * a 15-bit activation made of two int8 ones, so every integer dot product stays an int8 one (twice as many; the
+ * weights are loaded and unpacked once). One int8 alone (q1) loses ~3% top-1 agreement with float32 on SmolLM2
+ * (docs/quant_kernels.md); the pair loses none measurable.
+ * Layout per row: block b at bytes 64 b: q1[32] then q2[32]. d[b] is the combined step d, s[b] = d * sum(RES q1 + q2)
+ * (the block's sum of the represented activations, for the m_w term of 4-bit weights). K must be a multiple of 32. */
+#define RES 254
+
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
+        int8_t *q1 = q + b * 2 * QK, *q2 = q1 + QK;
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) {
             float a = fabsf(xb[i]);
             amax = a > amax ? a : amax;
         }
-        float db = amax / 127.0f;
-        float id = db != 0.0f ? 1.0f / db : 0.0f;
+        float d1 = amax / 127.0f, d2 = d1 / (float)RES;
+        float id1 = d1 != 0.0f ? 1.0f / d1 : 0.0f, id2 = d2 != 0.0f ? 1.0f / d2 : 0.0f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
-            float v = nearbyintf(xb[i] * id);
+            float v = nearbyintf(xb[i] * id1);
             v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-            q[b * QK + i] = (int8_t)v;
-            sum += (int)v;
+            float r = fmaf(-v, d1, xb[i]); /* exact residual, one rounding (as the vector path's fnmadd) */
+            float v2 = nearbyintf(r * id2);
+            v2 = v2 > 127.0f ? 127.0f : (v2 < -127.0f ? -127.0f : v2);
+            q1[i] = (int8_t)v;
+            q2[i] = (int8_t)v2;
+            sum += RES * (int)v + (int)v2;
         }
-        d[b] = db;
-        s[b] = db * (float)sum;
+        d[b] = d2;
+        s[b] = d2 * (float)sum;
     }
 }
 
 /* The same as quantize_row, 32 values at a time (vroundps to nearest even = nearbyintf in the default mode). */
 T_AVX2 static void quantize_row_avx2(const float *x, int64_t K, int8_t *q, float *d, float *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
-    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), res = _mm256_set1_epi32(RES);
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         __m256 v[4], amax = _mm256_setzero_ps();
@@ -106,32 +122,38 @@ T_AVX2 static void quantize_row_avx2(const float *x, int64_t K, int8_t *q, float
         __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        float db = _mm_cvtss_f32(m) / 127.0f;
-        float idb = db != 0.0f ? 1.0f / db : 0.0f;
-        __m256 id = _mm256_set1_ps(idb);
-        __m256i qi[4], sum = _mm256_setzero_si256();
+        float d1 = _mm_cvtss_f32(m) / 127.0f, d2 = d1 / (float)RES;
+        float id1s = d1 != 0.0f ? 1.0f / d1 : 0.0f, id2s = d2 != 0.0f ? 1.0f / d2 : 0.0f;
+        __m256 id1 = _mm256_set1_ps(id1s), id2 = _mm256_set1_ps(id2s), vd1 = _mm256_set1_ps(d1);
+        __m256i q1[4], q2[4], sum = _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
-            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            qi[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(r, lim), nlim));
-            sum = _mm256_add_epi32(sum, qi[i]);
+            __m256 r1 = _mm256_round_ps(_mm256_mul_ps(v[i], id1), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r1 = _mm256_max_ps(_mm256_min_ps(r1, lim), nlim);
+            __m256 resid = _mm256_fnmadd_ps(r1, vd1, v[i]);
+            __m256 r2 = _mm256_round_ps(_mm256_mul_ps(resid, id2), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q1[i] = _mm256_cvtps_epi32(r1);
+            q2[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(r2, lim), nlim));
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_mullo_epi32(q1[i], res), q2[i]));
         }
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-        _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(p, perm));
+        __m256i p1 = _mm256_packs_epi16(_mm256_packs_epi32(q1[0], q1[1]), _mm256_packs_epi32(q1[2], q1[3]));
+        __m256i p2 = _mm256_packs_epi16(_mm256_packs_epi32(q2[0], q2[1]), _mm256_packs_epi32(q2[2], q2[3]));
+        _mm256_storeu_si256((__m256i *)(q + b * 2 * QK), _mm256_permutevar8x32_epi32(p1, perm));
+        _mm256_storeu_si256((__m256i *)(q + b * 2 * QK + QK), _mm256_permutevar8x32_epi32(p2, perm));
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-        d[b] = db;
-        s[b] = db * (float)_mm_cvtsi128_si32(t);
+        d[b] = d2;
+        s[b] = d2 * (float)_mm_cvtsi128_si32(t);
     }
 }
 
-/* Exposed for tests: the same quantization the matmul applies to x [M, K]. */
+/* Exposed for tests: the same quantization the matmul applies to x [M, K]; q is [M, 2K] (layout above). */
 void kvserve_q_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
     for (int64_t m = 0; m < M; m++) {
         if (isa == ISA_AVX2 || isa == ISA_AVX512_VNNI)
-            quantize_row_avx2(x + m * K, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
+            quantize_row_avx2(x + m * K, K, q + m * 2 * K, d + m * (K / QK), s + m * (K / QK));
         else
-            quantize_row(x + m * K, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
+            quantize_row(x + m * K, K, q + m * 2 * K, d + m * (K / QK), s + m * (K / QK));
     }
 }
 
@@ -139,28 +161,34 @@ void kvserve_q_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8
 
 /* Per-row named variables (an array of vectors makes gcc spill them): acc a##i (integer, per block), f##i (float). */
 #define A2_ZERO_F(i) __m256 f##i = _mm256_setzero_ps();
-#define A2_ZERO_A(i) __m256i a##i = _mm256_setzero_si256();
+#define A2_ZERO_A(i) __m256i a##i = _mm256_setzero_si256(), c##i = _mm256_setzero_si256();
 #define A2_Q4_STEP(i)                                                                                   \
     if (mr > i) {                                                                                       \
-        const int8_t *xr = xq + (i) * K + b * QK + 4 * j;                                               \
+        const int8_t *xr = xq + (i) * 2 * K + b * 2 * QK + 4 * j;                                       \
         a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t *)xr))); \
         a##i = _mm256_add_epi16(a##i,                                                                   \
                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t *)(xr + 16)))); \
+        c##i = _mm256_add_epi16(c##i, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t *)(xr + 32)))); \
+        c##i = _mm256_add_epi16(c##i,                                                                   \
+                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t *)(xr + 48)))); \
     }
 #define A2_Q4_END(i)                                                                                    \
     if (mr > i) {                                                                                       \
-        __m256 v = _mm256_cvtepi32_ps(_mm256_madd_epi16(a##i, ones));                                   \
+        __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(a##i, res16), _mm256_madd_epi16(c##i, ones))); \
         f##i = _mm256_fmadd_ps(v, _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i);           \
         f##i = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[(i) * nb + b]), f##i);                             \
     }
 #define A2_Q8_STEP(i)                                                                                   \
     if (mr > i) {                                                                                       \
-        __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xq + (i) * K + b * QK + 4 * j));              \
-        a##i = _mm256_add_epi32(a##i, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones)); \
+        const int8_t *xr = xq + (i) * 2 * K + b * 2 * QK + 4 * j;                                       \
+        __m256i xv = _mm256_set1_epi32(*(const int32_t *)xr), xv2 = _mm256_set1_epi32(*(const int32_t *)(xr + 32)); \
+        a##i = _mm256_add_epi32(a##i, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), res16)); \
+        c##i = _mm256_add_epi32(c##i, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv2, w)), ones)); \
     }
 #define A2_Q8_END(i)                                                                                    \
     if (mr > i)                                                                                         \
-        f##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a##i), _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i);
+        f##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a##i, c##i)),                        \
+                               _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i);
 #define A2_STORE(i)                                                                                     \
     if (mr > i) _mm256_storeu_ps(y + (i) * ldy, oscale ? _mm256_mul_ps(f##i, _mm256_loadu_ps(oscale)) : f##i);
 #define A2_ROWS(M) M(0) M(1) M(2) M(3)
@@ -169,7 +197,7 @@ void kvserve_q_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8
 T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const int8_t *xq, const float *xd,
                                 const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr,
                                 const int f32s) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), res16 = _mm256_set1_epi16(RES);
     const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64; /* block bytes, offset of the nibbles */
     A2_ROWS(A2_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
@@ -193,7 +221,7 @@ T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
 T_AVX2 INLINE void q8_avx2_tile(const uint8_t *wg, int64_t nb, int half, const int8_t *xq, const float *xd,
                                 const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr) {
     (void)xs;
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1), res16 = _mm256_set1_epi16(RES);
     A2_ROWS(A2_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * Q8_BLOCK;
@@ -217,7 +245,7 @@ T_AVX2 static void group_avx2(int fmt, const uint8_t *wg, int64_t nb, const int8
     for (int64_t m0 = 0; m0 < M; m0 += MR2) {
         int mr = (M - m0) < MR2 ? (int)(M - m0) : MR2;
         for (int half = 0; half < 2; half++) {
-            const int8_t *xq_ = xq + m0 * K;
+            const int8_t *xq_ = xq + m0 * 2 * K;
             const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb, *os = oscale ? oscale + half * 8 : NULL;
             float *y_ = y + m0 * ldy + half * 8;
             if (fmt != FMT_Q8) {
@@ -233,26 +261,31 @@ T_AVX2 static void group_avx2(int fmt, const uint8_t *wg, int64_t nb, const int8
 /* ---- AVX-512 VNNI ---- */
 
 #define A5_ZERO_F(i) __m512 f##i = _mm512_setzero_ps();
-#define A5_ZERO_A(i) __m512i a##i = _mm512_setzero_si512();
+#define A5_ZERO_A(i) __m512i a##i = _mm512_setzero_si512(), c##i = _mm512_setzero_si512();
 #define A5_Q4_STEP(i)                                                                                   \
     if (mr > i) {                                                                                       \
-        const int8_t *xr = xq + (i) * K + b * QK + 4 * j;                                               \
+        const int8_t *xr = xq + (i) * 2 * K + b * 2 * QK + 4 * j;                                       \
         a##i = _mm512_dpbusd_epi32(a##i, lo, _mm512_set1_epi32(*(const int32_t *)xr));                  \
         a##i = _mm512_dpbusd_epi32(a##i, hi, _mm512_set1_epi32(*(const int32_t *)(xr + 16)));           \
+        c##i = _mm512_dpbusd_epi32(c##i, lo, _mm512_set1_epi32(*(const int32_t *)(xr + 32)));           \
+        c##i = _mm512_dpbusd_epi32(c##i, hi, _mm512_set1_epi32(*(const int32_t *)(xr + 48)));           \
     }
 #define A5_Q4_END(i)                                                                                    \
     if (mr > i) {                                                                                       \
-        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##i), _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i); \
+        __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(a##i, res32), c##i);                            \
+        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i); \
         f##i = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[(i) * nb + b]), f##i);                             \
     }
 #define A5_Q8_STEP(i)                                                                                   \
     if (mr > i) {                                                                                       \
-        __m512i xv = _mm512_xor_si512(_mm512_set1_epi32(*(const int32_t *)(xq + (i) * K + b * QK + 4 * j)), bias); \
-        a##i = _mm512_dpbusd_epi32(a##i, xv, w);                                                        \
+        const int8_t *xr = xq + (i) * 2 * K + b * 2 * QK + 4 * j;                                       \
+        a##i = _mm512_dpbusd_epi32(a##i, _mm512_xor_si512(_mm512_set1_epi32(*(const int32_t *)xr), bias), w); \
+        c##i = _mm512_dpbusd_epi32(c##i, _mm512_xor_si512(_mm512_set1_epi32(*(const int32_t *)(xr + 32)), bias), w); \
     }
 #define A5_Q8_END(i)                                                                                    \
     if (mr > i)                                                                                         \
-        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a##i, corr)),                        \
+        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(                                      \
+                                   _mm512_mullo_epi32(_mm512_sub_epi32(a##i, corr), res32), _mm512_sub_epi32(c##i, corr))), \
                                _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i);
 #define A5_STORE(i)                                                                                     \
     if (mr > i) _mm512_storeu_ps(y + (i) * ldy, oscale ? _mm512_mul_ps(f##i, _mm512_loadu_ps(oscale)) : f##i);
@@ -261,7 +294,7 @@ T_AVX2 static void group_avx2(int fmt, const uint8_t *wg, int64_t nb, const int8
 T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
                                     const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
                                     const int mr, const int f32s) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), res32 = _mm512_set1_epi32(RES);
     const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64;
     A5_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
@@ -286,7 +319,7 @@ T_AVX512 INLINE void q8_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
                                     const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
                                     const int mr) {
     (void)xs;
-    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    const __m512i bias = _mm512_set1_epi8((char)0x80), res32 = _mm512_set1_epi32(RES);
     A5_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * Q8_BLOCK;
@@ -311,7 +344,7 @@ T_AVX512 static void group_avx512(int fmt, const uint8_t *wg, int64_t nb, const 
                                   const float *oscale) {
     for (int64_t m0 = 0; m0 < M; m0 += MR5) {
         int mr = (M - m0) < MR5 ? (int)(M - m0) : MR5;
-        const int8_t *xq_ = xq + m0 * K;
+        const int8_t *xq_ = xq + m0 * 2 * K;
         const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
         float *y_ = y + m0 * ldy;
         if (fmt != FMT_Q8) {
@@ -350,10 +383,10 @@ int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const 
     if (M == 0 || N == 0) return 0;
     const int64_t nb = K / QK, groups = N / G, bb = fmt == FMT_Q4 ? Q4_BLOCK : fmt == FMT_Q4F ? Q4F_BLOCK : Q8_BLOCK;
     /* Scratch for the quantized activations: on the stack for small inputs (decode steps), else the heap. */
-    _Alignas(64) int8_t sq[STACK_VALUES];
+    _Alignas(64) int8_t sq[2 * STACK_VALUES];
     float sd[STACK_VALUES / QK], ss[STACK_VALUES / QK];
     const int on_stack = M * K <= STACK_VALUES;
-    int8_t *xq = on_stack ? sq : malloc((size_t)(M * K));
+    int8_t *xq = on_stack ? sq : malloc((size_t)(2 * M * K));
     float *xd = on_stack ? sd : malloc(sizeof(float) * (size_t)(M * nb));
     float *xs = on_stack ? ss : malloc(sizeof(float) * (size_t)(M * nb));
     if (!xq || !xd || !xs) {
@@ -364,13 +397,13 @@ int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const 
      * this thread alone, and tiny products run without one. */
     const int serial_quant = M * K <= SERIAL_QUANT;
     if (serial_quant)
-        for (int64_t m = 0; m < M; m++) quantize_row_avx2(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+        for (int64_t m = 0; m < M; m++) quantize_row_avx2(x + m * K, K, xq + m * 2 * K, xd + m * nb, xs + m * nb);
 #pragma omp parallel if (M * N * K >= SERIAL_MACS)
     {
         if (!serial_quant) {
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
-                quantize_row_avx2(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+                quantize_row_avx2(x + m * K, K, xq + m * 2 * K, xd + m * nb, xs + m * nb);
         }
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {

@@ -153,7 +153,7 @@ def isa() -> Optional[str]:
 
 def qgemm(x: torch.Tensor, w: P.PackedWeight, isa_name: Optional[str] = None) -> torch.Tensor:
     """``x [M, K]`` float32 times the packed weight -> ``[M, out_features]`` float32 (``x @ W.T``), activations
-    quantized per 32-block to int8 inside.
+    quantized per 32-block to a pair of int8 vectors inside (``quantize_activations``).
 
     Args:
         x: ``[M, in_features]``, float32 (another float dtype is converted first); made contiguous if it is not.
@@ -178,21 +178,41 @@ def qgemm(x: torch.Tensor, w: P.PackedWeight, isa_name: Optional[str] = None) ->
     return y if n_pad == w.out_features else y[:, : w.out_features]
 
 
+#: The second int8 of an activation pair steps ``1 / RES`` of the first's step (qgemm.c ``RES``).
+RES = 254
+
+
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference of the kernel's activation quantization, in numpy: float32 ``[M, K]`` (K a multiple of 32) ->
-    ``(q int8 [M, K], d float32 [M, K/32], s float32 [M, K/32])`` with ``d = max|x_block| / 127``,
-    ``q = rint(x * (1 / d))`` (half to even, as ``nearbyintf``), ``s = d * sum(q_block)``: llama.cpp's Q8_0 / Q8_1
-    activation blocks (``quantize_row_q8_1``: ``s`` is its ``d * sum``), with the scale kept in float32. Equal to
-    the C quantizer bit for bit (``tests/model/test_quant_kernels.py``)."""
+    ``(q int8 [M, K / 32, 2, 32], d float32 [M, K/32], s float32 [M, K/32])``, per 32-block a pair of int8 vectors
+    ``q1 = q[..., 0, :]``, ``q2 = q[..., 1, :]`` and a step ``d`` with ``x ~= d * (RES * q1 + q2)``:
+    ``d1 = max|x_block| / 127``, ``q1 = rint(x / d1)`` (llama.cpp's Q8_0 activation block), ``d = d1 / RES``,
+    ``q2 = rint((x - q1 d1) / d)`` (the residual, ``|x - q1 d1| <= d1 / 2``, so ``|q2| <= 127``); ``rint`` rounds half
+    to even as ``nearbyintf``, each reciprocal is taken once in float32, the residual is rounded once (as ``fmaf``),
+    ``s = d * sum(RES q1 + q2)``. The represented activation is off by at most ``d / 2 = max|x_block| / 32258``.
+    Equal to the C quantizer bit for bit (``tests/model/test_quant_kernels.py``)."""
     x = np.asarray(x, np.float32)
     m, k = x.shape
     b = x.reshape(m, k // P.QK, P.QK)
-    d = np.abs(b).max(axis=-1) / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint(b * inv[..., None]), -127, 127)
-    s = (d * q.sum(axis=-1, dtype=np.float32)).astype(np.float32)
-    return q.astype(np.int8).reshape(m, k), d.astype(np.float32), s
+    d1 = np.abs(b).max(axis=-1) / np.float32(127)
+    d = (d1 / np.float32(RES)).astype(np.float32)
+
+    def inverse(v):
+        with np.errstate(divide="ignore"):
+            return np.where(v != 0, np.float32(1) / v, np.float32(0)).astype(np.float32)
+
+    q1 = np.clip(np.rint(b * inverse(d1)[..., None]), -127, 127).astype(np.float32)
+    r = (b.astype(np.float64) - q1.astype(np.float64) * d1.astype(np.float64)[..., None]).astype(np.float32)
+    q2 = np.clip(np.rint(r * inverse(d)[..., None]), -127, 127).astype(np.float32)
+    total = (q1.astype(np.int64) * RES + q2.astype(np.int64)).sum(axis=-1).astype(np.float32)
+    q = np.stack([q1, q2], axis=-2).astype(np.int8)
+    return q, d, (d * total).astype(np.float32)
+
+
+def dequantize_activations(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """float64 ``[M, K]``: the activations ``quantize_activations``' ``(q, d)`` represent, ``d * (RES q1 + q2)``."""
+    v = q[..., 0, :].astype(np.float64) * RES + q[..., 1, :].astype(np.float64)
+    return (v * d.astype(np.float64)[..., None]).reshape(q.shape[0], -1)
 
 
 def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray) -> np.ndarray:
@@ -200,8 +220,7 @@ def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray) -> np.ndarray:
     back), times the dequantized weight ``[N, K]`` transposed -> ``[M, N]``. The kernel differs from it only by
     float32 summation order."""
     q, d, _ = quantize_activations(x)
-    xh = q.astype(np.float64).reshape(q.shape[0], -1, P.QK) * d.astype(np.float64)[..., None]
-    return xh.reshape(q.shape) @ np.asarray(w_dequant, np.float64).T
+    return dequantize_activations(q, d) @ np.asarray(w_dequant, np.float64).T
 
 
 def self_check(name: str) -> bool:
