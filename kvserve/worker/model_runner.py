@@ -12,7 +12,7 @@ from kvserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, Sched
 from kvserve.model.base import CausalLM
 from kvserve.sample.rejection_sampler import RejectionSampler
 from kvserve.sample.sampler import Sampler
-from kvserve.worker.input_batch import build_input_batch
+from kvserve.worker.input_batch import StepBuffers, build_input_batch
 
 
 class ModelRunner:
@@ -38,6 +38,7 @@ class ModelRunner:
         self.sampler = sampler
         self.rejection_sampler = rejection_sampler or RejectionSampler()
         self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=model.dtype, device=device)
+        self.step_buffers = StepBuffers()  # the flat batch's tensors, reused step after step
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the tokens (and logprobs) of every request that samples this step."""
@@ -46,7 +47,7 @@ class ModelRunner:
             return out
         for src, dst in scheduler_output.block_copies:  # copy-on-write, before this step writes into dst
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        batch = build_input_batch(scheduler_output.scheduled, self.block_size, self.device)
+        batch = build_input_batch(scheduler_output.scheduled, self.block_size, self.device, self.step_buffers)
         logits = self.model.forward(batch, self.kv_cache)
 
         # logits rows follow batch.logits_indices: per sampling entry, one row per sample, or k + 1 when verifying
