@@ -198,9 +198,9 @@ def step_profile(engine_args: dict, batches=(1, 32), context: int = 128, repeats
         for _ in range(repeats):
             engine.step()
         step = (time.perf_counter() - t) / repeats
+        c = {k: v / repeats for k, v in tot.items()}
         while engine.has_unfinished_requests():
             engine.step()
-        c = {k: v / repeats for k, v in tot.items()}
         inner = sum(c.get(k, 0.0) for k in ("weights", "attention", "norms+activation", "rope", "embedding"))
         c["forward other"] = c.pop("forward", 0.0) - inner
         c["runner other"] = c.pop("runner", 0.0) - c["forward other"] - inner - c.get("sampler", 0.0)
