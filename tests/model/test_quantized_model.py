@@ -42,7 +42,7 @@ def test_accuracy_thresholds_against_fp32(qllm, llm, tokenizer):
     auto, i8 = res["auto"], res["int8"]
     assert auto.positions == i8.positions == sum(len(t) - 1 for t in texts) >= 1000
     # The thresholds: the file's own format >= 99% top-1 and perplexity within 1% of fp32 (measured 100.0%
-    # and -0.00% here: the 15-bit activations leave only summation order); int8 >= 98% (measured 98.6%).
+    # and -0.00% here: the 15-bit activations leave only summation order); int8 >= 98% (measured 98.62%, -0.09%).
     assert auto.top1_agreement >= 0.99 and abs(auto.ppl_change) <= 0.01
     assert i8.top1_agreement >= 0.98 and abs(i8.ppl_change) <= 0.01
 
