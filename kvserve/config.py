@@ -49,7 +49,8 @@ class ModelConfig:
         quantization: how projection weights are kept and multiplied (vLLM's name): ``"auto"`` (default) = the
             file's own format (a GGUF's Q4_0/Q4_1/Q8_0/K-quant blocks, with kvserve's int8 dot-product kernels;
             a float model stays float); ``"fp32"`` = dequantize everything at load (the reference path);
-            ``"int8"`` = per-output-channel symmetric int8 quantized at load (for float/HF models too). With
+            ``"int8"`` = symmetric int8 quantized at load, a float16 scale per 32 weights of an output channel
+            (for float/HF models too). With
             ``dtype="bfloat16"``, ``"auto"`` means ``"fp32"`` (dequantized, then cast) and ``"int8"`` is refused.
             ``None`` (default): ``$KVSERVE_QUANTIZATION`` if set, else ``"auto"``.
     """
@@ -60,7 +61,7 @@ class ModelConfig:
     num_threads: Optional[int] = _field(None, "torch CPU threads (default: torch's)")
     device: str = _field("cpu", "device for weights, KV pool and step tensors", SUPPORTED_DEVICES)
     quantization: Optional[str] = _field(None, "weights: the file's own format (auto), dequantized (fp32), or int8 "
-                                               "per output channel (default: $KVSERVE_QUANTIZATION, else auto)",
+                                               "per 32-weight block (default: $KVSERVE_QUANTIZATION, else auto)",
                                          SUPPORTED_QUANTIZATION)
 
     def __post_init__(self) -> None:

@@ -55,17 +55,37 @@ def _all_logits(model, ids: list[int]) -> torch.Tensor:
 
 def compare(reference, candidate, texts: list[list[int]]) -> AccuracyResult:
     """Teacher-forced comparison of two models (``CausalLM``) over tokenized ``texts`` (each >= 2 tokens)."""
-    agree = n = 0
-    nll_ref = nll_cand = 0.0
-    for ids in texts:
-        targets = torch.tensor(ids[1:])
+    return compare_all(reference, {"candidate": candidate}, texts)["candidate"]
+
+
+def compare_all(reference, candidates: dict, texts: list[list[int]], progress_every: int = 0) -> dict:
+    """``compare`` for several candidates (``{name: CausalLM}``) at once: the reference runs once per text.
+
+    Args:
+        progress_every: print the running results every this many texts (0: never), so a long run that is cut
+            short still reports what it measured.
+
+    Returns:
+        ``{name: AccuracyResult}``.
+    """
+    agree = dict.fromkeys(candidates, 0)
+    nll = dict.fromkeys(candidates, 0.0)
+    n, nll_ref = 0, 0.0
+    for i, ids in enumerate(texts):
+        targets = torch.tensor(ids[1:])[:, None]
         ref = _all_logits(reference, ids)[:-1]
-        cand = _all_logits(candidate, ids)[:-1]
-        agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
-        n += len(targets)
-        nll_ref -= float(ref.log_softmax(-1).gather(1, targets[:, None]).sum())
-        nll_cand -= float(cand.log_softmax(-1).gather(1, targets[:, None]).sum())
-    return AccuracyResult(n, agree / n, math.exp(nll_ref / n), math.exp(nll_cand / n))
+        top_ref = ref.argmax(-1)
+        nll_ref -= float(ref.log_softmax(-1).gather(1, targets).sum())
+        n += len(ids) - 1
+        for name, model in candidates.items():
+            cand = _all_logits(model, ids)[:-1]
+            agree[name] += int((top_ref == cand.argmax(-1)).sum())
+            nll[name] -= float(cand.log_softmax(-1).gather(1, targets).sum())
+        if progress_every and (i + 1) % progress_every == 0:
+            print(f"  {i + 1} texts, {n} positions: " + "; ".join(
+                f"{k} top-1 {agree[k] / n:.2%} ppl {math.exp(nll[k] / n) / math.exp(nll_ref / n) - 1:+.2%}"
+                for k in candidates), flush=True)
+    return {k: AccuracyResult(n, agree[k] / n, math.exp(nll_ref / n), math.exp(nll[k] / n)) for k in candidates}
 
 
 def gsm8k_texts(tokenizer, min_positions: int, data_dir=None) -> list[list[int]]:
@@ -94,6 +114,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-positions", type=int, default=20_000)
     p.add_argument("--data-dir", default=None, help="default: ../shared/data next to the repository")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--progress-every", type=int, default=0, help="print running results every N texts")
 
 
 def run(args: argparse.Namespace, engine_args: dict) -> int:
@@ -105,9 +126,9 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
 
     ref = model_for("fp32")
     texts = gsm8k_texts(ref.tokenizer, args.min_positions, args.data_dir)
+    candidates = {q: model_for(q).model for q in args.quantizations.split(",") if q}
     results = {}
-    for q in [q for q in args.quantizations.split(",") if q]:
-        r = compare(ref.model, model_for(q).model, texts)
+    for q, r in compare_all(ref.model, candidates, texts, progress_every=args.progress_every).items():
         results[q] = {**r.__dict__, "ppl_change": r.ppl_change}
         print(f"{q:>5} vs fp32: top-1 agreement {r.top1_agreement:.2%} over {r.positions} positions; perplexity "
               f"{r.ppl_candidate:.3f} vs {r.ppl_reference:.3f} ({r.ppl_change:+.2%})")

@@ -47,14 +47,17 @@ class Sampler:
         """
         b, v = logits.shape
         params = [r.params for r in states]
-        raw_logprobs = None
-        if any(p.logprobs is not None for p in params):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        # Greedy fast path: no full-vocabulary softmax for a row that did not ask for logprobs, and no copy of the
+        # logits unless a row's stop tokens, grammar or penalties edit them.
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         raw = logits
-        logits = logits.clone()
-        self._suppress_stop_tokens(logits, states)
-        self._apply_grammar_masks(logits, raw, states)
-        self._apply_penalties(logits, states)
+        if any(len(r.output_token_ids) < r.params.min_tokens or _has_penalty(r.params) or r.grammar is not None
+               for r in states):
+            logits = logits.clone()
+            self._suppress_stop_tokens(logits, states)
+            self._apply_grammar_masks(logits, raw, states)
+            self._apply_penalties(logits, states)
 
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -69,16 +72,13 @@ class Sampler:
 
         token_list = tokens.tolist()
         logprobs = [None] * b
-        if raw_logprobs is not None:
-            for i, p in enumerate(params):
-                if p.logprobs is None:
-                    continue
-                entry = {}
-                if p.logprobs > 0:
-                    top = raw_logprobs[i].topk(p.logprobs)
-                    entry = dict(zip(top.indices.tolist(), top.values.tolist()))
-                entry[token_list[i]] = float(raw_logprobs[i, token_list[i]])
-                logprobs[i] = entry
+        for j, i in enumerate(lp_rows):
+            entry = {}
+            if params[i].logprobs > 0:
+                top = raw_logprobs[j].topk(params[i].logprobs)
+                entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+            entry[token_list[i]] = float(raw_logprobs[j, token_list[i]])
+            logprobs[i] = entry
         return token_list, logprobs
 
     @torch.inference_mode()
@@ -124,6 +124,10 @@ class Sampler:
             if (sp.presence_penalty or sp.frequency_penalty) and r.output_token_ids:
                 counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=logits.shape[1]).to(logits.dtype)
                 logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _has_penalty(sp) -> bool:
+    return sp.repetition_penalty != 1.0 or bool(sp.presence_penalty) or bool(sp.frequency_penalty)
 
 
 def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:

@@ -13,7 +13,7 @@ from kvserve.model.base import CausalLM
 from kvserve.sample.rejection_sampler import RejectionSampler
 from kvserve.sample.sampler import Sampler
 from kvserve.structured.backend import apply_bitmask
-from kvserve.worker.input_batch import build_step_batch
+from kvserve.worker.input_batch import StepBuffers, build_step_batch
 from kvserve.worker.kv_pool import lazy_zeros
 from kvserve.worker.prompt_logprobs import score_prompt_rows
 
@@ -42,6 +42,7 @@ class ModelRunner:
         self.sampler = sampler
         self.rejection_sampler = rejection_sampler or RejectionSampler()
         self.kv_cache = lazy_zeros(model.kv_cache_shape(num_blocks, block_size), model.dtype, device)
+        self.step_buffers = StepBuffers()  # the flat batch's tensors, reused step after step
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the tokens (and logprobs) of every request that samples this step, and the
@@ -51,7 +52,8 @@ class ModelRunner:
             return out
         for src, dst in scheduler_output.block_copies:  # copy-on-write, before this step writes into dst
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        batch, num_sampling_rows = build_step_batch(scheduler_output.scheduled, self.block_size, self.device)
+        batch, num_sampling_rows = build_step_batch(scheduler_output.scheduled, self.block_size, self.device,
+                                                    self.step_buffers)
         logits = self.model.forward(batch, self.kv_cache)
         scoring = [s for s in scheduler_output.scheduled if s.prompt_logprob_targets]
         if scoring:

@@ -5,7 +5,7 @@ fixed set: the first GSM8K test rows up to 1,000 positions (``kvserve bench accu
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.accuracy import compare, gsm8k_texts
+from kvserve.bench.accuracy import compare_all, gsm8k_texts
 from kvserve.bench.workloads import default_data_dir
 from kvserve.model.quant import kernels as quant_kernels
 from tests.conftest import assert_pool_clean
@@ -37,11 +37,12 @@ def test_accuracy_thresholds_against_fp32(qllm, llm, tokenizer):
     if not (default_data_dir() / "gsm8k" / "test.jsonl").exists():
         pytest.skip("../shared/data/gsm8k is not next to this clone")
     texts = gsm8k_texts(tokenizer, 1000)
-    r = compare(llm.llm_engine.model, qllm.llm_engine.model, texts)
+    r = compare_all(llm.llm_engine.model, {"auto": qllm.llm_engine.model}, texts)["auto"]
     assert r.positions == sum(len(t) - 1 for t in texts) >= 1000
     assert abs(r.ppl_change) <= 0.01  # the issue's perplexity bound: met (measured +0.62% here)
     # The issue asks for >= 99% top-1 agreement; measured 96.85% here and 97.0% over 3,070 positions (`kvserve
-    # bench accuracy`), so that target is not met yet (docs/benchmarks.md). This bound guards against regressions.
+    # bench accuracy`) with int8 activations, so that target is not met (docs/quant_kernels.md: the 15-bit
+    # activation pair that meets it halves batched throughput). This bound guards against regressions.
     assert r.top1_agreement >= 0.95
 
 

@@ -40,3 +40,23 @@ def test_bad_plans_are_refused():
         build_input_batch([ScheduledRequest("x", [], 0, [0])], block_size=4)
     with pytest.raises(ValueError, match="1 blocks cannot hold 5 tokens"):
         build_input_batch([ScheduledRequest("x", [1, 2], 3, [0])], block_size=4)
+
+
+def test_persistent_step_buffers_are_reused_and_equal_fresh_tensors():
+    """The runner's StepBuffers: the same storage step after step (grown only for a larger step), same values as
+    freshly built tensors, contiguous views of the step's shapes."""
+    from kvserve.worker.input_batch import StepBuffers
+
+    bufs = StepBuffers()
+    big = [ScheduledRequest(f"r{i}", [i, i + 1], 3 * i, [i, i + 1, 9], samples=True, sampling_states=[state(f"r{i}")])
+           for i in range(4)]
+    small = [ScheduledRequest("d", [5], 6, [2, 4], samples=True, sampling_states=[state("d")])]
+    first = build_input_batch(big, block_size=4, buffers=bufs)
+    ptrs = {k: getattr(first, k).data_ptr() for k in ("input_ids", "positions", "slot_mapping", "block_tables")}
+    for plan in (small, big, small):
+        got, fresh = build_input_batch(plan, block_size=4, buffers=bufs), build_input_batch(plan, block_size=4)
+        for k in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+                  "logits_indices"):
+            t = getattr(got, k)
+            assert t.is_contiguous() and torch.equal(t, getattr(fresh, k)), k
+        assert {k: getattr(got, k).data_ptr() for k in ptrs} == ptrs  # no new tensors
