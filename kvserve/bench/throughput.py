@@ -109,18 +109,13 @@ def step_costs(engine_args: dict, max_batch: int, context: int = 128, repeats: i
     While ``step_ms`` stays flat the step is bound by reading the weights, and extra requests ride along almost
     free; once it grows linearly the step is compute-bound and batching no longer raises throughput.
     """
-    from kvserve import LLM, SamplingParams
+    from kvserve import LLM
 
     llm = LLM(**{**engine_args, "max_num_seqs": max_batch})
     engine = llm.llm_engine
     out, b = [], 1
     while b <= max_batch:
-        sp = SamplingParams(temperature=0, max_tokens=repeats + 4, ignore_eos=True)
-        for i in range(b):
-            engine.add_request(list(range(1000 + i, 1000 + i + context)), sp, request_id=f"step-cost-{b}-{i}")
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
-                engine.scheduler.waiting:
-            engine.step()
+        _prefill_batch(engine, b, context, repeats + 4, "step-cost")
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
@@ -161,7 +156,7 @@ def step_profile(engine_args: dict, batches=(1, 32), context: int = 128, repeats
     every linear layer (``weights``: reading and multiplying weights) and every other part of ``LLMEngine.step``
     wrapped in a wall-clock timer (~1 us per wrapped call, ~150 calls per step). Returns
     ``[{"batch", "step_ms", "components": {name: ms per step}}]``, names from ``PROFILE_ROWS``."""
-    from kvserve import LLM, SamplingParams
+    from kvserve import LLM
 
     llm = LLM(**{**engine_args, "max_num_seqs": max(batches)})
     engine = llm.llm_engine
@@ -186,12 +181,7 @@ def step_profile(engine_args: dict, batches=(1, 32), context: int = 128, repeats
                                                       tot))
     out = []
     for b in batches:
-        sp = SamplingParams(temperature=0, max_tokens=repeats + 4, ignore_eos=True)
-        for i in range(b):
-            engine.add_request(list(range(1000 + i, 1000 + i + context)), sp, request_id=f"profile-{b}-{i}")
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
-                engine.scheduler.waiting:
-            engine.step()
+        _prefill_batch(engine, b, context, repeats + 4, "profile")
         engine.step()  # the first decode step after the prompts: warm
         tot.clear()
         t = time.perf_counter()
@@ -278,3 +268,16 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"args": vars(args), "results": results, "ratios": ratios, "step_costs": costs,
                        "step_profile": profile}, f, indent=2)
     return 0
+
+
+def _prefill_batch(engine, b: int, context: int, max_tokens: int, tag: str) -> None:
+    """Add ``b`` greedy requests of ``context`` distinct prompt tokens (``max_tokens`` each, EOS ignored) and step
+    until every prompt is computed, so the next step is a pure batch-``b`` decode."""
+    from kvserve import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(b):
+        engine.add_request(list(range(1000 + i, 1000 + i + context)), sp, request_id=f"{tag}-{b}-{i}")
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()
