@@ -82,8 +82,9 @@ def test_cli_prompts_file_with_a_lone_surrogate_exits_2(tmp_path):
     ([{"role": "user", "content": None}], r"messages\[0\]\.content"),
     ([{"role": "user", "content": [{"type": "text"}]}], r"needs a 'text' string"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text parts"),
-    ([{"role": "tool", "content": "x"}], r"messages\[0\]\.role"),
-    ([{"role": "user", "content": "x", "tool_calls": []}], "unrecognized message field"),
+    ([{"role": "robot", "content": "x"}], r"messages\[0\]\.role"),
+    ([{"role": "user", "content": "x", "tool_calls": []}], r"messages\[0\]\.tool_calls is only allowed in an assistant"),
+    ([{"role": "user", "content": "x", "colour": "red"}], "unrecognized message field"),
     ([], "non-empty list"),
 ])
 def test_one_message_rule_offline(llm, messages, where):
