@@ -117,20 +117,15 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled: dict[str, ScheduledRequest] = {}
 
-        chunked = self.config.enable_chunked_prefill
-        running_status = RequestStatus.RUNNING
         # decodes first, then unfinished prefills, each in running order (a stable partition)
         decodes, prefills = [], []
         for req in self.running:
             uncomputed = req.num_uncomputed_tokens
             (decodes if uncomputed <= 1 else prefills).append((req, uncomputed))
-        decodes += prefills
-        for req, uncomputed in decodes:
-            if req.status is not running_status:
+        for req, uncomputed in decodes + prefills:
+            if req.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop (a running request's count is unchanged)
-            n = uncomputed
-            if n > budget:  # _num_new_tokens, inlined (this loop runs once per running request per step)
-                n = budget if chunked else 0
+            n = self._num_new_tokens(uncomputed, budget)
             drafts = req.spec_token_ids
             if drafts:
                 req.spec_token_ids = []
