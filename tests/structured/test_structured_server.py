@@ -39,6 +39,8 @@ def tools():
     return [t for t in bfcl_tools() if t["function"]["name"] in ("add", "send_message")]
 
 
+ADD_TOOL = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]  # the README's: a short prompt
 ADD_CALL = r'<tool_call>\n\{"name": "add", "arguments": \{"a": [0-9]{1,2}, "b": [0-9]{1,2}\}\}\n</tool_call>'
 
 
@@ -135,10 +137,6 @@ def test_auto_parses_the_models_tool_call_format(model, client, tools):
     assert r.choices[0].finish_reason == "stop"
 
 
-ADD_TOOL = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
-    "a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]  # the README's example
-
-
 def test_required_list_cut_by_max_tokens_returns_its_complete_calls(model, client):
     """"required" with parallel calls allowed (OpenAI's default): this greedy model extends its list of calls until
     ``max_tokens``; the complete calls come back, the cut one is dropped, ``finish_reason`` "length", streamed
@@ -155,9 +153,9 @@ def test_required_list_cut_by_max_tokens_returns_its_complete_calls(model, clien
         (t.function.name, t.function.arguments) for t in full.message.tool_calls]
 
 
-def test_auto_content_before_a_call_is_the_same_streamed_and_not(model, client, tools):
+def test_auto_content_before_a_call_is_the_same_streamed_and_not(model, client):
     """One rule (``ToolParser.content_before_call``): the text before a call loses its trailing whitespace."""
-    kw = dict(model=model, messages=_chat("Add 3 and 4."), tools=tools, temperature=0, max_tokens=50,
+    kw = dict(model=model, messages=_chat("Add 3 and 4."), tools=ADD_TOOL, temperature=0, max_tokens=48,
               extra_body={"guided_regex": r"Sure[.!]\n\n" + ADD_CALL})
     full = client.chat.completions.create(**kw).choices[0]
     assert full.message.content in ("Sure.", "Sure!") and full.finish_reason == "tool_calls"
@@ -257,13 +255,15 @@ def test_bad_structured_and_tool_inputs_are_400(tool_server, tools, body, param,
     assert err["param"] == param and words in err["message"], err
 
 
-def test_offline_chat_with_tools_renders_as_the_server(llm, client, model, tools):
+def test_offline_chat_with_tools_renders_as_the_server(llm, client, model, tool_server):
     """``LLM.chat(..., tools=...)``: the server's prompt (the same prompt tokens, the same greedy text)."""
     messages = _chat("Add 3 and 4.")
-    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), tools=tools)[0]
-    assert '"name": "send_message"' in llm.apply_chat_template(messages, tools=tools)
-    r = client.chat.completions.create(model=model, messages=messages, tools=tools, temperature=0, max_tokens=8)
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=6), tools=ADD_TOOL)[0]
+    assert '{"type": "function", "function": {"name": "add", ' in llm.apply_chat_template(messages, tools=ADD_TOOL)
+    r = client.chat.completions.create(model=model, messages=messages, tools=ADD_TOOL, temperature=0, max_tokens=6)
     assert r.usage.prompt_tokens == len(out.prompt_token_ids)
+    tokenized = httpx.post(tool_server.url + "/tokenize", json={"messages": messages, "tools": ADD_TOOL}, timeout=30)
+    assert tokenized.json()["tokens"] == out.prompt_token_ids
     assert r.choices[0].message.content == out.outputs[0].text
     assert len(llm.chat(messages, SamplingParams(max_tokens=1), tools=[])[0].prompt_token_ids) < r.usage.prompt_tokens
 

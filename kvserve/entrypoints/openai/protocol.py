@@ -408,6 +408,8 @@ class TokenizeChatRequest(_Strict):
                                                             "add_generation_prompt)")
     add_special_tokens: bool = Field(False, description="add special tokens on top of the template's")
     return_token_strs: Optional[bool] = False
+    tools: Optional[list[ChatTool]] = Field(None, description="tools, rendered as a chat request with "
+                                                              "tool_choice auto renders them (vLLM's field)")
 
 
 class TokenizeResponse(_Response):

@@ -527,7 +527,9 @@ class OpenAIServing:
             if req.add_generation_prompt and req.continue_final_message:
                 raise OpenAIError("continue_final_message cannot be used with add_generation_prompt=true (the "
                                   "default); set add_generation_prompt to false", param="continue_final_message")
-            text = (await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)).text
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            text = (await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                           tools)).text
         else:
             req = p.TokenizeCompletionRequest.model_validate(body)
             self.check_model(req.model)
