@@ -8,7 +8,10 @@ SmolLM3 convention, and the format the fallback tool prompt in ``chat_utils`` as
 
 "required" and a named ``tool_choice`` are enforced by a JSON schema (``tool_choice_schema``): a named function's
 output *is* its arguments object; "required" outputs ``[{"name": ..., "arguments": {...}}, ...]``. Either way the
-arguments are valid JSON under the tool's ``parameters``.
+arguments are valid JSON under the tool's ``parameters`` (unless ``max_tokens`` cuts them: ``forced_calls``).
+
+Streaming (``ForcedToolStreamer``, ``AutoToolStreamer``) is built on the same functions as the non-streamed
+answer (``forced_calls``, ``ToolParser.extract``), so the streamed pieces always add up to it.
 """
 
 from __future__ import annotations
