@@ -64,9 +64,11 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(server, tokenizer):
 CHAT = [{"role": "user", "content": "Write three food emoji: \U0001F355"}]
 
 
-def _assert_vllm_prompt_logprobs(got, ids, ref, k, vocab):
-    """``got`` (the JSON field) is vLLM's shape over prompt ``ids`` with the offline ``ref`` values: ``null``
-    first, then the prompt token (first key) and the top ``k`` by logprob with ranks 1..k, byte-exact names."""
+def _assert_vllm_prompt_logprobs(got, ids, out, k, vocab):
+    """``got`` (the JSON field) is vLLM's shape over prompt ``ids`` with the offline ``RequestOutput`` ``out``'s
+    values: ``null`` first, then the prompt token (first key, its rank over the whole vocabulary) and the top ``k``
+    by logprob with ranks 1..k, byte-exact names."""
+    ref, ref_ranks = out.prompt_logprobs, out.prompt_logprob_ranks
     assert got[0] is None and len(got) == len(ids)
     for pos in range(1, len(ids)):
         entry, t = got[pos], ids[pos]
@@ -78,14 +80,15 @@ def _assert_vllm_prompt_logprobs(got, ids, ref, k, vocab):
         ranked = {tid: v["rank"] for tid, v in zip(keys, entry.values())}
         assert set(keys) == set(top) | {t}
         assert [ranked[tid] for tid in top] == list(range(1, k + 1))
-        assert ranked[t] == (top.index(t) + 1 if t in top else None)  # outside the top k: not counted
+        assert ranked[t] == ref_ranks[pos] == (top.index(t) + 1 if t in top else ranked[t])
+        assert t in top or ranked[t] > k  # outside the top k: its rank is still counted
 
 
 def test_prompt_logprobs_field_equals_offline(server, llm, tokenizer, vocab):
     """Completions: per choice (each of n), ``prompt_logprobs: 2`` equal to ``LLM.generate(prompt_logprobs=2)``;
     with ``echo`` + ``logprobs: 1`` too, each answer keeps its own top k. Chat: at the top level."""
     ids = tokenizer.encode(PROMPT)
-    ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
+    ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
     full = _post(server, {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2, "n": 2, "echo": True,
                           "logprobs": 1})
     for c in full["choices"]:
@@ -98,7 +101,7 @@ def test_prompt_logprobs_field_equals_offline(server, llm, tokenizer, vocab):
     out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
                    json={"messages": CHAT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}).json()
-    _assert_vllm_prompt_logprobs(r["prompt_logprobs"], out.prompt_token_ids, out.prompt_logprobs, 1, vocab)
+    _assert_vllm_prompt_logprobs(r["prompt_logprobs"], out.prompt_token_ids, out, 1, vocab)
     assert "prompt_logprobs" not in r["choices"][0]
 
 

@@ -242,12 +242,12 @@ class CompletionLogprobs(_Response):
 
 
 class PromptLogprob(_Response):
-    """vLLM's ``Logprob`` of a prompt token or an alternative: ``rank`` in the distribution (1 = most likely;
-    ``null`` for a prompt token outside the top ``prompt_logprobs``, whose rank the engine does not count),
-    ``decoded_token`` the token's name (``TokenVocab.token_name``)."""
+    """vLLM's ``Logprob`` of a prompt token or an alternative: ``rank`` in the whole distribution (1 = most
+    likely; for the prompt token the number of tokens with a logprob >= its own, also outside the top
+    ``prompt_logprobs``), ``decoded_token`` the token's name (``TokenVocab.token_name``)."""
 
     logprob: float
-    rank: Optional[int]
+    rank: int
     decoded_token: Optional[str]
 
 

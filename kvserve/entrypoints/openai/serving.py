@@ -262,23 +262,23 @@ class OpenAIServing:
         entries = [None if e is None else top_of(e, t, k) for t, e in zip(pp.token_ids, prompt_logprobs)]
         return self.completion_logprobs(pp.token_ids, entries, offsets)
 
-    def vllm_prompt_logprobs(self, token_ids: list, entries: list, k: int, k_engine: int) -> list:
-        """vLLM's ``prompt_logprobs`` answer field for a prompt's ``token_ids`` from the engine's
-        ``RequestOutput.prompt_logprobs`` ``entries`` (computed with top ``k_engine`` >= ``k``): ``None`` for the
-        first token, then per token ``{token_id: PromptLogprob}``: the prompt token first (its rank when it is
-        among the engine's top ``k_engine``, else ``None``), then the top ``k`` with ranks 1..k; ``decoded_token``
-        is ``TokenVocab.token_name`` (raw bytes, never a lone decode)."""
+    def vllm_prompt_logprobs(self, token_ids: list, out, k: int, k_engine: int) -> list:
+        """vLLM's ``prompt_logprobs`` answer field for a prompt's ``token_ids`` from the engine's ``RequestOutput``
+        ``out`` (``prompt_logprobs`` computed with top ``k_engine`` >= ``k``, and ``prompt_logprob_ranks``):
+        ``None`` for the first token, then per token ``{token_id: PromptLogprob}``: the prompt token first with
+        its rank over the whole vocabulary, then the top ``k`` with ranks 1..k; ``decoded_token`` is
+        ``TokenVocab.token_name`` (raw bytes, never a lone decode)."""
         def entry(t: int, logprob: float, rank: Optional[int]) -> p.PromptLogprob:
             return p.PromptLogprob(logprob=logprob, rank=rank, decoded_token=self.vocab.token_name(t))
 
-        out: list = [None]
-        for t, e in zip(token_ids[1:], entries[1:]):
+        answer: list = [None]
+        for t, e, target_rank in zip(token_ids[1:], out.prompt_logprobs[1:], out.prompt_logprob_ranks[1:]):
             top = list(itertools.islice(e, k_engine))  # the engine's top ids in rank order (the target may follow)
-            d = {t: entry(t, e[t], top.index(t) + 1 if t in top else None)}
+            d = {t: entry(t, e[t], target_rank)}
             for rank, tid in enumerate(top[:k], 1):
                 d.setdefault(tid, entry(tid, e[tid], rank))
-            out.append(d)
-        return out
+            answer.append(d)
+        return answer
 
     def chat_logprobs(self, token_ids: list, entries: list, top_n: int) -> p.ChatLogprobs:
         """Chat logprobs for ``token_ids`` with engine entries ``{token_id: logprob}``, ``top_n`` alternatives;
@@ -361,7 +361,7 @@ class OpenAIServing:
             for i, out in enumerate(finals):
                 extra = {}
                 if req.prompt_logprobs is not None:
-                    extra["prompt_logprobs"] = self.vllm_prompt_logprobs(prompts[i].token_ids, out.prompt_logprobs,
+                    extra["prompt_logprobs"] = self.vllm_prompt_logprobs(prompts[i].token_ids, out,
                                                                          req.prompt_logprobs, plp)
                 for c in out.outputs:
                     lp = None
@@ -438,7 +438,7 @@ class OpenAIServing:
                                             finish_reason=_tool_finish(c.finish_reason, bool(calls))))
             extra = {}
             if plp is not None:
-                extra["prompt_logprobs"] = self.vllm_prompt_logprobs(pp.token_ids, finals[0].prompt_logprobs, plp, plp)
+                extra["prompt_logprobs"] = self.vllm_prompt_logprobs(pp.token_ids, finals[0], plp, plp)
             return p.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                             usage=usage_of([pp], finals), **extra)
 
