@@ -77,6 +77,8 @@ class RequestOutput:
             ``None`` for the first (nothing precedes it), then ``{token_id: logprob}`` with the prompt token and the
             top ``prompt_logprobs`` alternatives (log-softmax of the raw logits at the position before it); else
             ``None``.
+        prompt_logprob_ranks: with ``prompt_logprobs``, each prompt token's rank in its entry (``None`` for the
+            first; 1 = the most likely token; vLLM's ``Logprob.rank``); else ``None``.
     """
 
     request_id: str
@@ -86,3 +88,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: Optional[list] = None
+    prompt_logprob_ranks: Optional[list] = None

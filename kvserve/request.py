@@ -55,6 +55,8 @@ class Request:
         priority: lower is more urgent (``scheduling_policy="priority"`` only).
         prompt_logprobs: vLLM's shape: ``None`` for the first prompt token, then ``{token_id: logprob}`` per prompt
             token scored so far (``SamplingParams.prompt_logprobs``); complete at ``num_prompt_tokens`` entries.
+        prompt_logprob_ranks: the rank of each prompt token in its entry (``None`` for the first), parallel to
+            ``prompt_logprobs``.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[Optional[dict[int, float]]] = [None]
+        self.prompt_logprob_ranks: list[Optional[int]] = [None]
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason = None

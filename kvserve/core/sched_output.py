@@ -117,9 +117,12 @@ class ModelRunnerOutput:
             that asked for logprobs.
         prompt_logprobs: request id -> one ``{token_id: logprob}`` per scored prompt row (the row's next prompt
             token + the top ``prompt_logprobs``), in position order, for entries with ``prompt_logprob_targets``.
+        prompt_logprob_ranks: request id -> the rank of each scored row's prompt token (1 = most likely), in the
+            same order.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_accepted: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    prompt_logprob_ranks: dict[str, list[int]] = field(default_factory=dict)

@@ -257,6 +257,7 @@ class Scheduler:
             tokens = sampled.get(s.request_id, ())
             if model_output.prompt_logprobs:
                 req.prompt_logprobs.extend(model_output.prompt_logprobs.get(s.request_id, ()))
+                req.prompt_logprob_ranks.extend(model_output.prompt_logprob_ranks.get(s.request_id, ()))
             if s.spec_token_ids:
                 req.num_computed_tokens -= len(s.spec_token_ids) - (len(tokens) - 1)
                 kv.trim(req)
@@ -298,6 +299,7 @@ class Scheduler:
         child.status = RequestStatus.RUNNING
         child.output_token_ids.append(token)
         child.prompt_logprobs = parent.prompt_logprobs  # scored once, by the parent (complete now)
+        child.prompt_logprob_ranks = parent.prompt_logprob_ranks
         if logprobs is not None:
             child.output_logprobs.append(logprobs)
         self.running.append(child)

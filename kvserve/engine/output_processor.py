@@ -86,9 +86,10 @@ class OutputProcessor:
                 num_output_tokens=sum(len(s.output_token_ids) for s in samples),
                 num_preemptions=sum(s.num_preemptions for s in samples),
             )
-            plp = list(lead.prompt_logprobs) if lead.sampling_params.prompt_logprobs is not None else None
+            scored = lead.sampling_params.prompt_logprobs is not None
             outputs.append(RequestOutput(gid, lead.prompt, lead.prompt_token_ids, completions, finished, metrics,
-                                         prompt_logprobs=plp))
+                                         prompt_logprobs=list(lead.prompt_logprobs) if scored else None,
+                                         prompt_logprob_ranks=list(lead.prompt_logprob_ranks) if scored else None))
             if finished:
                 self.remove(gid)
         return outputs

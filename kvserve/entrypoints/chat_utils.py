@@ -18,6 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from pydantic import TypeAdapter, ValidationError
+
+from kvserve.entrypoints.openai.protocol import ChatTool
 from kvserve.validation import check_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -110,6 +113,34 @@ For each function call, return a json object with function name and arguments wi
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
+
+
+_TOOLS = TypeAdapter(list[ChatTool])
+
+
+def check_tools(tools: Any) -> Optional[list[dict]]:
+    """OpenAI ``tools`` (``[{"type": "function", "function": {"name", "description"?, "parameters"?,
+    "strict"?}}]``) validated by the server's own model (``protocol.ChatTool``: strict types, no unknown field)
+    and returned as the dicts the server renders (unset fields left out); ``None`` stays ``None``.
+
+    Raises:
+        MessageError: not a list, or an entry that does not fit (``param`` names it, e.g.
+            ``tools[0].function.name``).
+    """
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise MessageError(f"tools must be a list of {{'type': 'function', 'function': {{'name': str, ...}}}} "
+                           f"objects, got {type(tools).__name__}", "tools")
+    try:
+        parsed = _TOOLS.validate_python(tools)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = "tools" + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"])
+        raise MessageError(f"{where}: {err['msg']}", where) from None
+    for i, t in enumerate(parsed):
+        _check(f"tools[{i}].function.name", t.function.name)
+    return [t.model_dump(exclude_none=True) for t in parsed]
 
 
 def template_supports_tools(tokenizer) -> bool:

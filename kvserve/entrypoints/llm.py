@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.entrypoints.chat_utils import conversation_from_messages
+from kvserve.entrypoints.chat_utils import check_tools, conversation_from_messages, render_chat
 from kvserve.sampling_params import SamplingParams
 
 
@@ -50,36 +50,44 @@ class LLM:
                              f"{type(prompts).__name__}")
         return self._run(list(prompts), sampling_params, use_tqdm, priority)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, add_generation_prompt: bool = True):
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, add_generation_prompt: bool = True,
+             tools: Optional[list] = None):
         """Apply the model's chat template, then ``generate``.
 
         Args:
             messages: one conversation (a list of ``{"role", "content"}`` dicts) or a list of conversations.
+            tools: OpenAI tools (``[{"type": "function", "function": {"name", "description", "parameters"}}]``,
+                vLLM's parameter), rendered into the prompt exactly as the server does for ``tool_choice`` "auto"
+                (``apply_chat_template``). There is no ``tool_choice`` offline (as in vLLM's ``LLM.chat``): to
+                force a call, pass ``SamplingParams(structured_outputs=...)`` with the tool's schema.
 
         Returns:
             ``list[RequestOutput]``, one per conversation.
 
         Raises:
-            ValueError: a malformed message (see ``apply_chat_template``) or a bad parameter.
+            ValueError: a malformed message or tool (see ``apply_chat_template``) or a bad parameter.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools) for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list, add_generation_prompt: bool = True) -> str:
-        """The prompt text of one conversation under the model's chat template.
+    def apply_chat_template(self, conversation: list, add_generation_prompt: bool = True,
+                            tools: Optional[list] = None) -> str:
+        """The prompt text of one conversation (and ``tools``) under the model's chat template: the server's
+        rendering (``chat_utils.render_chat``; a template that ignores tools, as SmolLM2's does, gets them in the
+        system message, tool calls and tool results in the Hermes convention).
 
         Messages follow ``kvserve.entrypoints.chat_utils`` (the server's rule too): roles system, developer, user,
-        assistant; content a string or a list of ``{"type": "text", "text": str}`` parts, ``None`` only in an
-        assistant message; valid Unicode.
+        assistant, tool; content a string or a list of ``{"type": "text", "text": str}`` parts, ``None`` only in
+        an assistant message; valid Unicode. ``tools`` follow the server's ``tools`` (``chat_utils.check_tools``).
 
         Raises:
-            ValueError: a malformed conversation (the message names the field, e.g. ``messages[0].content``).
+            ValueError: a malformed conversation or tool (the message names the field, e.g.
+                ``messages[0].content``, ``tools[0].function.name``).
         """
         messages = conversation_from_messages(conversation)
-        return self.get_tokenizer().apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        return render_chat(self.get_tokenizer(), messages, check_tools(tools),
+                           add_generation_prompt=add_generation_prompt)
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority=None) -> list:
         n = len(prompts)

@@ -57,7 +57,7 @@ class ModelRunner:
         logits = self.model.forward(batch, self.kv_cache)
         scoring = [s for s in scheduler_output.scheduled if s.prompt_logprob_targets]
         if scoring:
-            out.prompt_logprobs = score_prompt_rows(logits[num_sampling_rows:], scoring)
+            out.prompt_logprobs, out.prompt_logprob_ranks = score_prompt_rows(logits[num_sampling_rows:], scoring)
             logits = logits[:num_sampling_rows]
 
         # logits rows follow batch.logits_indices: per sampling entry, one row per sample, or k + 1 when verifying

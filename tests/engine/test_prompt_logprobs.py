@@ -26,11 +26,18 @@ def reference(llm):
     return ref
 
 
-def check(entries: list, ids: list, ref: torch.Tensor, k: int) -> None:
-    """vLLM's shape (``None`` first, then the prompt token + the top ``k``) and each value within ``TOL``."""
+def check(entries: list, ids: list, ref: torch.Tensor, k: int, ranks: list = None) -> None:
+    """vLLM's shape (``None`` first, then the prompt token + the top ``k``) and each value within ``TOL``; each
+    prompt token's ``rank`` (``RequestOutput.prompt_logprob_ranks``) between the reference's count of logprobs
+    above its own by more than ``TOL`` and of those within ``TOL`` of it or above."""
     assert len(entries) == len(ids) and entries[0] is None
+    if ranks is not None:
+        assert len(ranks) == len(ids) and ranks[0] is None
     for pos, (entry, token) in enumerate(zip(entries[1:], ids[1:])):
         row = ref[pos]
+        if ranks is not None:
+            lp = float(row[token])
+            assert int((row > lp + TOL).sum()) + 1 <= ranks[pos + 1] <= int((row >= lp - TOL).sum()), (pos, ranks)
         top = row.topk(k).indices.tolist()
         assert token in entry and set(top) <= set(entry) and len(entry) <= k + 1
         assert list(entry)[:k] == top  # top-k first, most likely first
@@ -46,8 +53,9 @@ def test_one_step_batched_and_forks_match_a_direct_forward(llm, reference, monke
     plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4))
     outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3),
                                   SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, n=2)])
-    check(outs[0].prompt_logprobs, ids[0], reference(ids[0]), 3)
-    check(outs[1].prompt_logprobs, ids[1], reference(ids[1]), 0)  # 0: the prompt token's own logprob only
+    check(outs[0].prompt_logprobs, ids[0], reference(ids[0]), 3, outs[0].prompt_logprob_ranks)
+    check(outs[1].prompt_logprobs, ids[1], reference(ids[1]), 0, outs[1].prompt_logprob_ranks)  # 0: own only
+    assert max(outs[0].prompt_logprob_ranks[1:]) > 3  # ranks counted beyond the top k too
     assert all(len(e) == 1 for e in outs[1].prompt_logprobs[1:])
     # generation is unchanged by scoring the prompt; requests without it report None
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
@@ -67,7 +75,7 @@ def test_chunked_prefill_gives_the_same_values(small, reference):
     steps = small.llm_engine.stats.num_steps
     out = small.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
     assert small.llm_engine.stats.num_steps - steps == 4  # 13 + 13 + 13 + 11
-    check(out.prompt_logprobs, ids, reference(ids), 2)
+    check(out.prompt_logprobs, ids, reference(ids), 2, out.prompt_logprob_ranks)
     assert_pool_clean(small.llm_engine)
 
 
@@ -80,7 +88,7 @@ def test_prefix_cache_hit_positions_are_scored_not_skipped(llm, reference):
     hits = kv.prefix_cache_hits
     out = llm.generate(second, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
     assert kv.prefix_cache_hits == hits  # no hit taken: the cached positions were computed and scored
-    check(out.prompt_logprobs, second, reference(second), 1)
+    check(out.prompt_logprobs, second, reference(second), 1, out.prompt_logprob_ranks)
     llm.generate(second, SamplingParams(temperature=0, max_tokens=2))  # without prompt logprobs: hits again
     assert kv.prefix_cache_hits >= hits + 64
     assert_pool_clean(llm.llm_engine)
@@ -99,7 +107,7 @@ def test_preemption_in_the_middle_of_the_prompt_does_not_duplicate_entries(small
         done.update({o.request_id: o for o in engine.step() if o.finished})
     out = done[rid]
     assert out.metrics.num_preemptions >= 1  # (B samples once: it can only be preempted inside its prompt)
-    check(out.prompt_logprobs, b, reference(b), 2)
+    check(out.prompt_logprobs, b, reference(b), 2, out.prompt_logprob_ranks)
     assert_pool_clean(engine)
 
 

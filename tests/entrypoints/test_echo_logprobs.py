@@ -58,3 +58,63 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(server, tokenizer):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert "echo" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------------ vLLM's prompt_logprobs field
+CHAT = [{"role": "user", "content": "Write three food emoji: \U0001F355"}]
+
+
+def _assert_vllm_prompt_logprobs(got, ids, out, k, vocab):
+    """``got`` (the JSON field) is vLLM's shape over prompt ``ids`` with the offline ``RequestOutput`` ``out``'s
+    values: ``null`` first, then the prompt token (first key, its rank over the whole vocabulary) and the top ``k``
+    by logprob with ranks 1..k, byte-exact names."""
+    ref, ref_ranks = out.prompt_logprobs, out.prompt_logprob_ranks
+    assert got[0] is None and len(got) == len(ids)
+    for pos in range(1, len(ids)):
+        entry, t = got[pos], ids[pos]
+        keys = [int(key) for key in entry]
+        assert keys[0] == t
+        assert {tid: v["logprob"] for tid, v in zip(keys, entry.values())} == {tid: ref[pos][tid] for tid in keys}
+        assert all(v["decoded_token"] == vocab.token_name(tid) for tid, v in zip(keys, entry.values()))
+        top = [tid for tid, _ in sorted(ref[pos].items(), key=lambda kv: -kv[1])[:k]]  # offline top k, best first
+        ranked = {tid: v["rank"] for tid, v in zip(keys, entry.values())}
+        assert set(keys) == set(top) | {t}
+        assert [ranked[tid] for tid in top] == list(range(1, k + 1))
+        assert ranked[t] == ref_ranks[pos] == (top.index(t) + 1 if t in top else ranked[t])
+        assert t in top or ranked[t] > k  # outside the top k: its rank is still counted
+
+
+def test_prompt_logprobs_field_equals_offline(server, llm, tokenizer, vocab):
+    """Completions: per choice (each of n), ``prompt_logprobs: 2`` equal to ``LLM.generate(prompt_logprobs=2)``;
+    with ``echo`` + ``logprobs: 1`` too, each answer keeps its own top k. Chat: at the top level."""
+    ids = tokenizer.encode(PROMPT)
+    ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    full = _post(server, {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2, "n": 2, "echo": True,
+                          "logprobs": 1})
+    for c in full["choices"]:
+        _assert_vllm_prompt_logprobs(c["prompt_logprobs"], ids, ref, 2, vocab)
+        assert all(len(top) <= 2 for top in c["logprobs"]["top_logprobs"][1:])  # echo: top 1 (+ the token)
+    names = [list(e.values())[0]["decoded_token"] for e in full["choices"][0]["prompt_logprobs"][1:]]
+    assert names == [vocab.token_name(t) for t in ids[1:]] and "\\xf0\\x9f" in "".join(names)
+    assert "prompt_logprobs" not in _post(server, {"prompt": PROMPT, "max_tokens": 1})["choices"][0]
+
+    out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                   json={"messages": CHAT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}).json()
+    _assert_vllm_prompt_logprobs(r["prompt_logprobs"], out.prompt_token_ids, out, 1, vocab)
+    assert "prompt_logprobs" not in r["choices"][0]
+
+
+@pytest.mark.parametrize("path,body,words", [
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "stream"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 0, "stream": True}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "[0, 20]"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, "[0, 20]"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1, "echo": True, "logprobs": 1}, "[0, 20]"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": True}, ""),
+])
+def test_prompt_logprobs_bad_values_are_400(server, path, body, words):
+    r = httpx.post(server.url + path, json={"max_tokens": 1, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt_logprobs" and words in err["message"], err

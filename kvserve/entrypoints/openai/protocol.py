@@ -109,6 +109,8 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     priority: Optional[int] = Field(None, description="lower runs first; needs --scheduling-policy priority")
+    prompt_logprobs: Optional[int] = Field(None, description="top logprobs per prompt token, 0..20 (vLLM's "
+                                                             "prompt_logprobs); not with stream")
     # structured outputs: OpenAI's response_format and vLLM's guided_* extras (at most one of them)
     response_format: Optional[ResponseFormat] = Field(None, description="text, json_object or json_schema")
     guided_json: Optional[Union[str, dict[str, Any]]] = Field(None, description="a JSON schema the output follows")
@@ -239,14 +241,31 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """vLLM's ``Logprob`` of a prompt token or an alternative: ``rank`` in the whole distribution (1 = most
+    likely; for the prompt token the number of tokens with a logprob >= its own, also outside the top
+    ``prompt_logprobs``), ``decoded_token`` the token's name (``TokenVocab.token_name``)."""
+
+    logprob: float
+    rank: int
+    decoded_token: Optional[str]
+
+
+#: vLLM's ``prompt_logprobs``: ``null`` for the first prompt token, then ``{token_id: PromptLogprob}`` per token
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+
+
 class CompletionChoice(_Response):
     """A completion choice (also in stream chunks): ``logprobs`` and ``finish_reason`` are always present,
-    ``null`` when not requested / until the choice's last chunk."""
+    ``null`` when not requested / until the choice's last chunk; ``prompt_logprobs`` (vLLM's field) only when
+    requested."""
 
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(_Response):
@@ -309,12 +328,16 @@ class ChatChoice(_Response):
 
 
 class ChatCompletionResponse(_Response):
+    """A chat completion; ``prompt_logprobs`` (vLLM's field, at the top level) only when requested."""
+
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class DeltaFunctionCall(_Response):
@@ -385,6 +408,8 @@ class TokenizeChatRequest(_Strict):
                                                             "add_generation_prompt)")
     add_special_tokens: bool = Field(False, description="add special tokens on top of the template's")
     return_token_strs: Optional[bool] = False
+    tools: Optional[list[ChatTool]] = Field(None, description="tools, rendered as a chat request with "
+                                                              "tool_choice auto renders them (vLLM's field)")
 
 
 class TokenizeResponse(_Response):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import re
 import time
@@ -22,9 +23,9 @@ from kvserve.engine.detokenizer import TokenVocab
 from kvserve.entrypoints.chat_utils import MessageError, conversation_from_messages, render_chat
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.entrypoints.openai import tool_parsers as tp
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.structured import StructuredOutputsParams
-from kvserve.validation import check_text
+from kvserve.validation import check_int, check_text
 
 
 class OpenAIError(Exception):
@@ -123,6 +124,26 @@ class OpenAIServing:
             return SamplingParams(**kw)
         except ValueError as e:
             raise OpenAIError(str(e), param=_param_of(str(e), req)) from None
+
+    def engine_prompt_logprobs(self, req, echo_k: Optional[int] = None) -> Optional[int]:
+        """The engine's ``prompt_logprobs`` for ``req``: vLLM's ``prompt_logprobs`` field and ``echo_k`` (the
+        ``logprobs`` of a completions ``echo``), the larger when both are set (each answer shows its own top k).
+
+        Raises:
+            OpenAIError: ``prompt_logprobs`` outside [0, 20], or with ``stream: true`` (vLLM refuses it too: prompt
+                logprobs are not streamed).
+        """
+        k = req.prompt_logprobs
+        if k is None:
+            return echo_k
+        try:
+            check_int("prompt_logprobs", k, 0, MAX_LOGPROBS)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="prompt_logprobs") from None
+        if req.stream:
+            raise OpenAIError("prompt_logprobs is not available with stream=true (as in vLLM); ask without stream",
+                              param="prompt_logprobs", code="unsupported_parameter")
+        return k if echo_k is None else max(k, echo_k)
 
     def check_length(self, n_prompt: int, max_tokens: Optional[int], prompt_param: str, max_param: str) -> int:
         """The request's ``max_tokens`` (default: what is left of ``max_model_len``).
@@ -233,11 +254,31 @@ class OpenAIServing:
             lp.text_offset.append(offset)
         return lp
 
-    def echo_logprobs(self, pp: PreparedPrompt, prompt_logprobs: list, skip_special: bool) -> p.CompletionLogprobs:
-        """The legacy logprobs of an echoed prompt: its tokens from offset 0, the first one ``null``
-        (``RequestOutput.prompt_logprobs``, vLLM's shape)."""
+    def echo_logprobs(self, pp: PreparedPrompt, prompt_logprobs: list, k: int,
+                      skip_special: bool) -> p.CompletionLogprobs:
+        """The legacy logprobs of an echoed prompt with top ``k``: its tokens from offset 0, the first one ``null``
+        (``RequestOutput.prompt_logprobs``, vLLM's shape, possibly computed with a larger top k)."""
         offsets, _ = self.vocab.text_offsets(pp.token_ids, 0, skip_special)
-        return self.completion_logprobs(pp.token_ids, prompt_logprobs, offsets)
+        entries = [None if e is None else top_of(e, t, k) for t, e in zip(pp.token_ids, prompt_logprobs)]
+        return self.completion_logprobs(pp.token_ids, entries, offsets)
+
+    def vllm_prompt_logprobs(self, token_ids: list, out, k: int, k_engine: int) -> list:
+        """vLLM's ``prompt_logprobs`` answer field for a prompt's ``token_ids`` from the engine's ``RequestOutput``
+        ``out`` (``prompt_logprobs`` computed with top ``k_engine`` >= ``k``, and ``prompt_logprob_ranks``):
+        ``None`` for the first token, then per token ``{token_id: PromptLogprob}``: the prompt token first with
+        its rank over the whole vocabulary, then the top ``k`` with ranks 1..k; ``decoded_token`` is
+        ``TokenVocab.token_name`` (raw bytes, never a lone decode)."""
+        def entry(t: int, logprob: float, rank: Optional[int]) -> p.PromptLogprob:
+            return p.PromptLogprob(logprob=logprob, rank=rank, decoded_token=self.vocab.token_name(t))
+
+        answer: list = [None]
+        for t, e, target_rank in zip(token_ids[1:], out.prompt_logprobs[1:], out.prompt_logprob_ranks[1:]):
+            top = list(itertools.islice(e, k_engine))  # the engine's top ids in rank order (the target may follow)
+            d = {t: entry(t, e[t], target_rank)}
+            for rank, tid in enumerate(top[:k], 1):
+                d.setdefault(tid, entry(tid, e[tid], rank))
+            answer.append(d)
+        return answer
 
     def chat_logprobs(self, token_ids: list, entries: list, top_n: int) -> p.ChatLogprobs:
         """Chat logprobs for ``token_ids`` with engine entries ``{token_id: logprob}``, ``top_n`` alternatives;
@@ -277,7 +318,7 @@ class OpenAIServing:
             raise OpenAIError("max_tokens must be >= 1 (0 is only allowed with echo=true: the prompt alone)",
                               param="max_tokens")
         want_lp = req.logprobs is not None
-        plp = req.logprobs if want_lp and req.echo else None
+        plp = self.engine_prompt_logprobs(req, req.logprobs if want_lp and req.echo else None)
         params = [self.sampling_params(req, self.check_length(len(pp.token_ids), max_tokens, "prompt", "max_tokens"),
                                        req.logprobs, plp) for pp in prompts]
         for sp in params:
@@ -298,7 +339,8 @@ class OpenAIServing:
 
         def logprobs_of(i: int, token_ids: list, entries: list, start: int, prompt_lps) -> tuple:
             """(prompt part when ``prompt_lps``) + the tokens' part; ``(CompletionLogprobs or None, end offset)``."""
-            parts = [self.echo_logprobs(prompts[i], prompt_lps, skip_special)] if prompt_lps is not None else []
+            parts = ([self.echo_logprobs(prompts[i], prompt_lps, req.logprobs, skip_special)]
+                     if prompt_lps is not None else [])
             offsets, end = self.vocab.text_offsets(token_ids, start, skip_special)
             if token_ids:
                 parts.append(self.completion_logprobs(token_ids, entries, offsets))
@@ -317,12 +359,17 @@ class OpenAIServing:
             finals = [dataclasses.replace(o, outputs=[shown(c) for c in o.outputs]) for o in finals]
             choices = []
             for i, out in enumerate(finals):
+                extra = {}
+                if req.prompt_logprobs is not None:
+                    extra["prompt_logprobs"] = self.vllm_prompt_logprobs(prompts[i].token_ids, out,
+                                                                         req.prompt_logprobs, plp)
                 for c in out.outputs:
                     lp = None
                     if want_lp:
-                        lp, _ = logprobs_of(i, c.token_ids, c.logprobs, len(echo[i]), out.prompt_logprobs)
+                        lp, _ = logprobs_of(i, c.token_ids, c.logprobs, len(echo[i]),
+                                            out.prompt_logprobs if req.echo else None)
                     choices.append(p.CompletionChoice(index=i * n + c.index, text=echo[i] + c.text, logprobs=lp,
-                                                      finish_reason=c.finish_reason))
+                                                      finish_reason=c.finish_reason, **extra))
             return p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                         usage=usage_of(prompts, finals))
 
@@ -331,7 +378,7 @@ class OpenAIServing:
         usage_null = {"usage": None} if _include_usage(req) else {}
 
         def record(i: int, out) -> None:
-            if out.prompt_logprobs is not None:
+            if out.prompt_logprobs is not None and req.echo:
                 prompt_lps[i] = out.prompt_logprobs
 
         def chunk(i: int, c, first: bool) -> str:
@@ -368,7 +415,8 @@ class OpenAIServing:
         max_tokens = self.check_length(len(pp.token_ids), requested, "messages",
                                        "max_completion_tokens" if use_mct else "max_tokens")
         top_n = req.top_logprobs or 0
-        params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None)]
+        plp = self.engine_prompt_logprobs(req)
+        params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None, plp)]
         params[0].structured_outputs = structured
         rid, created = new_id("chatcmpl"), int(time.time())
         streams = await self.start(req, [pp], params, rid, arrival)
@@ -387,9 +435,12 @@ class OpenAIServing:
                                                                                      arguments=t.arguments))
                                           for t in calls]
                 choices.append(p.ChatChoice(index=c.index, message=message, logprobs=lp,
-                                            finish_reason=_tool_finish(c.finish_reason, calls)))
+                                            finish_reason=_tool_finish(c.finish_reason, bool(calls))))
+            extra = {}
+            if plp is not None:
+                extra["prompt_logprobs"] = self.vllm_prompt_logprobs(pp.token_ids, finals[0], plp, plp)
             return p.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                            usage=usage_of([pp], finals))
+                                            usage=usage_of([pp], finals), **extra)
 
         usage_null = {"usage": None} if _include_usage(req) else {}
 
@@ -402,16 +453,21 @@ class OpenAIServing:
             if req.logprobs and c.delta_token_ids:
                 entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
                 lp = self.chat_logprobs(c.delta_token_ids, entries, top_n)
-            text, calls = tools.stream(c.index, c.delta_text, c.finish_reason is not None)
+            text, deltas, called = tools.stream(c.index, c.delta_text, c.finish_reason is not None)
             delta = p.DeltaMessage(content=text) if text else p.DeltaMessage()
-            if calls:
-                delta.tool_calls = [p.DeltaToolCall(index=j, id=t.id, type="function", function=p.DeltaFunctionCall(
-                    name=t.name, arguments=t.arguments)) for j, t in enumerate(calls)]
+            if deltas:
+                delta.tool_calls = _delta_tool_calls(deltas)
             return make([p.ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
-                                            finish_reason=_tool_finish(c.finish_reason, calls))])
+                                            finish_reason=_tool_finish(c.finish_reason, called))])
 
-        head = [make([p.ChatStreamChoice(index=j, delta=p.DeltaMessage(role="assistant", content=""))])
-                for j in range(params[0].n)]
+        def head_chunk(j: int) -> str:
+            delta = p.DeltaMessage(role="assistant", content="")
+            opening = tools.head(j)
+            if opening:
+                delta.tool_calls = _delta_tool_calls(opening)
+            return make([p.ChatStreamChoice(index=j, delta=delta)])
+
+        head = [head_chunk(j) for j in range(params[0].n)]
         usage_chunk = (lambda finals: make([], usage_of([pp], finals))) if _include_usage(req) else None
         return self._stream(streams, head, chunk, usage_chunk, always_first=False, with_logprobs=bool(req.logprobs))
 
@@ -471,7 +527,9 @@ class OpenAIServing:
             if req.add_generation_prompt and req.continue_final_message:
                 raise OpenAIError("continue_final_message cannot be used with add_generation_prompt=true (the "
                                   "default); set add_generation_prompt to false", param="continue_final_message")
-            text = (await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)).text
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            text = (await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                           tools)).text
         else:
             req = p.TokenizeCompletionRequest.model_validate(body)
             self.check_model(req.model)
@@ -554,9 +612,25 @@ class OpenAIServing:
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-def _tool_finish(finish_reason: Optional[str], calls: list) -> Optional[str]:
-    """``"tool_calls"`` for a choice that ended on its own (``"stop"``) with tool calls."""
-    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+def _tool_finish(finish_reason: Optional[str], called: bool) -> Optional[str]:
+    """``"tool_calls"`` for a choice that ended on its own (``"stop"``) with tool calls; a choice cut by
+    ``max_tokens`` stays ``"length"`` (its complete calls are returned all the same: ``tp.forced_calls``)."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+def _delta_tool_calls(deltas: list) -> list:
+    """``tp.ToolCallDelta``s -> OpenAI ``delta.tool_calls`` (``id``, ``type`` and ``function.name`` only in a
+    call's first piece)."""
+    out = []
+    for d in deltas:
+        fn = p.DeltaFunctionCall(arguments=d.arguments)
+        if d.name is not None:
+            fn.name = d.name
+        call = p.DeltaToolCall(index=d.index, function=fn)
+        if d.id is not None:
+            call.id, call.type = d.id, "function"
+        out.append(call)
+    return out
 
 
 class ToolChoice:
@@ -591,32 +665,47 @@ class ToolChoice:
         return cls(tools, choice, schema)
 
     def extract(self, text: str) -> tuple[Optional[str], list]:
-        """``(content, calls)`` of a finished choice's text."""
+        """``(content, calls)`` of a finished choice's text (``tp.forced_calls`` for "required" / a named
+        function: no content; the parser's split for "auto")."""
         if self.schema is not None:
-            calls = tp.calls_from_forced(text, self.choice)
-            return (None, calls) if calls else (text, [])
+            return None, tp.forced_calls(text, self.choice)
         if self.parser is not None:
             ex = self.parser.extract(text)
             return ex.content, ex.tool_calls
         return text, []
 
-    def stream(self, index: int, delta: str, finished: bool) -> tuple[str, list]:
-        """``(content to send, calls)`` for a streamed choice's new text: "auto" passes content through until a
-        call may begin; forced calls are buffered; calls are sent in the choice's last chunk."""
-        if self.schema is None and self.parser is None:
-            return delta, []
+    def head(self, index: int) -> list:
+        """The ``tp.ToolCallDelta``s for choice ``index``'s first (role) chunk: a named function's call opens
+        there (id, name, ``arguments: ""``), as in OpenAI's stream."""
+        if self.schema is None:
+            return []
+        return self._streams.setdefault(index, tp.ForcedToolStreamer(self.choice)).head()
+
+    def stream(self, index: int, delta: str, finished: bool) -> tuple[str, list, bool]:
+        """``(content, deltas, called)`` for a streamed choice's new text ``delta``: the content and the
+        ``tp.ToolCallDelta``s to send now, and whether the choice has made a call so far. Forced calls stream as they are generated (``tp.ForcedToolStreamer``); "auto" passes
+        content through until a call may begin and sends its calls in the choice's last chunk
+        (``tp.AutoToolStreamer``). The pieces add up to ``extract`` of the whole text."""
         if self.schema is not None:
-            buf = self._streams[index] = self._streams.get(index, "") + delta
-            if not finished:
-                return "", []
-            content, calls = self.extract(buf)
-            return content or "", calls
+            streamer = self._streams.setdefault(index, tp.ForcedToolStreamer(self.choice))
+            deltas = streamer.feed(delta)
+            return "", deltas, bool(streamer.calls)
+        if self.parser is None:
+            return delta, [], False
         streamer = self._streams.setdefault(index, tp.AutoToolStreamer(self.parser))
         out = streamer.feed(delta)
         if not finished:
-            return out, []
+            return out, [], False
         rest, calls = streamer.finish()
-        return out + rest, calls
+        return out + rest, tp.whole_call_deltas(calls), bool(calls)
+
+
+def top_of(entry: dict, target: int, k: int) -> dict:
+    """An engine logprob entry ``{token_id: logprob}`` (its top ids in rank order, then ``target`` if not among
+    them) cut to its top ``k`` plus ``target``."""
+    out = dict(itertools.islice(entry.items(), k))
+    out[target] = entry[target]
+    return out
 
 
 def _include_usage(req) -> bool:
