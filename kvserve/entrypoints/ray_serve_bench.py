@@ -11,9 +11,10 @@ so the runs share no cached block; the router is swapped in place between runs (
 use the same warm replicas.
 
 ``--simulate PROFILE`` replays each run's requests — their actual send offsets, prompt token ids and output lengths
-— on ``--replicas`` simulated engines behind a fresh router of the same class (``kvserve.sim.cluster``) and prints
-``kvserve sim validate``'s table (real, simulated, relative error) per router, plus hit rates and requests per
-replica.
+— on ``--replicas`` simulated engines (``kvserve.sim.cluster``) twice: behind a fresh router of the same class, and
+with every request on the replica the real run put it on (``RecordedPlacement``: routing taken out of the
+comparison); it prints ``kvserve sim validate``'s table (real, simulated, relative error) for both, plus hit rates
+and requests per replica.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections import Counter
 from kvserve.bench.multiround import build_sessions, server_tokenizer
 from kvserve.bench.serve import (LoadRequest, arrival_times, fetch_prefix_counters, format_table, prefix_hit_rate,
                                  request_records, run_sessions, summarize)
-from kvserve.distributed.router import ROUTERS, make_router
+from kvserve.distributed.router import ROUTERS, Router, least_loaded, make_router
 from kvserve.entrypoints import ray_serve_ingress as ingress
 from kvserve.entrypoints.ray_serve import get_router
 
@@ -62,26 +63,55 @@ def run_router(url: str, model: str, sessions: list, offsets: list, think_time: 
     return summary, records
 
 
+class RecordedPlacement(Router):
+    """Sends the k-th request of a replayed trace to the replica the real run sent it to (``placements[k]``, an
+    index into the sorted replica ids), or to the least loaded replica when that is unknown (``None``): the
+    simulated cluster then differs from the real run only in its cost model, not in routing."""
+
+    name = "recorded"
+
+    def __init__(self, placements: list):
+        self._placements = iter(placements)
+
+    def choose(self, block_hashes, loads: dict):
+        pick = next(self._placements, None)
+        return pick if pick in loads else least_loaded(loads)
+
+
 def simulate(sim, records: list, replicas: int, router: str) -> dict:
     """The recorded requests (actual send offsets, token ids, output lengths) on ``replicas`` simulated engines
-    behind a fresh ``router`` (``kvserve.sim.cluster``); its summary (``requests_per_replica`` descending)."""
+    (``kvserve.sim.cluster``), behind a fresh ``router`` and behind ``RecordedPlacement`` (each request on the
+    replica the real run chose: the router in the ingress sees concurrent requests in its own order, and Serve may
+    send a request to another replica than the one chosen). Returns ``{router: summary, "recorded placement":
+    summary}`` (``requests_per_replica`` descending)."""
     from kvserve.sim.cluster import ClusterSimulator
     from kvserve.sim.validate import trace_from_records
 
-    s = ClusterSimulator(sim, replicas, make_router(router)).run(trace_from_records(records)).summary
-    s["requests_per_replica"] = sorted(s["requests_per_replica"], reverse=True)
-    return s
+    sent = sorted((r for r in records if r.get("start_s") is not None), key=lambda r: r["start_s"])
+    trace = trace_from_records(sent)  # the same order: already sorted
+    ids = sorted({r["replica"] for r in sent if r.get("replica") is not None})
+    placements = [ids.index(r["replica"]) if r.get("replica") in ids else None for r in sent]
+    out = {}
+    for name, policy in ((router, make_router(router)), ("recorded placement", RecordedPlacement(placements))):
+        s = ClusterSimulator(sim, replicas, policy).run(trace).summary
+        s["requests_per_replica"] = sorted(s["requests_per_replica"], reverse=True)
+        out[name] = s
+    return out
 
 
-def format_validation(router: str, real: dict, sim: dict) -> str:
-    """``kvserve sim validate``'s table for one router, then hit rates and requests per replica."""
+def format_validation(real: dict, sims: dict) -> str:
+    """``kvserve sim validate``'s table (real, simulated, error) for each simulated run in ``sims`` (name ->
+    summary), then hit rates and requests per replica."""
     from kvserve.sim.validate import compare, format_comparison
 
-    hr = [100 * (x.get("prefix_cache_hit_rate") or 0.0) for x in (real, sim)]
-    return (format_comparison([(router, compare(real, sim))]) +
-            f"\n{router:<22}{'hit rate %':<16}{hr[0]:>10.1f}{hr[1]:>10.1f}{hr[1] - hr[0]:>+8.1f} pt"
-            f"\n{router:<22}requests per replica: real {real['requests_per_replica']}, "
-            f"simulated {sim['requests_per_replica']}")
+    lines = [format_comparison([(name, compare(real, s)) for name, s in sims.items()])]
+    hr = 100 * (real.get("prefix_cache_hit_rate") or 0.0)
+    for name, s in sims.items():
+        h = 100 * s["prefix_cache_hit_rate"]
+        lines.append(f"{name:<22}{'hit rate %':<16}{hr:>10.1f}{h:>10.1f}{h - hr:>+8.1f} pt")
+    lines.append(f"requests per replica: real {real['requests_per_replica']}, " +
+                 ", ".join(f"{name} {s['requests_per_replica']}" for name, s in sims.items()))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -137,7 +167,7 @@ def main(argv=None) -> int:
                 sims.append(simulate(sim, records[router], args.replicas, router))
             print("\nreal vs simulated (the same requests at their actual send offsets):")
             for real, s in zip(rows, sims):
-                print(format_validation(real["router"], real, s), flush=True)
+                print(f"--- {real['router']}\n{format_validation(real, s)}", flush=True)
         if args.output_json:
             with open(args.output_json, "w") as f:
                 json.dump({"config": vars(args), "real": rows, "simulated": sims, "requests": records}, f)
