@@ -3,7 +3,9 @@
 
 Requests are streamed from ``/v1/completions`` (``stream_options.include_usage``). Arrivals: a Poisson process at
 ``--request-rate`` requests/s (``inf``: all at once), or, for ``--dataset azure``, the trace's own timestamps times
-``--time-scale``; ``--max-concurrency`` caps requests in flight. Per request it measures, on the client:
+``--time-scale``; ``--max-concurrency`` caps requests in flight. ``--dataset sharegpt-multiround`` is closed-loop:
+users arrive at ``--request-rate`` users/s and send their next round ``--think-time`` seconds after the previous
+answer ended (``kvserve.bench.multiround``). Per request it measures, on the client:
 
 - TTFT: send to the first chunk with text; ITL: gaps between later text chunks;
 - TPOT: ``(e2e - TTFT) / (output tokens - 1)`` with the server's token count (usage);
@@ -12,8 +14,10 @@ Requests are streamed from ``/v1/completions`` (``stream_options.include_usage``
 It reports mean / p50 / p90 / p99 of each (ms), request and output-token throughput, goodput (requests/s that
 met every ``--goodput`` SLO), and the server's prefix-cache hit rate over the run (its ``/metrics`` counters read
 before and after: a run that repeats an earlier run's prompts — the same ``--seed`` — starts on a warm cache, and
-this shows it), prints a table and writes JSON. It only talks to loopback addresses, and is bounded in
-count (``--num-prompts`` <= 10000) and time (``--request-timeout`` per request, ``--max-duration`` for the run).
+this shows it), prints a table and writes JSON (with every request's actual send offset, prompt token ids and
+``max_tokens``, which ``kvserve.sim.validate.trace_from_records`` replays in the simulator). It only talks to
+loopback addresses, and is bounded in count (``--num-prompts`` <= 10000) and time (``--request-timeout`` per
+request, ``--max-duration`` for the run).
 Against a server started with ``--api-key``, pass the same key (``--api-key``, or ``$KVSERVE_API_KEY``): every
 request carries it, ``/v1/models`` and the ``/metrics`` scrape included (the key is never written to the report).
 """
@@ -56,7 +60,8 @@ class LoadRequest:
 
 @dataclass
 class RequestResult:
-    """What one request measured (seconds; ``itl`` one entry per gap between text chunks)."""
+    """What one request measured (seconds; ``itl`` one entry per gap between text chunks; ``start_s`` when it was
+    actually sent, after the start of the run, ``None`` if never sent; ``response_id`` the stream's ``id``)."""
 
     success: bool = False
     error: str = ""
@@ -65,7 +70,8 @@ class RequestResult:
     ttft: float = 0.0
     e2el: float = 0.0
     itl: list = field(default_factory=list)
-    start_s: float = 0.0
+    start_s: Optional[float] = 0.0
+    response_id: str = ""
 
     @property
     def tpot(self) -> Optional[float]:
@@ -77,10 +83,11 @@ class RequestResult:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only)")
     p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
-    p.add_argument("--dataset", choices=["random", "sharegpt", "azure"], default="random")
-    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--dataset", choices=["random", "sharegpt", "azure", "sharegpt-multiround"], default="random")
+    p.add_argument("--num-prompts", type=int, default=20, help="requests (sharegpt-multiround: users)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests/s of a Poisson process; inf = all at once (ignored by --dataset azure)")
+                   help="requests/s of a Poisson process (sharegpt-multiround: users/s); inf = all at once "
+                        "(ignored by --dataset azure)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--random-input-len", type=int, default=64)
     p.add_argument("--random-output-len", type=int, default=16)
@@ -92,6 +99,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=1.0, help="azure: multiply arrival offsets by this")
     p.add_argument("--max-input-len", type=int, default=512, help="azure: cap on prompt tokens")
     p.add_argument("--max-output-len", type=int, default=256, help="azure: cap on output tokens")
+    p.add_argument("--think-time", type=float, default=0.0,
+                   help="sharegpt-multiround: seconds between a round's answer and the user's next round")
+    p.add_argument("--max-rounds", type=int, default=None, help="sharegpt-multiround: rounds per user (default all)")
+    p.add_argument("--multiround-max-input-len", type=int, default=2048,
+                   help="sharegpt-multiround: a user's rounds stop before the first prompt longer than this (tokens)")
+    p.add_argument("--multiround-output-len", type=int, default=None,
+                   help="sharegpt-multiround: max_tokens per round (default: the dataset's answer length)")
     p.add_argument("--data-dir", default=None, help="default: ../shared/data next to the repository")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly max_tokens (default on)")
@@ -187,6 +201,55 @@ def build_requests(args) -> list:
     return [LoadRequest(r.prompt_token_ids, r.output_len, r.arrival_s) for r in reqs]
 
 
+def multiround_sessions(args, model: str, headers: Optional[dict] = None) -> list:
+    """``--dataset sharegpt-multiround``: one closed-loop session (a list of ``LoadRequest``, one per round) per
+    user (``kvserve.bench.multiround``; prompts rendered through the server's ``/tokenize``, sent with
+    ``headers``).
+
+    Raises:
+        ValueError: bad counts or caps, a missing data file, a server that cannot tokenize.
+    """
+    from kvserve.bench import multiround
+
+    if not 1 <= args.num_prompts <= MAX_PROMPTS:
+        raise ValueError(f"--num-prompts must be in [1, {MAX_PROMPTS}], got {args.num_prompts}")
+    if not (args.think_time >= 0 and math.isfinite(args.think_time)):
+        raise ValueError(f"--think-time must be >= 0 seconds, got {args.think_time}")
+    if args.multiround_max_input_len < 1:
+        raise ValueError(f"--multiround-max-input-len must be >= 1, got {args.multiround_max_input_len}")
+    tokenize = multiround.server_tokenizer(args.base_url, model, headers)
+    return multiround.build_sessions(tokenize, args.num_prompts, args.data_dir, args.max_rounds,
+                                     args.multiround_max_input_len, args.multiround_output_len)
+
+
+def request_records(sessions: list, results: list, multiround: bool = False) -> list:
+    """One JSON-ready dict per request, in session order: what it measured (``RequestResult`` without ``itl``,
+    ``start_s`` its actual send offset in s), ``tpot``, what was sent (``prompt_token_ids``, or ``prompt`` for
+    text, and ``output_len`` = ``max_tokens``), and with ``multiround`` its ``conversation`` and ``round`` (0-based).
+    ``kvserve.sim.validate.trace_from_records`` replays them."""
+    out = []
+    for i, (session, res) in enumerate(zip(sessions, results)):
+        for k, (req, r) in enumerate(zip(session, res)):
+            rec = {k2: v for k2, v in asdict(r).items() if k2 != "itl"} | {"tpot": r.tpot}
+            rec["prompt_token_ids" if isinstance(req.prompt, list) else "prompt"] = req.prompt
+            rec["output_len"] = req.output_len
+            if multiround:
+                rec.update(conversation=i, round=k)
+            out.append(rec)
+    return out
+
+
+def write_report(report: dict, path) -> None:
+    """``report`` as indented JSON, each entry of its ``requests`` list on one line (token id lists stay short)."""
+    head = {k: v for k, v in report.items() if k != "requests"}
+    text = json.dumps(head, indent=2)
+    if "requests" in report:
+        rows = ",\n".join("    " + json.dumps(r) for r in report["requests"])
+        text = (text[:-2] + ",\n" if head else "{\n") + f'  "requests": [\n{rows}\n  ]\n}}'
+    with open(path, "w") as fh:
+        fh.write(text + "\n")
+
+
 def arrival_times(requests: list, rate: float, seed: int) -> list:
     """Send offsets (s): the requests' own ``arrival_s`` when set, else a Poisson process at ``rate`` req/s starting
     at 0 (all 0 for ``inf``).
@@ -239,6 +302,8 @@ async def _stream_into(res: RequestResult, client, url: str, payload: dict, star
                 res.success = not res.error
                 return
             obj = json.loads(data)
+            if not res.response_id and obj.get("id"):
+                res.response_id = str(obj["id"])
             if "error" in obj:
                 res.error = str(obj["error"].get("message", obj["error"]))
                 continue
@@ -254,45 +319,72 @@ async def _stream_into(res: RequestResult, client, url: str, payload: dict, star
                 last = now
 
 
-async def run_benchmark(base_url: str, model: str, requests: list, offsets: list, *, max_concurrency=None,
-                        ignore_eos: bool = True, temperature: float = 0.0, request_timeout: float = 600.0,
-                        max_duration: float = 3600.0, headers: Optional[dict] = None) -> tuple:
-    """Send every request at its offset (with ``headers``, e.g. ``auth_headers``); returns ``(results,
-    duration_s)``. Requests still unsent or running after ``max_duration`` are cancelled and count as failed."""
+async def run_benchmark(base_url: str, model: str, requests: list, offsets: list, **kwargs) -> tuple:
+    """Send every request at its offset (open loop); returns ``(results, duration_s)``. Keyword arguments as
+    ``run_sessions`` (``max_concurrency``, ``headers`` ...)."""
+    results, duration = await run_sessions(base_url, model, [[r] for r in requests], offsets, **kwargs)
+    return [r for session in results for r in session], duration
+
+
+async def run_sessions(base_url: str, model: str, sessions: list, offsets: list, *, think_time: float = 0.0,
+                       max_concurrency=None, ignore_eos: bool = True, temperature: float = 0.0,
+                       request_timeout: float = 600.0, max_duration: float = 3600.0,
+                       headers: Optional[dict] = None) -> tuple:
+    """Closed-loop sessions: session ``i`` (a list of ``LoadRequest``, e.g. a conversation's rounds) sends its
+    first request at ``offsets[i]`` seconds after the start and each next one ``think_time`` seconds after the
+    previous one's response has ended; a failed request ends its session (the rest are not sent). ``headers`` go
+    with every request (e.g. ``auth_headers``); ``max_concurrency`` caps requests in flight over all sessions.
+
+    Returns ``(results, duration_s)``: ``results[i][k]`` the ``RequestResult`` of session ``i``'s request ``k``
+    (``start_s``: its actual send offset). Requests unsent or running after ``max_duration`` are cancelled and count
+    as failed, as do those never sent because an earlier one of their session failed.
+    """
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
-    limit = max_concurrency or len(requests)
+    limit = max_concurrency or max(1, len(sessions))
     sem = asyncio.Semaphore(limit)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    results: list = [[None] * len(s) for s in sessions]
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(request_timeout, pool=None),
                                  headers=headers) as client:
         start = time.perf_counter()
 
-        async def one(req: LoadRequest, offset: float) -> RequestResult:
+        async def one(i: int, session: list, offset: float) -> None:
             delay = offset - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "stream": True,
-                       "stream_options": {"include_usage": True}, "temperature": temperature,
-                       "ignore_eos": ignore_eos}
-            async with sem:
-                res = await send_request(client, url, payload, request_timeout)
-            res.start_s = offset
-            return res
+            for k, req in enumerate(session):
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "stream": True,
+                           "stream_options": {"include_usage": True}, "temperature": temperature,
+                           "ignore_eos": ignore_eos}
+                async with sem:
+                    sent = time.perf_counter() - start
+                    res = await send_request(client, url, payload, request_timeout)
+                res.start_s = sent
+                results[i][k] = res
+                if not res.success:
+                    return
+                delay = think_time
 
-        tasks = [asyncio.ensure_future(one(r, o)) for r, o in zip(requests, offsets)]
-        _, pending = await asyncio.wait(tasks, timeout=max_duration)
+        tasks = [asyncio.ensure_future(one(i, s, o)) for i, (s, o) in enumerate(zip(sessions, offsets))]
+        pending: set = set()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max_duration)
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
-    results = []
-    for t in tasks:
-        if t.cancelled():
-            results.append(RequestResult(error=f"not finished within --max-duration {max_duration} s"))
+    for session, task in zip(results, tasks):
+        if task.cancelled():
+            error = f"not finished within --max-duration {max_duration} s"
+        elif task.exception() is not None:
+            error = f"{type(task.exception()).__name__}: {task.exception()}"
         else:
-            results.append(t.result())
+            error = "not sent: an earlier request of its session failed"
+        for k, r in enumerate(session):
+            if r is None:
+                session[k] = RequestResult(error=error, start_s=None)  # never sent
     return results, duration
 
 
@@ -432,27 +524,32 @@ def run(args: argparse.Namespace) -> int:
     if not (args.request_timeout > 0 and args.max_duration > 0):
         raise ValueError("--request-timeout and --max-duration must be > 0")
     headers = auth_headers(getattr(args, "api_key", None))
-    requests = build_requests(args)
-    offsets = arrival_times(requests, args.request_rate, args.seed)
+    multi = args.dataset == "sharegpt-multiround"
+    requests = None if multi else build_requests(args)
     model = args.model or fetch_model(args.base_url, headers=headers)
+    sessions = multiround_sessions(args, model, headers) if multi else [[r] for r in requests]
+    offsets = arrival_times([s[0] for s in sessions], args.request_rate, args.seed)
     counters_before = fetch_prefix_counters(args.base_url, headers=headers)
-    results, duration = asyncio.run(run_benchmark(
-        args.base_url, model, requests, offsets, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, request_timeout=args.request_timeout, max_duration=args.max_duration,
-        headers=headers))
-    summary = summarize(results, duration, slos)
+    results, duration = asyncio.run(run_sessions(
+        args.base_url, model, sessions, offsets, think_time=args.think_time if multi else 0.0,
+        max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        request_timeout=args.request_timeout, max_duration=args.max_duration, headers=headers))
+    summary = summarize([r for res in results for r in res], duration, slos)
     summary.update(prefix_hit_rate(counters_before, fetch_prefix_counters(args.base_url, headers=headers)))
     config = {k: getattr(args, k) for k in ("base_url", "dataset", "num_prompts", "request_rate", "max_concurrency",
                                             "random_input_len", "random_output_len", "random_range_ratio",
                                             "sharegpt_output_len", "time_scale", "ignore_eos", "temperature", "seed")}
+    if multi:
+        config.update({k: getattr(args, k) for k in ("think_time", "max_rounds", "multiround_max_input_len",
+                                                     "multiround_output_len")})
+        summary["num_conversations"] = len(sessions)
     config["request_rate"] = str(args.request_rate) if math.isinf(args.request_rate) else args.request_rate
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": model, "config": config, **summary,
-              "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} | {"tpot": r.tpot} for r in results]}
+              "requests": request_records(sessions, results, multi)}
     if not args.quiet:
         print(format_table(summary))
     if args.output_json:
-        with open(args.output_json, "w") as fh:
-            json.dump(report, fh, indent=2)
+        write_report(report, args.output_json)
     if summary["failed"]:
         print(f"{summary['failed']} requests failed: {summary['errors']}", file=sys.stderr)
         return 1

@@ -1,12 +1,20 @@
 """``python -m kvserve.entrypoints.ray_serve_bench``: ShareGPT multi-round conversations against a Ray Serve
-deployment (``kvserve serve --data-parallel-size N``), once per router, on the same replicas.
+deployment (``kvserve serve --data-parallel-size N``), once per router, on the same replicas; with ``--simulate``
+the same requests replayed on the simulated cluster, real vs simulated.
 
-Each router's run sends rounds 2, 3, ... of the same users wave by wave (every user's round k at once, the next
-wave when it has finished: a user answers after reading the reply) through ``kvserve bench serve``'s load
-generator (``run_benchmark``, streamed, ``ignore_eos``), and reports ``bench serve``'s summary (TTFT p50 / p99 ...)
-plus the prefix-cache hit rate from the replicas' ``/metrics`` counters over the run. Every prompt of a run starts
-with a token of its own, so the runs share no cached block; the router is swapped in place between runs
-(``get_router().policy``), so they use the same warm replicas.
+Each router's run is ``kvserve bench serve --dataset sharegpt-multiround``'s closed loop (``kvserve.bench.
+multiround``, ``run_sessions``: users arrive at ``--request-rate`` users/s, each sends its next round
+``--think-time`` s after the previous answer ended; streamed, ``ignore_eos``) and reports ``bench serve``'s summary
+plus the prefix-cache hit rate from the replicas' ``/metrics`` counters over the run and the requests each replica
+served (the router's own record of where each request went). Every prompt of a run starts with a token of its own,
+so the runs share no cached block; the router is swapped in place between runs (``get_router().policy``), so they
+use the same warm replicas.
+
+``--simulate PROFILE`` replays each run's requests — their actual send offsets, prompt token ids and output lengths
+— on ``--replicas`` simulated engines (``kvserve.sim.cluster``) twice: behind a fresh router of the same class, and
+with every request on the replica the real run put it on (``RecordedPlacement``: routing taken out of the
+comparison); it prints ``kvserve sim validate``'s table (real, simulated, relative error) for both, plus hit rates
+and requests per replica.
 """
 
 from __future__ import annotations
@@ -14,69 +22,128 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import math
 import threading
 import time
+from collections import Counter
 
-from kvserve.bench.prefix import multiround_waves
-from kvserve.bench.serve import (LoadRequest, fetch_prefix_counters, format_table, prefix_hit_rate, run_benchmark,
-                                 summarize)
-from kvserve.bench.workloads import default_data_dir
-from kvserve.distributed.router import ROUTERS, make_router
+from kvserve.bench.multiround import build_sessions, server_tokenizer
+from kvserve.bench.serve import (LoadRequest, arrival_times, fetch_prefix_counters, format_table, prefix_hit_rate,
+                                 request_records, run_sessions, summarize)
+from kvserve.distributed.router import ROUTERS, Router, least_loaded, make_router
 from kvserve.entrypoints import ray_serve_ingress as ingress
 from kvserve.entrypoints.ray_serve import get_router
 
 
-def run_router(url: str, model: str, waves: list, router: str, marker: int) -> dict:
-    """One router's run over ``waves`` (``TimedRequest`` lists); ``bench serve``'s summary plus the hit rate."""
+def salted(sessions: list, marker: int) -> list:
+    """``sessions`` with ``marker`` put before every prompt: another run's prompts share no block with these."""
+    return [[LoadRequest([marker] + r.prompt, r.output_len) for r in s] for s in sessions]
+
+
+def replica_counts(records: list, decisions) -> list:
+    """Requests per replica (descending) of ``records`` (``request_records``), from the router's ``decisions``
+    (``(engine request id, replica id, first hash)``; a completion's engine request id is ``<response id>-0``); each
+    record gets its ``replica`` (``None`` when unknown)."""
+    where = {rid: uid for rid, uid, _ in decisions}
+    for r in records:
+        r["replica"] = where.get(f"{r['response_id']}-0") if r.get("response_id") else None
+    return sorted(Counter(r["replica"] for r in records if r["replica"] is not None).values(), reverse=True)
+
+
+def run_router(url: str, model: str, sessions: list, offsets: list, think_time: float, router: str) -> tuple:
+    """One router's real run of ``sessions`` (already salted); returns ``(summary, request records)``."""
     get_router().policy = make_router(router)
     before = fetch_prefix_counters(url)
-    results, t0 = [], time.perf_counter()
-    for wave in waves:
-        reqs = [LoadRequest([marker] + r.prompt_token_ids, r.output_len) for r in wave]
-        res, _ = asyncio.run(run_benchmark(url, model, reqs, [0.0] * len(reqs)))
-        results += res
-    summary = summarize(results, time.perf_counter() - t0, {})
+    results, duration = asyncio.run(run_sessions(url, model, sessions, offsets, think_time=think_time))
+    summary = summarize([r for res in results for r in res], duration, {})
     summary.update(prefix_hit_rate(before, fetch_prefix_counters(url)))
-    summary["router"] = router
-    return summary
+    records = request_records(sessions, results, multiround=True)
+    summary.update(router=router, requests_per_replica=replica_counts(records, get_router().decisions))
+    return summary, records
 
 
-def simulate(profile: str, waves: list, replicas: int, routers: list, max_model_len: int) -> list:
-    """The same waves on ``replicas`` simulated engines (``kvserve.sim.cluster``) per router: each wave arrives
-    all at once, 1000 s after the previous one (it has finished by then, as in the real closed-loop run)."""
-    from kvserve.sim.cli import build_simulator
+class RecordedPlacement(Router):
+    """Sends the k-th request of a replayed trace to the replica the real run sent it to (``placements[k]``, an
+    index into the sorted replica ids), or to the least loaded replica when that is unknown (``None``): the
+    simulated cluster then differs from the real run only in its cost model, not in routing."""
+
+    name = "recorded"
+
+    def __init__(self, placements: list):
+        self._placements = iter(placements)
+
+    def choose(self, block_hashes, loads: dict):
+        pick = next(self._placements, None)
+        return pick if pick in loads else least_loaded(loads)
+
+
+def simulate(sim, records: list, replicas: int, router: str) -> dict:
+    """The recorded requests (actual send offsets, token ids, output lengths) on ``replicas`` simulated engines
+    (``kvserve.sim.cluster``), behind a fresh ``router`` and behind ``RecordedPlacement`` (each request on the
+    replica the real run chose: the router in the ingress sees concurrent requests in its own order, and Serve may
+    send a request to another replica than the one chosen). Returns ``{router: summary, "recorded placement":
+    summary}`` (``requests_per_replica`` descending)."""
     from kvserve.sim.cluster import ClusterSimulator
-    from kvserve.sim.trace import TraceRequest
+    from kvserve.sim.validate import trace_from_records
 
-    sim, _ = build_simulator({"max_model_len": max_model_len, "num_threads": 1}, profile)
-    out = []
-    for k, router in enumerate(routers):
-        trace = [TraceRequest(1000.0 * w, len(r.prompt_token_ids) + 1, r.output_len,
-                              token_ids=[1000 + k] + r.prompt_token_ids) for w, wave in enumerate(waves) for r in wave]
-        s = ClusterSimulator(sim, replicas, make_router(router)).run(trace).summary
-        s["duration_s"] = None  # idle gaps between waves: not comparable
-        out.append(s)
+    sent = sorted((r for r in records if r.get("start_s") is not None), key=lambda r: r["start_s"])
+    trace = trace_from_records(sent)  # the same order: already sorted
+    ids = sorted({r["replica"] for r in sent if r.get("replica") is not None})
+    placements = [ids.index(r["replica"]) if r.get("replica") in ids else None for r in sent]
+    out = {}
+    for name, policy in ((router, make_router(router)), ("recorded placement", RecordedPlacement(placements))):
+        s = ClusterSimulator(sim, replicas, policy).run(trace).summary
+        s["requests_per_replica"] = sorted(s["requests_per_replica"], reverse=True)
+        out[name] = s
     return out
 
 
+def format_validation(real: dict, sims: dict) -> str:
+    """``kvserve sim validate``'s table (real, simulated, error) for each simulated run in ``sims`` (name ->
+    summary), then hit rates and requests per replica."""
+    from kvserve.sim.validate import compare, format_comparison
+
+    lines = [format_comparison([(name, compare(real, s)) for name, s in sims.items()])]
+    hr = 100 * (real.get("prefix_cache_hit_rate") or 0.0)
+    for name, s in sims.items():
+        h = 100 * s["prefix_cache_hit_rate"]
+        lines.append(f"{name:<22}{'hit rate %':<16}{hr:>10.1f}{h:>10.1f}{h - hr:>+8.1f} pt")
+    lines.append(f"requests per replica: real {real['requests_per_replica']}, " +
+                 ", ".join(f"{name} {s['requests_per_replica']}" for name, s in sims.items()))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvserve.entrypoints.ray_serve_bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvserve.entrypoints.ray_serve_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--routers", default="prefix,round-robin")
     p.add_argument("--num-users", type=int, default=5,
                    help="conversations (an odd count: round-robin cannot keep them on one replica by accident)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per user (from round 2)")
-    p.add_argument("--max-input-tokens", type=int, default=768)
+    p.add_argument("--rounds", type=int, default=3, help="rounds per user (at most)")
+    p.add_argument("--max-input-tokens", type=int, default=768, help="a user's rounds stop before a longer prompt")
     p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="users/s (Poisson); inf = all at once")
+    p.add_argument("--think-time", type=float, default=0.0, help="seconds between an answer and the next round")
+    p.add_argument("--seed", type=int, default=0, help="user arrivals")
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="summaries and every request (send offset, token ids ...)")
     p.add_argument("--simulate", default=None, metavar="PROFILE",
-                   help="also simulate the same waves on the same number of replicas with this cost-model profile")
+                   help="also replay each run's requests on as many simulated replicas with this cost-model profile")
     args = p.parse_args(argv)
     routers = args.routers.split(",")
     bad = [r for r in routers if r not in ROUTERS]
     if bad:
         raise SystemExit(f"--routers must be from {', '.join(ROUTERS)}, got {bad}")
+    if not args.think_time >= 0:
+        raise SystemExit(f"--think-time must be >= 0, got {args.think_time}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    sim = None
+    if args.simulate:  # a bad profile fails before Ray starts
+        from kvserve.sim.cli import build_simulator
+
+        sim, _ = build_simulator({"max_model_len": args.max_model_len, "num_threads": 1}, args.simulate)
     server = ingress.build_server({"max_model_len": args.max_model_len}, args.replicas, routers[0], port=0,
                                   log_level="warning", access_log=False)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
@@ -85,23 +152,25 @@ def main(argv=None) -> int:
         time.sleep(0.05)
     url, model = f"http://127.0.0.1:{server.port}", server.config.app.state.served_model_name
     try:
-        waves = multiround_waves(server.llm.tokenizer, default_data_dir(), args.num_users, args.max_input_tokens,
-                                 args.output_len)[:args.rounds]
-        print(f"{args.replicas} replicas; waves of {[len(w) for w in waves]} requests; "
-              f"{sum(len(r.prompt_token_ids) for w in waves for r in w)} prompt tokens per router", flush=True)
-        rows = []
+        sessions = build_sessions(server_tokenizer(url, model), args.num_users, max_rounds=args.rounds,
+                                  max_input_len=args.max_input_tokens - 1, output_len=args.output_len)
+        offsets = arrival_times([s[0] for s in sessions], args.request_rate, args.seed)
+        print(f"{args.replicas} replicas; {len(sessions)} users, rounds {[len(s) for s in sessions]}; "
+              f"{sum(len(r.prompt) + 1 for s in sessions for r in s)} prompt tokens per router", flush=True)
+        rows, sims, records = [], [], {}
         for k, router in enumerate(routers):
-            s = run_router(url, model, waves, router, 1000 + k)
+            s, records[router] = run_router(url, model, salted(sessions, 1000 + k), offsets, args.think_time, router)
             rows.append(s)
-            print(f"--- {router}\n{format_table(s)}", flush=True)
-        sims = simulate(args.simulate, waves, args.replicas, routers, args.max_model_len) if args.simulate else []
-        for real, sim in zip(rows, sims):
-            print(f"{real['router']:>13}: hit rate real {100 * real['prefix_cache_hit_rate']:.1f}% / simulated "
-                  f"{100 * sim['prefix_cache_hit_rate']:.1f}%; TTFT p50 real {real['median_ttft_ms']:.0f} ms / "
-                  f"simulated {sim['median_ttft_ms']:.0f} ms; p99 {real['p99_ttft_ms']:.0f} / {sim['p99_ttft_ms']:.0f}")
+            print(f"--- {router}\n{format_table(s)}\nrequests per replica: {s['requests_per_replica']}", flush=True)
+        if sim is not None:
+            for real, router in zip(rows, routers):
+                sims.append(simulate(sim, records[router], args.replicas, router))
+            print("\nreal vs simulated (the same requests at their actual send offsets):")
+            for real, s in zip(rows, sims):
+                print(f"--- {real['router']}\n{format_validation(real, s)}", flush=True)
         if args.output_json:
             with open(args.output_json, "w") as f:
-                json.dump({"real": rows, "simulated": sims}, f, indent=1)
+                json.dump({"config": vars(args), "real": rows, "simulated": sims, "requests": records}, f)
     finally:
         server.should_exit = True
         thread.join(60)

@@ -15,14 +15,15 @@ from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
 from kvserve.sim import trace as tr
 
-DATASETS = ("azure", "mooncake", "sharegpt", "jsonl")
+DATASETS = ("azure", "mooncake", "sharegpt", "jsonl", "bench")
 
 
 def add_trace_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("trace")
     g.add_argument("--dataset", choices=DATASETS, default="azure")
     g.add_argument("--trace-file", default=None,
-                   help="the trace file (default for azure / mooncake / sharegpt: the one in --data-dir)")
+                   help="the trace file (default for azure / mooncake / sharegpt: the one in --data-dir; bench: a "
+                        "`kvserve bench serve --output-json` report, its requests replayed at their send offsets)")
     g.add_argument("--data-dir", default=None, help="default: ../shared/data next to the repository")
     g.add_argument("--azure-kind", choices=["conv", "code"], default="conv")
     g.add_argument("--mooncake-kind", choices=["conversation", "synthetic"], default="conversation")
@@ -123,6 +124,17 @@ def load_trace(args) -> list:
         path = args.trace_file or data / "sharegpt" / "ShareGPT_V3_filtered_1000.json"
         trace = tr.read_sharegpt(path, args.num_requests, args.sharegpt_output_len, args.seed,
                                  max_input_len=args.max_input_len)
+    elif args.dataset == "bench":
+        if not args.trace_file:
+            raise ValueError("--dataset bench needs --trace-file (a `kvserve bench serve --output-json` report)")
+        from kvserve.sim.validate import trace_from_records
+
+        try:
+            records = json.loads(Path(args.trace_file).read_text())["requests"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--trace-file {args.trace_file}: not a bench serve report with 'requests' "
+                             f"({e})") from None
+        trace = trace_from_records(records)[args.start:args.start + args.num_requests]
     else:
         if not args.trace_file:
             raise ValueError("--dataset jsonl needs --trace-file")

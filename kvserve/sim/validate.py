@@ -25,7 +25,7 @@ import sys
 import time
 
 from kvserve.bench.serve import (LoadRequest, fetch_model, fetch_prefix_counters, parse_goodput, prefix_hit_rate,
-                                 run_benchmark, summarize)
+                                 request_records, run_benchmark, summarize)
 from kvserve.bench.workloads import azure_trace
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
 from kvserve.sim.trace import TraceRequest
@@ -68,6 +68,26 @@ def level_requests(args, rate: float, seed: int) -> list:
     natural = (len(reqs) - 1) / span if span > 0 else math.inf
     k = natural / rate if math.isfinite(natural) else 0.0
     return [LoadRequest(r.prompt_token_ids, r.output_len, r.arrival_s * k) for r in reqs]
+
+
+def trace_from_records(records: list) -> list:
+    """The requests a benchmark actually sent (``kvserve.bench.serve.request_records``, or the ``requests`` of a
+    ``bench serve --output-json`` report) as a simulator trace: each at its actual send offset (``start_s``), with
+    its prompt token ids and ``output_len`` tokens (forced, as ``ignore_eos`` does), in send order; requests never
+    sent (``start_s`` null) are left out.
+
+    Raises:
+        ValueError: a record without ``prompt_token_ids`` (a text prompt: the client never saw its tokens) or
+            without ``output_len``.
+    """
+    sent = [r for r in records if r.get("start_s") is not None]
+    for i, r in enumerate(sent):
+        if not isinstance(r.get("prompt_token_ids"), list) or not isinstance(r.get("output_len"), int):
+            raise ValueError(f"request record {i} has no prompt_token_ids / output_len (text prompts cannot be "
+                             f"replayed; use a dataset that sends token ids)")
+    sent.sort(key=lambda r: r["start_s"])
+    return [TraceRequest(float(r["start_s"]), len(r["prompt_token_ids"]), r["output_len"],
+                         token_ids=list(r["prompt_token_ids"])) for r in sent]
 
 
 def _free_port() -> int:
@@ -241,8 +261,7 @@ def run(args: argparse.Namespace) -> int:
                                                           max_duration=args.max_duration))
             real = summarize(results, duration, slos)
             real.update(prefix_hit_rate(before, fetch_prefix_counters(base_url)))
-            trace = [TraceRequest(o, len(r.prompt), r.output_len, token_ids=list(r.prompt))
-                     for r, o in zip(reqs, offsets)]
+            trace = trace_from_records(request_records([[r] for r in reqs], [[r] for r in results]))
             simulated = sim.run(trace, slos).summary
             raw = raw_sim.run(trace, slos).summary
             name = f"{rate:g} req/s"

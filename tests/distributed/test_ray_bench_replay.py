@@ -1,0 +1,46 @@
+"""``python -m kvserve.entrypoints.ray_serve_bench``'s pieces that need no Ray cluster: per-replica counts from the
+router's decisions, the replay of a run's records on the simulated cluster, the real-vs-simulated table."""
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="needs the optional Ray extra: pip install -e '.[ray]'")
+
+from kvserve.bench.serve import LoadRequest  # noqa: E402
+from kvserve.entrypoints import ray_serve_bench as rsb  # noqa: E402
+from tests.sim.test_replay import records, sim_for  # noqa: E402
+
+
+def test_salted_and_replica_counts():
+    s = rsb.salted([[LoadRequest([1, 2], 3), LoadRequest([1, 2, 4], 3)]], 1000)
+    assert [r.prompt for r in s[0]] == [[1000, 1, 2], [1000, 1, 2, 4]] and s[0][1].output_len == 3
+    recs = [{"response_id": "cmpl-a"}, {"response_id": "cmpl-b"}, {"response_id": "cmpl-c"}, {"response_id": ""}]
+    decisions = [("cmpl-a-0", "r1", None), ("cmpl-b-0", "r2", None), ("cmpl-c-0", "r1", None), ("x-0", "r2", None)]
+    assert rsb.replica_counts(recs, decisions) == [2, 1]
+    assert [r["replica"] for r in recs] == ["r1", "r2", "r1", None]
+
+
+def test_simulate_and_the_validation_table():
+    recs = records()
+    for r in recs:  # the real run: users 0 and 2 on replica "b", user 1 on "a", but user 2's last round on "a"
+        r["replica"] = "a" if r["conversation"] == 1 or (r["conversation"] == 2 and r["round"] == 2) else "b"
+    sims = rsb.simulate(sim_for(), recs, 2, "prefix")
+    assert list(sims) == ["prefix", "recorded placement"]
+    assert sims["prefix"]["requests_per_replica"] == [6, 3] and sims["prefix"]["router"] == "prefix"
+    assert sims["recorded placement"]["requests_per_replica"] == [5, 4]
+    # user 2's round 3 misses on "a": 24 + 24 + 8 of 3 x 51 prompt tokens hit (prefix router: 3 x 24)
+    assert sims["recorded placement"]["prefix_cache_hit_rate"] == pytest.approx(56 / 153)
+    assert sims["prefix"]["prefix_cache_hit_rate"] == pytest.approx(72 / 153)
+    real = dict(sims["prefix"], median_ttft_ms=800.0, prefix_cache_hit_rate=0.5, requests_per_replica=[5, 4])
+    table = rsb.format_validation(real, sims)
+    assert "TTFT p50 ms" in table and "25.0%" in table  # 1000 ms simulated vs 800 ms real
+    assert "-2.9 pt" in table  # hit rate 47.1% simulated vs 50.0% real
+    assert "requests per replica: real [5, 4], prefix [6, 3], recorded placement [5, 4]" in table
+
+
+def test_recorded_placement_falls_back_to_the_least_loaded():
+    from kvserve.distributed.router import ReplicaLoad
+
+    policy = rsb.RecordedPlacement([1, None, 5])
+    loads = {0: ReplicaLoad(2, 0), 1: ReplicaLoad(0, 0)}
+    assert [policy.choose([], loads) for _ in range(4)] == [1, 1, 1, 1]
+    assert rsb.RecordedPlacement([0]).choose([], loads) == 0
