@@ -90,10 +90,12 @@ class KVServeReplica:
         return self.stat_logger.exposition()
 
     def record_routing_stats(self) -> dict:
-        """Serve's routing-stats hook: ``num_running``, ``num_waiting``, ``kv_usage`` (0..1)."""
+        """Serve's routing-stats hook: ``num_running``, ``num_waiting``, ``kv_usage`` (0..1), ``num_blocks`` (the
+        pool's size, which bounds what its prefix cache can hold)."""
         e = self.llm.engine
+        stats = e.kv_cache_stats()
         return {"num_running": e.scheduler.num_running, "num_waiting": e.scheduler.num_waiting,
-                "kv_usage": e.kv_cache_stats().usage}
+                "kv_usage": stats.usage, "num_blocks": stats.num_blocks}
 
     def check_health(self) -> None:
         """Serve's health check: raises once the engine loop has failed (Serve then replaces the replica)."""
@@ -117,6 +119,7 @@ class KVServeRequestRouter(RequestRouter):
                          **prefix_kwargs) -> None:
         """Ray Serve calls this with ``RequestRouterConfig.request_router_kwargs``."""
         self.policy = make_router(router, **(prefix_kwargs if router == "prefix" else {}))
+        self.auto_cache_blocks = router == "prefix" and "cache_blocks" not in prefix_kwargs
         self.block_size = block_size
         self.inflight: dict = defaultdict(int)  # replica unique id -> chosen or routed, not completed
         self._routed: dict = {}  # internal request id -> replica unique id (chosen, then in flight)
@@ -137,6 +140,13 @@ class KVServeRequestRouter(RequestRouter):
         return ReplicaLoad(num_running=self.inflight[r.replica_id.unique_id],
                            kv_usage=float(stats.get("kv_usage", 0.0)))
 
+    def _size_prefix_cache(self, replicas) -> None:
+        """Model each replica's prefix cache as large as its KV pool (the smallest reported ``num_blocks``), unless
+        ``cache_blocks`` was given; until the first stats arrive the model is unbounded."""
+        sizes = [int((r.routing_stats or {}).get("num_blocks", 0)) for r in replicas]
+        if self.auto_cache_blocks and all(sizes):
+            self.policy.cache_blocks = min(sizes)
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -145,6 +155,7 @@ class KVServeRequestRouter(RequestRouter):
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # retries wait (Serve's backoff)
         loads = {uid: self._load(r) for uid, r in by_id.items()}
+        self._size_prefix_cache(by_id.values())
         by_load = sorted(by_id, key=lambda uid: (loads[uid].load, uid))
         pinned = pending_request.kwargs.get("replica") if pending_request is not None else None
         if pinned is not None:

@@ -107,3 +107,27 @@ def test_make_router_and_bad_bounds():
     with pytest.raises(ValueError, match="kv_usage_limit"):
         PrefixAwareRouter(kv_usage_limit=0)
     assert imbalance([2, 2, 2]) == 1.0 and imbalance([4, 0]) == 2.0 and imbalance([0, 0]) is None
+
+
+def test_ray_router_sizes_the_prefix_cache_model_to_the_smallest_reported_pool():
+    """The Ray request router models each replica's prefix cache as large as its KV pool (the ``num_blocks`` the
+    replicas report in their routing stats); an explicit ``cache_blocks`` wins; no stats yet: unbounded."""
+    pytest.importorskip("ray.serve")
+    from types import SimpleNamespace
+
+    from kvserve.entrypoints.ray_serve import KVServeRequestRouter
+
+    def replicas(*sizes):
+        return [SimpleNamespace(routing_stats={"num_blocks": n} if n else {}) for n in sizes]
+
+    router = KVServeRequestRouter.__new__(KVServeRequestRouter)  # no Serve controller: only the policy state
+    router.initialize_state(router="prefix", block_size=BS, deployment="test-sizing")
+    unbounded = router.policy.cache_blocks
+    router._size_prefix_cache(replicas(512, None))
+    assert router.policy.cache_blocks == unbounded  # a replica without stats yet: keep the model unbounded
+    router._size_prefix_cache(replicas(512, 300))
+    assert router.policy.cache_blocks == 300
+    fixed = KVServeRequestRouter.__new__(KVServeRequestRouter)
+    fixed.initialize_state(router="prefix", block_size=BS, deployment="test-sizing-fixed", cache_blocks=64)
+    fixed._size_prefix_cache(replicas(512, 300))
+    assert fixed.policy.cache_blocks == 64
