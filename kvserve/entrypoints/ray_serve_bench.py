@@ -92,7 +92,10 @@ def simulate(sim, records: list, replicas: int, router: str) -> dict:
     ids = sorted({r["replica"] for r in sent if r.get("replica") is not None})
     placements = [ids.index(r["replica"]) if r.get("replica") in ids else None for r in sent]
     out = {}
-    for name, policy in ((router, make_router(router)), ("recorded placement", RecordedPlacement(placements))):
+    fresh = make_router(router)
+    if router == "prefix":
+        fresh.cache_blocks = sim.num_blocks  # as the Ray router sizes it: each replica's pool
+    for name, policy in ((router, fresh), ("recorded placement", RecordedPlacement(placements))):
         s = ClusterSimulator(sim, replicas, policy).run(trace).summary
         s["requests_per_replica"] = sorted(s["requests_per_replica"], reverse=True)
         out[name] = s
