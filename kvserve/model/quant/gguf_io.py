@@ -14,9 +14,10 @@ nothing is read until used -- and to a float32 ``numpy`` array for F32, F16 and 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 
@@ -33,14 +34,25 @@ class QuantTensor:
         name: the tensor's name in the file.
         qtype: its ``gguf.GGMLQuantizationType`` (one of ``formats.QUANTIZED_TYPES`` for the quantized linear
             methods; ``gguf_tensors`` also wraps other block formats, which the loader dequantizes).
-        raw: ``uint8 [out_features, bytes_per_row]``: each row is ``in_features / values_per_block`` blocks.
+        source: ``uint8 [rows of the source, bytes_per_row]``: the blocks as stored (a view of the memory-mapped
+            file); each row is ``in_features / values_per_block`` blocks.
         shape: ``(out_features, in_features)`` (row-major; GGUF lists it reversed).
+        rows: ``None``, or the source rows this tensor's rows are, in order (``take_rows``): applied on the first
+            read of ``raw``, so a reordered tensor that is never read (its packed form served from the
+            ``weight_cache``) costs neither a copy nor a read of the file's pages.
     """
 
     name: str
     qtype: GGMLQuantizationType
-    raw: np.ndarray
+    source: np.ndarray
     shape: tuple
+    rows: Optional[np.ndarray] = None
+
+    @functools.cached_property
+    def raw(self) -> np.ndarray:
+        """``uint8 [out_features, bytes_per_row]``: the blocks of this tensor's rows (``source``, or a contiguous
+        copy of ``source[rows]`` made on first use and kept)."""
+        return self.source if self.rows is None else np.ascontiguousarray(self.source[self.rows])
 
     @property
     def out_features(self) -> int:
@@ -52,7 +64,7 @@ class QuantTensor:
 
     def nbytes(self) -> int:
         """Bytes of the blocks (what a matmul reads)."""
-        return self.raw.nbytes
+        return self.out_features * self.source.shape[1]
 
     def dequantize(self, rows=None) -> np.ndarray:
         """float32 ``[len(rows) or out_features, in_features]``, equal to ``gguf.quants.dequantize``; ``rows``: an
@@ -62,9 +74,10 @@ class QuantTensor:
 
     def take_rows(self, index: np.ndarray) -> "QuantTensor":
         """The tensor with its rows reordered (``new[i] = old[index[i]]``): exact, rows are independent blocks.
-        Makes a copy of the bytes (``raw`` becomes an ordinary array)."""
-        return QuantTensor(self.name, self.qtype, np.ascontiguousarray(self.raw[np.asarray(index)]),
-                           (len(index), self.in_features))
+        Nothing is copied until ``raw`` is read (then a contiguous copy of the reordered bytes)."""
+        index = np.asarray(index)
+        rows = index if self.rows is None else self.rows[index]
+        return QuantTensor(self.name, self.qtype, self.source, (len(index), self.in_features), rows)
 
 
 def rope_unpermute_index(n_rows: int, n_head: int) -> np.ndarray:
