@@ -78,7 +78,7 @@ def code_version() -> str:
     return h.hexdigest()[:16]
 
 
-def _atomic_write(path: Path, chunks) -> None:
+def atomic_write(path: Path, chunks) -> None:
     """Write ``chunks`` (bytes-like) to ``path`` through a temporary file in the same folder and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
@@ -109,7 +109,7 @@ def source_sha256(path: Path, root: Optional[Path] = None) -> str:
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     try:
-        _atomic_write(memo, [json.dumps({"path": str(path), "identity": ident, "sha256": digest}).encode()])
+        atomic_write(memo, [json.dumps({"path": str(path), "identity": ident, "sha256": digest}).encode()])
     except OSError as e:
         logger.debug("cannot memoise the hash of %s in %s: %s", path, memo, e)
     return digest
@@ -227,7 +227,7 @@ class WeightCache:
         for c in payload_chunks:
             crc = zlib.crc32(c, crc)
         path = self.entry_path(quantization)
-        _atomic_write(path, [_PREAMBLE.pack(_MAGIC, len(hbytes), crc), hbytes, pad_head, *payload_chunks])
+        atomic_write(path, [_PREAMBLE.pack(_MAGIC, len(hbytes), crc), hbytes, pad_head, *payload_chunks])
         for old in path.parent.glob(f"{self.source_hash[:16]}-{quantization}-*.kvpack"):
             if old != path:
                 old.unlink(missing_ok=True)
@@ -331,7 +331,7 @@ def read_gguf_cached(path: Path, source_hash: str, root: Optional[Path] = None) 
     tensors = gguf_tensors(path, body)
     entry = {"format": METADATA_VERSION, "source_sha256": source_hash, "sha256": _body_sha256(body), "body": body}
     try:
-        _atomic_write(entry_path, [json.dumps(entry, sort_keys=True).encode()])
+        atomic_write(entry_path, [json.dumps(entry, sort_keys=True).encode()])
     except OSError as e:
         logger.warning("cannot write the GGUF metadata cache %s: %s", entry_path, e)
     return body, tensors
