@@ -209,8 +209,9 @@ def memory_report(probe: MemoryProbe, pool_tensors: Iterable = ()) -> dict:
 
 
 def format_memory(r: dict) -> str:
-    """``memory_report``'s dict as the lines ``kvserve generate --report-memory`` prints (MB = 10^6 bytes)."""
-    mb = lambda v: "n/a" if v is None else f"{v / 1e6:.1f} MB"  # noqa: E731
+    """``memory_report``'s dict as the lines ``kvserve generate --report-memory`` prints, in MiB (``/usr/bin/time
+    -v``'s "Maximum resident set size" in kB / 1024)."""
+    mb = lambda v: "n/a" if v is None else f"{v / 2**20:.1f} MiB"  # noqa: E731
     lines = [f"peak RSS                 {mb(r['peak_rss'])}"]
     for s in r["stages"]:
         what = "peak" if r["per_stage_peaks"] else "peak so far"

@@ -1,5 +1,6 @@
 """``kvserve`` command line (dispatch only; engine flags come from ``kvserve.engine.arg_utils``): ``kvserve generate`` (the main job), ``kvserve serve`` (the HTTP server), and
-``kvserve bench throughput`` / ``kvserve bench serve`` / ``kvserve bench roofline``, ``kvserve sim`` (``profile``, ``validate``) and ``kvserve plan``."""
+``kvserve bench throughput`` / ``kvserve bench serve`` / ``kvserve bench roofline``, ``kvserve sim`` (``profile``, ``validate``) and ``kvserve plan``.
+Only the command named on the command line imports its modules (``_COMMANDS``, ``_BENCH``)."""
 
 from __future__ import annotations
 
