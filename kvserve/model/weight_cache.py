@@ -37,6 +37,7 @@ entry after the model is built.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -179,6 +180,7 @@ class WeightCache:
                 self.write(quantization, built)
             except OSError as e:
                 logger.warning("cannot write the packed-weight cache %s: %s", path, e)
+            return_free_heap()
         return model
 
     # ------------------------------------------------------------------------------------------------ write
@@ -283,6 +285,22 @@ class WeightCache:
                      for s in specs]
             layers[key] = parts[0] if len(parts) == 1 else ConcatLinear(parts)
         return layers
+
+
+def return_free_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
+
+    A load leaves tens of MB of freed memory inside glibc's heap -- the tokenizer's JSON parse, the metadata, the
+    transient copies; on a first run the blocks decoded for packing -- which malloc keeps resident (it returns only
+    the heap's top). ``malloc_trim`` releases the free pages in the middle too (``madvise(MADV_DONTNEED)``), so
+    generation starts from a lower RSS and the process's peak falls (docs/benchmarks.md, start-up and memory).
+    Called after a load (``loader``) and after packing (``WeightCache.build_model``); it costs milliseconds and
+    frees nothing in use.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass
 
 
 # ------------------------------------------------------------------------------------------- GGUF metadata cache
