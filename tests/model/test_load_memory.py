@@ -10,6 +10,7 @@ import pytest
 
 from kvserve.model import loader
 from kvserve.model.loader import load_model
+from kvserve.model.quant import gguf_io
 from kvserve.model.quant.gguf_io import QuantTensor, rope_unpermute_index
 
 
@@ -18,10 +19,16 @@ def loaded():
     return load_model(None, "float32", keep_quantized=True)
 
 
-def test_q_rows_reordered_without_a_copy_until_read(loaded):
-    q = loaded.weights["model.layers.0.self_attn.q_proj.weight"]
+@pytest.fixture(scope="module")
+def fresh():
+    """A load of its own: the shared one's tensors may have been read by other tests' model builds."""
+    return loader._load_model(None, "float32", keep_quantized=True, with_tokenizer=False)
+
+
+def test_q_rows_reordered_without_a_copy_until_read(fresh):
+    q = fresh.weights["model.layers.0.self_attn.q_proj.weight"]
     assert isinstance(q, QuantTensor) and q.rows is not None and "raw" not in q.__dict__
-    index = rope_unpermute_index(q.out_features, loaded.arch.num_attention_heads)
+    index = rope_unpermute_index(q.out_features, fresh.arch.num_attention_heads)
     fresh = QuantTensor(q.name, q.qtype, q.source, q.shape)
     assert np.array_equal(fresh.take_rows(index).raw, q.source[index])
     nested = fresh.take_rows(index).take_rows(np.arange(5, 9))
@@ -29,13 +36,20 @@ def test_q_rows_reordered_without_a_copy_until_read(loaded):
     assert nested.nbytes() == 4 * q.source.shape[1]
 
 
-def test_embedding_rows_read_from_the_file_equal_the_mapping(loaded):
-    emb = loaded.weights["model.embed_tokens.weight"]
+def test_embedding_rows_read_from_the_file_equal_the_mapping(fresh, monkeypatch):
+    emb = fresh.weights["model.embed_tokens.weight"]
     assert emb.file is not None and "raw" not in emb.__dict__
     ids = np.array([0, 5, 49151, 5, 1234, -1])
     mapped = QuantTensor(emb.name, emb.qtype, emb.source, emb.shape)  # no file: indexes the mapping
     assert np.array_equal(emb.dequantize(ids), mapped.dequantize(ids))
     assert "raw" not in emb.__dict__
+    assert emb.raw is emb.source  # no copy; lookups still read the file (not the mapping)
+    reads = []
+    real_pread = gguf_io.os.pread
+    monkeypatch.setattr(gguf_io.os, "pread", lambda *a: reads.append(a[2]) or real_pread(*a))
+    assert np.array_equal(emb.dequantize(ids), mapped.dequantize(ids))
+    row = emb.source.shape[1]
+    assert sorted(reads) == [emb.file[1] + r * row for r in (0, 5, 1234, 49151)]  # one read per distinct row
     with pytest.raises(IndexError, match="rows must be in"):
         emb.dequantize(np.array([emb.out_features]))
 

@@ -80,7 +80,7 @@ class QuantTensor:
         index array (e.g. token ids for an embedding lookup) to decode only those rows."""
         if rows is None:
             raw = self.raw
-        elif self.file is not None and "raw" not in self.__dict__:  # not copied yet: read the rows from the file
+        elif self.file is not None and (self.rows is None or "raw" not in self.__dict__):  # no copy: read the file
             rows = np.asarray(rows, dtype=np.int64).reshape(-1)
             if self.rows is not None:
                 rows = self.rows[rows]
