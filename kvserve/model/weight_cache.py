@@ -325,7 +325,7 @@ def read_gguf_cached(path: Path, source_hash: str, root: Optional[Path] = None) 
 
     Returns:
         ``(meta, tensors)``: ``meta`` as ``gguf_io.gguf_metadata`` returns it (``meta["fields"]``: the scalar
-        metadata); ``tensors``: name -> ``QuantTensor`` or float32 array, views of a ``numpy.memmap`` of the file
+        metadata); ``tensors``: name -> ``QuantTensor`` (views of a ``numpy.memmap`` of the file) or float32 array
         (``gguf_io.gguf_tensors``).
 
     Raises:
