@@ -99,24 +99,23 @@ class QuantTensor:
 
 def _pread_rows(file: tuple, row_bytes: int, n_rows: int, rows: np.ndarray) -> np.ndarray:
     """``uint8 [len(rows), row_bytes]``: rows of a tensor of ``n_rows`` rows stored at ``file = (f, offset)``
-    (``f`` an open binary file), read with one ``os.pread`` per distinct row; negative rows count from the end,
-    as numpy indexing does.
+    (``f`` an open binary file), each read with one ``os.preadv`` straight into the result; negative rows count
+    from the end, as numpy indexing does.
 
     Raises:
         IndexError: a row outside ``[-n_rows, n_rows)``; ``OSError``: the read fails.
     """
     f, offset = file
-    rows = np.where(rows < 0, rows + n_rows, rows)
-    if rows.size and (rows.min() < 0 or rows.max() >= n_rows):
-        raise IndexError(f"rows must be in [-{n_rows}, {n_rows})")
-    uniq, inverse = np.unique(rows, return_inverse=True)
-    out = np.empty((len(uniq), row_bytes), np.uint8)
-    for i, r in enumerate(uniq.tolist()):
-        data = os.pread(f.fileno(), row_bytes, offset + r * row_bytes)
-        if len(data) != row_bytes:
+    fd = f.fileno()
+    out = np.empty((len(rows), row_bytes), np.uint8)
+    for i, r in enumerate(rows.tolist()):
+        if r < 0:
+            r += n_rows
+        if not 0 <= r < n_rows:
+            raise IndexError(f"rows must be in [-{n_rows}, {n_rows}), got {rows[i]}")
+        if os.preadv(fd, [out[i]], offset + r * row_bytes) != row_bytes:
             raise OSError(f"short read of row {r} from {f.name!r}")
-        out[i] = np.frombuffer(data, np.uint8)
-    return out[inverse.reshape(-1)]
+    return out
 
 
 def rope_unpermute_index(n_rows: int, n_head: int) -> np.ndarray:
