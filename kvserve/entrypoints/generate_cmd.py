@@ -22,6 +22,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object (answers + summary) instead of text")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--report-memory", action="store_true",
+                   help="print the peak RSS of each stage (imports, start-up, generation) and where the resident "
+                        "memory is at the end: anonymous / file-backed / KV pool touched (kvserve.bench.memory)")
 
 
 def load_prompts_file(path: str) -> list:
@@ -99,7 +102,12 @@ def format_summary(s: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
+    from kvserve.bench.memory import MemoryProbe, format_memory, memory_report
     from kvserve.engine.arg_utils import engine_kwargs
+
+    probe = MemoryProbe() if args.report_memory else None
+    if probe is not None:
+        probe.mark("imports")
 
     if args.prompts_file:
         items = load_prompts_file(args.prompts_file)
@@ -107,17 +115,26 @@ def run(args: argparse.Namespace) -> int:
         items = [("messages", [{"role": "user", "content": p}]) for p in (args.prompt or BUILTIN_PROMPTS)]
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     llm = LLM(**engine_kwargs(args))
+    if probe is not None:
+        probe.mark("LLM() start-up")
     prompts = [llm.apply_chat_template(v) if kind == "messages" else v for kind, v in items]
     start = time.monotonic()
     outputs = llm.generate(prompts, sp, use_tqdm=not args.no_progress and not args.json)
     summary = summarize(outputs, llm.llm_engine.stats, time.monotonic() - start)
+    memory = None
+    if probe is not None:
+        probe.mark("generation")
+        memory = memory_report(probe, [getattr(llm.llm_engine.model_runner, "kv_cache", None)])
     if args.json:
         answers = [
             {"prompt": v if kind == "prompt" else v[-1]["content"], "text": o.outputs[0].text,
              "token_ids": o.outputs[0].token_ids, "finish_reason": o.outputs[0].finish_reason}
             for (kind, v), o in zip(items, outputs)
         ]
-        print(json.dumps({"outputs": answers, "summary": summary}, indent=2))
+        result = {"outputs": answers, "summary": summary}
+        if memory is not None:
+            result["memory"] = memory
+        print(json.dumps(result, indent=2))
         return 0
     for i, ((kind, v), o) in enumerate(zip(items, outputs)):
         question = v if kind == "prompt" else v[-1]["content"]
@@ -125,4 +142,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n[{i}] {question}\n--> {c.text.strip()}\n    ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
     print()
     print(format_summary(summary))
+    if memory is not None:
+        print(format_memory(memory))
     return 0

@@ -37,6 +37,7 @@ entry after the model is built.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -78,7 +79,7 @@ def code_version() -> str:
     return h.hexdigest()[:16]
 
 
-def _atomic_write(path: Path, chunks) -> None:
+def atomic_write(path: Path, chunks) -> None:
     """Write ``chunks`` (bytes-like) to ``path`` through a temporary file in the same folder and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
@@ -109,7 +110,7 @@ def source_sha256(path: Path, root: Optional[Path] = None) -> str:
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     try:
-        _atomic_write(memo, [json.dumps({"path": str(path), "identity": ident, "sha256": digest}).encode()])
+        atomic_write(memo, [json.dumps({"path": str(path), "identity": ident, "sha256": digest}).encode()])
     except OSError as e:
         logger.debug("cannot memoise the hash of %s in %s: %s", path, memo, e)
     return digest
@@ -179,6 +180,7 @@ class WeightCache:
                 self.write(quantization, built)
             except OSError as e:
                 logger.warning("cannot write the packed-weight cache %s: %s", path, e)
+            return_free_heap()
         return model
 
     # ------------------------------------------------------------------------------------------------ write
@@ -227,7 +229,7 @@ class WeightCache:
         for c in payload_chunks:
             crc = zlib.crc32(c, crc)
         path = self.entry_path(quantization)
-        _atomic_write(path, [_PREAMBLE.pack(_MAGIC, len(hbytes), crc), hbytes, pad_head, *payload_chunks])
+        atomic_write(path, [_PREAMBLE.pack(_MAGIC, len(hbytes), crc), hbytes, pad_head, *payload_chunks])
         for old in path.parent.glob(f"{self.source_hash[:16]}-{quantization}-*.kvpack"):
             if old != path:
                 old.unlink(missing_ok=True)
@@ -285,6 +287,22 @@ class WeightCache:
         return layers
 
 
+def return_free_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
+
+    A load leaves tens of MB of freed memory inside glibc's heap -- the tokenizer's JSON parse, the metadata, the
+    transient copies; on a first run the blocks decoded for packing -- which malloc keeps resident (it returns only
+    the heap's top). ``malloc_trim`` releases the free pages in the middle too (``madvise(MADV_DONTNEED)``), so
+    generation starts from a lower RSS and the process's peak falls (docs/benchmarks.md, start-up and memory).
+    Called after a load (``loader``) and after packing (``WeightCache.build_model``); it costs milliseconds and
+    frees nothing in use.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass
+
+
 # ------------------------------------------------------------------------------------------- GGUF metadata cache
 
 
@@ -307,7 +325,7 @@ def read_gguf_cached(path: Path, source_hash: str, root: Optional[Path] = None) 
 
     Returns:
         ``(meta, tensors)``: ``meta`` as ``gguf_io.gguf_metadata`` returns it (``meta["fields"]``: the scalar
-        metadata); ``tensors``: name -> ``QuantTensor`` or float32 array, views of a ``numpy.memmap`` of the file
+        metadata); ``tensors``: name -> ``QuantTensor`` (views of a ``numpy.memmap`` of the file) or float32 array
         (``gguf_io.gguf_tensors``).
 
     Raises:
@@ -331,7 +349,7 @@ def read_gguf_cached(path: Path, source_hash: str, root: Optional[Path] = None) 
     tensors = gguf_tensors(path, body)
     entry = {"format": METADATA_VERSION, "source_sha256": source_hash, "sha256": _body_sha256(body), "body": body}
     try:
-        _atomic_write(entry_path, [json.dumps(entry, sort_keys=True).encode()])
+        atomic_write(entry_path, [json.dumps(entry, sort_keys=True).encode()])
     except OSError as e:
         logger.warning("cannot write the GGUF metadata cache %s: %s", entry_path, e)
     return body, tensors

@@ -14,9 +14,12 @@ nothing is read until used -- and to a float32 ``numpy`` array for F32, F16 and 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 
@@ -33,14 +36,32 @@ class QuantTensor:
         name: the tensor's name in the file.
         qtype: its ``gguf.GGMLQuantizationType`` (one of ``formats.QUANTIZED_TYPES`` for the quantized linear
             methods; ``gguf_tensors`` also wraps other block formats, which the loader dequantizes).
-        raw: ``uint8 [out_features, bytes_per_row]``: each row is ``in_features / values_per_block`` blocks.
+        source: ``uint8 [rows of the source, bytes_per_row]``: the blocks as stored (a view of the memory-mapped
+            file); each row is ``in_features / values_per_block`` blocks.
         shape: ``(out_features, in_features)`` (row-major; GGUF lists it reversed).
+        rows: ``None``, or the source rows this tensor's rows are, in order (``take_rows``): applied on the first
+            read of ``raw``, so a reordered tensor that is never read (its packed form served from the
+            ``weight_cache``) costs neither a copy nor a read of the file's pages.
+        file: ``None``, or ``(f, offset)``: ``source`` is the bytes of the open binary file ``f`` (the file the
+            mapping maps) from ``offset`` on (``gguf_tensors``).
+            Then ``dequantize(rows)`` -- an embedding lookup -- reads just those rows with ``os.pread`` instead
+            of touching the mapping: a page fault on a mapped file maps up to 16 neighbouring pages too (the
+            kernel's fault-around), so a few hundred looked-up rows would otherwise keep ~10 MB of the file in
+            the resident set.
     """
 
     name: str
     qtype: GGMLQuantizationType
-    raw: np.ndarray
+    source: np.ndarray
     shape: tuple
+    rows: Optional[np.ndarray] = None
+    file: Optional[tuple] = None
+
+    @functools.cached_property
+    def raw(self) -> np.ndarray:
+        """``uint8 [out_features, bytes_per_row]``: the blocks of this tensor's rows (``source``, or a contiguous
+        copy of ``source[rows]`` made on first use and kept)."""
+        return self.source if self.rows is None else np.ascontiguousarray(self.source[self.rows])
 
     @property
     def out_features(self) -> int:
@@ -52,19 +73,49 @@ class QuantTensor:
 
     def nbytes(self) -> int:
         """Bytes of the blocks (what a matmul reads)."""
-        return self.raw.nbytes
+        return self.out_features * self.source.shape[1]
 
     def dequantize(self, rows=None) -> np.ndarray:
         """float32 ``[len(rows) or out_features, in_features]``, equal to ``gguf.quants.dequantize``; ``rows``: an
         index array (e.g. token ids for an embedding lookup) to decode only those rows."""
-        raw = self.raw if rows is None else self.raw[np.asarray(rows)]
+        if rows is None:
+            raw = self.raw
+        elif self.file is not None and (self.rows is None or "raw" not in self.__dict__):  # no copy: read the file
+            rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+            if self.rows is not None:
+                rows = self.rows[rows]
+            raw = _pread_rows(self.file, self.source.shape[1], self.source.shape[0], rows)
+        else:
+            raw = self.raw[np.asarray(rows)]
         return formats.dequantize(raw, self.qtype, self.in_features)
 
     def take_rows(self, index: np.ndarray) -> "QuantTensor":
         """The tensor with its rows reordered (``new[i] = old[index[i]]``): exact, rows are independent blocks.
-        Makes a copy of the bytes (``raw`` becomes an ordinary array)."""
-        return QuantTensor(self.name, self.qtype, np.ascontiguousarray(self.raw[np.asarray(index)]),
-                           (len(index), self.in_features))
+        Nothing is copied until ``raw`` is read (then a contiguous copy of the reordered bytes)."""
+        index = np.asarray(index)
+        rows = index if self.rows is None else self.rows[index]
+        return QuantTensor(self.name, self.qtype, self.source, (len(index), self.in_features), rows, self.file)
+
+
+def _pread_rows(file: tuple, row_bytes: int, n_rows: int, rows: np.ndarray) -> np.ndarray:
+    """``uint8 [len(rows), row_bytes]``: rows of a tensor of ``n_rows`` rows stored at ``file = (f, offset)``
+    (``f`` an open binary file), each read with one ``os.preadv`` straight into the result; negative rows count
+    from the end, as numpy indexing does.
+
+    Raises:
+        IndexError: a row outside ``[-n_rows, n_rows)``; ``OSError``: the read fails.
+    """
+    f, offset = file
+    fd = f.fileno()
+    out = np.empty((len(rows), row_bytes), np.uint8)
+    for i, r in enumerate(rows.tolist()):
+        if r < 0:
+            r += n_rows
+        if not 0 <= r < n_rows:
+            raise IndexError(f"rows must be in [-{n_rows}, {n_rows}), got {rows[i]}")
+        if os.preadv(fd, [out[i]], offset + r * row_bytes) != row_bytes:
+            raise OSError(f"short read of row {r} from {f.name!r}")
+    return out
 
 
 def rope_unpermute_index(n_rows: int, n_head: int) -> np.ndarray:
@@ -103,15 +154,27 @@ def gguf_metadata(reader: GGUFReader) -> dict:
 
 
 def gguf_tensors(path: Union[str, Path], meta: dict) -> dict:
-    """Every tensor of ``meta["tensors"]`` (a ``gguf_metadata`` dict of this file) over a read-only
-    ``numpy.memmap`` of ``path``: name -> ``QuantTensor`` (any block format, 2-D) or float32 array (F32 / F16 /
-    BF16).
+    """Every tensor of ``meta["tensors"]`` (a ``gguf_metadata`` dict of this file): name -> ``QuantTensor`` (any
+    block format, 2-D; over a read-only ``numpy.memmap`` of ``path``, with the open file for row reads) or a
+    float32 array (F32 / F16 / BF16; read into memory of its own, so no page of the mapping is touched by a load
+    that serves the quantized weights from the packed cache).
 
     Raises:
         ValueError: a tensor's bytes do not match its type and shape or lie past the end of the file (a stale
             table), or a block-format tensor is not 2-D.
     """
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    f = open(path, "rb", buffering=0)  # noqa: SIM115 - shared by the tensors' row reads, closed when they go
+    try:
+        return _tensors_of(f, np.memmap(f, dtype=np.uint8, mode="r"), meta)
+    except BaseException:
+        f.close()
+        raise
+
+
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def _tensors_of(f, mm: np.ndarray, meta: dict) -> dict:
     out = {}
     for t in meta["tensors"]:
         name, shape, offset, nbytes = t["name"], tuple(int(s) for s in t["shape"]), int(t["offset"]), int(t["nbytes"])
@@ -121,7 +184,14 @@ def gguf_tensors(path: Union[str, Path], meta: dict) -> dict:
         if n % per_block or n // per_block * block_bytes != nbytes or offset < 0 or offset + nbytes > len(mm):
             raise ValueError(f"{name}: {nbytes} bytes at offset {offset} do not hold a {qtype.name} tensor of shape "
                              f"{list(shape)} inside the file ({len(mm)} bytes)")
-        out[name] = _as_tensor(name, qtype, shape, mm[offset: offset + nbytes])
+        if qtype in _FLOAT_TYPES:  # read, not mapped: the loader keeps its own float copy (norms: small)
+            data = np.empty(nbytes, np.uint8)
+            if os.preadv(f.fileno(), [data], offset) != nbytes:
+                raise ValueError(f"{name}: short read of {nbytes} bytes at offset {offset}")
+        else:
+            data = mm[offset: offset + nbytes]
+        t = _as_tensor(name, qtype, shape, data)
+        out[name] = dataclasses.replace(t, file=(f, offset)) if isinstance(t, QuantTensor) else t
     return out
 
 
