@@ -18,9 +18,6 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from pydantic import TypeAdapter, ValidationError
-
-from kvserve.entrypoints.openai.protocol import ChatTool
 from kvserve.validation import check_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -115,9 +112,6 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 
-_TOOLS = TypeAdapter(list[ChatTool])
-
-
 def check_tools(tools: Any) -> Optional[list[dict]]:
     """OpenAI ``tools`` (``[{"type": "function", "function": {"name", "description"?, "parameters"?,
     "strict"?}}]``) validated by the server's own model (``protocol.ChatTool``: strict types, no unknown field)
@@ -129,11 +123,16 @@ def check_tools(tools: Any) -> Optional[list[dict]]:
     """
     if tools is None:
         return None
+    # the server's pydantic models, imported only when tools are given (``kvserve generate`` never needs them)
+    from pydantic import TypeAdapter, ValidationError
+
+    from kvserve.entrypoints.openai.protocol import ChatTool
+
     if not isinstance(tools, list):
         raise MessageError(f"tools must be a list of {{'type': 'function', 'function': {{'name': str, ...}}}} "
                            f"objects, got {type(tools).__name__}", "tools")
     try:
-        parsed = _TOOLS.validate_python(tools)
+        parsed = TypeAdapter(list[ChatTool]).validate_python(tools)
     except ValidationError as e:
         err = e.errors()[0]
         where = "tools" + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"])
