@@ -1,8 +1,10 @@
-"""Element-wise layers of a decoder: RMSNorm and SwiGLU's ``silu(gate) * up``.
+"""Element-wise layers of a decoder: RMSNorm, the residual add fused with the next RMSNorm, and SwiGLU's
+``silu(gate) * up``.
 
-Two implementations of the same two ops, one chosen at start-up: PyTorch's (any device and dtype) and kvserve's
-one-pass CPU kernels (``csrc/elementwise.c``: PyTorch runs five ops for RMSNorm and two for silu * up), which fall
-back to PyTorch per call when a tensor does not fit them (dtype, layout, width not a multiple of 8 or 16).
+Two implementations of the same ops, one chosen at start-up: PyTorch's (any device and dtype) and kvserve's
+one-pass CPU kernels (``csrc/elementwise.c``: PyTorch runs five ops for RMSNorm, one more for the add before it, and
+two for silu * up), which fall back to PyTorch per call when a tensor does not fit them (dtype, layout, width not a
+multiple of 8 or 16). Both compute the same float32 values (the kernels round each operation as PyTorch does).
 """
 
 from __future__ import annotations
@@ -26,6 +28,22 @@ class TorchOps:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
 
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the next norm of a decoder layer: ``h + delta`` and its ``rms_norm``.
+
+        Args:
+            h: ``[T, H]``, the residual stream; may be updated in place (the kernel version does), so pass a
+                tensor nothing else reads.
+            delta: ``[T, H]``, the sub-layer's output.
+            weight: ``[H]``; eps: as ``rms_norm``.
+
+        Returns:
+            ``(h + delta, rms_norm(h + delta, weight))``, both ``[T, H]``.
+        """
+        h = h + delta
+        return h, self.rms_norm(h, weight, eps)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) -> ``[T, I]``."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -40,6 +58,11 @@ class CPUKernelOps(TorchOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         y = cpu_kernels.rms_norm(x, weight, eps) if x.dtype == torch.float32 else None
         return y if y is not None else super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        y = cpu_kernels.add_rms_norm(h, delta, weight, eps) if h.dtype == torch.float32 else None
+        return (h, y) if y is not None else super().add_rms_norm(h, delta, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         y = cpu_kernels.silu_mul(gate_up) if gate_up.dtype == torch.float32 else None
