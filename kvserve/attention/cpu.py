@@ -32,11 +32,14 @@ class CPUAttentionMetadata(AttentionMetadata):
             there are none.
         kernel_members: their indices among the batch's requests.
         batch: the step's batch (to build SDPA groups of the kernel's requests if the kernel cannot run).
+        fused: ``(rope, num_heads, scale, cpu_kernels.RopeWriteAttend)`` made by the step's first ``forward_qkv``
+            and reused by its other layers.
     """
 
     kernel: Optional[tuple] = None
     kernel_members: tuple = ()
     batch: Optional[InputBatch] = None
+    fused: Optional[tuple] = None
 
     def fallback_groups(self) -> list:
         """SDPA groups (decode, short) of the kernel's requests, for when the kernel cannot take them."""
@@ -76,14 +79,17 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
 
     def forward_qkv(self, qkv: torch.Tensor, num_heads: int, kv_cache: torch.Tensor, meta: CPUAttentionMetadata,
                     rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float) -> torch.Tensor:
-        d = kv_cache.shape[-1]
-        out = torch.empty(qkv.shape[0], num_heads * d, dtype=torch.float32)
-        done = cpu_kernels.rope_write_attend(qkv, num_heads, kv_cache, *rope, batch.slot_mapping, meta.kernel, scale,
-                                             out)
-        if done is None:  # the kernel cannot take these tensors: PyTorch ops
+        fused = meta.fused
+        if fused is None or fused[0] is not rope or fused[1] != num_heads or fused[2] != scale:
+            plan = cpu_kernels.RopeWriteAttend(num_heads, kv_cache.shape, *rope, batch.slot_mapping, meta.kernel, scale)
+            fused = meta.fused = (rope, num_heads, scale, plan)
+        res = fused[3](qkv, kv_cache)
+        if res is None:  # the kernel cannot take these tensors: PyTorch ops
             return super().forward_qkv(qkv, num_heads, kv_cache, meta, rope, batch, scale)
+        out, done = res
         groups = meta.groups if done or meta.kernel is None else meta.fallback_groups() + meta.groups
         if groups:  # queries and keys are rotated in place in qkv, and the K/V written
+            d = kv_cache.shape[-1]
             q, o = qkv[:, : num_heads * d].view(-1, num_heads, d), out.view(-1, num_heads, d)
             for g in groups:
                 sdpa_group(q, kv_cache, g, scale, o)

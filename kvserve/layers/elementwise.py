@@ -61,9 +61,9 @@ class CPUKernelOps(TorchOps):
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        y = cpu_kernels.add_rms_norm(h, delta, weight, eps) if h.dtype == torch.float32 else None
+        y = cpu_kernels.add_rms_norm(h, delta, weight, eps)
         return (h, y) if y is not None else super().add_rms_norm(h, delta, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        y = cpu_kernels.silu_mul(gate_up) if gate_up.dtype == torch.float32 else None
+        y = cpu_kernels.silu_mul(gate_up)
         return y if y is not None else super().silu_mul(gate_up)

@@ -173,91 +173,97 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     return rc == 0
 
 
-def rope_write_attend(qkv: torch.Tensor, num_heads: int, kv_cache: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, slot_mapping: torch.Tensor, requests: Optional[tuple], scale: float,
-                      out: torch.Tensor) -> Optional[bool]:
-    """One attention layer after the fused Q/K/V projection, in one call (``kvserve_rope_write_attend_f32``): RoPE
-    (rotate-half) on the query and key heads of ``qkv`` in place, every row's K/V written to its cache slot, then
-    paged attention of ``requests`` into ``out``.
+class RopeWriteAttend:
+    """One step's attention layers after their fused Q/K/V projections, one kernel call per layer
+    (``kvserve_rope_write_attend_f32``): RoPE (rotate-half) on the query and key heads of ``qkv`` in place, every
+    row's K/V written to its cache slot, then paged attention of ``requests``. Everything that is the same for every
+    layer of the step is checked and resolved here once, so a layer's call costs little Python.
 
     Args:
-        qkv: ``[T, (H_q + 2 H_kv) * D]`` float32, rows may be strided (``stride(1) == 1``): per row ``H_q`` query,
-            ``H_kv`` key and ``H_kv`` value heads. Its query and key heads are rotated in place.
         num_heads: ``H_q``, a multiple of ``H_kv``.
-        kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` float32 contiguous, one layer.
+        kv_shape: a layer's cache shape ``(2, num_blocks, block_size, H_kv, D)``.
         cos, sin: ``[T, D]`` float32 contiguous (any view of such, e.g. ``[T, 1, D]``): the rotation of each row.
         slot_mapping: ``[T]`` int64 contiguous, each row's cache slot.
         requests: ``(block_tables [B, max_blocks], q_start [B], q_len [B], seq_len [B])`` int64 contiguous, the
             requests to attend (as ``paged_attention``), or ``None`` for none.
         scale: softmax scale.
-        out: ``[T, H_q * D]`` float32 contiguous; only the requests' rows are written.
 
-    Returns:
-        ``True``: all done. ``False``: RoPE and the K/V write are done but the attention could not allocate scratch
-        memory (``out`` not written; attend another way from the rotated ``qkv``). ``None``: nothing done, the kernel
-        cannot take these tensors (dtype, layout, ``D`` not a multiple of 8).
+    Attributes:
+        ok: whether the kernel can take this step (float32 tables, ``D`` a multiple of 8, ...); when ``False``,
+            calls return ``None``. The tensors must stay alive while the plan is used.
     """
-    t = qkv.shape[0]
-    _, _, bs, h_kv, d = kv_cache.shape
-    f32 = torch.float32
-    if (qkv.dtype != f32 or kv_cache.dtype != f32 or cos.dtype != f32 or sin.dtype != f32 or d % 8
-            or num_heads % h_kv or qkv.shape[1] != (num_heads + 2 * h_kv) * d or qkv.stride(1) != 1
-            or cos.numel() != t * d or sin.numel() != t * d or not (cos.is_contiguous() and sin.is_contiguous()
-                                                                   and kv_cache.is_contiguous() and out.is_contiguous())
-            or out.shape != (t, num_heads * d)):
-        return None
-    k = kv_cache[0]
-    if requests is None:
-        tables = q_start = q_len = seq_len = k  # not read
-        b, max_blocks = 0, 0
-    else:
-        tables, q_start, q_len, seq_len = requests
-        b, max_blocks = tables.shape
-    rc = _lib.kvserve_rope_write_attend_f32(
-        qkv.data_ptr(), qkv.stride(0), t, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), k.data_ptr(),
-        kv_cache[1].data_ptr(), tables.data_ptr(), max_blocks, q_start.data_ptr(), q_len.data_ptr(),
-        seq_len.data_ptr(), b, num_heads, h_kv, d, bs, scale, out.data_ptr(), out.stride(0))
-    return rc == 0
+
+    def __init__(self, num_heads: int, kv_shape: tuple, cos: torch.Tensor, sin: torch.Tensor,
+                 slot_mapping: torch.Tensor, requests: Optional[tuple], scale: float):
+        t = slot_mapping.shape[0]
+        _, _, bs, h_kv, d = kv_shape
+        tensors = (slot_mapping,) + (requests or ())
+        self.ok = (_lib is not None and cos.dtype == sin.dtype == torch.float32 and d % 8 == 0 and num_heads % h_kv == 0
+                   and cos.numel() == sin.numel() == t * d and cos.is_contiguous() and sin.is_contiguous()
+                   and all(x.dtype == torch.int64 and x.is_contiguous() for x in tensors))
+        self.kv_shape, self.num_heads, self.t = tuple(kv_shape), num_heads, t
+        self.qkv_shape = (t, (num_heads + 2 * h_kv) * d)
+        self.out_shape = (t, num_heads * d)
+        self._kv_half = kv_shape[1] * bs * h_kv * d * 4  # bytes from a layer's K to its V
+        tables, q_start, q_len, seq_len = requests or (slot_mapping,) * 4  # not read without requests
+        b, max_blocks = (0, 0) if requests is None else tables.shape
+        self._head = (t, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr())
+        self._tail = (tables.data_ptr(), max_blocks, q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), b,
+                      num_heads, h_kv, d, bs, scale)
+
+    def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> Optional[tuple[torch.Tensor, bool]]:
+        """One layer: ``qkv [T, (H_q + 2 H_kv) * D]`` float32 (rows may be strided, ``stride(1) == 1``; its query
+        and key heads are rotated in place), ``kv_cache`` that layer's ``kv_shape`` float32 contiguous.
+
+        Returns:
+            ``(out, True)``: ``out [T, H_q * D]`` float32 holds the requests' rows (others unwritten); ``(out,
+            False)``: RoPE and the K/V write are done but the attention could not allocate scratch memory (attend
+            another way from the rotated ``qkv``); ``None``: nothing done, the kernel cannot take these tensors.
+        """
+        if not (self.ok and qkv.dtype == torch.float32 and qkv.shape == self.qkv_shape and qkv.stride(1) == 1
+                and kv_cache.dtype == torch.float32 and kv_cache.shape == self.kv_shape and kv_cache.is_contiguous()):
+            return None
+        out = torch.empty(self.out_shape, dtype=torch.float32)
+        k = kv_cache.data_ptr()
+        rc = _lib.kvserve_rope_write_attend_f32(qkv.data_ptr(), qkv.stride(0), *self._head, k, k + self._kv_half,
+                                                *self._tail, out.data_ptr(), self.out_shape[1])
+        return out, rc == 0
 
 
 def _rows_ok(*tensors) -> bool:
     return all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[-1] % 8 == 0 for t in tensors)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None
-             ) -> Optional[torch.Tensor]:
-    """RMSNorm of ``x [T, H]`` float32 with ``weight [H]`` -> ``[T, H]`` (into ``out`` when given: ``[T, H]``
-    float32 contiguous), in one pass; ``None`` when the kernel cannot take these tensors (dtype, layout, H not a
-    multiple of 8)."""
-    if not _rows_ok(x, weight) or (out is not None and (not _rows_ok(out) or out.shape != x.shape)):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
+    """RMSNorm of ``x [T, H]`` float32 with ``weight [H]`` -> ``[T, H]``, in one pass; ``None`` when the kernel
+    cannot take these tensors (dtype, layout, H not a multiple of 8)."""
+    if not _rows_ok(x, weight):
         return None
-    y = torch.empty_like(x) if out is None else out
+    y = torch.empty_like(x)
     _lib.kvserve_rms_norm_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
     return y
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
     """A decoder's residual add and the next RMSNorm in one pass: ``h += delta`` in place, returns
-    ``rms_norm(h) * weight`` (into ``out`` when given). ``h``, ``delta``, ``out``: ``[T, H]`` float32 contiguous;
-    ``weight [H]``. ``None`` (nothing done, ``h`` unchanged) when the kernel cannot take these tensors."""
-    if (not _rows_ok(h, delta, weight) or delta.shape != h.shape
-            or (out is not None and (not _rows_ok(out) or out.shape != h.shape))):
+    ``rms_norm(h) * weight``. ``h``, ``delta``: ``[T, H]`` float32 contiguous; ``weight [H]``. ``None`` (nothing
+    done, ``h`` unchanged) when the kernel cannot take these tensors."""
+    f32 = torch.float32
+    t, hidden = h.shape
+    if not (h.dtype == delta.dtype == weight.dtype == f32 and delta.shape == h.shape and hidden % 8 == 0
+            and h.is_contiguous() and delta.is_contiguous() and weight.is_contiguous() and weight.shape[0] == hidden):
         return None
-    y = torch.empty_like(h) if out is None else out
-    _lib.kvserve_add_rms_norm_f32(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), y.data_ptr(), h.shape[0],
-                                  h.shape[1], eps)
+    y = torch.empty(t, hidden, dtype=f32)
+    _lib.kvserve_add_rms_norm_f32(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), y.data_ptr(), t, hidden, eps)
     return y
 
 
-def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """SwiGLU's ``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) float32 -> ``[T, I]`` (into ``out`` when
-    given: ``[T, I]`` float32 contiguous); ``None`` when the kernel cannot take it."""
-    if not _rows_ok(gate_up) or gate_up.shape[1] % 16:
-        return None
+def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+    """SwiGLU's ``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) float32 -> ``[T, I]``; ``None`` when the
+    kernel cannot take it."""
     t, i2 = gate_up.shape
-    if out is not None and (not _rows_ok(out) or out.shape != (t, i2 // 2)):
+    if not (gate_up.dtype == torch.float32 and i2 % 16 == 0 and gate_up.is_contiguous()):
         return None
-    y = torch.empty(t, i2 // 2, dtype=torch.float32) if out is None else out
+    y = torch.empty(t, i2 // 2, dtype=torch.float32)
     _lib.kvserve_silu_mul_f32(gate_up.data_ptr(), y.data_ptr(), t, i2 // 2)
     return y

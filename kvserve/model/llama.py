@@ -110,14 +110,14 @@ class LlamaModel:
         scale = a.head_dim**-0.5
         meta = self.attn.build_metadata(batch)
         rope = self._rope(batch.positions)
-        layers = self.layers
+        layers, caches = self.layers, kv_cache.unbind(0)  # each layer's [2, num_blocks, block_size, H_kv, D] view
         h = self.embed(batch.input_ids)  # the residual stream: a fresh tensor, updated in place by add_rms_norm
         x = self.ops.rms_norm(h, layers[0]["attn_norm"], eps)
         for i, w in enumerate(layers):
             qkv = w["qkv"](x)
             if w["qkv_bias"] is not None:
                 qkv = qkv + w["qkv_bias"]
-            attn = self.attn.forward_qkv(qkv, n_q, kv_cache[i], meta, rope, batch, scale)
+            attn = self.attn.forward_qkv(qkv, n_q, caches[i], meta, rope, batch, scale)
             h, x = self.ops.add_rms_norm(h, w["o"](attn), w["mlp_norm"], eps)
             down = w["down"](self.ops.silu_mul(w["gate_up"](x)))
             if i + 1 < len(layers):

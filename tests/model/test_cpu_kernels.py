@@ -32,9 +32,7 @@ def test_add_rms_norm_is_the_add_then_the_norm(rows, width):
     assert torch.equal(h, ref_h)  # updated in place with PyTorch's sum, bit for bit
     assert torch.equal(y, cpu_kernels.rms_norm(ref_h, w, 1e-5))  # then exactly the one-pass norm
     torch.testing.assert_close(y, F.rms_norm(ref_h, (width,), w, 1e-5), rtol=1e-5, atol=1e-5)
-    out = torch.empty_like(h)
-    h2 = h_before.clone()
-    assert cpu_kernels.add_rms_norm(h2, delta, w, 1e-5, out=out) is out and torch.equal(out, y)
+    assert not torch.equal(h_before, h)
 
 
 def test_element_wise_ops_agree_between_the_kernel_and_pytorch_versions():

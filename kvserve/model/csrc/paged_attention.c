@@ -5,7 +5,8 @@
  * head, when there are few requests) walks the request's blocks once: all G = H_q / H_kv query heads of each KV
  * head (GQA) and all of the request's query rows share each key and value row while it is in cache. Softmax is
  * exact and in float32: scores for the whole context go to a scratch buffer, then max, exp, sum (8 lanes at a time),
- * and the weighted sum of values.
+ * and the weighted sum of values (in registers, one query head at a time). The block table is walked once per task
+ * into a list of slot offsets (no integer division per key).
  *
  * kvserve_rope_write_attend_f32 is a decoder layer's whole attention step after the fused Q/K/V projection in one
  * call (RoPE on q and k, the K/V write into the cache slots, this kernel), so a layer makes one call instead of a
@@ -64,12 +65,37 @@ static void softmax(float *p, int64_t n) {
 }
 
 /* Keys are scattered over blocks and each row is read once, so the hardware prefetcher cannot guess the next one;
- * asking for the row PREFETCH_KEYS ahead, through the block table, hides the memory latency. */
+ * asking for the row PREFETCH_KEYS ahead hides the memory latency. */
 #define PREFETCH_KEYS 8
-static inline void prefetch_row(const float *cache, const int64_t *table, int64_t j, int64_t block_size, int64_t row,
-                                int64_t offset, int64_t n_floats) {
-    const char *p = (const char *)(cache + (table[j / block_size] * block_size + j % block_size) * row + offset);
-    for (int64_t b = 0; b < n_floats * (int64_t)sizeof(float); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+static inline void prefetch_floats(const float *p, int64_t n_floats) {
+    for (int64_t b = 0; b < n_floats * (int64_t)sizeof(float); b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
+/* a[0..d) = sum over keys j in [0, n) of p[j] * v[j][0..d) (v[j] = v_base + slot[j]), accumulated in ascending j
+ * with one FMA per term, 32 floats (4 registers) at a time; stored to a. d % 8 == 0. */
+static inline void weighted_sum(const float *p, const float *v_base, const int64_t *slot, int64_t n, int64_t d,
+                                float *a) {
+    int64_t c = 0;
+    for (; c + 32 <= d; c += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = v_base + slot[j] + c;
+            __m256 pj = _mm256_set1_ps(p[j]);
+            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), a3);
+        }
+        _mm256_storeu_ps(a + c, a0);
+        _mm256_storeu_ps(a + c + 8, a1);
+        _mm256_storeu_ps(a + c + 16, a2);
+        _mm256_storeu_ps(a + c + 24, a3);
+    }
+    for (; c < d; c += 8) {
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v_base + slot[j] + c), a0);
+        _mm256_storeu_ps(a + c, a0);
+    }
 }
 
 /* Tasks with at least this many multiply-adds (queries x keys x D) in all are split over OpenMP threads; below it
@@ -95,40 +121,34 @@ static int attend(const float *q, int64_t q_stride, const float *k_cache, const 
         const int64_t r = task / per_req, k0 = (task % per_req) * nk, n = q_len[r], L = seq_len[r], first = L - n;
         const int64_t *table = block_tables + r * max_blocks;
         const float *qr = q + q_start[r] * q_stride + k0 * g * d; /* query head h of row i: qr + i*q_stride + h*d */
-        /* scores [n * hq][L], then accumulators [n * hq][d]; query head h reads KV head k0 + h / g */
-        float *s = malloc(sizeof(float) * (size_t)(n * hq) * (size_t)(L + d));
-        if (!s) { failed = 1; continue; }
-        float *acc = s + n * hq * L;
+        /* slot[L]: offset (floats) of KV head k0 of key j in the cache; then scores [n * hq][L] */
+        int64_t *slot = malloc(sizeof(int64_t) * (size_t)L + sizeof(float) * (size_t)(n * hq) * (size_t)L);
+        if (!slot) { failed = 1; continue; }
+        float *s = (float *)(slot + L);
+        for (int64_t j = 0, b = 0, o = 0; j < L; j++) { /* the block table walked once, without a division per key */
+            slot[j] = (table[b] * block_size + o) * row + k0 * d;
+            if (++o == block_size) { o = 0; b++; }
+        }
         for (int64_t j = 0; j < L; j++) {
-            const float *kj = k_cache + (table[j / block_size] * block_size + j % block_size) * row + k0 * d;
-            if (j + PREFETCH_KEYS < L) prefetch_row(k_cache, table, j + PREFETCH_KEYS, block_size, row, k0 * d, nk * d);
+            const float *kj = k_cache + slot[j];
+            if (j + PREFETCH_KEYS < L) { /* this key's and value's rows, ahead (values: for the weighted sums) */
+                prefetch_floats(k_cache + slot[j + PREFETCH_KEYS], nk * d);
+                prefetch_floats(v_cache + slot[j + PREFETCH_KEYS], nk * d);
+            }
             for (int64_t i = (j > first ? j - first : 0); i < n; i++) /* rows that see key j */
-                for (int64_t h = 0; h < hq; h++)
-                    s[(i * hq + h) * L + j] = scale * dot(qr + i * q_stride + h * d, kj + (h / g) * d, d);
+                for (int64_t kh = 0, h = 0; kh < nk; kh++)
+                    for (int64_t e = 0; e < g; e++, h++)
+                        s[(i * hq + h) * L + j] = scale * dot(qr + i * q_stride + h * d, kj + kh * d, d);
         }
         for (int64_t i = 0; i < n; i++)
-            for (int64_t h = 0; h < hq; h++) {
-                softmax(s + (i * hq + h) * L, first + i + 1);  /* row i sees keys 0 .. first + i */
-                for (int64_t c = 0; c < d; c++) acc[(i * hq + h) * d + c] = 0.f;
-            }
-        for (int64_t j = 0; j < L; j++) {
-            const float *vj = v_cache + (table[j / block_size] * block_size + j % block_size) * row + k0 * d;
-            if (j + PREFETCH_KEYS < L) prefetch_row(v_cache, table, j + PREFETCH_KEYS, block_size, row, k0 * d, nk * d);
-            for (int64_t i = (j > first ? j - first : 0); i < n; i++)
-                for (int64_t h = 0; h < hq; h++) {
-                    float *a = acc + (i * hq + h) * d;
-                    const float *v = vj + (h / g) * d;
-                    __m256 p = _mm256_set1_ps(s[(i * hq + h) * L + j]);
-                    for (int64_t c = 0; c < d; c += 8)
-                        _mm256_storeu_ps(a + c, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c), _mm256_loadu_ps(a + c)));
+            for (int64_t kh = 0, h = 0; kh < nk; kh++)
+                for (int64_t e = 0; e < g; e++, h++) {
+                    float *p = s + (i * hq + h) * L;
+                    softmax(p, first + i + 1); /* row i sees keys 0 .. first + i */
+                    weighted_sum(p, v_cache + kh * d, slot, first + i + 1, d,
+                                 out + (q_start[r] + i) * out_stride + (k0 * g + h) * d);
                 }
-        }
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t h = 0; h < hq; h++) {
-                float *o = out + (q_start[r] + i) * out_stride + (k0 * g + h) * d;
-                for (int64_t c = 0; c < d; c++) o[c] = acc[(i * hq + h) * d + c];
-            }
-        free(s);
+        free(slot);
     }
     return failed ? -1 : 0;
 }
