@@ -11,6 +11,7 @@ no global forward context. A backend is chosen once at start-up
 from __future__ import annotations
 
 import abc
+from typing import Optional
 
 import torch
 
@@ -62,7 +63,8 @@ class AttentionBackend(abc.ABC):
         """
 
     def forward_qkv(self, qkv: torch.Tensor, num_heads: int, kv_cache: torch.Tensor, meta: object,
-                    rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float) -> torch.Tensor:
+                    rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One layer's attention from its fused Q/K/V projection: RoPE on the queries and keys, ``write_kv``, then
         ``forward``. This default runs them as PyTorch ops; a backend may fuse them.
 
@@ -75,6 +77,8 @@ class AttentionBackend(abc.ABC):
             rope: ``(cos, sin)``, each ``[T, 1, D]`` contiguous (``kvserve.layers.rotary.rope_cos_sin``).
             batch: the step's ``InputBatch``.
             scale: softmax scale.
+            out: a ``[T, H_q * D]`` buffer the result may be written into (a backend that can, does); ``None``: a
+                new tensor.
 
         Returns:
             ``[T, H_q * D]``, as ``forward``'s output with the heads flattened.

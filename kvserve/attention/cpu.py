@@ -78,12 +78,13 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
         return out
 
     def forward_qkv(self, qkv: torch.Tensor, num_heads: int, kv_cache: torch.Tensor, meta: CPUAttentionMetadata,
-                    rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float) -> torch.Tensor:
+                    rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         fused = meta.fused
         if fused is None or fused[0] is not rope or fused[1] != num_heads or fused[2] != scale:
             plan = cpu_kernels.RopeWriteAttend(num_heads, kv_cache.shape, *rope, batch.slot_mapping, meta.kernel, scale)
             fused = meta.fused = (rope, num_heads, scale, plan)
-        res = fused[3](qkv, kv_cache)
+        res = fused[3](qkv, kv_cache, out)
         if res is None:  # the kernel cannot take these tensors: PyTorch ops
             return super().forward_qkv(qkv, num_heads, kv_cache, meta, rope, batch, scale)
         out, done = res

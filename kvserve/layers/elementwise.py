@@ -9,6 +9,8 @@ multiple of 8 or 16). Both compute the same float32 values (the kernels round ea
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -28,8 +30,8 @@ class TorchOps:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
 
-    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                     out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add and the next norm of a decoder layer: ``h + delta`` and its ``rms_norm``.
 
         Args:
@@ -37,6 +39,8 @@ class TorchOps:
                 tensor nothing else reads.
             delta: ``[T, H]``, the sub-layer's output.
             weight: ``[H]``; eps: as ``rms_norm``.
+            out: a ``[T, H]`` buffer the norm may be written into (the kernel version does, when it fits);
+                ``None``: a new tensor.
 
         Returns:
             ``(h + delta, rms_norm(h + delta, weight))``, both ``[T, H]``.
@@ -44,8 +48,9 @@ class TorchOps:
         h = h + delta
         return h, self.rms_norm(h, weight, eps)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) -> ``[T, I]``."""
+    def silu_mul(self, gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) -> ``[T, I]``; ``out``: a ``[T, I]`` buffer the
+        result may be written into (the kernel version does, when it fits), ``None``: a new tensor."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -59,11 +64,11 @@ class CPUKernelOps(TorchOps):
         y = cpu_kernels.rms_norm(x, weight, eps) if x.dtype == torch.float32 else None
         return y if y is not None else super().rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        y = cpu_kernels.add_rms_norm(h, delta, weight, eps)
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                     out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        y = cpu_kernels.add_rms_norm(h, delta, weight, eps, out)
         return (h, y) if y is not None else super().add_rms_norm(h, delta, weight, eps)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        y = cpu_kernels.silu_mul(gate_up)
+    def silu_mul(self, gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = cpu_kernels.silu_mul(gate_up, out)
         return y if y is not None else super().silu_mul(gate_up)

@@ -211,9 +211,11 @@ class RopeWriteAttend:
         self._tail = (tables.data_ptr(), max_blocks, q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), b,
                       num_heads, h_kv, d, bs, scale)
 
-    def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> Optional[tuple[torch.Tensor, bool]]:
+    def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor,
+                 out: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, bool]]:
         """One layer: ``qkv [T, (H_q + 2 H_kv) * D]`` float32 (rows may be strided, ``stride(1) == 1``; its query
-        and key heads are rotated in place), ``kv_cache`` that layer's ``kv_shape`` float32 contiguous.
+        and key heads are rotated in place), ``kv_cache`` that layer's ``kv_shape`` float32 contiguous; ``out``: an
+        ``[T, H_q * D]`` float32 contiguous tensor to write into (default: a new one).
 
         Returns:
             ``(out, True)``: ``out [T, H_q * D]`` float32 holds the requests' rows (others unwritten); ``(out,
@@ -223,11 +225,16 @@ class RopeWriteAttend:
         if not (self.ok and qkv.dtype == torch.float32 and qkv.shape == self.qkv_shape and qkv.stride(1) == 1
                 and kv_cache.dtype == torch.float32 and kv_cache.shape == self.kv_shape and kv_cache.is_contiguous()):
             return None
-        out = torch.empty(self.out_shape, dtype=torch.float32)
+        if out is None or not _out_ok(out, self.out_shape):
+            out = torch.empty(self.out_shape, dtype=torch.float32)
         k = kv_cache.data_ptr()
         rc = _lib.kvserve_rope_write_attend_f32(qkv.data_ptr(), qkv.stride(0), *self._head, k, k + self._kv_half,
                                                 *self._tail, out.data_ptr(), self.out_shape[1])
         return out, rc == 0
+
+
+def _out_ok(out: torch.Tensor, shape: tuple) -> bool:
+    return out.dtype == torch.float32 and out.shape == shape and out.is_contiguous()
 
 
 def _rows_ok(*tensors) -> bool:
@@ -244,26 +251,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torc
     return y
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """A decoder's residual add and the next RMSNorm in one pass: ``h += delta`` in place, returns
-    ``rms_norm(h) * weight``. ``h``, ``delta``: ``[T, H]`` float32 contiguous; ``weight [H]``. ``None`` (nothing
-    done, ``h`` unchanged) when the kernel cannot take these tensors."""
+    ``rms_norm(h) * weight`` (in ``out`` when it is a ``[T, H]`` float32 contiguous tensor, else a new one).
+    ``h``, ``delta``: ``[T, H]`` float32 contiguous; ``weight [H]``. ``None`` (nothing done, ``h`` unchanged) when the
+    kernel cannot take these tensors."""
     f32 = torch.float32
     t, hidden = h.shape
     if not (h.dtype == delta.dtype == weight.dtype == f32 and delta.shape == h.shape and hidden % 8 == 0
             and h.is_contiguous() and delta.is_contiguous() and weight.is_contiguous() and weight.shape[0] == hidden):
         return None
-    y = torch.empty(t, hidden, dtype=f32)
+    y = out if out is not None and _out_ok(out, h.shape) else torch.empty(t, hidden, dtype=f32)
     _lib.kvserve_add_rms_norm_f32(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), y.data_ptr(), t, hidden, eps)
     return y
 
 
-def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
-    """SwiGLU's ``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) float32 -> ``[T, I]``; ``None`` when the
-    kernel cannot take it."""
+def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """SwiGLU's ``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) float32 -> ``[T, I]`` (in ``out`` when it is
+    such a float32 contiguous tensor, else a new one); ``None`` when the kernel cannot take it."""
     t, i2 = gate_up.shape
     if not (gate_up.dtype == torch.float32 and i2 % 16 == 0 and gate_up.is_contiguous()):
         return None
-    y = torch.empty(t, i2 // 2, dtype=torch.float32)
+    y = out if out is not None and _out_ok(out, (t, i2 // 2)) else torch.empty(t, i2 // 2, dtype=torch.float32)
     _lib.kvserve_silu_mul_f32(gate_up.data_ptr(), y.data_ptr(), t, i2 // 2)
     return y

@@ -32,6 +32,7 @@ class LlamaModel:
 
     Attributes:
         num_heads, num_kv_heads: attention and KV heads computed here (all of them when not sharded).
+        intermediate_size: MLP width computed here.
 
     Raises:
         ValueError: ``qkv_bias`` is set and a Q/K/V bias is missing; a tensor-parallel size that does not divide
@@ -50,6 +51,7 @@ class LlamaModel:
         if tp > 1:
             arch.check_tensor_parallel_size(tp)
         self.num_heads, self.num_kv_heads = arch.num_attention_heads // tp, arch.num_key_value_heads // tp
+        self.intermediate_size = arch.intermediate_size // tp  # this rank's share of the MLP
         column, row = backends.column_linear, backends.row_linear
         self.final_norm = weights["model.norm.weight"]
         self.dtype = self.final_norm.dtype  # activations and KV cache (quantized weights compute in float32)
@@ -112,16 +114,21 @@ class LlamaModel:
         rope = self._rope(batch.positions)
         layers, caches = self.layers, kv_cache.unbind(0)  # each layer's [2, num_blocks, block_size, H_kv, D] view
         h = self.embed(batch.input_ids)  # the residual stream: a fresh tensor, updated in place by add_rms_norm
+        # Buffers the backends may write each layer's norm, attention and SwiGLU outputs into (each is read only by
+        # the projection right after it, so one per step serves every layer; backends that cannot, ignore them).
+        t, f32 = batch.num_tokens, self.dtype
+        x_buf, attn_buf = torch.empty(t, a.hidden_size, dtype=f32), torch.empty(t, n_q * a.head_dim, dtype=f32)
+        act_buf = torch.empty(t, self.intermediate_size, dtype=f32)
         x = self.ops.rms_norm(h, layers[0]["attn_norm"], eps)
         for i, w in enumerate(layers):
             qkv = w["qkv"](x)
             if w["qkv_bias"] is not None:
                 qkv = qkv + w["qkv_bias"]
-            attn = self.attn.forward_qkv(qkv, n_q, caches[i], meta, rope, batch, scale)
-            h, x = self.ops.add_rms_norm(h, w["o"](attn), w["mlp_norm"], eps)
-            down = w["down"](self.ops.silu_mul(w["gate_up"](x)))
+            attn = self.attn.forward_qkv(qkv, n_q, caches[i], meta, rope, batch, scale, attn_buf)
+            h, x = self.ops.add_rms_norm(h, w["o"](attn), w["mlp_norm"], eps, x_buf)
+            down = w["down"](self.ops.silu_mul(w["gate_up"](x), act_buf))
             if i + 1 < len(layers):
-                h, x = self.ops.add_rms_norm(h, down, layers[i + 1]["attn_norm"], eps)
+                h, x = self.ops.add_rms_norm(h, down, layers[i + 1]["attn_norm"], eps, x_buf)
             else:
                 h = h + down
         h = self.ops.rms_norm(h[batch.logits_indices], self.final_norm, eps)

@@ -59,8 +59,9 @@ def test_fused_layer_equals_the_pytorch_ops_bit_for_bit(batch_name, h_q, h_kv, d
     meta = fused_be.build_metadata(batch)
     # the path the model took before: rotate with PyTorch ops, write_kv, then the backend's attention
     ref = AttentionBackend.forward_qkv(fused_be, ref_qkv, h_q, ref_cache, meta, rope, batch, scale)
-    out = fused_be.forward_qkv(qkv, h_q, cache, meta, rope, batch, scale)
-    assert out.shape == (batch.num_tokens, h_q * d)
+    buf = torch.empty(batch.num_tokens, h_q * d)
+    out = fused_be.forward_qkv(qkv, h_q, cache, meta, rope, batch, scale, buf)
+    assert out.shape == (batch.num_tokens, h_q * d) and (out is buf) == (d % 8 == 0)  # written into the buffer
     assert torch.equal(cache, ref_cache)  # rotated keys and values in the same slots, same bits
     assert torch.equal(out, ref)
     # the queries and keys were rotated in place, equal to apply_rotary's

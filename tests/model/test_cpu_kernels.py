@@ -33,6 +33,9 @@ def test_add_rms_norm_is_the_add_then_the_norm(rows, width):
     assert torch.equal(y, cpu_kernels.rms_norm(ref_h, w, 1e-5))  # then exactly the one-pass norm
     torch.testing.assert_close(y, F.rms_norm(ref_h, (width,), w, 1e-5), rtol=1e-5, atol=1e-5)
     assert not torch.equal(h_before, h)
+    out, h2 = torch.empty_like(h), h_before.clone()
+    assert cpu_kernels.add_rms_norm(h2, delta, w, 1e-5, out) is out and torch.equal(out, y)  # into the buffer
+    assert cpu_kernels.add_rms_norm(h_before, delta, w, 1e-5, torch.empty(rows, width + 8)).shape == y.shape  # misfit
 
 
 def test_element_wise_ops_agree_between_the_kernel_and_pytorch_versions():
@@ -57,6 +60,8 @@ def test_silu_mul_matches_torch(rows):
     gate, up = gu.chunk(2, dim=-1)
     out = cpu_kernels.silu_mul(gu)
     assert out.shape == (rows, 1536) and torch.isfinite(out).all()
+    buf = torch.empty(rows, 1536)
+    assert cpu_kernels.silu_mul(gu, buf) is buf and torch.equal(buf, out)
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 

@@ -109,14 +109,16 @@ static int attend(const float *q, int64_t q_stride, const float *k_cache, const 
                   const int64_t *seq_len, int64_t num_reqs, int64_t h_q, int64_t h_kv, int64_t d, int64_t block_size,
                   float scale, float *out, int64_t out_stride) {
     const int64_t g = h_q / h_kv, row = h_kv * d; /* query heads per KV head; floats per cache slot */
-    /* A task is one request and nk of its KV heads. With enough requests to keep every thread busy a task takes all
-     * heads, so it reads each cache slot as one contiguous row; otherwise one KV head each, for parallelism. */
-    const int64_t nk = num_reqs >= 2 * omp_get_max_threads() ? h_kv : 1, per_req = h_kv / nk, hq = nk * g;
     int64_t macs = 0;
     for (int64_t r = 0; r < num_reqs; r++) macs += q_len[r] * seq_len[r];
     macs *= h_q * d;
+    const int threads = omp_get_max_threads(), parallel = threads > 1 && macs >= PARALLEL_MIN_MACS;
+    /* A task is one request and nk of its KV heads. On one thread, or with enough requests to keep every thread
+     * busy, a task takes all heads, so it reads each cache slot as one contiguous row (which the hardware prefetcher
+     * follows); otherwise one KV head each, for parallelism. The heads' arithmetic is the same either way. */
+    const int64_t nk = !parallel || num_reqs >= 2 * threads ? h_kv : 1, per_req = h_kv / nk, hq = nk * g;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed) if (macs >= PARALLEL_MIN_MACS)
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed) if (parallel)
     for (int64_t task = 0; task < num_reqs * per_req; task++) {
         const int64_t r = task / per_req, k0 = (task % per_req) * nk, n = q_len[r], L = seq_len[r], first = L - n;
         const int64_t *table = block_tables + r * max_blocks;
