@@ -130,3 +130,22 @@ def test_tensors_the_kernel_cannot_take_use_the_pytorch_ops():
     out = be.forward_qkv(qkv, 6, cache, be.build_metadata(batch), rope, batch, 12**-0.5)
     assert torch.equal(cache, ref_cache)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("h_q, h_kv, d, ctx", [(9, 3, 64, 127), (5, 5, 24, 13), (8, 1, 32, 8), (6, 2, 128, 300)])
+def test_decode_rows_equal_the_same_row_of_a_longer_query_bit_for_bit(h_q, h_kv, d, ctx):
+    """A row's result does not depend on how many query rows its request has: a decode at position ``ctx`` equals,
+    bit for bit, the last row of a 2-token query ending there, over the same keys and values."""
+    g = torch.Generator().manual_seed(3)
+    bs = 16
+    n_blocks = -(-(ctx + 1) // bs)
+    cache = torch.randn(2, 2 * n_blocks, bs, h_kv, d, generator=g)
+    cache[:, n_blocks:] = cache[:, :n_blocks]  # request 1's blocks hold the same K/V as request 0's
+    q = torch.randn(3, h_q, d, generator=g)
+    q[2] = q[0]  # request 1's last row is request 0's decode row
+    tables = torch.tensor([list(range(n_blocks)), list(range(n_blocks, 2 * n_blocks))])
+    as_long = lambda *v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    out = torch.full((3, h_q, d), float("nan"))
+    assert cpu_kernels.paged_attention(q, cache, tables, as_long(0, 1), as_long(1, 2), as_long(ctx + 1, ctx + 1),
+                                       d**-0.5, out)
+    assert torch.equal(out[0], out[2]) and torch.isfinite(out).all()

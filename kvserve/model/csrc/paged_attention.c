@@ -5,7 +5,7 @@
  * head, when there are few requests) walks the request's blocks once: all G = H_q / H_kv query heads of each KV
  * head (GQA) and all of the request's query rows share each key and value row while it is in cache. Softmax is
  * exact and in float32: scores for the whole context go to a scratch buffer, then max, exp, sum (8 lanes at a time),
- * and the weighted sum of values (in registers, up to three query heads of a KV head per pass over its values). The block table is walked once per task
+ * and the weighted sum of values (in registers, one query head at a time). The block table is walked once per task
  * into a list of slot offsets (no integer division per key).
  *
  * kvserve_rope_write_attend_f32 is a decoder layer's whole attention step after the fused Q/K/V projection in one
@@ -27,9 +27,9 @@
 
 #include "simd.h"
 
-/* q . k over d floats (d % 8 == 0) with four independent accumulator chains (one chain would wait on the FMA
- * latency at every step), before the horizontal sum: dot() = hsum(dot_lanes()). */
-static inline __m256 dot_lanes(const float *a, const float *b, int64_t d) {
+/* q . k over d floats (d % 8 == 0) with four independent accumulator chains: one chain would wait on the FMA
+ * latency at every step. */
+static inline float dot(const float *a, const float *b, int64_t d) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 32 <= d; j += 32) {
@@ -39,22 +39,7 @@ static inline __m256 dot_lanes(const float *a, const float *b, int64_t d) {
         s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 24), _mm256_loadu_ps(b + j + 24), s3);
     }
     for (; j < d; j += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
-    return _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
-}
-
-static inline float dot(const float *a, const float *b, int64_t d) { return hsum(dot_lanes(a, b, d)); }
-
-/* The horizontal sums of eight vectors at once, lane k = hsum(ck) bit for bit: the same additions in the same tree
- * as hsum (lanes i + i+4, then i + i+2, then 0 + 1), on two vectors per instruction and without hsum's chain of
- * dependent scalar steps per key. */
-static inline __m256 hsum8(__m256 c0, __m256 c1, __m256 c2, __m256 c3, __m256 c4, __m256 c5, __m256 c6, __m256 c7) {
-#define HALVES(x, y) _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31))
-    __m256 t01 = HALVES(c0, c1), t23 = HALVES(c2, c3), t45 = HALVES(c4, c5), t67 = HALVES(c6, c7);
-#undef HALVES
-    __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, 0x44), _mm256_shuffle_ps(t01, t23, 0xEE));
-    __m256 u4 = _mm256_add_ps(_mm256_shuffle_ps(t45, t67, 0x44), _mm256_shuffle_ps(t45, t67, 0xEE));
-    __m256 f = _mm256_add_ps(_mm256_shuffle_ps(u0, u4, 0x88), _mm256_shuffle_ps(u0, u4, 0xDD)); /* f0 f2 f4 f6 f1 .. */
-    return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
 }
 
 /* p[0..n) = softmax(p[0..n)) in place (n >= 1), 8 lanes at a time. */
@@ -86,43 +71,30 @@ static inline void prefetch_floats(const float *p, int64_t n_floats) {
     for (int64_t b = 0; b < n_floats * (int64_t)sizeof(float); b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
 
-/* For nh (1..3) query heads e sharing one KV head: a_e[0..d) = sum over keys j in [0, n) of p_e[j] * v[j][0..d)
- * (v[j] = v_base + slot[j]), accumulated in ascending j with one FMA per term, 32 floats of each head at a time in
- * registers; each value row is read once for the nh heads. d % 8 == 0. */
-static inline __attribute__((always_inline)) void weighted_sums(const float *const *p, const int nh,
-                                                                const float *v_base, const int64_t *slot, int64_t n,
-                                                                int64_t d, float *const *a) {
+/* a[0..d) = sum over keys j in [0, n) of p[j] * v[j][0..d) (v[j] = v_base + slot[j]), accumulated in ascending j
+ * with one FMA per term, 32 floats (4 registers) at a time; stored to a. d % 8 == 0. */
+static inline void weighted_sum(const float *p, const float *v_base, const int64_t *slot, int64_t n, int64_t d,
+                                float *a) {
     int64_t c = 0;
     for (; c + 32 <= d; c += 32) {
-        __m256 acc[3][4];
-        for (int e = 0; e < nh; e++)
-            for (int u = 0; u < 4; u++) acc[e][u] = _mm256_setzero_ps();
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
             const float *v = v_base + slot[j] + c;
-            for (int e = 0; e < nh; e++) {
-                __m256 pj = _mm256_set1_ps(p[e][j]);
-                for (int u = 0; u < 4; u++) acc[e][u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * u), acc[e][u]);
-            }
+            __m256 pj = _mm256_set1_ps(p[j]);
+            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), a3);
         }
-        for (int e = 0; e < nh; e++)
-            for (int u = 0; u < 4; u++) _mm256_storeu_ps(a[e] + c + 8 * u, acc[e][u]);
+        _mm256_storeu_ps(a + c, a0);
+        _mm256_storeu_ps(a + c + 8, a1);
+        _mm256_storeu_ps(a + c + 16, a2);
+        _mm256_storeu_ps(a + c + 24, a3);
     }
     for (; c < d; c += 8) {
-        __m256 acc[3];
-        for (int e = 0; e < nh; e++) acc[e] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j++)
-            for (int e = 0; e < nh; e++)
-                acc[e] = _mm256_fmadd_ps(_mm256_set1_ps(p[e][j]), _mm256_loadu_ps(v_base + slot[j] + c), acc[e]);
-        for (int e = 0; e < nh; e++) _mm256_storeu_ps(a[e] + c, acc[e]);
-    }
-}
-
-static void weighted_sums_any(const float *const *p, int nh, const float *v_base, const int64_t *slot, int64_t n,
-                              int64_t d, float *const *a) {
-    switch (nh) {
-    case 1: weighted_sums(p, 1, v_base, slot, n, d, a); break;
-    case 2: weighted_sums(p, 2, v_base, slot, n, d, a); break;
-    default: weighted_sums(p, 3, v_base, slot, n, d, a); break;
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v_base + slot[j] + c), a0);
+        _mm256_storeu_ps(a + c, a0);
     }
 }
 
@@ -159,56 +131,25 @@ static int attend(const float *q, int64_t q_stride, const float *k_cache, const 
             slot[j] = (table[b] * block_size + o) * row + k0 * d;
             if (++o == block_size) { o = 0; b++; }
         }
-        if (n == 1) { /* a decode token: per query head, eight keys per horizontal sum (hsum8) */
+        for (int64_t j = 0; j < L; j++) {
+            const float *kj = k_cache + slot[j];
+            if (j + PREFETCH_KEYS < L) { /* this key's and value's rows, ahead (values: for the weighted sums) */
+                prefetch_floats(k_cache + slot[j + PREFETCH_KEYS], nk * d);
+                prefetch_floats(v_cache + slot[j + PREFETCH_KEYS], nk * d);
+            }
+            for (int64_t i = (j > first ? j - first : 0); i < n; i++) /* rows that see key j */
+                for (int64_t kh = 0, h = 0; kh < nk; kh++)
+                    for (int64_t e = 0; e < g; e++, h++)
+                        s[(i * hq + h) * L + j] = scale * dot(qr + i * q_stride + h * d, kj + kh * d, d);
+        }
+        for (int64_t i = 0; i < n; i++)
             for (int64_t kh = 0, h = 0; kh < nk; kh++)
                 for (int64_t e = 0; e < g; e++, h++) {
-                    const float *qh = qr + h * d, *kb = k_cache + kh * d;
-                    float *sh = s + h * L;
-                    int64_t j = 0;
-                    for (; j + 8 <= L; j += 8) {
-                        if (h == 0 && j + 2 * PREFETCH_KEYS <= L) /* the next eight keys' and values' rows */
-                            for (int64_t b = j + PREFETCH_KEYS; b < j + 2 * PREFETCH_KEYS; b++) {
-                                prefetch_floats(k_cache + slot[b], nk * d);
-                                prefetch_floats(v_cache + slot[b], nk * d);
-                            }
-                        const int64_t *sl = slot + j;
-                        __m256 f = hsum8(dot_lanes(qh, kb + sl[0], d), dot_lanes(qh, kb + sl[1], d),
-                                         dot_lanes(qh, kb + sl[2], d), dot_lanes(qh, kb + sl[3], d),
-                                         dot_lanes(qh, kb + sl[4], d), dot_lanes(qh, kb + sl[5], d),
-                                         dot_lanes(qh, kb + sl[6], d), dot_lanes(qh, kb + sl[7], d));
-                        _mm256_storeu_ps(sh + j, _mm256_mul_ps(_mm256_set1_ps(scale), f));
-                    }
-                    for (; j < L; j++) sh[j] = scale * dot(qh, kb + slot[j], d);
+                    float *p = s + (i * hq + h) * L;
+                    softmax(p, first + i + 1); /* row i sees keys 0 .. first + i */
+                    weighted_sum(p, v_cache + kh * d, slot, first + i + 1, d,
+                                 out + (q_start[r] + i) * out_stride + (k0 * g + h) * d);
                 }
-        } else {
-            for (int64_t j = 0; j < L; j++) {
-                const float *kj = k_cache + slot[j];
-                if (j + PREFETCH_KEYS < L) { /* this key's and value's rows, ahead (values: for the weighted sums) */
-                    prefetch_floats(k_cache + slot[j + PREFETCH_KEYS], nk * d);
-                    prefetch_floats(v_cache + slot[j + PREFETCH_KEYS], nk * d);
-                }
-                for (int64_t i = (j > first ? j - first : 0); i < n; i++) /* rows that see key j */
-                    for (int64_t kh = 0, h = 0; kh < nk; kh++)
-                        for (int64_t e = 0; e < g; e++, h++)
-                            s[(i * hq + h) * L + j] = scale * dot(qr + i * q_stride + h * d, kj + kh * d, d);
-            }
-        }
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t keys = first + i + 1; /* row i sees keys 0 .. first + i */
-            for (int64_t h = 0; h < hq; h++) softmax(s + (i * hq + h) * L, keys);
-            for (int64_t kh = 0; kh < nk; kh++)
-                for (int64_t e0 = 0; e0 < g; e0 += 3) { /* up to three query heads of KV head kh per pass */
-                    const int nh = g - e0 < 3 ? (int)(g - e0) : 3;
-                    const float *p[3];
-                    float *a[3];
-                    for (int e = 0; e < nh; e++) {
-                        const int64_t h = kh * g + e0 + e;
-                        p[e] = s + (i * hq + h) * L;
-                        a[e] = out + (q_start[r] + i) * out_stride + (k0 * g + h) * d;
-                    }
-                    weighted_sums_any(p, nh, v_cache + kh * d, slot, keys, d, a);
-                }
-        }
         free(slot);
     }
     return failed ? -1 : 0;
