@@ -42,8 +42,6 @@ class AttentionGroup:
         is_causal: every member is a whole fresh prompt (no earlier context), so the mask is plain top-left
             causal and SDPA can use ``is_causal=True`` (its kernel then skips the masked half) instead of
             ``attn_mask``.
-        q_start, q_len, seq_len: ``[b]`` int64, each member's first flat row, query rows and keys (for the
-            in-place kernel).
     """
 
     query_index: torch.Tensor
@@ -53,9 +51,6 @@ class AttentionGroup:
     attn_mask: torch.Tensor
     rows: Optional[tuple] = None
     is_causal: bool = False
-    q_start: Optional[torch.Tensor] = None
-    q_len: Optional[torch.Tensor] = None
-    seq_len: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -116,9 +111,6 @@ def build_group(members: list[int], batch: InputBatch) -> AttentionGroup:
         attn_mask=mask[:, None, :, :],
         rows=(first, first + len(out_index)) if dense else None,
         is_causal=q_max > 1 and bool((s_len == q_len).all()),
-        q_start=q_start,
-        q_len=q_len,
-        seq_len=s_len,
     )
 
 
