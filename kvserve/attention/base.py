@@ -1,17 +1,21 @@
 """The attention backend interface: what a model's attention layers call, whatever runs underneath.
 
 Three operations (mini-sglang's ``attention/base.py`` and vLLM's ``AttentionBackend`` have the same shape): build
-the step's metadata once from the flat batch, write each layer's new K/V into the paged cache, and attend. The
-batch is passed explicitly; there is no global forward context. A backend is chosen once at start-up
+the step's metadata once from the flat batch, write each layer's new K/V into the paged cache, and attend; plus
+``forward_qkv``, which a model calls once per layer for all of it after its fused Q/K/V projection (RoPE, the K/V
+write, attention), so a backend can do the whole layer in one kernel call. The batch is passed explicitly; there is
+no global forward context. A backend is chosen once at start-up
 (``kvserve.attention.select_attention_backend``).
 """
 
 from __future__ import annotations
 
 import abc
+from typing import Optional
 
 import torch
 
+from kvserve.layers.rotary import apply_rotary
 from kvserve.worker.input_batch import InputBatch
 
 
@@ -57,3 +61,29 @@ class AttentionBackend(abc.ABC):
             ``[T, H_q, D]``, the dtype of ``q``. Query ``i`` of a request with ``q_len`` queries and ``seq_len``
             keys sits at position ``seq_len - q_len + i`` and sees keys ``0 ..`` that position.
         """
+
+    def forward_qkv(self, qkv: torch.Tensor, num_heads: int, kv_cache: torch.Tensor, meta: object,
+                    rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One layer's attention from its fused Q/K/V projection: RoPE on the queries and keys, ``write_kv``, then
+        ``forward``. This default runs them as PyTorch ops; a backend may fuse them.
+
+        Args:
+            qkv: ``[T, (H_q + 2 H_kv) * D]``: per row ``H_q`` query heads, then ``H_kv`` key and ``H_kv`` value
+                heads of ``D``. A backend may overwrite it (e.g. rotate it in place): the caller must not reuse it.
+            num_heads: ``H_q``.
+            kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, one layer.
+            meta: what ``build_metadata`` returned for this step.
+            rope: ``(cos, sin)``, each ``[T, 1, D]`` contiguous (``kvserve.layers.rotary.rope_cos_sin``).
+            batch: the step's ``InputBatch``.
+            scale: softmax scale.
+            out: a ``[T, H_q * D]`` buffer the result may be written into (a backend that can, does); ``None``: a
+                new tensor.
+
+        Returns:
+            ``[T, H_q * D]``, as ``forward``'s output with the heads flattened.
+        """
+        h_kv, d = kv_cache.shape[-2:]
+        qk = apply_rotary(qkv[:, : (num_heads + h_kv) * d].view(-1, num_heads + h_kv, d), *rope)  # q and k at once
+        self.write_kv(kv_cache, qk[:, num_heads:], qkv[:, (num_heads + h_kv) * d :].view(-1, h_kv, d), batch)
+        return self.forward(qk[:, :num_heads], kv_cache, meta, scale).reshape(-1, num_heads * d)

@@ -2,16 +2,49 @@
 
 ``csrc/paged_attention.c`` (through ``kvserve.model.cpu_kernels``) runs one task per (request, KV head) serving all
 its GQA query heads, reading each block where it lies; the gather of the reference backend copies every key and
-value of the group once more per layer (sizes and timings: docs/benchmarks.md, "CPU kernels"). Long prompt chunks
-keep the gather + SDPA path.
+value of the group once more per layer (sizes and timings: docs/benchmarks.md, "CPU kernels"). Per layer,
+``forward_qkv`` is one kernel call for RoPE, the K/V write and the in-place attention of every query of at most
+``SHORT_QUERY_TOKENS`` tokens (the reference path runs about a dozen PyTorch ops for the same: docs/quant_kernels.md,
+"The rest of the decode step"). Long prompt chunks keep the gather + SDPA path, on the queries the kernel rotated.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
-from kvserve.attention.torch_sdpa import SHORT_QUERY_TOKENS, AttentionGroup, TorchSDPABackend
+from kvserve.attention.torch_sdpa import (SHORT_QUERY_TOKENS, AttentionMetadata, TorchSDPABackend, build_group,
+                                          sdpa_group, split_requests)
 from kvserve.model import cpu_kernels
+from kvserve.worker.input_batch import InputBatch
+
+
+@dataclass
+class CPUAttentionMetadata(AttentionMetadata):
+    """One step's attention plan for the CPU kernels.
+
+    Attributes:
+        groups: the gather + SDPA groups: only the prefill requests (longer than ``SHORT_QUERY_TOKENS``).
+        kernel: the requests of at most ``SHORT_QUERY_TOKENS`` query tokens, read in place by the kernel:
+            ``(block_tables [b, max_blocks], q_start [b], q_len [b], seq_len [b])`` int64 contiguous; ``None`` when
+            there are none.
+        kernel_members: their indices among the batch's requests.
+        batch: the step's batch (to build SDPA groups of the kernel's requests if the kernel cannot run).
+        fused: ``(rope, num_heads, scale, cpu_kernels.RopeWriteAttend)`` made by the step's first ``forward_qkv``
+            and reused by its other layers.
+    """
+
+    kernel: Optional[tuple] = None
+    kernel_members: tuple = ()
+    batch: Optional[InputBatch] = None
+    fused: Optional[tuple] = None
+
+    def fallback_groups(self) -> list:
+        """SDPA groups (decode, short) of the kernel's requests, for when the kernel cannot take them."""
+        decode, short, _ = split_requests(self.batch.query_lens)
+        return [build_group(m, self.batch) for m in (decode, short) if m]
 
 
 class CPUKernelAttentionBackend(TorchSDPABackend):
@@ -19,8 +52,46 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
 
     name = "cpu-kernels"
 
-    def _forward_group_in_place(self, q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float,
-                                out: torch.Tensor) -> bool:
-        b, q_max = group.query_index.shape
-        return q_max <= SHORT_QUERY_TOKENS and cpu_kernels.paged_attention(
-            q, kv_cache, group.block_tables.view(b, -1), group.q_start, group.q_len, group.seq_len, scale, out)
+    def build_metadata(self, batch: InputBatch) -> CPUAttentionMetadata:
+        q_lens = batch.query_lens
+        short = [b for b, q in enumerate(q_lens) if q <= SHORT_QUERY_TOKENS]
+        prefill = [b for b, q in enumerate(q_lens) if q > SHORT_QUERY_TOKENS]
+        kernel = None
+        if len(short) == len(q_lens):  # every request (a decode step): the batch's own tensors
+            qsl = batch.query_start_loc
+            kernel = (batch.block_tables.contiguous(), qsl[:-1], qsl[1:] - qsl[:-1], batch.seq_lens)
+        elif short:
+            idx = torch.tensor(short)
+            kernel = (batch.block_tables[idx], batch.query_start_loc[idx],
+                      torch.tensor([q_lens[b] for b in short]), batch.seq_lens[idx])
+        return CPUAttentionMetadata(groups=[build_group(prefill, batch)] if prefill else [], kernel=kernel,
+                                    kernel_members=tuple(short), batch=batch)
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CPUAttentionMetadata,
+                scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        groups = meta.groups
+        if meta.kernel is not None and not cpu_kernels.paged_attention(q, kv_cache, *meta.kernel, scale, out):
+            groups = meta.fallback_groups() + groups
+        for g in groups:
+            sdpa_group(q, kv_cache, g, scale, out)
+        return out
+
+    def forward_qkv(self, qkv: torch.Tensor, num_heads: int, kv_cache: torch.Tensor, meta: CPUAttentionMetadata,
+                    rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        fused = meta.fused
+        if fused is None or fused[0] is not rope or fused[1] != num_heads or fused[2] != scale:
+            plan = cpu_kernels.RopeWriteAttend(num_heads, kv_cache.shape, *rope, batch.slot_mapping, meta.kernel, scale)
+            fused = meta.fused = (rope, num_heads, scale, plan)
+        res = fused[3](qkv, kv_cache, out)
+        if res is None:  # the kernel cannot take these tensors: PyTorch ops
+            return super().forward_qkv(qkv, num_heads, kv_cache, meta, rope, batch, scale)
+        out, done = res
+        groups = meta.groups if done or meta.kernel is None else meta.fallback_groups() + meta.groups
+        if groups:  # queries and keys are rotated in place in qkv, and the K/V written
+            d = kv_cache.shape[-1]
+            q, o = qkv[:, : num_heads * d].view(-1, num_heads, d), out.view(-1, num_heads, d)
+            for g in groups:
+                sdpa_group(q, kv_cache, g, scale, o)
+        return out

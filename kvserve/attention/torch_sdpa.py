@@ -6,7 +6,7 @@ and prefill requests (a prompt or chunk), each padded to its group's longest. Ea
 ``scaled_dot_product_attention`` call per layer, so no Python loop runs over requests inside a layer, and a long
 prompt in the batch does not pad every decode or verifying request to its length. A group's K/V is gathered
 through its block tables into a padded copy first (``index_select`` over whole blocks); the CPU-kernel backend
-(``kvserve.attention.cpu``) reads the decode and short groups in place instead.
+(``kvserve.attention.cpu``) reads the decode and short queries in place instead.
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ class AttentionGroup:
         is_causal: every member is a whole fresh prompt (no earlier context), so the mask is plain top-left
             causal and SDPA can use ``is_causal=True`` (its kernel then skips the masked half) instead of
             ``attn_mask``.
-        q_start, q_len, seq_len: ``[b]`` int64, each member's first flat row, query rows and keys (for the
-            in-place kernel).
     """
 
     query_index: torch.Tensor
@@ -53,9 +51,6 @@ class AttentionGroup:
     attn_mask: torch.Tensor
     rows: Optional[tuple] = None
     is_causal: bool = False
-    q_start: Optional[torch.Tensor] = None
-    q_len: Optional[torch.Tensor] = None
-    seq_len: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -69,20 +64,25 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
 
 
+def split_requests(query_lens: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Request indices of the decode (1 query token), short (2..``SHORT_QUERY_TOKENS``) and prefill groups."""
+    decode = [b for b, q in enumerate(query_lens) if q == 1]
+    short = [b for b, q in enumerate(query_lens) if 1 < q <= SHORT_QUERY_TOKENS]
+    prefill = [b for b, q in enumerate(query_lens) if q > SHORT_QUERY_TOKENS]
+    return decode, short, prefill
+
+
 def build_groups(batch: InputBatch) -> AttentionMetadata:
     """Split the batch's requests into the decode / short / prefill groups (see the module docstring).
 
     Causality: request b's query i sits at position ``seq_lens[b] - q_len + i`` and sees keys ``0..`` that
     position, so a chunk ``[s, s+q)`` reads exactly the ``s + q`` keys written so far.
     """
-    q_lens = batch.query_lens
-    decode = [b for b, q in enumerate(q_lens) if q == 1]
-    short = [b for b, q in enumerate(q_lens) if 1 < q <= SHORT_QUERY_TOKENS]
-    prefill = [b for b, q in enumerate(q_lens) if q > SHORT_QUERY_TOKENS]
-    return AttentionMetadata([_build_group(m, batch) for m in (decode, short, prefill) if m])
+    return AttentionMetadata([build_group(m, batch) for m in split_requests(batch.query_lens) if m])
 
 
-def _build_group(members: list[int], batch: InputBatch) -> AttentionGroup:
+def build_group(members: list[int], batch: InputBatch) -> AttentionGroup:
+    """The ``AttentionGroup`` of requests ``members`` (indices into the batch's requests, in flat order)."""
     bs = batch.block_size
     idx = torch.tensor(members)
     q_start = batch.query_start_loc[idx]
@@ -111,9 +111,6 @@ def _build_group(members: list[int], batch: InputBatch) -> AttentionGroup:
         attn_mask=mask[:, None, :, :],
         rows=(first, first + len(out_index)) if dense else None,
         is_causal=q_max > 1 and bool((s_len == q_len).all()),
-        q_start=q_start,
-        q_len=q_len,
-        seq_len=s_len,
     )
 
 
@@ -128,17 +125,15 @@ class TorchSDPABackend(AttentionBackend):
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         for g in meta.groups:
-            if not self._forward_group_in_place(q, kv_cache, g, scale, out):
-                _sdpa_group(q, kv_cache, g, scale, out)
+            sdpa_group(q, kv_cache, g, scale, out)
         return out
 
-    def _forward_group_in_place(self, q, kv_cache, group, scale, out) -> bool:
-        """Hook for backends that read some groups in place; ``False``: use the gather + SDPA path."""
-        return False
 
+def sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale: float, out: torch.Tensor) -> None:
+    """One group: gather its blocks into a padded copy, one SDPA call, scatter the real rows into ``out``.
 
-def _sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale: float, out: torch.Tensor) -> None:
-    """One group: gather its blocks into a padded copy, one SDPA call, scatter the real rows into ``out``."""
+    ``q``: ``[T, H_q, D]`` (rows may be strided); ``kv_cache``: one layer's ``[2, num_blocks, block_size, H_kv, D]``;
+    ``out``: ``[T, H_q, D]``, only the group's rows are written."""
     h_q, d = q.shape[1:]
     h_kv = kv_cache.shape[-2]
     b, q_max = g.query_index.shape

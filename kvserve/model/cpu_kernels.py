@@ -2,9 +2,10 @@
 use and loaded with ``ctypes`` (which releases the GIL during a call):
 
 - ``gemm_avx2.c``: the matmul of every projection (``kvserve.layers.linear``);
-- ``paged_attention.c``: attention of decode tokens and short queries, read in place from the KV blocks
-  (``kvserve.attention.cpu``);
-- ``elementwise.c``: one-pass RMSNorm and SwiGLU's silu(gate) * up (``kvserve.layers.elementwise``).
+- ``paged_attention.c``: attention of decode tokens and short queries, read in place from the KV blocks, alone or
+  with RoPE and the K/V write in the same call (``kvserve.attention.cpu``);
+- ``elementwise.c``: one-pass RMSNorm (optionally after the residual add) and SwiGLU's silu(gate) * up
+  (``kvserve.layers.elementwise``).
 
 The library is compiled once per source version into ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``),
 atomically, so concurrent processes share it; the first build takes ~2 s. Nothing is built where it cannot run:
@@ -100,7 +101,11 @@ def load():
             lib.kvserve_paged_attention_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [
                 ctypes.c_float, ptr, i64]
             lib.kvserve_paged_attention_f32.restype = ctypes.c_int
+            lib.kvserve_rope_write_attend_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
+                                                          ptr] + [i64] * 5 + [ctypes.c_float, ptr, i64]
+            lib.kvserve_rope_write_attend_f32.restype = ctypes.c_int
             lib.kvserve_rms_norm_f32.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+            lib.kvserve_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
             lib.kvserve_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
             if lib.kvserve_gemm_panel() != PANEL:
                 raise OSError("panel width mismatch between gemm_avx2.c and cpu_kernels.py")
@@ -168,6 +173,70 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     return rc == 0
 
 
+class RopeWriteAttend:
+    """One step's attention layers after their fused Q/K/V projections, one kernel call per layer
+    (``kvserve_rope_write_attend_f32``): RoPE (rotate-half) on the query and key heads of ``qkv`` in place, every
+    row's K/V written to its cache slot, then paged attention of ``requests``. Everything that is the same for every
+    layer of the step is checked and resolved here once, so a layer's call costs little Python.
+
+    Args:
+        num_heads: ``H_q``, a multiple of ``H_kv``.
+        kv_shape: a layer's cache shape ``(2, num_blocks, block_size, H_kv, D)``.
+        cos, sin: ``[T, D]`` float32 contiguous (any view of such, e.g. ``[T, 1, D]``): the rotation of each row.
+        slot_mapping: ``[T]`` int64 contiguous, each row's cache slot.
+        requests: ``(block_tables [B, max_blocks], q_start [B], q_len [B], seq_len [B])`` int64 contiguous, the
+            requests to attend (as ``paged_attention``), or ``None`` for none.
+        scale: softmax scale.
+
+    Attributes:
+        ok: whether the kernel can take this step (float32 tables, ``D`` a multiple of 8, ...); when ``False``,
+            calls return ``None``. The tensors must stay alive while the plan is used.
+    """
+
+    def __init__(self, num_heads: int, kv_shape: tuple, cos: torch.Tensor, sin: torch.Tensor,
+                 slot_mapping: torch.Tensor, requests: Optional[tuple], scale: float):
+        t = slot_mapping.shape[0]
+        _, _, bs, h_kv, d = kv_shape
+        tensors = (slot_mapping,) + (requests or ())
+        self.ok = (_lib is not None and cos.dtype == sin.dtype == torch.float32 and d % 8 == 0 and num_heads % h_kv == 0
+                   and cos.numel() == sin.numel() == t * d and cos.is_contiguous() and sin.is_contiguous()
+                   and all(x.dtype == torch.int64 and x.is_contiguous() for x in tensors))
+        self.kv_shape, self.num_heads, self.t = tuple(kv_shape), num_heads, t
+        self.qkv_shape = (t, (num_heads + 2 * h_kv) * d)
+        self.out_shape = (t, num_heads * d)
+        self._kv_half = kv_shape[1] * bs * h_kv * d * 4  # bytes from a layer's K to its V
+        tables, q_start, q_len, seq_len = requests or (slot_mapping,) * 4  # not read without requests
+        b, max_blocks = (0, 0) if requests is None else tables.shape
+        self._head = (t, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr())
+        self._tail = (tables.data_ptr(), max_blocks, q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), b,
+                      num_heads, h_kv, d, bs, scale)
+
+    def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor,
+                 out: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, bool]]:
+        """One layer: ``qkv [T, (H_q + 2 H_kv) * D]`` float32 (rows may be strided, ``stride(1) == 1``; its query
+        and key heads are rotated in place), ``kv_cache`` that layer's ``kv_shape`` float32 contiguous; ``out``: an
+        ``[T, H_q * D]`` float32 contiguous tensor to write into (default: a new one).
+
+        Returns:
+            ``(out, True)``: ``out [T, H_q * D]`` float32 holds the requests' rows (others unwritten); ``(out,
+            False)``: RoPE and the K/V write are done but the attention could not allocate scratch memory (attend
+            another way from the rotated ``qkv``); ``None``: nothing done, the kernel cannot take these tensors.
+        """
+        if not (self.ok and qkv.dtype == torch.float32 and qkv.shape == self.qkv_shape and qkv.stride(1) == 1
+                and kv_cache.dtype == torch.float32 and kv_cache.shape == self.kv_shape and kv_cache.is_contiguous()):
+            return None
+        if out is None or not _out_ok(out, self.out_shape):
+            out = torch.empty(self.out_shape, dtype=torch.float32)
+        k = kv_cache.data_ptr()
+        rc = _lib.kvserve_rope_write_attend_f32(qkv.data_ptr(), qkv.stride(0), *self._head, k, k + self._kv_half,
+                                                *self._tail, out.data_ptr(), self.out_shape[1])
+        return out, rc == 0
+
+
+def _out_ok(out: torch.Tensor, shape: tuple) -> bool:
+    return out.dtype == torch.float32 and out.shape == shape and out.is_contiguous()
+
+
 def _rows_ok(*tensors) -> bool:
     return all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[-1] % 8 == 0 for t in tensors)
 
@@ -182,12 +251,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torc
     return y
 
 
-def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
-    """SwiGLU's ``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) float32 -> ``[T, I]``; ``None`` when the
-    kernel cannot take it."""
-    if not _rows_ok(gate_up) or gate_up.shape[1] % 16:
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """A decoder's residual add and the next RMSNorm in one pass: ``h += delta`` in place, returns
+    ``rms_norm(h) * weight`` (in ``out`` when it is a ``[T, H]`` float32 contiguous tensor, else a new one).
+    ``h``, ``delta``: ``[T, H]`` float32 contiguous; ``weight [H]``. ``None`` (nothing done, ``h`` unchanged) when the
+    kernel cannot take these tensors."""
+    f32 = torch.float32
+    t, hidden = h.shape
+    if not (h.dtype == delta.dtype == weight.dtype == f32 and delta.shape == h.shape and hidden % 8 == 0
+            and h.is_contiguous() and delta.is_contiguous() and weight.is_contiguous() and weight.shape[0] == hidden):
         return None
+    y = out if out is not None and _out_ok(out, h.shape) else torch.empty(t, hidden, dtype=f32)
+    _lib.kvserve_add_rms_norm_f32(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), y.data_ptr(), t, hidden, eps)
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """SwiGLU's ``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) float32 -> ``[T, I]`` (in ``out`` when it is
+    such a float32 contiguous tensor, else a new one); ``None`` when the kernel cannot take it."""
     t, i2 = gate_up.shape
-    y = torch.empty(t, i2 // 2, dtype=torch.float32)
+    if not (gate_up.dtype == torch.float32 and i2 % 16 == 0 and gate_up.is_contiguous()):
+        return None
+    y = out if out is not None and _out_ok(out, (t, i2 // 2)) else torch.empty(t, i2 // 2, dtype=torch.float32)
     _lib.kvserve_silu_mul_f32(gate_up.data_ptr(), y.data_ptr(), t, i2 // 2)
     return y

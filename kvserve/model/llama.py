@@ -2,8 +2,10 @@
 
 One call runs a flat batch mixing whole prompts, prompt chunks and decode tokens (``InputBatch``) and returns
 logits only for the rows that will be sampled. Q/K/V and gate/up projections are fused into one matmul each,
-which matters on a CPU where every op has a fixed cost. Every op runs through the backends chosen at start-up
-(``ModelBackends``: attention, linear methods, element-wise ops); this module imports no kernel.
+which matters on a CPU where every op has a fixed cost; for the same reason attention after the Q/K/V projection is
+one backend call per layer and each residual add is fused with the norm after it. Every op runs through the
+backends chosen at start-up (``ModelBackends``: attention, linear methods, element-wise ops); this module imports
+no kernel.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.model.backends import ModelBackends
+from kvserve.layers.rotary import rope_cos_sin, rope_inv_freq
 from kvserve.model.base import ModelArch
 from kvserve.worker.input_batch import InputBatch
 
@@ -29,6 +32,7 @@ class LlamaModel:
 
     Attributes:
         num_heads, num_kv_heads: attention and KV heads computed here (all of them when not sharded).
+        intermediate_size: MLP width computed here.
 
     Raises:
         ValueError: ``qkv_bias`` is set and a Q/K/V bias is missing; a tensor-parallel size that does not divide
@@ -47,6 +51,7 @@ class LlamaModel:
         if tp > 1:
             arch.check_tensor_parallel_size(tp)
         self.num_heads, self.num_kv_heads = arch.num_attention_heads // tp, arch.num_key_value_heads // tp
+        self.intermediate_size = arch.intermediate_size // tp  # this rank's share of the MLP
         column, row = backends.column_linear, backends.row_linear
         self.final_norm = weights["model.norm.weight"]
         self.dtype = self.final_norm.dtype  # activations and KV cache (quantized weights compute in float32)
@@ -73,8 +78,7 @@ class LlamaModel:
                     down=row(weights[p + "mlp.down_proj.weight"], what=p + "down_proj"),
                 )
             )
-        d = arch.head_dim
-        self.inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of the whole pool (this rank's heads): ``[layers, 2, num_blocks, block_size, H_kv, D]``."""
@@ -87,19 +91,14 @@ class LlamaModel:
         return 2 * a.num_hidden_layers * block_size * self.num_kv_heads * a.head_dim * self.dtype.itemsize
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
-
-    @staticmethod
-    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return rope_cos_sin(positions, self.inv_freq, self.dtype)
 
     @torch.inference_mode()
     def forward(self, batch: InputBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run the flat batch, writing its K/V into the cache.
+
+        Per layer: attention from the fused Q/K/V projection in one backend call (``AttentionBackend.forward_qkv``:
+        RoPE, K/V write, attention), and each residual add fused with the norm after it (``add_rms_norm``).
 
         Args:
             batch: the step's ``InputBatch`` (``T`` tokens).
@@ -109,23 +108,28 @@ class LlamaModel:
             ``[S, vocab_size]`` float32 logits of the rows ``batch.logits_indices`` (``S`` of them); on a
             tensor-parallel rank other than 0, ``[S, vocab_size / tp]`` (its own vocabulary slice).
         """
-        a = self.arch
-        n_q, n_kv, d = self.num_heads, self.num_kv_heads, a.head_dim
-        scale = d**-0.5
+        a, n_q, eps = self.arch, self.num_heads, self.arch.rms_norm_eps
+        scale = a.head_dim**-0.5
         meta = self.attn.build_metadata(batch)
-        cos, sin = self._rope(batch.positions)
-        h = self.embed(batch.input_ids)
-        for i, w in enumerate(self.layers):
-            x = self.ops.rms_norm(h, w["attn_norm"], a.rms_norm_eps)
+        rope = self._rope(batch.positions)
+        layers, caches = self.layers, kv_cache.unbind(0)  # each layer's [2, num_blocks, block_size, H_kv, D] view
+        h = self.embed(batch.input_ids)  # the residual stream: a fresh tensor, updated in place by add_rms_norm
+        # Buffers the backends may write each layer's norm, attention and SwiGLU outputs into (each is read only by
+        # the projection right after it, so one per step serves every layer; backends that cannot, ignore them).
+        t, f32 = batch.num_tokens, self.dtype
+        x_buf, attn_buf = torch.empty(t, a.hidden_size, dtype=f32), torch.empty(t, n_q * a.head_dim, dtype=f32)
+        act_buf = torch.empty(t, self.intermediate_size, dtype=f32)
+        x = self.ops.rms_norm(h, layers[0]["attn_norm"], eps)
+        for i, w in enumerate(layers):
             qkv = w["qkv"](x)
             if w["qkv_bias"] is not None:
                 qkv = qkv + w["qkv_bias"]
-            qk = self._apply_rope(qkv[:, : (n_q + n_kv) * d].view(-1, n_q + n_kv, d), cos, sin)  # q and k at once
-            q, k = qk[:, :n_q], qk[:, n_q:]
-            self.attn.write_kv(kv_cache[i], k, qkv[:, (n_q + n_kv) * d :].view(-1, n_kv, d), batch)
-            attn = self.attn.forward(q, kv_cache[i], meta, scale)
-            h = h + w["o"](attn.reshape(-1, n_q * d))
-            x = self.ops.rms_norm(h, w["mlp_norm"], a.rms_norm_eps)
-            h = h + w["down"](self.ops.silu_mul(w["gate_up"](x)))
-        h = self.ops.rms_norm(h[batch.logits_indices], self.final_norm, a.rms_norm_eps)
+            attn = self.attn.forward_qkv(qkv, n_q, caches[i], meta, rope, batch, scale, attn_buf)
+            h, x = self.ops.add_rms_norm(h, w["o"](attn), w["mlp_norm"], eps, x_buf)
+            down = w["down"](self.ops.silu_mul(w["gate_up"](x), act_buf))
+            if i + 1 < len(layers):
+                h, x = self.ops.add_rms_norm(h, down, layers[i + 1]["attn_norm"], eps, x_buf)
+            else:
+                h = h + down
+        h = self.ops.rms_norm(h[batch.logits_indices], self.final_norm, eps)
         return self.lm_head(h).float()
