@@ -6,17 +6,27 @@ value of the group once more per layer (sizes and timings: docs/benchmarks.md, "
 ``forward_qkv`` is one kernel call for RoPE, the K/V write and the in-place attention of every query of at most
 ``SHORT_QUERY_TOKENS`` tokens (the reference path runs about a dozen PyTorch ops for the same: docs/quant_kernels.md,
 "The rest of the decode step"). Long prompt chunks keep the gather + SDPA path, on the queries the kernel rotated.
+
+Batch invariance (``KVSERVE_BATCH_INVARIANT=1``, after vLLM's ``VLLM_BATCH_INVARIANT``): every query, however long
+its chunk, goes through the kernel, whose arithmetic for one query row does not depend on the other rows of the
+step (one task per request and KV head, keys summed in position order). With the row-wise quantized matmuls, norms
+and RoPE, a token's logits are then bit-identical whether its prompt ran in one step or in chunks, after a
+prefix-cache hit or beside other requests. By default long chunks use SDPA instead (faster prefill; measured
+in the README), whose float summation order differs from the kernel's by ~1e-7 — differences that int8 activation
+rounding can amplify to a different greedy token on the quantized path.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from kvserve.attention.torch_sdpa import (SHORT_QUERY_TOKENS, AttentionMetadata, TorchSDPABackend, build_group,
-                                          sdpa_group, split_requests)
+                                          sdpa_group)
 from kvserve.model import cpu_kernels
 from kvserve.worker.input_batch import InputBatch
 
@@ -26,8 +36,10 @@ class CPUAttentionMetadata(AttentionMetadata):
     """One step's attention plan for the CPU kernels.
 
     Attributes:
-        groups: the gather + SDPA groups: only the prefill requests (longer than ``SHORT_QUERY_TOKENS``).
-        kernel: the requests of at most ``SHORT_QUERY_TOKENS`` query tokens, read in place by the kernel:
+        groups: the gather + SDPA groups: only the prefill requests (longer than ``SHORT_QUERY_TOKENS``; none
+            under batch invariance).
+        kernel: the requests of at most ``SHORT_QUERY_TOKENS`` query tokens (all under batch invariance), read in
+            place by the kernel:
             ``(block_tables [b, max_blocks], q_start [b], q_len [b], seq_len [b])`` int64 contiguous; ``None`` when
             there are none.
         kernel_members: their indices among the batch's requests.
@@ -42,9 +54,11 @@ class CPUAttentionMetadata(AttentionMetadata):
     fused: Optional[tuple] = None
 
     def fallback_groups(self) -> list:
-        """SDPA groups (decode, short) of the kernel's requests, for when the kernel cannot take them."""
-        decode, short, _ = split_requests(self.batch.query_lens)
-        return [build_group(m, self.batch) for m in (decode, short) if m]
+        """SDPA groups (decode, longer) of the kernel's requests, for when the kernel cannot take them."""
+        q_lens = self.batch.query_lens
+        decode = [b for b in self.kernel_members if q_lens[b] == 1]
+        longer = [b for b in self.kernel_members if q_lens[b] > 1]
+        return [build_group(m, self.batch) for m in (decode, longer) if m]
 
 
 class CPUKernelAttentionBackend(TorchSDPABackend):
@@ -52,10 +66,18 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
 
     name = "cpu-kernels"
 
+    def __init__(self, batch_invariant: Optional[bool] = None):
+        """``batch_invariant``: every query through the kernel (see the module docstring); ``None`` reads
+        ``KVSERVE_BATCH_INVARIANT`` (``1`` / ``true`` = on)."""
+        if batch_invariant is None:
+            batch_invariant = os.environ.get("KVSERVE_BATCH_INVARIANT", "").strip().lower() in ("1", "true")
+        self.batch_invariant = batch_invariant
+        self.kernel_query_tokens = sys.maxsize if batch_invariant else SHORT_QUERY_TOKENS
+
     def build_metadata(self, batch: InputBatch) -> CPUAttentionMetadata:
-        q_lens = batch.query_lens
-        short = [b for b, q in enumerate(q_lens) if q <= SHORT_QUERY_TOKENS]
-        prefill = [b for b, q in enumerate(q_lens) if q > SHORT_QUERY_TOKENS]
+        q_lens, limit = batch.query_lens, self.kernel_query_tokens
+        short = [b for b, q in enumerate(q_lens) if q <= limit]
+        prefill = [b for b, q in enumerate(q_lens) if q > limit]
         kernel = None
         if len(short) == len(q_lens):  # every request (a decode step): the batch's own tensors
             qsl = batch.query_start_loc
