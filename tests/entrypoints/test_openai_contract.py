@@ -289,3 +289,29 @@ def test_tokenizer_routes_bad_input(server, path, body, param):
     r = _post(server, path, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("path,body,param,words", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+     "a string or a list of"),
+    ("/v1/chat/completions", {"messages": [{"role": 5, "content": "x"}]}, "messages[0].role", "string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "foo": 1}]}, "messages[0].foo",
+     "unrecognized"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": ""}}]},
+     "tools[0].function.name", "pattern"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools[0].function.name", "pattern"),
+    ("/tokenize", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "x" * 65}}]},
+     "tools[0].function.name", "pattern"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens",
+     "max_completion_tokens must be"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "top_logprobs must be"),
+])
+def test_nested_and_renamed_fields_are_named_exactly(server, path, body, param, words):
+    """``param`` is the full path of the offending field (as offline ``ValueError``s spell it), and the message
+    names the same field the request used."""
+    r = _post(server, path, body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and words in err["message"], err
+    assert err["message"].startswith(param) or "unrecognized" in err["message"], err

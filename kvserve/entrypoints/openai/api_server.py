@@ -249,11 +249,27 @@ def _to_response(result):
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-_UNION_HINTS = {
+_UNION_HINTS = {  # by the field's last name
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
     "messages": "a list of {'role': str, 'content': str or a list of text parts} objects",
+    "content": "a string or a list of {'type': 'text', 'text': str} parts (null only in an assistant message)",
 }
+_SCALAR_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def field_path(loc) -> str:
+    """pydantic's error location as the field path kvserve's messages use (``messages[0].content``,
+    ``tools[0].function.name``), cut before the first union-member tag (``str``, ``list[ContentPart]``, ...)."""
+    path = ""
+    for x in loc:
+        if isinstance(x, int):
+            path += f"[{x}]"
+        elif x in _SCALAR_TAGS or not str(x).isidentifier():
+            break
+        else:
+            path += f".{x}" if path else str(x)
+    return path
 
 
 def validation_error(e: RequestValidationError, content_type: Optional[str] = None) -> OpenAIError:
@@ -277,16 +293,16 @@ def validation_error(e: RequestValidationError, content_type: Optional[str] = No
                            param=str(loc[0]) if loc else None)
     if not loc:
         return OpenAIError(f"the request body must be a JSON object ({first.get('msg')}){hint}")
-    param = str(loc[0])
+    param = field_path(loc)
     if kind == "extra_forbidden":
-        return OpenAIError(f"unrecognized request argument: {'.'.join(map(str, loc))}", param=param,
-                           code="unrecognized_argument")
+        return OpenAIError(f"unrecognized request argument: {param}", param=param, code="unrecognized_argument")
     if kind == "missing":
-        return OpenAIError(f"{'.'.join(map(str, loc))}: a required field is missing", param=param)
-    same_field = [err for err in errors if [x for x in err.get("loc", ()) if x != "body"][:1] == loc[:1]]
-    if len(same_field) > 1 and param in _UNION_HINTS:
-        return OpenAIError(f"{param} must be {_UNION_HINTS[param]}", param=param)
-    return OpenAIError(f"{'.'.join(map(str, loc))}: {first.get('msg')}", param=param)
+        return OpenAIError(f"{param}: a required field is missing", param=param)
+    same_field = [err for err in errors if field_path([x for x in err.get("loc", ()) if x != "body"]) == param]
+    leaf = param.rsplit(".", 1)[-1].split("[")[0]
+    if len(same_field) > 1 and leaf in _UNION_HINTS:
+        return OpenAIError(f"{param} must be {_UNION_HINTS[leaf]}", param=param)
+    return OpenAIError(f"{param}: {first.get('msg')}", param=param)
 
 
 # ------------------------------------------------------------------------------------------------ the process

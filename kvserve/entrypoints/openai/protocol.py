@@ -143,7 +143,9 @@ class ContentPart(_Open):
 
 
 class FunctionDefinition(_Strict):
-    name: str
+    """A function tool; ``name`` as OpenAI allows it: 1-64 of ``a-z A-Z 0-9 _ -``."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema of the arguments object")
     strict: Optional[bool] = None

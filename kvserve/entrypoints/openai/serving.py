@@ -123,7 +123,7 @@ class OpenAIServing:
         try:
             return SamplingParams(**kw)
         except ValueError as e:
-            raise OpenAIError(str(e), param=_param_of(str(e), req)) from None
+            raise _field_error(str(e), req) from None
 
     def engine_prompt_logprobs(self, req, echo_k: Optional[int] = None) -> Optional[int]:
         """The engine's ``prompt_logprobs`` for ``req``: vLLM's ``prompt_logprobs`` field and ``echo_k`` (the
@@ -713,6 +713,17 @@ def _include_usage(req) -> bool:
 
 
 _FIELD_RE = re.compile(r"^([a-z_]+)(\[\])?\b")
+
+
+def _field_error(message: str, req) -> OpenAIError:
+    """A ``SamplingParams`` error as a 400 naming the request's own field: ``param`` from ``_param_of``, and the
+    message's leading engine name replaced by it (``max_tokens`` -> ``max_completion_tokens``, ``logprobs`` ->
+    ``top_logprobs``) so the message and ``param`` name the same field."""
+    param = _param_of(message, req)
+    m = _FIELD_RE.match(message)
+    if param and m and m.group(1) != param:
+        message = param + message[m.end(1):]
+    return OpenAIError(message, param=param)
 
 
 def _param_of(message: str, req) -> Optional[str]:
