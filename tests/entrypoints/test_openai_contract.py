@@ -196,14 +196,14 @@ def test_surrogate_in_an_unknown_field_name_is_a_400(server):
     ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "seed": 1.5}, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": ["2"]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": ["2"]}, "stop_token_ids[0]"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}},
-     "stream_options"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+     "stream_options.include_usage"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": "8"}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "ignore_eos": "false"}, "ignore_eos"),
-    ("/detokenize", {"tokens": [1, "2"]}, "tokens"),
+    ("/detokenize", {"tokens": [1, "2"]}, "tokens[1]"),
     ("/tokenize", {"prompt": "hi", "add_special_tokens": "no"}, "add_special_tokens"),
 ])
 def test_wrong_json_types_are_400_not_coerced(server, path, body, param):

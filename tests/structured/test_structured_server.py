@@ -227,7 +227,7 @@ def test_multi_turn_with_tool_messages(model, client, tools, tool_server):
 
 @pytest.mark.parametrize("body,param,words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
-    ({"response_format": {"type": "xml"}}, "response_format", ""),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
     ({"guided_json": {"type": "object", "properties": {"a": {"not": {}}}}}, "guided_json", "'not'"),
     ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
     ({"guided_regex": "(ab"}, "guided_regex", "cannot be compiled"),
