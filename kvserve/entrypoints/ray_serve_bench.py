@@ -30,7 +30,7 @@ from collections import Counter
 
 from kvserve.bench.multiround import build_sessions, server_tokenizer
 from kvserve.bench.serve import (LoadRequest, arrival_times, fetch_prefix_counters, format_table, prefix_hit_rate,
-                                 request_records, run_sessions, summarize)
+                                 request_records, run_benchmark, run_sessions, summarize)
 from kvserve.distributed.router import ROUTERS, Router, least_loaded, make_router
 from kvserve.entrypoints import ray_serve_ingress as ingress
 from kvserve.entrypoints.ray_serve import get_router
@@ -134,6 +134,10 @@ def main(argv=None) -> int:
     p.add_argument("--output-json", default=None, help="summaries and every request (send offset, token ids ...)")
     p.add_argument("--simulate", default=None, metavar="PROFILE",
                    help="also replay each run's requests on as many simulated replicas with this cost-model profile")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --simulate: calibrate the profile against this Ray deployment first (kvserve sim "
+                        "validate's server calibration, streams spread over the replicas; the profile file is "
+                        "rewritten with it): a replica behind Ray Serve adds per-token costs a lone server lacks")
     args = p.parse_args(argv)
     routers = args.routers.split(",")
     bad = [r for r in routers if r not in ROUTERS]
@@ -155,6 +159,13 @@ def main(argv=None) -> int:
         time.sleep(0.05)
     url, model = f"http://127.0.0.1:{server.port}", server.config.app.state.served_model_name
     try:
+        if sim is not None and args.calibrate:
+            from kvserve.sim.validate import calibrate_profile
+
+            warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(2 * args.replicas)]
+            asyncio.run(run_benchmark(url, model, warm, [0.0] * len(warm)))
+            sim, _ = calibrate_profile(url, model, {"max_model_len": args.max_model_len, "num_threads": 1},
+                                       args.simulate, seed=7, replicas=args.replicas)
         sessions = build_sessions(server_tokenizer(url, model), args.num_users, max_rounds=args.rounds,
                                   max_input_len=args.max_input_tokens - 1, output_len=args.output_len)
         offsets = arrival_times([s[0] for s in sessions], args.request_rate, args.seed)

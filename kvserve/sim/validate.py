@@ -137,7 +137,7 @@ def start_server(engine_args: dict, timeout: float = 600.0) -> tuple:
 
 
 def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24,
-              prefill_len: int = 192, prefill_runs: int = 3, seed: int = 0) -> dict:
+              prefill_len: int = 192, prefill_runs: int = 3, seed: int = 0, replicas: int = 1) -> dict:
     """Measure a live server's decode and prefill steps against the cost model's predictions.
 
     Decode: the median inter-token gap of 1 and of 8 concurrent streams (fresh ``context``-token prompts,
@@ -151,6 +151,8 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     "prefill_points": [(prompt_len, measured_s, predicted_s)]}``; ``prefill_scale`` is ``None`` when the
     measurement leaves nothing positive for the prefill terms. Every prompt is drawn fresh from ``seed`` (random
     token ids): a second calibration on the same server must not find the first one's prompts in its prefix cache.
+    ``replicas``: the server spreads concurrent fresh prompts over this many engines (a data-parallel
+    deployment), so ``b`` streams are predicted as a step of ``ceil(b / replicas)`` rows.
     """
     import random
     import statistics
@@ -169,7 +171,8 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
         gaps = [g for r in results if r.success for g in r.itl[3:]]
         if not gaps:
             raise ValueError(f"calibration at batch {b} got no inter-token gaps: {[r.error for r in results]}")
-        points.append((b, statistics.median(gaps), cost.step_time(decode_features(b, context + output_len // 2))))
+        rows = -(-b // replicas)
+        points.append((b, statistics.median(gaps), cost.step_time(decode_features(rows, context + output_len // 2))))
     (_, m1, p1), (_, m8, p8) = points
     scale = (m8 - m1) / (p8 - p1) if p8 > p1 else 0.0
     offset = m1 - scale * p1
@@ -188,6 +191,28 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     prefill_scale = (measured - rest) / pre if pre > 0 and measured > rest else None
     return {"offset_s": offset, "scale": scale, "prefill_scale": prefill_scale, "points": points,
             "prefill_points": [(prefill_len, measured, cost.step_time(f))]}
+
+
+def calibrate_profile(base_url: str, model: str, engine_args: dict, profile_path, seed: int = 0,
+                      replicas: int = 1) -> tuple:
+    """``calibrate`` the live server at ``base_url`` against the profile's uncalibrated cost model, print the
+    result, store it as the profile's ``server_calibration`` (the file is rewritten) and return ``(Simulator with
+    it, the calibration dict)``."""
+    from kvserve.sim.cli import build_simulator
+
+    raw_sim, prof = build_simulator(engine_args, profile_path, server_calibration=False)
+    cal = calibrate(base_url, model, raw_sim.step_time, seed=seed, replicas=replicas)
+    ps = cal["prefill_scale"]
+    print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
+          f"(prefill terms x {ps if ps is None else round(ps, 3)}; measured / predicted decode step: " +
+          ", ".join(f"{b} streams {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) +
+          "; lone prefill: " +
+          ", ".join(f"{n} tokens {m * 1000:.0f} / {p * 1000:.0f} ms" for n, m, p in cal["prefill_points"]) +
+          ")", flush=True)
+    prof["server_calibration"] = {**cal, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    with open(profile_path, "w") as f:
+        json.dump(prof, f, indent=1)
+    return build_simulator(engine_args, profile_path)[0], prof["server_calibration"]
 
 
 def compare(real: dict, sim: dict) -> dict:
@@ -235,18 +260,7 @@ def run(args: argparse.Namespace) -> int:
         warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(4)]
         asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
         def recalibrate(level: int = 0):
-            cal = calibrate(base_url, model, raw_sim.step_time, seed=args.seed * 1000 + level)
-            ps = cal["prefill_scale"]
-            print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
-                  f"(prefill terms x {ps if ps is None else round(ps, 3)}; measured / predicted decode step: " +
-                  ", ".join(f"batch {b} {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) +
-                  "; lone prefill: " +
-                  ", ".join(f"{n} tokens {m * 1000:.0f} / {p * 1000:.0f} ms" for n, m, p in cal["prefill_points"]) +
-                  ")", flush=True)
-            prof["server_calibration"] = {**cal, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-            with open(args.profile, "w") as f:
-                json.dump(prof, f, indent=1)
-            return build_simulator(eargs, args.profile)[0], prof["server_calibration"]
+            return calibrate_profile(base_url, model, eargs, args.profile, seed=args.seed * 1000 + level)
 
         cal = prof.get("server_calibration")
         if args.save_calibration:
