@@ -65,3 +65,30 @@ def test_level_slice_has_the_levels_mean_rate_and_fresh_prompts():
     assert a[0].arrival_s == 0.0 and a[-1].arrival_s == pytest.approx(10 / 0.5)
     b = level_requests(args, 0.5, 101)
     assert a[0].prompt != b[0].prompt  # another seed: other prompts, no prefix-cache carry-over between levels
+
+
+def test_calibration_of_a_data_parallel_deployment_predicts_per_replica_rows(monkeypatch):
+    """``calibrate(replicas=2)``: 8 concurrent streams on 2 replicas are predicted as steps of 4 rows each (the
+    measured gaps are fed in; no server)."""
+    import kvserve.sim.validate as V
+    from kvserve.bench.serve import RequestResult
+
+    class Linear:  # step = 10 ms + 5 ms per decode row; a prefill of n tokens: 1 ms per token
+        def step_time(self, f):  # f: FEATURES (prefill tokens, decode tokens, ...)
+            return 0.010 + 0.005 * f[1] + 0.001 * f[0]
+
+        def prefill_time(self, f):
+            return 0.001 * f[0]
+
+    gaps = {1: 0.030, 8: 0.060}  # the server: 20 ms over the model at 1 stream, (10 + 5 * 4) * 2 at 8 on 2 replicas
+
+    async def fake_run(url, model, reqs, offsets, **kw):
+        g = gaps.get(len(reqs), 0.0)
+        return [RequestResult(success=True, ttft=0.25, itl=[g] * 10) for _ in reqs], 1.0
+
+    monkeypatch.setattr(V, "run_benchmark", fake_run)
+    cal = V.calibrate("http://x", "m", Linear(), replicas=2)
+    assert [(b, round(p, 6)) for b, _, p in cal["points"]] == [(1, 0.015), (8, 0.030)]
+    assert cal["scale"] == pytest.approx(2.0) and cal["offset_s"] == pytest.approx(0.0)
+    one = V.calibrate("http://x", "m", Linear())
+    assert [round(p, 6) for _, _, p in one["points"]] == [0.015, 0.05]
