@@ -47,3 +47,14 @@ def flat_batch(requests, block_size, logits_rows=None):
     if logits_rows is not None:
         batch.logits_indices = torch.as_tensor(logits_rows, dtype=torch.long)
     return batch
+
+
+def scattered_block_tables(reqs, block_size: int) -> list:
+    """Per ``(tokens in the cache, new query tokens)`` request, a block table of the blocks it needs, taken from a
+    shared counter in reverse order (scattered, never contiguous ascending)."""
+    tables, next_block = [], 0
+    for ctx, q in reqs:
+        n = -(-(ctx + q) // block_size)
+        tables.append(list(range(next_block + n - 1, next_block - 1, -1)))
+        next_block += n
+    return tables

@@ -12,7 +12,7 @@ from kvserve.attention.cpu import CPUKernelAttentionBackend
 from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 from kvserve.model import cpu_kernels
-from tests.conftest import flat_batch
+from tests.conftest import flat_batch, scattered_block_tables
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=str(cpu_kernels.unavailable_reason()))
 
@@ -29,11 +29,7 @@ def _setup(reqs, h_q, h_kv, d, bs, seed=0):
     """A pool with each request's earlier K/V written, the step's batch, and its fused qkv rows [T, (H_q+2H_kv)D]."""
     g = torch.Generator().manual_seed(seed)
     cache = torch.zeros(2, 96, bs, h_kv, d)
-    tables, next_block = [], 0
-    for ctx, q in reqs:
-        n = -(-(ctx + q) // bs)
-        tables.append(list(range(next_block + n - 1, next_block - 1, -1)))  # scattered (reversed) blocks
-        next_block += n
+    tables = scattered_block_tables(reqs, bs)
     for (ctx, _), table in zip(reqs, tables):
         if ctx:
             TorchSDPABackend().write_kv(cache, torch.randn(ctx, h_kv, d, generator=g),

@@ -8,7 +8,7 @@ import torch
 from kvserve.attention.cpu import CPUKernelAttentionBackend
 from kvserve.attention.torch_sdpa import SHORT_QUERY_TOKENS, TorchSDPABackend
 from kvserve.model import cpu_kernels
-from tests.conftest import flat_batch
+from tests.conftest import flat_batch, scattered_block_tables
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "sdpa"])
@@ -31,11 +31,7 @@ def test_groups_match_per_request_causal_attention(reqs, num_groups, causal, use
     bs, h_q, h_kv, d = 4, 6, 2, 8
     cache = torch.zeros(2, 64, bs, h_kv, d)
     # reqs: (tokens already in the cache, new query tokens) per request
-    tables, next_block = [], 0
-    for ctx, q in reqs:
-        n = -(-(ctx + q) // bs)
-        tables.append(list(range(next_block + n - 1, next_block - 1, -1)))  # scattered (reversed) blocks
-        next_block += n
+    tables = scattered_block_tables(reqs, bs)
     ks, vs, qs, qsl = [], [], [], [0]
     for (ctx, q), table in zip(reqs, tables):
         k = torch.randn(ctx + q, h_kv, d, generator=g)
