@@ -138,11 +138,15 @@ def main(argv=None) -> int:
                    help="with --simulate: calibrate the profile against this Ray deployment first (kvserve sim "
                         "validate's server calibration, streams spread over the replicas; the profile file is "
                         "rewritten with it): a replica behind Ray Serve adds per-token costs a lone server lacks")
+    p.add_argument("--calibration-runs", type=int, default=3,
+                   help="with --calibrate: lone prefills measured; each decode batch runs // 3 times")
     args = p.parse_args(argv)
     routers = args.routers.split(",")
     bad = [r for r in routers if r not in ROUTERS]
     if bad:
         raise SystemExit(f"--routers must be from {', '.join(ROUTERS)}, got {bad}")
+    if args.calibration_runs < 1:
+        raise SystemExit(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
     if not args.think_time >= 0:
         raise SystemExit(f"--think-time must be >= 0, got {args.think_time}")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -165,7 +169,7 @@ def main(argv=None) -> int:
             warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(2 * args.replicas)]
             asyncio.run(run_benchmark(url, model, warm, [0.0] * len(warm)))
             sim, _ = calibrate_profile(url, model, {"max_model_len": args.max_model_len, "num_threads": 1},
-                                       args.simulate, seed=7, replicas=args.replicas)
+                                       args.simulate, seed=7, replicas=args.replicas, runs=args.calibration_runs)
         sessions = build_sessions(server_tokenizer(url, model), args.num_users, max_rounds=args.rounds,
                                   max_input_len=args.max_input_tokens - 1, output_len=args.output_len)
         offsets = arrival_times([s[0] for s in sessions], args.request_rate, args.seed)

@@ -58,6 +58,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate-each-level", action="store_true",
                    help="with --save-calibration: measure the calibration again before every level (on a shared "
                         "machine whose load drifts, each level is then simulated at its own moment's speed)")
+    p.add_argument("--calibration-runs", type=int, default=3,
+                   help="lone prefills per calibration; each decode batch is measured runs // 3 times (more runs: "
+                        "a steadier calibration, ~10 s more per 3 runs)")
 
 
 def level_requests(args, rate: float, seed: int) -> list:
@@ -137,11 +140,13 @@ def start_server(engine_args: dict, timeout: float = 600.0) -> tuple:
 
 
 def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24,
-              prefill_len: int = 192, prefill_runs: int = 3, seed: int = 0, replicas: int = 1) -> dict:
+              prefill_len: int = 192, prefill_runs: int = 3, seed: int = 0, replicas: int = 1,
+              decode_runs: int = 1) -> dict:
     """Measure a live server's decode and prefill steps against the cost model's predictions.
 
     Decode: the median inter-token gap of 1 and of 8 concurrent streams (fresh ``context``-token prompts,
-    ``output_len`` tokens, the first 3 gaps of each stream dropped); ``server = offset_s + scale * predicted`` is
+    ``output_len`` tokens, the first 3 gaps of each stream dropped; each batch measured ``decode_runs`` times, one
+    after the other, and the gaps pooled); ``server = offset_s + scale * predicted`` is
     fitted through the two points. Prefill: the median time to first token of ``prefill_runs`` lone fresh prompts of
     ``prefill_len`` tokens (one step that prefills the prompt and samples; the request's HTTP round trip is in it
     too, as it is in every real TTFT); ``prefill_scale`` is what the prefill terms must be multiplied by so that the
@@ -165,10 +170,14 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     from kvserve.sim.cost_model import decode_features, prefill_features
 
     points = []
+    if prefill_runs < 1 or decode_runs < 1:
+        raise ValueError(f"calibration runs must be >= 1, got prefill_runs={prefill_runs}, decode_runs={decode_runs}")
     for b in (1, 8):
-        reqs = [LoadRequest(fresh(context), output_len, 0.0) for _ in range(b)]
-        results, _ = asyncio.run(run_benchmark(base_url, model, reqs, [0.0] * b))
-        gaps = [g for r in results if r.success for g in r.itl[3:]]
+        gaps = []
+        for _ in range(decode_runs):
+            reqs = [LoadRequest(fresh(context), output_len, 0.0) for _ in range(b)]
+            results, _ = asyncio.run(run_benchmark(base_url, model, reqs, [0.0] * b))
+            gaps += [g for r in results if r.success for g in r.itl[3:]]
         if not gaps:
             raise ValueError(f"calibration at batch {b} got no inter-token gaps: {[r.error for r in results]}")
         rows = -(-b // replicas)
@@ -194,14 +203,16 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
 
 
 def calibrate_profile(base_url: str, model: str, engine_args: dict, profile_path, seed: int = 0,
-                      replicas: int = 1) -> tuple:
-    """``calibrate`` the live server at ``base_url`` against the profile's uncalibrated cost model, print the
-    result, store it as the profile's ``server_calibration`` (the file is rewritten) and return ``(Simulator with
-    it, the calibration dict)``."""
+                      replicas: int = 1, runs: int = 3) -> tuple:
+    """``calibrate`` the live server at ``base_url`` against the profile's uncalibrated cost model (``runs`` lone
+    prefills, each decode batch measured ``runs // 3`` times, at least once), print the result, store it as the
+    profile's ``server_calibration`` (the file is rewritten) and return ``(Simulator with it, the calibration
+    dict)``."""
     from kvserve.sim.cli import build_simulator
 
     raw_sim, prof = build_simulator(engine_args, profile_path, server_calibration=False)
-    cal = calibrate(base_url, model, raw_sim.step_time, seed=seed, replicas=replicas)
+    cal = calibrate(base_url, model, raw_sim.step_time, seed=seed, replicas=replicas, prefill_runs=runs,
+                    decode_runs=max(1, runs // 3))
     ps = cal["prefill_scale"]
     print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
           f"(prefill terms x {ps if ps is None else round(ps, 3)}; measured / predicted decode step: " +
@@ -246,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
     if not rates or any(not r > 0 for r in rates):
         raise ValueError(f"--rates must be positive numbers, got {args.rates!r}")
     slos = parse_goodput(args.goodput)
+    if args.calibration_runs < 1:
+        raise ValueError(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
     eargs = {k: v for k, v in engine_kwargs(args).items() if k != "device"}
     sim, prof = build_simulator(eargs, args.profile)
     raw_sim, _ = build_simulator(eargs, args.profile, server_calibration=False)
@@ -260,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
         warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(4)]
         asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
         def recalibrate(level: int = 0):
-            return calibrate_profile(base_url, model, eargs, args.profile, seed=args.seed * 1000 + level)
+            return calibrate_profile(base_url, model, eargs, args.profile, seed=args.seed * 1000 + level,
+                                     runs=args.calibration_runs)
 
         cal = prof.get("server_calibration")
         if args.save_calibration:

@@ -92,3 +92,36 @@ def test_calibration_of_a_data_parallel_deployment_predicts_per_replica_rows(mon
     assert cal["scale"] == pytest.approx(2.0) and cal["offset_s"] == pytest.approx(0.0)
     one = V.calibrate("http://x", "m", Linear())
     assert [round(p, 6) for _, _, p in one["points"]] == [0.015, 0.05]
+
+
+def test_calibration_runs_pool_the_decode_gaps_and_take_the_median_prefill(monkeypatch):
+    """``decode_runs`` repeats each decode batch and pools its gaps; ``prefill_runs`` lone prefills give the median
+    TTFT; fewer than one run is a ``ValueError`` naming both counts."""
+    import kvserve.sim.validate as V
+    from kvserve.bench.serve import RequestResult
+
+    class Linear:
+        def step_time(self, f):
+            return 0.010 + 0.005 * f[1] + 0.001 * f[0]
+
+        def prefill_time(self, f):
+            return 0.001 * f[0]
+
+    calls = {"decode": 0, "prefill": []}
+    ttfts = iter([0.5, 0.2, 0.3, 0.25, 0.9])  # the lone prefills, in order: median 0.3
+
+    async def fake_run(url, model, reqs, offsets, **kw):
+        if reqs[0].output_len == 2:  # a lone prefill
+            t = next(ttfts)
+            calls["prefill"].append(t)
+            return [RequestResult(success=True, ttft=t, itl=[])], 1.0
+        calls["decode"] += 1
+        g = 0.030 if len(reqs) == 1 else 0.060
+        return [RequestResult(success=True, ttft=0.1, itl=[g] * 10) for _ in reqs], 1.0
+
+    monkeypatch.setattr(V, "run_benchmark", fake_run)
+    cal = V.calibrate("http://x", "m", Linear(), prefill_runs=5, decode_runs=2)
+    assert calls["decode"] == 4 and calls["prefill"] == [0.5, 0.2, 0.3, 0.25, 0.9]
+    assert cal["prefill_points"][0][1] == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="prefill_runs=0, decode_runs=1"):
+        V.calibrate("http://x", "m", Linear(), prefill_runs=0)
