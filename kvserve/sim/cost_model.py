@@ -7,8 +7,8 @@ A step's plan (``SchedulerOutput``) is reduced to six features (``step_features`
 | ``prefill_tokens`` | tokens | tokens of prompt chunks (rows of more than one token): the flat batch's matmuls |
 | ``decode_tokens`` | tokens | single-token (decode) rows and verified drafts: the same matmuls, one row each |
 | ``logit_rows`` | rows | rows that sample: the LM head (vocab x hidden) and the sampler run once per row |
-| ``decode_ctx`` | k tokens | keys read by single-token (decode) rows: the paged-attention kernel |
-| ``prefill_attn`` | M query-key pairs | causal attention of prompt chunks: ``q * (start + (q + 1) / 2)`` per chunk |
+| ``decode_ctx`` | k query-key pairs | attention the paged-attention kernel does: the keys each single-token (decode) row reads, and the causal pairs of prompt chunks of at most ``SHORT_QUERY_TOKENS`` tokens, which the engine sends to the same kernel |
+| ``prefill_attn`` | M query-key pairs | causal attention of longer prompt chunks (gather + SDPA): ``q * (start + (q + 1) / 2)`` per chunk |
 | ``rows`` | rows | per-request bookkeeping: block tables, batch building, output processing |
 
 and ``step_s = intercept + sum(coef[f] * feature[f])`` (intercept: reading the weights once per step, Python
@@ -20,6 +20,12 @@ prefill), so the model can be replayed anywhere. The same shape is used by Vidur
 which fits per-operator costs; a whole-step model is coarser but needs only a few minutes of measurements on the
 real engine (``kvserve sim profile``). Profiles of the first format, with one ``tokens`` feature, still load: its
 coefficient becomes both token coefficients (the same prediction).
+
+The attention terms follow the engine's own routing (``kvserve.attention``): a chunk of at most
+``SHORT_QUERY_TOKENS`` query tokens runs in the paged-attention kernel like decode rows, a longer one gathers its
+context and runs SDPA, at a different cost per pair (measured: ~6 ns per pair over the 30 layers in the kernel, far
+less in SDPA). Profiles of the second format counted short chunks' pairs under ``prefill_attn``; they load
+unchanged (their fit put about the same price on both terms, the kernel's).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from kvserve.attention.torch_sdpa import SHORT_QUERY_TOKENS
 from kvserve.core.sched_output import SchedulerOutput
 
 FEATURES = ("prefill_tokens", "decode_tokens", "logit_rows", "decode_ctx", "prefill_attn", "rows")
@@ -36,8 +43,8 @@ PREFILL_FEATURES = ("prefill_tokens", "prefill_attn")  # the part of a step a pr
 
 
 def step_features(so: SchedulerOutput) -> tuple:
-    """The ``FEATURES`` of one step plan, in that order (tokens, tokens, rows, thousands of keys, millions of pairs,
-    rows)."""
+    """The ``FEATURES`` of one step plan, in that order (tokens, tokens, rows, thousands of kernel query-key pairs,
+    millions of SDPA pairs, rows)."""
     prefill_tokens = decode_tokens = rows = logit_rows = 0
     decode_ctx = prefill_attn = 0.0
     for s in so.scheduled:
@@ -50,7 +57,11 @@ def step_features(so: SchedulerOutput) -> tuple:
             decode_ctx += q * (s.start_pos + q)
         else:
             prefill_tokens += q
-            prefill_attn += q * (s.start_pos + (q + 1) / 2)
+            pairs = q * (s.start_pos + (q + 1) / 2)
+            if q <= SHORT_QUERY_TOKENS:
+                decode_ctx += pairs  # the paged-attention kernel, as decode rows
+            else:
+                prefill_attn += pairs  # gather + SDPA
     return (prefill_tokens, decode_tokens, logit_rows, decode_ctx / 1e3, prefill_attn / 1e6, rows)
 
 
@@ -150,7 +161,10 @@ def decode_features(batch: int, context: int) -> tuple:
 def prefill_features(prompt_len: int) -> tuple:
     """``FEATURES`` of a step that prefills one ``prompt_len``-token prompt in one chunk and samples its first
     token."""
-    return (prompt_len, 0, 1, 0.0, prompt_len * (prompt_len + 1) / 2 / 1e6, 1)
+    pairs = prompt_len * (prompt_len + 1) / 2
+    if prompt_len <= SHORT_QUERY_TOKENS:
+        return (prompt_len, 0, 1, pairs / 1e3, 0.0, 1)
+    return (prompt_len, 0, 1, 0.0, pairs / 1e6, 1)
 
 
 def fit(samples: list[tuple[tuple, float]]) -> CostModel:

@@ -8,9 +8,12 @@ and the wall time of ``engine.step()`` (scheduler + model runner + output proces
 - decode batches of 1, 4, 16 and 32 requests at contexts of about 32 and 512 tokens (the prompts share the prefix
   through the prefix cache, so setting up a batch costs little; the decode steps still read each request's whole
   context through its block table);
-- unshared prompts of 128 and 512 tokens (prefill chunks from position 0), alone and beside 8 decodes.
+- unshared prompts of 128 and 512 tokens (prefill chunks from position 0), alone and beside 8 decodes;
+- 128 and 512 new tokens after the cached prefix (a later round of a conversation: the same tokens as a fresh
+  prompt, several times the attention pairs), alone and beside 8 decodes, so that the attention of long chunks is
+  told apart from their matmuls.
 
-About 90 steps: one to two minutes on an idle 2-core CPU after the model has loaded (far longer when the cores
+About 110 steps: one to two minutes on an idle 2-core CPU after the model has loaded (far longer when the cores
 are shared; ``--num-threads 1`` is steadier then, and the server being modelled should use the same setting). The fitted ``CostModel`` and the
 raw samples are saved together with what identifies the measurement (model file, dtype, threads, KV bytes per
 token, machine), so ``kvserve sim`` can refuse a profile of another model and the fit can be redone.
@@ -29,8 +32,8 @@ from kvserve.sim.cost_model import FEATURES, CostModel, ServerCalibrated, fit, f
 
 logger = logging.getLogger(__name__)
 
-PROFILE_FORMAT = "kvserve-sim-profile/2"  # /2: prefill and decode tokens as separate features
-READABLE_FORMATS = ("kvserve-sim-profile/1", PROFILE_FORMAT)
+PROFILE_FORMAT = "kvserve-sim-profile/3"  # /2: prefill and decode tokens apart; /3: short chunks' pairs in decode_ctx
+READABLE_FORMATS = ("kvserve-sim-profile/1", "kvserve-sim-profile/2", PROFILE_FORMAT)
 DECODE_BATCHES = (1, 4, 16, 32)
 DECODE_CONTEXTS = (32, 512)
 PREFILL_LENS = (128, 512)
@@ -92,12 +95,15 @@ def measure(engine_args: dict, quick: bool = False) -> dict:
                 add(base[: c - 8] + tail, 8)
             drain()
             logger.info("profile: decode batch %d at context %d done (%d steps so far)", b, c, len(samples))
-    for n in prefills:
-        for with_decodes in (0, 8):
-            for j in range(with_decodes):
-                add(base[:24] + [30000 + (next(ids) * 13 + k) % 15000 for k in range(8)], 6)
-            add([1000 + (next(ids) * 31 + k) % 28000 for k in range(n)], 2)
-            drain()
+    cached = (len(base) - 1) // engine.block_size * engine.block_size  # whole blocks of the prefix: cache hits
+    for after_prefix in (False, True):
+        for n in prefills:
+            for with_decodes in (0, 8):
+                for j in range(with_decodes):
+                    add(base[:24] + [30000 + (next(ids) * 13 + k) % 15000 for k in range(8)], 6)
+                fresh = [1000 + (next(ids) * 31 + k) % 28000 for k in range(n)]
+                add(base[:cached] + fresh if after_prefix else fresh, 2)
+                drain()
     model = fit(samples)
     mc = engine.config.model_config
     profile = {

@@ -20,6 +20,11 @@ def test_quick_profile_then_simulate(tmp_path, capsys):
                if s["features"][f["decode_tokens"]] == s["features"][f["rows"]] == 4
                and s["features"][f["prefill_tokens"]] == 0]
     assert decodes and all(t > 0 for t in decodes)
+    # the 128-token prompt both fresh and after the cached prefix (240 tokens of 256: whole 16-token blocks), so
+    # the fit can tell SDPA's pairs from the chunk's matmuls
+    attn = sorted(s["features"][f["prefill_attn"]] for s in prof["samples"]
+                  if s["features"][f["prefill_tokens"]] == 128 and s["features"][f["rows"]] == 1)
+    assert attn == [128 * 64.5 / 1e6, 128 * (240 + 64.5) / 1e6]
     cm = prof["cost_model"]
     assert cm["intercept_s"] >= 0 and all(v >= 0 for v in cm["coef_s"].values())
     assert prof["fit"]["mean_abs_rel_err"] < 1.0
