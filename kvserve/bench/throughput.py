@@ -154,13 +154,20 @@ PROFILE_ROWS = ("weights", "attention", "norms+activation", "rope", "embedding",
 def step_profile(engine_args: dict, batches=(1, 32), context: int = 128, repeats: int = 9) -> list:
     """Where one decode step's time goes, at each batch size in ``batches`` (each request at ~``context`` tokens):
     every linear layer (``weights``: reading and multiplying weights) and every other part of ``LLMEngine.step``
-    wrapped in a wall-clock timer (~1 us per wrapped call, ~150 calls per step). Returns
-    ``[{"batch", "step_ms", "components": {name: ms per step}}]``, names from ``PROFILE_ROWS``."""
+    wrapped in a wall-clock timer (~1 us per wrapped call, ~150 calls per step). When the model runs its layer
+    loop in C (``LlamaModel.fused_layers``), the loop times its own matmuls, attention and element-wise kernels
+    (``FusedLayerLoop.timings``) into the same rows. Returns ``[{"batch", "step_ms", "components": {name: ms per
+    step}}]``, names from ``PROFILE_ROWS``."""
+    import torch
+
     from kvserve import LLM
 
     llm = LLM(**{**engine_args, "max_num_seqs": max(batches)})
     engine = llm.llm_engine
     model, runner, tot = engine.model, engine.model_runner, {}
+    fused = getattr(model, "fused_layers", None)
+    if fused is not None:
+        fused.timings = torch.zeros(3, dtype=torch.int64)
     for layer in model.layers:
         for k in ("qkv", "o", "gate_up", "down"):
             layer[k] = _Timed(layer[k], "weights", tot)
@@ -184,10 +191,15 @@ def step_profile(engine_args: dict, batches=(1, 32), context: int = 128, repeats
         _prefill_batch(engine, b, context, repeats + 4, "profile")
         engine.step()  # the first decode step after the prompts: warm
         tot.clear()
+        if fused is not None:
+            fused.timings.zero_()
         t = time.perf_counter()
         for _ in range(repeats):
             engine.step()
         step = (time.perf_counter() - t) / repeats
+        if fused is not None:  # the C loop's own clock: matmuls, attention, element-wise
+            for k, ns in zip(("weights", "attention", "norms+activation"), fused.timings.tolist()):
+                tot[k] = tot.get(k, 0.0) + ns / 1e9
         c = {k: v / repeats for k, v in tot.items()}
         while engine.has_unfinished_requests():
             engine.step()

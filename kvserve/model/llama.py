@@ -15,6 +15,7 @@ import torch
 from kvserve.model.backends import ModelBackends
 from kvserve.layers.rotary import rope_cos_sin, rope_inv_freq
 from kvserve.model.base import ModelArch
+from kvserve.model.fused_layers import FusedLayerLoop
 from kvserve.worker.input_batch import InputBatch
 
 
@@ -79,6 +80,8 @@ class LlamaModel:
                 )
             )
         self.inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta)
+        # The whole layer loop in one C call for steps the CPU kernels take whole (None: always the Python loop).
+        self.fused_layers = FusedLayerLoop.build(self)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of the whole pool (this rank's heads): ``[layers, 2, num_blocks, block_size, H_kv, D]``."""
@@ -98,7 +101,8 @@ class LlamaModel:
         """Run the flat batch, writing its K/V into the cache.
 
         Per layer: attention from the fused Q/K/V projection in one backend call (``AttentionBackend.forward_qkv``:
-        RoPE, K/V write, attention), and each residual add fused with the norm after it (``add_rms_norm``).
+        RoPE, K/V write, attention), and each residual add fused with the norm after it (``add_rms_norm``). When
+        the CPU kernels take the whole step, the layer loop is one C call (``fused_layers``), with the same result.
 
         Args:
             batch: the step's ``InputBatch`` (``T`` tokens).
@@ -108,12 +112,20 @@ class LlamaModel:
             ``[S, vocab_size]`` float32 logits of the rows ``batch.logits_indices`` (``S`` of them); on a
             tensor-parallel rank other than 0, ``[S, vocab_size / tp]`` (its own vocabulary slice).
         """
-        a, n_q, eps = self.arch, self.num_heads, self.arch.rms_norm_eps
-        scale = a.head_dim**-0.5
         meta = self.attn.build_metadata(batch)
         rope = self._rope(batch.positions)
-        layers, caches = self.layers, kv_cache.unbind(0)  # each layer's [2, num_blocks, block_size, H_kv, D] view
         h = self.embed(batch.input_ids)  # the residual stream: a fresh tensor, updated in place by add_rms_norm
+        if self.fused_layers is None or not self.fused_layers(h, batch, meta, rope, kv_cache):
+            h = self._layer_loop(h, batch, meta, rope, kv_cache)
+        h = self.ops.rms_norm(h[batch.logits_indices], self.final_norm, self.arch.rms_norm_eps)
+        return self.lm_head(h).float()
+
+    def _layer_loop(self, h: torch.Tensor, batch: InputBatch, meta, rope: tuple, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer on the residual stream ``h [T, hidden]`` (updated in place where the ops allow);
+        returns the last layer's output, before the final norm."""
+        a, n_q, eps = self.arch, self.num_heads, self.arch.rms_norm_eps
+        scale = a.head_dim**-0.5
+        layers, caches = self.layers, kv_cache.unbind(0)  # each layer's [2, num_blocks, block_size, H_kv, D] view
         # Buffers the backends may write each layer's norm, attention and SwiGLU outputs into (each is read only by
         # the projection right after it, so one per step serves every layer; backends that cannot, ignore them).
         t, f32 = batch.num_tokens, self.dtype
@@ -131,5 +143,4 @@ class LlamaModel:
                 h, x = self.ops.add_rms_norm(h, down, layers[i + 1]["attn_norm"], eps, x_buf)
             else:
                 h = h + down
-        h = self.ops.rms_norm(h[batch.logits_indices], self.final_norm, eps)
-        return self.lm_head(h).float()
+        return h

@@ -3,6 +3,7 @@ stage probe, ``kvserve generate --report-memory`` on the real model, and the CLI
 thresholds of the machine are asserted: only that the breakdown is computed and adds up."""
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -71,10 +72,10 @@ def test_breakdown_of_this_process_counts_written_pool_pages_exactly(tmp_path):
 def test_probe_stages_and_report():
     probe = MemoryProbe()
     first = probe.mark("a")
-    junk = bytearray(32 << 20)  # 32 MiB written: raises this stage's peak
-    junk[:: PAGE] = b"x" * len(junk[:: PAGE])
+    junk = mmap.mmap(-1, 32 << 20)  # 32 MiB of fresh pages written (a bytearray may reuse free heap pages that
+    junk[:: PAGE] = b"x" * len(junk[:: PAGE])  # are resident already): raises this stage's peak
     second = probe.mark("b")
-    del junk
+    junk.close()
     assert first.peak >= first.rss > 0 and second.peak >= second.rss
     assert probe.peak == max(first.peak, second.peak)
     if probe.per_stage:

@@ -65,7 +65,7 @@ def test_embedding_lookup_and_tied_lm_head(model_tensors):
     assert head.path.startswith("q8/") and (head.out_features, head.in_features) == (49152, 576)
     x = np.random.default_rng(0).standard_normal((3, 576)).astype(np.float32)
     got = head(torch.from_numpy(x)).numpy()
-    ref = kernels.reference_qgemm(x, emb.dequantize())
+    ref = kernels.reference_qgemm(x, emb.dequantize(), head.activations)
     mag = np.abs(x).astype(np.float64) @ np.abs(emb.dequantize().astype(np.float64)).T
     assert np.all(np.abs(got - ref) <= 1e-5 * mag)
 

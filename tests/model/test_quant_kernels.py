@@ -5,8 +5,11 @@ Two references per case:
 - exact-activation: the activations quantized exactly as the kernel does (the numpy quantizer equals the C one bit
   for bit, tested below), then a float64 product: the kernel may differ only by float32 summation order, so the
   bound is 1e-5 of sum |w| |x|;
-- float64 from the dequantized weights and the unrounded activations: the kernel's int8 activation rounding moves
-  each x by at most d_x / 2 (d_x = its block's max|x| / 127), so |error| <= sum_k |w_k| d_x(k) / 2 (+ the above).
+- float64 from the dequantized weights and the unrounded activations: the kernel's activation rounding moves each x
+  by at most d_x / 2 (d_x = its block's max|x| / 127 with int8 activations, 254 times less with the int8 pair), so
+  |error| <= sum_k |w_k| d_x(k) / 2 (+ the above).
+
+Every path runs with both activation quantizations (``kernels.ACTIVATIONS``).
 """
 
 import ctypes
@@ -26,17 +29,29 @@ ROWS = (1, 3, 7, 16, 17, 64, 129)
 
 
 def _isa_params():
-    return [pytest.param(name, marks=pytest.mark.skipif(not kernels.cpu_supports(name), reason=f"CPU lacks {name}"))
-            for name in kernels.ISAS]
+    return [pytest.param((name, act), id=f"{name}-{act}",
+                         marks=pytest.mark.skipif(not kernels.cpu_supports(name), reason=f"CPU lacks {name}"))
+            for name in kernels.ISAS for act in kernels.ACTIVATIONS]
 
 
 @pytest.fixture(params=_isa_params())
 def isa(request, monkeypatch):
-    """Each ISA path, forced through the environment variable the way a user would."""
-    monkeypatch.setenv(kernels.ISA_ENV, request.param)
-    assert kernels.select_isa() == request.param
-    monkeypatch.setattr(kernels, "isa", lambda: request.param)
-    return request.param
+    """Each ISA path with each activation quantization, forced through the environment variables the way a user
+    would."""
+    name, act = request.param
+    monkeypatch.setenv(kernels.ISA_ENV, name)
+    monkeypatch.setenv(kernels.ACT_ENV, act)
+    assert kernels.select_isa() == name
+    kernels.activations.cache_clear()
+    assert kernels.activations() == act
+    monkeypatch.setattr(kernels, "isa", lambda: name)
+    yield name
+    kernels.activations.cache_clear()
+
+
+def _path(kind, isa):
+    """``QuantLinear.path`` of a ``kind`` layer on path ``isa`` with the current activations."""
+    return f"{kind}/{isa}{'+a16' if kernels.activations() == 'int8x2' else ''}"
 
 
 def _gguf_tensor(qtype, n, k, seed):
@@ -62,10 +77,10 @@ def _check(layer, x, w64):
     k = w64.shape[1]
     k_pad = -(-k // 32) * 32
     xp = np.pad(x, ((0, 0), (0, k_pad - k)))
-    exact_act = kernels.reference_qgemm(xp, np.pad(w64, ((0, 0), (0, k_pad - k))))
+    exact_act = kernels.reference_qgemm(xp, np.pad(w64, ((0, 0), (0, k_pad - k))), layer.activations)
     mag = np.abs(x).astype(np.float64) @ np.abs(w64).T + 1e-30
     assert np.all(np.abs(got - exact_act) <= 1e-5 * mag)
-    _, d, _ = kernels.quantize_activations(xp)
+    _, d, _ = kernels.quantize_activations(xp, layer.activations)
     dx = np.repeat(d.astype(np.float64), 32, axis=1)[:, :k]  # per element: its block's step
     bound = (dx / 2) @ np.abs(w64).T
     err = np.abs(got - x.astype(np.float64) @ w64.T)
@@ -78,7 +93,7 @@ def _check(layer, x, w64):
 def test_gguf_formats_match_float64_reference(isa, qtype, n, k, rows):
     t = _gguf_tensor(qtype, n, k, seed=rows)
     layer = make_linear_method(t, "auto")
-    assert layer.path == f"{'q4' if qtype != formats.Q8_0 else 'q8'}/{isa}"
+    assert layer.path == _path("q4" if qtype != formats.Q8_0 else "q8", isa)
     w = t.dequantize()
     np.testing.assert_array_equal(layer.dequantized(), w)  # the packed weight is the file's, exactly
     x = np.random.default_rng(100 + rows).standard_normal((rows, k)).astype(np.float32)
@@ -91,7 +106,7 @@ def test_q4_k_kept_exactly(isa, rows):
     """Q4_K: the file's nibbles with float32 sub-block scales (d * sc) and mins (-dmin * mn): exact values."""
     t = _gguf_tensor(formats.Q4_K, 40, 512, seed=rows)
     layer = make_linear_method(t)
-    assert layer.path == f"q4_k/{isa}" and layer.packed.fmt == P.FMT_Q4F
+    assert layer.path == _path("q4_k", isa) and layer.packed.fmt == P.FMT_Q4F
     w = t.dequantize()
     np.testing.assert_array_equal(layer.dequantized(), w)
     q, d, m = formats.decode_q4_k(t.raw, 512)
@@ -105,7 +120,7 @@ def test_q4_k_kept_exactly(isa, rows):
 def test_k_quants_requantized_per_block(isa, qtype, rows):
     t = _gguf_tensor(qtype, 24, 512, seed=rows)
     layer = make_linear_method(t, None)
-    assert layer.path == f"q8_from_{qtype.name}/{isa}"
+    assert layer.path == _path(f"q8_from_{qtype.name}", isa)
     exact = t.dequantize().astype(np.float64)
     held = layer.dequantized().astype(np.float64)
     # per-block int8 re-quantization: each weight moves by at most half a step (+ float16 rounding of the step)
@@ -121,7 +136,7 @@ def test_int8_per_block_from_float(isa, n, k, rows):
     rng = np.random.default_rng(rows)
     w = (rng.standard_normal((n, k)) * np.linspace(0.01, 1, n)[:, None]).astype(np.float32)
     layer = make_linear_method(torch.from_numpy(w), "int8")
-    assert (layer.path, layer.out_features, layer.in_features) == (f"int8/{isa}", n, k)
+    assert (layer.path, layer.out_features, layer.in_features) == (_path("int8", isa), n, k)
     held = layer.dequantized().astype(np.float64)
     wp = np.pad(w, ((0, 0), (0, -k % 32)))
     step = np.repeat(np.abs(wp).reshape(n, -1, 32).max(-1) / 127, 32, axis=1)[:, :k]
@@ -141,8 +156,9 @@ def test_int8_of_a_gguf_tensor_and_fp32_method():
     torch.testing.assert_close(f32(x).double(), ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
 @pytest.mark.parametrize("isa_id", [0, 1])  # 0: the scalar C loop, 1: the AVX2 one the matmul uses
-def test_activation_quantizer_equals_numpy_reference(isa_id):
+def test_activation_quantizer_equals_numpy_reference(isa_id, act):
     if isa_id and not kernels.cpu_supports("avx2"):
         pytest.skip("CPU lacks avx2")
     rng = np.random.default_rng(0)
@@ -150,13 +166,20 @@ def test_activation_quantizer_equals_numpy_reference(isa_id):
     x[1, :32] = 0.0  # all-zero block: scale 0, all q 0
     x[2, :32] = np.concatenate([[127.0], np.arange(31) - 15.5])  # scale exactly 1: ties +-0.5, 1.5, ... to even
     x[4, 64] = 1e30
+    x[3, 32:64] = np.linspace(-2, 2, 32) * np.float32(1 + 2 ** -20)  # residuals near the int8 pair's ties
     m, k = x.shape
-    q = np.empty((m, k), np.int8)
+    pair = act == "int8x2"
+    q = np.empty((m, k // 32, 2 if pair else 1, 32), np.int8)  # the pair: per block q1[32] then q2[32]
     d = np.empty((m, k // 32), np.float32)
     s = np.empty((m, k // 32), np.float32)
-    kernels.load().kvserve_q_quantize_rows(isa_id, x.ctypes.data, m, k, q.ctypes.data, d.ctypes.data, s.ctypes.data)
-    q_ref, d_ref, s_ref = kernels.quantize_activations(x)
-    np.testing.assert_array_equal(q, q_ref)
+    kernels.load().kvserve_q_quantize_rows(isa_id, kernels.ACTIVATIONS[act], x.ctypes.data, m, k, q.ctypes.data,
+                                           d.ctypes.data, s.ctypes.data)
+    q_ref, d_ref, s_ref = kernels.quantize_activations(x, act)
+    got = q[:, :, 0].astype(np.int32) * 254 + q[:, :, 1] if pair else q
+    np.testing.assert_array_equal(got.reshape(m, k), q_ref)
+    if pair:  # each half is an int8 in -127..127 and the pair's step is the int8 step / 254
+        assert np.abs(q).max() <= 127
+        np.testing.assert_array_equal(d * np.float32(254), kernels.quantize_activations(x, "int8")[1])
     np.testing.assert_array_equal(d.view(np.uint32), d_ref.view(np.uint32))
     np.testing.assert_array_equal(s.view(np.uint32), s_ref.view(np.uint32))
 
@@ -199,10 +222,33 @@ def test_kernel_refuses_bad_arguments():
     x = torch.randn(2, 40)
     y = torch.empty(2, 16)
     w = torch.zeros(1, 2, P.Q4_BLOCK, dtype=torch.uint8)
-    # K = 40 is not a multiple of 32; fmt 7 does not exist; isa 9 does not exist
-    for fmt, isa_id, k in ((0, 1, 40), (7, 1, 32), (0, 9, 32)):
-        rc = lib.kvserve_qgemm(fmt, isa_id, x.data_ptr(), 2, k, w.data_ptr(), 16, None, y.data_ptr(), 16)
+    # K = 40 is not a multiple of 32; fmt 7 does not exist; isa 9 does not exist; activations 5 do not exist
+    for fmt, isa_id, act, k in ((0, 1, 0, 40), (7, 1, 0, 32), (0, 9, 0, 32), (0, 1, 5, 32)):
+        rc = lib.kvserve_qgemm(fmt, isa_id, act, x.data_ptr(), 2, k, w.data_ptr(), 16, None, y.data_ptr(), 16)
         assert rc == -1
+
+
+def test_bad_activations_are_a_value_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(kernels.ACT_ENV, "int4")
+    kernels.activations.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"KVSERVE_QUANT_ACTIVATIONS must be one of 'int8', 'int8x2', got 'int4'"):
+            kernels.activations()
+    finally:
+        kernels.activations.cache_clear()
+    with pytest.raises(ValueError, match=r"activations must be one of 'int8', 'int8x2'"):
+        QuantLinear(P.pack_q4(np.zeros((16, 32), np.uint8), np.ones((16, 1), np.float16),
+                              np.zeros((16, 1), np.float16)), "q4", activations="fp16")
+
+
+def test_default_activations_follow_the_path(monkeypatch):
+    monkeypatch.delenv(kernels.ACT_ENV, raising=False)
+    kernels.activations.cache_clear()
+    try:
+        assert kernels.activations() == kernels.DEFAULT_ACTIVATIONS.get(kernels.isa(), "int8")
+    finally:
+        kernels.activations.cache_clear()
+    assert kernels.DEFAULT_ACTIVATIONS == {"avx512_vnni": "int8x2", "avx2": "int8"}
 
 
 def test_fallback_without_kernels_computes_the_same(monkeypatch):
@@ -273,14 +319,15 @@ def emulated_avx512(tmp_path_factory):
     if proc.returncode != 0:
         pytest.skip(f"emulation build failed: {proc.stderr[-300:]}")
     lib = ctypes.CDLL(str(out))
-    lib.kvserve_qgemm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+    lib.kvserve_qgemm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return lib
 
 
+@pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
 @pytest.mark.parametrize("kind", ["q4", "q4f", "q8", "int8"])
 @pytest.mark.parametrize("rows", ROWS)
-def test_avx512_vnni_path_logic_under_emulation(emulated_avx512, kind, rows):
+def test_avx512_vnni_path_logic_under_emulation(emulated_avx512, kind, rows, act):
     """The AVX-512 VNNI code (isa 2) run through SIMDe on this CPU: equal to the exact-activation reference."""
     rng = np.random.default_rng(rows)
     n, k = 40, 96
@@ -297,10 +344,10 @@ def test_avx512_vnni_path_logic_under_emulation(emulated_avx512, kind, rows):
     x = rng.standard_normal((rows, k)).astype(np.float32)
     n_pad = packed.data.shape[0] * 16
     y = torch.empty(rows, n_pad)
-    rc = emulated_avx512.kvserve_qgemm(packed.fmt, 2, torch.from_numpy(x).data_ptr(), rows, k,
+    rc = emulated_avx512.kvserve_qgemm(packed.fmt, 2, kernels.ACTIVATIONS[act], torch.from_numpy(x).data_ptr(), rows, k,
                                        packed.data.data_ptr(), n_pad,
                                        None if packed.oscale is None else packed.oscale.data_ptr(), y.data_ptr(), n_pad)
     assert rc == 0
     got = y[:, :n].numpy().astype(np.float64)
     mag = np.abs(x).astype(np.float64) @ np.abs(w).T + 1e-30
-    assert np.all(np.abs(got - kernels.reference_qgemm(x, w)) <= 1e-5 * mag)
+    assert np.all(np.abs(got - kernels.reference_qgemm(x, w, act)) <= 1e-5 * mag)

@@ -1,6 +1,7 @@
 """The default path keeps the GGUF's Q4_1 / Q8_0 weights quantized: the engine uses the int8 dot-product kernels,
 and its next-token predictions stay within the accuracy thresholds of the ``"fp32"`` path (issue 12) on a small
-fixed set: the first GSM8K test rows up to 1,000 positions (``kvserve bench accuracy`` runs 20,000 by default)."""
+fixed set: the first GSM8K test rows up to 1,000 positions (``kvserve bench accuracy`` runs 20,000 by default),
+with each activation quantization (``KVSERVE_QUANT_ACTIVATIONS``)."""
 
 import pytest
 
@@ -28,22 +29,38 @@ def test_default_engine_keeps_the_file_quantized(qllm, llm, monkeypatch):
         assert layer.endswith("fp32_fallback"), layer
     else:
         isa = quant_kernels.isa()
-        assert (layer, head) == (f"q4/{isa}", f"q8/{isa}")  # the file's Q4_1 layers and Q8_0 embedding
+        suffix = "+a16" if quant_kernels.activations() == "int8x2" else ""
+        assert (layer, head) == (f"q4/{isa}{suffix}", f"q8/{isa}{suffix}")  # the file's Q4_1 layers, Q8_0 embedding
     assert qllm.llm_engine.backends.quantization == "auto"
     assert llm.llm_engine.model.lm_head.path in ("kvserve", "onednn", "mkl")  # the suite's fp32 reference
 
 
-def test_accuracy_thresholds_against_fp32(qllm, llm, tokenizer):
+@pytest.mark.parametrize("activations", ["int8x2", "int8"])
+def test_accuracy_thresholds_against_fp32(llm, tokenizer, monkeypatch, activations):
     if not (default_data_dir() / "gsm8k" / "test.jsonl").exists():
         pytest.skip("../shared/data/gsm8k is not next to this clone")
+    if quant_kernels.isa() is None:
+        pytest.skip(str(quant_kernels.unavailable_reason()))
+    monkeypatch.setenv(quant_kernels.ACT_ENV, activations)
+    quant_kernels.activations.cache_clear()
+    try:
+        models = {q: LLM(num_kv_blocks=64, max_num_seqs=4, quantization=q).llm_engine.model for q in ("auto", "int8")}
+    finally:
+        quant_kernels.activations.cache_clear()
+    assert models["auto"].lm_head.activations == activations
     texts = gsm8k_texts(tokenizer, 1000)
-    r = compare_all(llm.llm_engine.model, {"auto": qllm.llm_engine.model}, texts)["auto"]
-    assert r.positions == sum(len(t) - 1 for t in texts) >= 1000
-    assert abs(r.ppl_change) <= 0.01  # the issue's perplexity bound: met (measured +0.62% here)
-    # The issue asks for >= 99% top-1 agreement; measured 96.85% here and 97.0% over 3,070 positions (`kvserve
-    # bench accuracy`) with int8 activations, so that target is not met (docs/quant_kernels.md: the 15-bit
-    # activation pair that meets it halves batched throughput). This bound guards against regressions.
-    assert r.top1_agreement >= 0.95
+    got = compare_all(llm.llm_engine.model, models, texts)
+    for r in got.values():
+        assert r.positions == sum(len(t) - 1 for t in texts) >= 1000
+        assert abs(r.ppl_change) <= 0.01  # the issue's perplexity bound
+    if activations == "int8x2":
+        # the issue's thresholds, 99% for the file's own format and 98% for int8 weights (measured over the full
+        # 20,157 positions: 99.99% and 98.37%, docs/quant_kernels.md)
+        assert got["auto"].top1_agreement >= 0.99 and got["int8"].top1_agreement >= 0.98
+    else:
+        # llama.cpp's int8 activations (the default on AVX2): 97.26% / 96.89% over 20,157 positions, under the
+        # issue's thresholds; this bound guards against regressions
+        assert got["auto"].top1_agreement >= 0.95 and got["int8"].top1_agreement >= 0.95
 
 
 def test_quantized_engine_serves_batches_cleanly(qllm):

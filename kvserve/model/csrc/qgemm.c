@@ -3,7 +3,9 @@
  * The scheme is llama.cpp's (ggml-cpu quants: vec_dot_q4_1_q8_1, vec_dot_q8_0_q8_0): every activation row is
  * quantized per block of QK = 32 values to int8 with one float scale (d_x = max|x| / 127, q = round-to-nearest-even
  * (x / d_x), as llama.cpp's Q8_0/Q8_1 activations), so a block's dot product is an exact integer sum times float
- * scales:
+ * scales. With ACT_PAIR, each activation block is a *pair* of int8 vectors instead (x ~= d_x (254 q1 + q2), q1 as
+ * above and q2 its rounding residual: a 15-bit activation, "activations" below); every product stays an int8 dot
+ * product, twice as many of them, and the weights are still loaded and unpacked once. Below, q_x = 254 q1 + q2 then:
  *
  *   4-bit weights, w = d_w * q_w + m_w (q_w in 0..15; GGUF Q4_1, and Q4_0 with m_w = -8 d_w):
  *       sum_k w_k x_k ~= d_w d_x * sum_k q_w q_x  +  m_w * (d_x * sum_k q_x)
@@ -31,6 +33,8 @@
  *                 whole block accumulates in 16 bits. 8-bit: the sign trick (|w| x sign(x, w)), one madd per step.
  *   AVX-512 VNNI: _mm512_dpbusd_epi32 (u8 x s8 quads -> s32), 16 outputs x MR5 rows. 8-bit weights are the signed
  *                 operand, the activation is made unsigned (q_x + 128) and 128 * sum q_w is subtracted per block.
+ *   With ACT_PAIR, q1 and q2 accumulate apart (AVX2 4-bit: two 16-bit sums, each within the bound above) and meet as
+ *   254 a1 + a2 in int32 (at most 254 * 32 * 128 * 128 < 2^31) before the float scale.
  * Groups are split across OpenMP threads; within a group the rows are tiled, so each weight block is loaded and
  * unpacked once per MR rows and stays in L1/L2 while the row tiles pass over it.
  */
@@ -49,10 +53,12 @@
 #define MR5 6 /* rows per AVX-512 tile */
 #define SERIAL_QUANT (64 * 1024) /* activations up to this many values are quantized by the calling thread */
 #define SERIAL_MACS (64 * 1024)  /* products below this many multiply-adds run on the calling thread */
-#define STACK_VALUES (8 * 1024)  /* activations up to this many values are quantized into a stack buffer */
+#define STACK_BYTES (16 * 1024)  /* quantized activations up to this many bytes go to a stack buffer */
+#define RES 254                  /* ACT_PAIR: x ~= d (RES q1 + q2) */
 
 enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2 };
 enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
+enum { ACT_INT8 = 0, ACT_PAIR = 1 }; /* activation precision: one int8 per value, or a pair (15 bits) */
 
 #define T_AVX2 __attribute__((target("avx2,fma,f16c")))
 #ifdef KVSERVE_Q_EMULATE_AVX512 /* tests only: SIMDe's portable AVX-512 intrinsics (tests/model/qgemm_avx512_emu.c) */
@@ -67,37 +73,53 @@ enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
 #define PREFETCH(blk, bytes) \
     for (int _l = 0; _l < (bytes); _l += 64) _mm_prefetch((const char *)(blk) + PF_DIST + _l, _MM_HINT_T0);
 
-/* ---- activations: per-32-block int8, round half to even like np.rint; scalar reference and AVX2 ---- */
+/* ---- activations: per-32-block int8 (or int8 pairs), round half to even like np.rint; scalar and AVX2 ---- */
 
-/* x[K] -> q[K] int8, d[K/32] = max|x|/127 per block, s[K/32] = d * sum(q) per block. K must be a multiple of 32. */
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+/* x[K] -> per block b of 32 values: d1 = max|x| / 127, q1 = rint(x / d1) clamped to +-127 (llama.cpp's Q8
+ * activation). ACT_INT8: q[32 b ..] = q1, d[b] = d1. ACT_PAIR: also d2 = d1 / RES and q2 = rint((x - q1 d1) / d2),
+ * the residual of q1 (|x - q1 d1| <= d1 / 2, so q2 fits in +-127 and the error is at most d2 / 2 = d1 / 508);
+ * q[64 b ..] = q1[32] then q2[32], d[b] = d2 (x ~= d2 (RES q1 + q2)). s[b] = d[b] * sum of the block's integer values
+ * (q1, or RES q1 + q2): the block's sum of the represented activations, for the m_w term of 4-bit weights. K must
+ * be a multiple of 32. */
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int pair) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
+        int8_t *q1 = q + b * QK * (pair ? 2 : 1), *q2 = q1 + QK;
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) {
             float a = fabsf(xb[i]);
             amax = a > amax ? a : amax;
         }
-        float db = amax / 127.0f;
-        float id = db != 0.0f ? 1.0f / db : 0.0f;
+        float d1 = amax / 127.0f, d2 = d1 / (float)RES;
+        float id1 = d1 != 0.0f ? 1.0f / d1 : 0.0f, id2 = d2 != 0.0f ? 1.0f / d2 : 0.0f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
-            float v = nearbyintf(xb[i] * id);
+            float v = nearbyintf(xb[i] * id1);
             v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-            q[b * QK + i] = (int8_t)v;
-            sum += (int)v;
+            q1[i] = (int8_t)v;
+            if (pair) {
+                float r = fmaf(-v, d1, xb[i]); /* the exact residual, one rounding (as the vector path's fnmadd) */
+                float v2 = nearbyintf(r * id2);
+                v2 = v2 > 127.0f ? 127.0f : (v2 < -127.0f ? -127.0f : v2);
+                q2[i] = (int8_t)v2;
+                sum += RES * (int)v + (int)v2;
+            } else {
+                sum += (int)v;
+            }
         }
-        d[b] = db;
-        s[b] = db * (float)sum;
+        d[b] = pair ? d2 : d1;
+        s[b] = d[b] * (float)sum;
     }
 }
 
 /* The same as quantize_row, 32 values at a time (vroundps to nearest even = nearbyintf in the default mode). */
-T_AVX2 static void quantize_row_avx2(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+T_AVX2 static void quantize_row_avx2(const float *x, int64_t K, int8_t *q, float *d, float *s, int pair) {
     const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
-    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), res = _mm256_set1_epi32(RES);
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
+        int8_t *qb = q + b * QK * (pair ? 2 : 1);
         __m256 v[4], amax = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
             v[i] = _mm256_loadu_ps(xb + 8 * i);
@@ -106,61 +128,88 @@ T_AVX2 static void quantize_row_avx2(const float *x, int64_t K, int8_t *q, float
         __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        float db = _mm_cvtss_f32(m) / 127.0f;
-        float idb = db != 0.0f ? 1.0f / db : 0.0f;
-        __m256 id = _mm256_set1_ps(idb);
-        __m256i qi[4], sum = _mm256_setzero_si256();
+        float d1 = _mm_cvtss_f32(m) / 127.0f, d2 = d1 / (float)RES;
+        float id1s = d1 != 0.0f ? 1.0f / d1 : 0.0f, id2s = d2 != 0.0f ? 1.0f / d2 : 0.0f;
+        __m256 id1 = _mm256_set1_ps(id1s), id2 = _mm256_set1_ps(id2s), vd1 = _mm256_set1_ps(d1);
+        __m256i q1[4], q2[4], sum = _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
-            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            qi[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(r, lim), nlim));
-            sum = _mm256_add_epi32(sum, qi[i]);
+            __m256 r1 = _mm256_max_ps(_mm256_min_ps(_mm256_round_ps(_mm256_mul_ps(v[i], id1), rnd), lim), nlim);
+            q1[i] = _mm256_cvtps_epi32(r1);
+            if (pair) {
+                __m256 resid = _mm256_fnmadd_ps(r1, vd1, v[i]);
+                __m256 r2 = _mm256_round_ps(_mm256_mul_ps(resid, id2), rnd);
+                q2[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(r2, lim), nlim));
+                sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_mullo_epi32(q1[i], res), q2[i]));
+            } else {
+                sum = _mm256_add_epi32(sum, q1[i]);
+            }
         }
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-        _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(p, perm));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q1[0], q1[1]), _mm256_packs_epi32(q1[2], q1[3]));
+        _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(p, perm));
+        if (pair) {
+            p = _mm256_packs_epi16(_mm256_packs_epi32(q2[0], q2[1]), _mm256_packs_epi32(q2[2], q2[3]));
+            _mm256_storeu_si256((__m256i *)(qb + QK), _mm256_permutevar8x32_epi32(p, perm));
+        }
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-        d[b] = db;
-        s[b] = db * (float)_mm_cvtsi128_si32(t);
+        d[b] = pair ? d2 : d1;
+        s[b] = d[b] * (float)_mm_cvtsi128_si32(t);
     }
 }
 
-/* Exposed for tests: the same quantization the matmul applies to x [M, K]. */
-void kvserve_q_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+/* Exposed for tests: the same quantization the matmul applies to x [M, K] (q: [M, K] int8, or [M, 2K] for
+ * ACT_PAIR in the layout above; d, s: [M, K / 32]). isa 0: the scalar reference. */
+void kvserve_q_quantize_rows(int isa, int act, const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+    const int pair = act == ACT_PAIR;
     for (int64_t m = 0; m < M; m++) {
+        int8_t *qm = q + m * K * (pair ? 2 : 1);
         if (isa == ISA_AVX2 || isa == ISA_AVX512_VNNI)
-            quantize_row_avx2(x + m * K, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
+            quantize_row_avx2(x + m * K, K, qm, d + m * (K / QK), s + m * (K / QK), pair);
         else
-            quantize_row(x + m * K, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
+            quantize_row(x + m * K, K, qm, d + m * (K / QK), s + m * (K / QK), pair);
     }
 }
 
 /* ---- AVX2 ---- */
 
-/* Per-row named variables (an array of vectors makes gcc spill them): acc a##i (integer, per block), f##i (float). */
+/* In the tiles: xq holds the rows' quantized activations, row i at xq + i * xrow, block b at + b * xblk (xrow = K,
+ * xblk = 32, or 2K and 64 with pair: q1 then q2); `pair` is a compile-time constant at every call (the tile is
+ * inlined into a switch), so the int8 path carries no extra work. Per-row named variables (an array of vectors makes
+ * gcc spill them): integer accumulators a##i (q1) and c##i (q2) per block, float sums f##i. */
 #define A2_ZERO_F(i) __m256 f##i = _mm256_setzero_ps();
-#define A2_ZERO_A(i) __m256i a##i = _mm256_setzero_si256();
+#define A2_ZERO_A(i) __m256i a##i = _mm256_setzero_si256(), c##i = _mm256_setzero_si256();
+#define A2_BCAST(off) _mm256_set1_epi32(*(const int32_t *)(xr + (off)))
 #define A2_Q4_STEP(i)                                                                                   \
     if (mr > i) {                                                                                       \
-        const int8_t *xr = xq + (i) * K + b * QK + 4 * j;                                               \
-        a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t *)xr))); \
-        a##i = _mm256_add_epi16(a##i,                                                                   \
-                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t *)(xr + 16)))); \
+        const int8_t *xr = xq + (i) * xrow + b * xblk + 4 * j;                                          \
+        a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(lo, A2_BCAST(0)));                           \
+        a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(hi, A2_BCAST(16)));                          \
+        if (pair) {                                                                                     \
+            c##i = _mm256_add_epi16(c##i, _mm256_maddubs_epi16(lo, A2_BCAST(32)));                      \
+            c##i = _mm256_add_epi16(c##i, _mm256_maddubs_epi16(hi, A2_BCAST(48)));                      \
+        }                                                                                               \
     }
 #define A2_Q4_END(i)                                                                                    \
     if (mr > i) {                                                                                       \
-        __m256 v = _mm256_cvtepi32_ps(_mm256_madd_epi16(a##i, ones));                                   \
-        f##i = _mm256_fmadd_ps(v, _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i);           \
+        __m256i t = pair ? _mm256_add_epi32(_mm256_madd_epi16(a##i, res16), _mm256_madd_epi16(c##i, ones)) \
+                         : _mm256_madd_epi16(a##i, ones);                                               \
+        f##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i); \
         f##i = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[(i) * nb + b]), f##i);                             \
     }
 #define A2_Q8_STEP(i)                                                                                   \
     if (mr > i) {                                                                                       \
-        __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xq + (i) * K + b * QK + 4 * j));              \
-        a##i = _mm256_add_epi32(a##i, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones)); \
+        const int8_t *xr = xq + (i) * xrow + b * xblk + 4 * j;                                          \
+        __m256i p1 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(A2_BCAST(0), w));                        \
+        a##i = _mm256_add_epi32(a##i, _mm256_madd_epi16(p1, pair ? res16 : ones));                      \
+        if (pair)                                                                                       \
+            c##i = _mm256_add_epi32(c##i, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(A2_BCAST(32), w)), \
+                                                            ones));                                     \
     }
 #define A2_Q8_END(i)                                                                                    \
     if (mr > i)                                                                                         \
-        f##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a##i), _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i);
+        f##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair ? _mm256_add_epi32(a##i, c##i) : a##i),          \
+                               _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i);
 #define A2_STORE(i)                                                                                     \
     if (mr > i) _mm256_storeu_ps(y + (i) * ldy, oscale ? _mm256_mul_ps(f##i, _mm256_loadu_ps(oscale)) : f##i);
 #define A2_ROWS(M) M(0) M(1) M(2) M(3)
@@ -168,9 +217,10 @@ void kvserve_q_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8
 /* mr rows (1..MR2) x 8 outputs (half `half` of group wg) -> y[i * ldy + 0..7]. */
 T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const int8_t *xq, const float *xd,
                                 const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr,
-                                const int f32s) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+                                const int f32s, const int pair) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), res16 = _mm256_set1_epi16(RES);
     const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64; /* block bytes, offset of the nibbles */
+    const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A2_ROWS(A2_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * bb;
@@ -191,9 +241,11 @@ T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
 }
 
 T_AVX2 INLINE void q8_avx2_tile(const uint8_t *wg, int64_t nb, int half, const int8_t *xq, const float *xd,
-                                const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr) {
-    (void)xs;
-    const __m256i ones = _mm256_set1_epi16(1);
+                                const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr,
+                                const int f32s, const int pair) {
+    (void)xs, (void)f32s;
+    const __m256i ones = _mm256_set1_epi16(1), res16 = _mm256_set1_epi16(RES);
+    const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A2_ROWS(A2_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * Q8_BLOCK;
@@ -210,22 +262,33 @@ T_AVX2 INLINE void q8_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
     A2_ROWS(A2_STORE)
 }
 
-#define A2_CASE(fn, n) case n: fn(wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os, n); break;
-#define A2_CASE4(n) case n: q4_avx2_tile(wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os, n, fmt == FMT_Q4F); break;
-T_AVX2 static void group_avx2(int fmt, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
+/* One switch case per row count (1..6) with every flag a constant, so each tile is specialised. */
+#define TILE_CASE(fn, n, f32s, pair, ...) case n: fn(__VA_ARGS__, n, f32s, pair); break;
+#define TILE_SWITCH4(fn, f32s, pair, ...)                                                               \
+    TILE_CASE(fn, 1, f32s, pair, __VA_ARGS__) TILE_CASE(fn, 2, f32s, pair, __VA_ARGS__)                 \
+    TILE_CASE(fn, 3, f32s, pair, __VA_ARGS__) TILE_CASE(fn, 4, f32s, pair, __VA_ARGS__)
+#define TILE_SWITCH6(fn, f32s, pair, ...)                                                               \
+    TILE_SWITCH4(fn, f32s, pair, __VA_ARGS__)                                                           \
+    TILE_CASE(fn, 5, f32s, pair, __VA_ARGS__) TILE_CASE(fn, 6, f32s, pair, __VA_ARGS__)
+/* fmt x pair -> the tile, as a switch over the row count (SW: TILE_SWITCH4 or TILE_SWITCH6, the tile's rows). */
+#define TILE_DISPATCH(SW, q4, q8, ...)                                                                  \
+    if (fmt == FMT_Q8) {                                                                                \
+        if (pair) { switch (mr) { SW(q8, 0, 1, __VA_ARGS__) } } else { switch (mr) { SW(q8, 0, 0, __VA_ARGS__) } } \
+    } else if (fmt == FMT_Q4F) {                                                                        \
+        if (pair) { switch (mr) { SW(q4, 1, 1, __VA_ARGS__) } } else { switch (mr) { SW(q4, 1, 0, __VA_ARGS__) } } \
+    } else {                                                                                            \
+        if (pair) { switch (mr) { SW(q4, 0, 1, __VA_ARGS__) } } else { switch (mr) { SW(q4, 0, 0, __VA_ARGS__) } } \
+    }
+
+T_AVX2 static void group_avx2(int fmt, int pair, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
                               const float *xs, int64_t M, int64_t K, float *y, int64_t ldy, const float *oscale) {
     for (int64_t m0 = 0; m0 < M; m0 += MR2) {
         int mr = (M - m0) < MR2 ? (int)(M - m0) : MR2;
         for (int half = 0; half < 2; half++) {
-            const int8_t *xq_ = xq + m0 * K;
+            const int8_t *xq_ = xq + m0 * K * (pair ? 2 : 1);
             const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb, *os = oscale ? oscale + half * 8 : NULL;
             float *y_ = y + m0 * ldy + half * 8;
-            if (fmt != FMT_Q8) {
-                switch (mr) { A2_CASE4(1) A2_CASE4(2) A2_CASE4(3) A2_CASE4(4) }
-            } else {
-                switch (mr) { A2_CASE(q8_avx2_tile, 1) A2_CASE(q8_avx2_tile, 2) A2_CASE(q8_avx2_tile, 3)
-                              A2_CASE(q8_avx2_tile, 4) }
-            }
+            TILE_DISPATCH(TILE_SWITCH4, q4_avx2_tile, q8_avx2_tile, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os)
         }
     }
 }
@@ -233,36 +296,46 @@ T_AVX2 static void group_avx2(int fmt, const uint8_t *wg, int64_t nb, const int8
 /* ---- AVX-512 VNNI ---- */
 
 #define A5_ZERO_F(i) __m512 f##i = _mm512_setzero_ps();
-#define A5_ZERO_A(i) __m512i a##i = _mm512_setzero_si512();
+#define A5_ZERO_A(i) __m512i a##i = _mm512_setzero_si512(), c##i = _mm512_setzero_si512();
+#define A5_BCAST(off) _mm512_set1_epi32(*(const int32_t *)(xr + (off)))
 #define A5_Q4_STEP(i)                                                                                   \
     if (mr > i) {                                                                                       \
-        const int8_t *xr = xq + (i) * K + b * QK + 4 * j;                                               \
-        a##i = _mm512_dpbusd_epi32(a##i, lo, _mm512_set1_epi32(*(const int32_t *)xr));                  \
-        a##i = _mm512_dpbusd_epi32(a##i, hi, _mm512_set1_epi32(*(const int32_t *)(xr + 16)));           \
+        const int8_t *xr = xq + (i) * xrow + b * xblk + 4 * j;                                          \
+        a##i = _mm512_dpbusd_epi32(a##i, lo, A5_BCAST(0));                                              \
+        a##i = _mm512_dpbusd_epi32(a##i, hi, A5_BCAST(16));                                             \
+        if (pair) {                                                                                     \
+            c##i = _mm512_dpbusd_epi32(c##i, lo, A5_BCAST(32));                                         \
+            c##i = _mm512_dpbusd_epi32(c##i, hi, A5_BCAST(48));                                         \
+        }                                                                                               \
     }
 #define A5_Q4_END(i)                                                                                    \
     if (mr > i) {                                                                                       \
-        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##i), _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i); \
+        __m512i t = pair ? _mm512_add_epi32(_mm512_mullo_epi32(a##i, res32), c##i) : a##i;              \
+        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i); \
         f##i = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[(i) * nb + b]), f##i);                             \
     }
 #define A5_Q8_STEP(i)                                                                                   \
     if (mr > i) {                                                                                       \
-        __m512i xv = _mm512_xor_si512(_mm512_set1_epi32(*(const int32_t *)(xq + (i) * K + b * QK + 4 * j)), bias); \
-        a##i = _mm512_dpbusd_epi32(a##i, xv, w);                                                        \
+        const int8_t *xr = xq + (i) * xrow + b * xblk + 4 * j;                                          \
+        a##i = _mm512_dpbusd_epi32(a##i, _mm512_xor_si512(A5_BCAST(0), bias), w);                       \
+        if (pair) c##i = _mm512_dpbusd_epi32(c##i, _mm512_xor_si512(A5_BCAST(32), bias), w);            \
     }
 #define A5_Q8_END(i)                                                                                    \
-    if (mr > i)                                                                                         \
-        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a##i, corr)),                        \
-                               _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i);
+    if (mr > i) {                                                                                       \
+        __m512i t = _mm512_sub_epi32(a##i, corr);                                                       \
+        if (pair) t = _mm512_add_epi32(_mm512_mullo_epi32(t, res32), _mm512_sub_epi32(c##i, corr));     \
+        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i); \
+    }
 #define A5_STORE(i)                                                                                     \
     if (mr > i) _mm512_storeu_ps(y + (i) * ldy, oscale ? _mm512_mul_ps(f##i, _mm512_loadu_ps(oscale)) : f##i);
 #define A5_ROWS(M) M(0) M(1) M(2) M(3) M(4) M(5)
 
 T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
                                     const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
-                                    const int mr, const int f32s) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
+                                    const int mr, const int f32s, const int pair) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), res32 = _mm512_set1_epi32(RES);
     const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64;
+    const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A5_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * bb;
@@ -284,9 +357,10 @@ T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
 
 T_AVX512 INLINE void q8_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
                                     const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
-                                    const int mr) {
-    (void)xs;
-    const __m512i bias = _mm512_set1_epi8((char)0x80);
+                                    const int mr, const int f32s, const int pair) {
+    (void)xs, (void)f32s;
+    const __m512i bias = _mm512_set1_epi8((char)0x80), res32 = _mm512_set1_epi32(RES);
+    const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A5_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * Q8_BLOCK;
@@ -304,22 +378,15 @@ T_AVX512 INLINE void q8_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
     A5_ROWS(A5_STORE)
 }
 
-#define A5_CASE(fn, n) case n: fn(wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale, n); break;
-#define A5_CASE4(n) case n: q4_avx512_tile(wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale, n, fmt == FMT_Q4F); break;
-T_AVX512 static void group_avx512(int fmt, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
-                                  const float *xs, int64_t M, int64_t K, float *y, int64_t ldy,
+T_AVX512 static void group_avx512(int fmt, int pair, const uint8_t *wg, int64_t nb, const int8_t *xq,
+                                  const float *xd, const float *xs, int64_t M, int64_t K, float *y, int64_t ldy,
                                   const float *oscale) {
     for (int64_t m0 = 0; m0 < M; m0 += MR5) {
         int mr = (M - m0) < MR5 ? (int)(M - m0) : MR5;
-        const int8_t *xq_ = xq + m0 * K;
+        const int8_t *xq_ = xq + m0 * K * (pair ? 2 : 1);
         const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
         float *y_ = y + m0 * ldy;
-        if (fmt != FMT_Q8) {
-            switch (mr) { A5_CASE4(1) A5_CASE4(2) A5_CASE4(3) A5_CASE4(4) A5_CASE4(5) A5_CASE4(6) }
-        } else {
-            switch (mr) { A5_CASE(q8_avx512_tile, 1) A5_CASE(q8_avx512_tile, 2) A5_CASE(q8_avx512_tile, 3)
-                          A5_CASE(q8_avx512_tile, 4) A5_CASE(q8_avx512_tile, 5) A5_CASE(q8_avx512_tile, 6) }
-        }
+        TILE_DISPATCH(TILE_SWITCH6, q4_avx512_tile, q8_avx512_tile, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale)
     }
 }
 
@@ -340,20 +407,23 @@ int kvserve_q_isa_supported(int isa) {
 }
 
 /* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F or FMT_Q8, N a
- * multiple of 16, K of 32). oscale: NULL, or N floats multiplied into the outputs (per-channel int8). Returns 0, or
- * -1 for bad arguments / an unsupported isa, -2 when scratch memory could not be allocated (nothing written). */
-int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+ * multiple of 16, K of 32), activations quantized as `act` (ACT_INT8 or ACT_PAIR). oscale: NULL, or N floats
+ * multiplied into the outputs (per-channel int8). Returns 0, or -1 for bad arguments / an unsupported isa, -2 when
+ * scratch memory could not be allocated (nothing written). */
+int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                   const float *oscale, float *y, int64_t ldy) {
-    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F) || K % QK || N % G || M < 0 || ldy < N ||
-        !kvserve_q_isa_supported(isa))
+    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F) || (act != ACT_INT8 && act != ACT_PAIR) || K % QK ||
+        N % G || M < 0 || ldy < N || !kvserve_q_isa_supported(isa))
         return -1;
     if (M == 0 || N == 0) return 0;
+    const int pair = act == ACT_PAIR;
     const int64_t nb = K / QK, groups = N / G, bb = fmt == FMT_Q4 ? Q4_BLOCK : fmt == FMT_Q4F ? Q4F_BLOCK : Q8_BLOCK;
+    const int64_t xrow = pair ? 2 * K : K; /* bytes of one row's quantized activations */
     /* Scratch for the quantized activations: on the stack for small inputs (decode steps), else the heap. */
-    _Alignas(64) int8_t sq[STACK_VALUES];
-    float sd[STACK_VALUES / QK], ss[STACK_VALUES / QK];
-    const int on_stack = M * K <= STACK_VALUES;
-    int8_t *xq = on_stack ? sq : malloc((size_t)(M * K));
+    _Alignas(64) int8_t sq[STACK_BYTES];
+    float sd[STACK_BYTES / QK], ss[STACK_BYTES / QK];
+    const int on_stack = M * xrow <= STACK_BYTES;
+    int8_t *xq = on_stack ? sq : malloc((size_t)(M * xrow));
     float *xd = on_stack ? sd : malloc(sizeof(float) * (size_t)(M * nb));
     float *xs = on_stack ? ss : malloc(sizeof(float) * (size_t)(M * nb));
     if (!xq || !xd || !xs) {
@@ -364,22 +434,22 @@ int kvserve_qgemm(int fmt, int isa, const float *x, int64_t M, int64_t K, const 
      * this thread alone, and tiny products run without one. */
     const int serial_quant = M * K <= SERIAL_QUANT;
     if (serial_quant)
-        for (int64_t m = 0; m < M; m++) quantize_row_avx2(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+        for (int64_t m = 0; m < M; m++) quantize_row_avx2(x + m * K, K, xq + m * xrow, xd + m * nb, xs + m * nb, pair);
 #pragma omp parallel if (M * N * K >= SERIAL_MACS)
     {
         if (!serial_quant) {
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
-                quantize_row_avx2(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+                quantize_row_avx2(x + m * K, K, xq + m * xrow, xd + m * nb, xs + m * nb, pair);
         }
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *wg = w + g * nb * bb;
             const float *os = oscale ? oscale + g * G : NULL;
             if (isa == ISA_AVX512_VNNI)
-                group_avx512(fmt, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
+                group_avx512(fmt, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
             else
-                group_avx2(fmt, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
+                group_avx2(fmt, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
         }
     }
     if (!on_stack) { free(xq); free(xd); free(xs); }

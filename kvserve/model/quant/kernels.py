@@ -1,5 +1,5 @@
-"""The quantized matmul library (``kvserve/model/csrc/qgemm.c``): built, loaded, and its instruction-set path chosen
-at run time.
+"""The quantized matmul library (``kvserve/model/csrc/qgemm.c``, with ``decoder.c``: the layer loop over it): built,
+loaded, and its instruction-set path chosen at run time.
 
 The library is compiled with the system C compiler (``$CC``, default ``cc``) on first use into the same cache
 folder as ``kvserve.model.cpu_kernels`` (``$KVSERVE_CACHE_DIR``, default ``~/.cache/kvserve``, else the temp
@@ -36,11 +36,20 @@ from kvserve.model.quant import pack as P
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).resolve().parents[1] / "csrc" / "qgemm.c"
+_CSRC = Path(__file__).resolve().parents[1] / "csrc"
+#: The library's sources: the matmul, and the whole-layer-loop entry point that calls it (``kvserve.model.decoder``).
+_SOURCES = [_CSRC / "qgemm.c", _CSRC / "decoder.c"]
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 #: Instruction-set paths, best first, with qgemm.c's ids.
 ISAS = {"avx512_vnni": 2, "avx2": 1}
 ISA_ENV = "KVSERVE_CPU_ISA"
+#: Activation precisions, with qgemm.c's ids: ``"int8"`` one int8 per value and float scale per 32-block
+#: (llama.cpp's Q8 activations: "W4A8"); ``"int8x2"`` a pair of int8 per value, ``x ~= d (254 q1 + q2)`` (15 bits,
+#: twice the integer multiply-adds).
+ACTIVATIONS = {"int8": 0, "int8x2": 1}
+ACT_ENV = "KVSERVE_QUANT_ACTIVATIONS"
+#: The activation quantization used by default on each path (``activations()``); measured in docs/quant_kernels.md.
+DEFAULT_ACTIVATIONS = {"avx512_vnni": "int8x2", "avx2": "int8"}
 
 
 def _cache_dirs() -> list:
@@ -50,7 +59,8 @@ def _cache_dirs() -> list:
 
 def _build() -> Path:
     cc = os.environ.get("CC", "cc")
-    tag = hashlib.sha256(_SRC.read_bytes() + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
+    src = b"".join(p.read_bytes() for p in _SOURCES)
+    tag = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
     errors = []
     for folder in _cache_dirs():
         out = folder / f"libkvserve_qgemm_{tag}.so"
@@ -61,7 +71,7 @@ def _build() -> Path:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
             os.close(fd)
             try:
-                proc = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True,
+                proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                                       timeout=120)
                 if proc.returncode != 0:
                     raise OSError(f"{cc} failed: {proc.stderr.strip()[:500]}")
@@ -88,11 +98,11 @@ def load():
         _reason = f"build or load failed: {e}"
         return None
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.kvserve_qgemm.argtypes = [cint, cint, ptr, i64, i64, ptr, i64, ptr, ptr, i64]
+    lib.kvserve_qgemm.argtypes = [cint, cint, cint, ptr, i64, i64, ptr, i64, ptr, ptr, i64]
     lib.kvserve_qgemm.restype = cint
     lib.kvserve_q_isa_supported.argtypes = [cint]
     lib.kvserve_q_isa_supported.restype = cint
-    lib.kvserve_q_quantize_rows.argtypes = [cint, ptr, i64, i64, ptr, ptr, ptr]
+    lib.kvserve_q_quantize_rows.argtypes = [cint, cint, ptr, i64, i64, ptr, ptr, ptr]
     lib.kvserve_q_quantize_rows.restype = None
     layout = (ctypes.c_int64 * 5)()
     lib.kvserve_q_layout(layout)
@@ -151,18 +161,47 @@ def isa() -> Optional[str]:
     return select_isa()
 
 
-def qgemm(x: torch.Tensor, w: P.PackedWeight, isa_name: Optional[str] = None) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def activations() -> str:
+    """The process-wide activation quantization (a key of ``ACTIVATIONS``, computed once): ``$KVSERVE_QUANT_ACTIVATIONS``
+    if set, else ``DEFAULT_ACTIVATIONS`` of the path in use (``isa()``).
+
+    Raises:
+        ValueError: ``KVSERVE_QUANT_ACTIVATIONS`` is not one of ``ACTIVATIONS``.
+    """
+    forced = os.environ.get(ACT_ENV) or None
+    if forced is not None:
+        return check_activations(forced, ACT_ENV)
+    return DEFAULT_ACTIVATIONS.get(isa(), "int8")
+
+
+def check_activations(activations: str, field: str = "activations") -> str:
+    """``activations`` if it is one of ``ACTIVATIONS``.
+
+    Raises:
+        ValueError: anything else, naming ``field`` and the allowed values.
+    """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"{field} must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activations!r}")
+    return activations
+
+
+def qgemm(x: torch.Tensor, w: P.PackedWeight, isa_name: Optional[str] = None,
+          activations: str = "int8") -> torch.Tensor:
     """``x [M, K]`` float32 times the packed weight -> ``[M, out_features]`` float32 (``x @ W.T``), activations
-    quantized per 32-block to int8 inside.
+    quantized per 32-block inside as ``activations`` (a key of ``ACTIVATIONS``).
 
     Args:
         x: ``[M, in_features]``, float32 (another float dtype is converted first); made contiguous if it is not.
         w: from ``pack.pack_q4`` / ``pack.pack_q8``.
         isa_name: a key of ``ISAS``; default ``isa()``.
+        activations: ``"int8"`` or ``"int8x2"``.
 
     Raises:
+        ValueError: an unknown ``activations``.
         RuntimeError: no usable path, or the kernel refused the arguments / could not allocate scratch memory.
     """
+    act = ACTIVATIONS[check_activations(activations)]
     name = isa_name or isa()
     lib = load()
     if name is None or lib is None:
@@ -171,19 +210,23 @@ def qgemm(x: torch.Tensor, w: P.PackedWeight, isa_name: Optional[str] = None) ->
     m, k = x.shape
     n_pad = w.data.shape[0] * P.G
     y = torch.empty(m, n_pad, dtype=torch.float32)
-    rc = lib.kvserve_qgemm(w.fmt, ISAS[name], x.data_ptr(), m, k, w.data.data_ptr(), n_pad,
+    rc = lib.kvserve_qgemm(w.fmt, ISAS[name], act, x.data_ptr(), m, k, w.data.data_ptr(), n_pad,
                            None if w.oscale is None else w.oscale.data_ptr(), y.data_ptr(), n_pad)
     if rc != 0:
         raise RuntimeError(f"kvserve_qgemm returned {rc} (x {list(x.shape)}, weight {w.out_features}x{w.in_features})")
     return y if n_pad == w.out_features else y[:, : w.out_features]
 
 
-def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_activations(x: np.ndarray, activations: str = "int8") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference of the kernel's activation quantization, in numpy: float32 ``[M, K]`` (K a multiple of 32) ->
-    ``(q int8 [M, K], d float32 [M, K/32], s float32 [M, K/32])`` with ``d = max|x_block| / 127``,
-    ``q = rint(x * (1 / d))`` (half to even, as ``nearbyintf``), ``s = d * sum(q_block)``: llama.cpp's Q8_0 / Q8_1
-    activation blocks (``quantize_row_q8_1``: ``s`` is its ``d * sum``), with the scale kept in float32. Equal to
-    the C quantizer bit for bit (``tests/model/test_quant_kernels.py``)."""
+    ``(q, d float32 [M, K/32], s float32 [M, K/32])``.
+
+    ``"int8"``: ``d = max|x_block| / 127``, ``q = rint(x * (1 / d))`` (half to even, as ``nearbyintf``) clamped to
+    +-127, int8 ``[M, K]``: llama.cpp's Q8_0 / Q8_1 activation blocks (``quantize_row_q8_1``). ``"int8x2"``: ``q1``
+    as above, ``d = d1 / 254`` and ``q2 = rint((x - q1 d1) * (1 / d))`` (the residual; ``x - q1 d1`` with one
+    rounding, as ``fmaf``), and ``q = 254 q1 + q2`` as int32 ``[M, K]`` (the kernel stores ``q1``, ``q2`` apart).
+    ``s = d * sum(q_block)``, with the scales in float32. Equal to the C quantizer bit for bit
+    (``tests/model/test_quant_kernels.py``)."""
     x = np.asarray(x, np.float32)
     m, k = x.shape
     b = x.reshape(m, k // P.QK, P.QK)
@@ -191,23 +234,32 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
     q = np.clip(np.rint(b * inv[..., None]), -127, 127)
+    if check_activations(activations) == "int8x2":
+        resid = (b.astype(np.float64) - q * d.astype(np.float64)[..., None]).astype(np.float32)  # exact, then rounded
+        d = (d / np.float32(254)).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        q2 = np.clip(np.rint(resid * inv[..., None]), -127, 127)
+        q = q.astype(np.int32) * 254 + q2.astype(np.int32)
+        s = (d * q.sum(axis=-1).astype(np.float32)).astype(np.float32)
+        return q.reshape(m, k), d.astype(np.float32), s
     s = (d * q.sum(axis=-1, dtype=np.float32)).astype(np.float32)
     return q.astype(np.int8).reshape(m, k), d.astype(np.float32), s
 
 
-def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray) -> np.ndarray:
+def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray, activations: str = "int8") -> np.ndarray:
     """What the kernel computes, exactly, in float64: ``x`` quantized as ``quantize_activations`` (dequantized
     back), times the dequantized weight ``[N, K]`` transposed -> ``[M, N]``. The kernel differs from it only by
     float32 summation order."""
-    q, d, _ = quantize_activations(x)
+    q, d, _ = quantize_activations(x, activations)
     xh = q.astype(np.float64).reshape(q.shape[0], -1, P.QK) * d.astype(np.float64)[..., None]
     return xh.reshape(q.shape) @ np.asarray(w_dequant, np.float64).T
 
 
 def self_check(name: str) -> bool:
     """Run path ``name`` on small random Q4, Q4F and Q8 weights (40 x 96, 1/5/13 rows: partial output groups and row
-    tiles) and compare with ``reference_qgemm``: relative error at most 1e-5 of ``sum |w| |x|`` (float32 rounding
-    of the per-block sums). False if the CPU lacks it or any output is off."""
+    tiles), with both ``ACTIVATIONS``, and compare with ``reference_qgemm``: relative error at most 1e-5 of
+    ``sum |w| |x|`` (float32 rounding of the per-block sums). False if the CPU lacks it or any output is off."""
     if not cpu_supports(name):
         return False
     rng = np.random.default_rng(12345)
@@ -229,9 +281,10 @@ def self_check(name: str) -> bool:
         for rows in (1, 5, 13):
             x = rng.standard_normal((rows, k)).astype(np.float32)
             x[0, :3] = (40.0, -40.0, 0.0)
-            got = qgemm(torch.from_numpy(x), packed, name).numpy().astype(np.float64)
-            ref = reference_qgemm(x, wd)
             scale = np.abs(x).astype(np.float64) @ np.abs(wd.astype(np.float64)).T + 1e-30
-            if got.shape != ref.shape or not np.all(np.abs(got - ref) <= 1e-5 * scale):
-                return False
+            for act in ACTIVATIONS:
+                got = qgemm(torch.from_numpy(x), packed, name, act).numpy().astype(np.float64)
+                ref = reference_qgemm(x, wd, act)
+                if got.shape != ref.shape or not np.all(np.abs(got - ref) <= 1e-5 * scale):
+                    return False
     return True

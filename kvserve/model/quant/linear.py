@@ -98,10 +98,14 @@ class QuantLinear:
         kind: a label for ``path`` (``"q4"``, ``"q4_k"``, ``"q8"``, ``"int8"``, ``"q8_from_Q6_K"``, ...).
         in_features: the true input width (default ``packed.in_features``); inputs are zero-padded to the packed
             width.
+        activations: how the kernel quantizes each input row, a key of ``kernels.ACTIVATIONS`` (``"int8"``,
+            ``"int8x2"``); default ``kernels.activations()``, the process-wide choice.
 
     Attributes:
-        path: ``"<kind>/<isa>"`` (isa ``avx2`` or ``avx512_vnni``), or ``"<kind>/fp32_fallback"`` when no
-            quantized kernel can run here.
+        path: ``"<kind>/<isa>"`` (isa ``avx2`` or ``avx512_vnni``), with ``"+a16"`` when activations are
+            ``"int8x2"`` (``q4/avx512_vnni+a16``), or ``"<kind>/fp32_fallback"`` when no quantized kernel can run
+            here.
+        activations: the activation quantization in use.
         packed: the ``PackedWeight``.
 
     Call with ``x [T, in_features]`` float32 -> ``[T, out_features]`` float32.
@@ -111,8 +115,10 @@ class QuantLinear:
             self-check (``kernels.select_isa``).
     """
 
-    def __init__(self, packed: P.PackedWeight, kind: str, in_features: Optional[int] = None):
+    def __init__(self, packed: P.PackedWeight, kind: str, in_features: Optional[int] = None,
+                 activations: Optional[str] = None):
         self.packed = packed
+        self.activations = kernels.check_activations(activations or kernels.activations())
         self.out_features = packed.out_features
         self.in_features = packed.in_features if in_features is None else in_features
         self._isa = kernels.isa()
@@ -120,12 +126,13 @@ class QuantLinear:
         if self._isa is None:
             w = unpack(packed)[:, : self.in_features]
             self._fallback = Linear(torch.from_numpy(np.ascontiguousarray(w)))
-        self.path = f"{kind}/{self._isa or 'fp32_fallback'}"
+        self.path = (f"{kind}/{self._isa}{'+a16' if self.activations == 'int8x2' else ''}" if self._isa
+                     else f"{kind}/fp32_fallback")
         # Everything a call needs, resolved once (a decode step makes ~120 small calls: per-call Python counts).
         self._n_pad = packed.data.shape[0] * P.G
         if self._isa is not None:
             self._call = functools.partial(
-                kernels.load().kvserve_qgemm, packed.fmt, kernels.ISAS[self._isa])
+                kernels.load().kvserve_qgemm, packed.fmt, kernels.ISAS[self._isa], kernels.ACTIVATIONS[self.activations])
             self._wptr = packed.data.data_ptr()
             self._optr = None if packed.oscale is None else packed.oscale.data_ptr()
 

@@ -1,0 +1,186 @@
+"""The decoder's layer loop in one C call (``csrc/decoder.c``), for steps the CPU kernels can take whole.
+
+A decode step of SmolLM2 with 4-bit weights takes a few milliseconds, and the Python loop over its 30 layers -- about
+eight calls into C per layer, each with its checks, a new output tensor and a ``ctypes`` crossing -- was a third of
+it (docs/quant_kernels.md, "The whole layer loop in C"). ``FusedLayerLoop`` hands the whole loop to C: per layer the
+same kernels in the same order (quantized Q/K/V projection, RoPE + K/V write + paged attention, output projection,
+residual add + RMSNorm, gate/up, silu * up, down, residual add + the next RMSNorm), so the residual stream it returns
+equals the Python loop's bit for bit (``tests/model/test_fused_layers.py``).
+
+It takes a step when everything runs in kvserve's CPU kernels: float32, one process (no tensor parallelism), every
+projection a ``QuantLinear`` on a kernel path with no padded outputs, and every request of the step in the
+paged-attention kernel (decode tokens, verification spans and prompt chunks of at most ``SHORT_QUERY_TOKENS``; all
+of them under ``KVSERVE_BATCH_INVARIANT=1``). Other steps (long prompt chunks, which go through SDPA) run the Python
+loop, where the interpreter's cost is small beside the work. ``KVSERVE_FUSED_LAYERS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from kvserve.attention.cpu import CPUAttentionMetadata, CPUKernelAttentionBackend
+from kvserve.layers.elementwise import CPUKernelOps
+from kvserve.model import cpu_kernels
+from kvserve.model.quant import QuantLinear
+from kvserve.model.quant import kernels as qkernels
+
+logger = logging.getLogger(__name__)
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _QWeight(ctypes.Structure):
+    _fields_ = [("fmt", _i64), ("w", _ptr), ("oscale", _ptr), ("n", _i64), ("k", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("mlp_norm", _ptr), ("next_norm", _ptr), ("qkv_bias", _ptr),
+                ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight)]
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("h_q", _i64), ("h_kv", _i64), ("d", _i64),
+                ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("isa", _i64), ("act", _i64),
+                ("attn_norm", _ptr), ("layers", _ptr), ("rms_norm", _ptr), ("rope_write_attend", _ptr),
+                ("add_rms_norm", _ptr), ("silu_mul", _ptr)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("T", _i64), ("cos", _ptr), ("sin", _ptr), ("slot_mapping", _ptr), ("block_tables", _ptr),
+                ("max_blocks", _i64), ("q_start", _ptr), ("q_len", _ptr), ("seq_len", _ptr), ("num_reqs", _i64),
+                ("block_size", _i64), ("kv_cache", _ptr), ("layer_floats", _i64), ("timing_ns", _ptr)]
+
+
+def _qweight(layer) -> Optional[_QWeight]:
+    """The C view of a projection, or ``None`` when it is not a kernel-path ``QuantLinear`` without padding."""
+    if not isinstance(layer, QuantLinear) or layer._fallback is not None:
+        return None
+    pw = layer.packed
+    if layer.in_features != pw.in_features or pw.data.shape[0] * 16 != pw.out_features:
+        return None
+    return _QWeight(pw.fmt, pw.data.data_ptr(), None if pw.oscale is None else pw.oscale.data_ptr(),
+                    pw.out_features, pw.in_features)
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+class FusedLayerLoop:
+    """All decoder layers of one step in one ``kvserve_decoder_stack`` call. Build with ``FusedLayerLoop.build``.
+
+    Call with ``(h, batch, meta, rope, kv_cache)``: ``h [T, hidden]`` float32 contiguous, the residual stream
+    (the embeddings; updated in place to the last layer's output, before the final norm); ``batch`` the step's
+    ``InputBatch``; ``meta`` its attention metadata; ``rope`` ``(cos, sin)`` ``[T, 1, D]`` float32;
+    ``kv_cache`` ``[layers, 2, num_blocks, block_size, H_kv, D]`` float32 contiguous. Returns ``True`` when the step
+    ran (``h`` holds the result, this step's K/V are written), ``False`` when the caller must run the Python loop
+    instead: a step this loop does not take (nothing done), or a kernel that ran out of scratch memory mid-way (``h``
+    is restored to the embeddings; the Python loop then rewrites the same cache slots with the same values).
+
+    Raises:
+        ValueError: the model's shapes do not match its weights (a bug, not an input error).
+
+    Attributes:
+        timings: ``None``, or an int64 ``[3]`` tensor to which every call adds the nanoseconds spent in the matmuls,
+            the attention kernel and the element-wise kernels (``kvserve bench throughput --profile-step``).
+    """
+
+    def __init__(self, model, stack: _Stack, layers, lib):
+        self._model, self._stack, self._layers, self._lib = model, stack, layers, lib
+        self._scratch = torch.empty(0, dtype=torch.float32)
+        self.timings: Optional[torch.Tensor] = None
+        a = model.arch
+        d = a.head_dim
+        # x, qkv, attn, delta, gate_up, act (kvserve_decoder_stack's scratch), then a copy of the embeddings
+        self._widths = (a.hidden_size, (model.num_heads + 2 * model.num_kv_heads) * d, model.num_heads * d,
+                        a.hidden_size, 2 * model.intermediate_size, model.intermediate_size, a.hidden_size)
+
+    @classmethod
+    def build(cls, model) -> Optional["FusedLayerLoop"]:
+        """The fused loop for ``model`` (a ``LlamaModel``), or ``None`` when it cannot run it (the reason is logged
+        at debug level): see the module docstring."""
+        def no(reason: str) -> None:
+            logger.debug("fused layer loop off: %s", reason)
+            return None
+
+        if os.environ.get("KVSERVE_FUSED_LAYERS", "1") == "0":
+            return no("KVSERVE_FUSED_LAYERS=0")
+        b, a = model.backends, model.arch
+        lib, cpu = qkernels.load(), cpu_kernels.load()
+        if lib is None or cpu is None or qkernels.isa() is None:
+            return no("kernels unavailable")
+        if (b.tp_size != 1 or model.dtype != torch.float32 or type(b.attention) is not CPUKernelAttentionBackend
+                or not isinstance(b.ops, CPUKernelOps)):
+            return no("not a single-process float32 model on the CPU kernels")
+        d, hidden, inter = a.head_dim, a.hidden_size, model.intermediate_size
+        if d % 8 or hidden % 8 or inter % 8 or model.num_heads % model.num_kv_heads:
+            return no("shapes the kernels do not take")
+        layers = (_Layer * len(model.layers))()
+        acts = set()
+        for i, w in enumerate(model.layers):
+            parts = [_qweight(w[k]) for k in ("qkv", "o", "gate_up", "down")]
+            if any(p is None for p in parts):
+                return no(f"layer {i}: a projection that is not an unpadded kernel QuantLinear")
+            acts.update(w[k].activations for k in ("qkv", "o", "gate_up", "down"))
+            nxt = model.layers[i + 1]["attn_norm"] if i + 1 < len(model.layers) else None
+            norms = [w["mlp_norm"]] + ([nxt] if nxt is not None else [])
+            bias = w["qkv_bias"]
+            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms + ([bias] if bias is not None else [])):
+                return no(f"layer {i}: norm or bias not float32 contiguous")
+            layers[i] = _Layer(w["mlp_norm"].data_ptr(), None if nxt is None else nxt.data_ptr(),
+                               None if bias is None else bias.data_ptr(), *parts)
+        if len(acts) != 1:
+            return no(f"mixed activation quantizations {sorted(acts)}")
+        norm0 = model.layers[0]["attn_norm"]
+        if norm0.dtype != torch.float32 or not norm0.is_contiguous():
+            return no("layer 0's norm not float32 contiguous")
+        stack = _Stack(len(model.layers), hidden, model.num_heads, model.num_kv_heads, d, inter, a.rms_norm_eps,
+                       d**-0.5, qkernels.ISAS[qkernels.isa()], qkernels.ACTIVATIONS[acts.pop()], norm0.data_ptr(),
+                       ctypes.addressof(layers), _address(cpu.kvserve_rms_norm_f32),
+                       _address(cpu.kvserve_rope_write_attend_f32),
+                       _address(cpu.kvserve_add_rms_norm_f32), _address(cpu.kvserve_silu_mul_f32))
+        lib.kvserve_decoder_stack.argtypes = [_ptr] * 9  # stack, step, h, x, qkv, attn, delta, gate_up, act
+        lib.kvserve_decoder_stack.restype = ctypes.c_int
+        return cls(model, stack, layers, lib)
+
+    def __call__(self, h: torch.Tensor, batch, meta, rope, kv_cache: torch.Tensor) -> bool:
+        if not (isinstance(meta, CPUAttentionMetadata) and not meta.groups and meta.kernel is not None
+                and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
+            return False
+        cos, sin = rope
+        t = batch.num_tokens
+        tables, q_start, q_len, seq_len = meta.kernel
+        ints = (batch.slot_mapping, tables, q_start, q_len, seq_len)
+        if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+                and all(v.dtype == torch.int64 and v.is_contiguous() for v in ints)
+                and h.dtype == torch.float32 and h.is_contiguous()):
+            return False
+        need = t * sum(self._widths)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.float32)
+        views, off = [], 0
+        for w in self._widths:
+            views.append(self._scratch[off: off + t * w])
+            off += t * w
+        saved = views.pop().view(t, -1)
+        saved.copy_(h)
+        layer_floats = kv_cache[0].numel()
+        step = _Step(t, cos.data_ptr(), sin.data_ptr(), batch.slot_mapping.data_ptr(), tables.data_ptr(),
+                     tables.shape[1], q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), tables.shape[0],
+                     kv_cache.shape[3], kv_cache.data_ptr(), layer_floats,
+                     None if self.timings is None else self.timings.data_ptr())
+        rc = self._lib.kvserve_decoder_stack(ctypes.byref(self._stack), ctypes.byref(step), h.data_ptr(),
+                                             *(v.data_ptr() for v in views))
+        if rc == -1:
+            raise ValueError("kvserve_decoder_stack: the model's shapes do not match its weights")
+        if rc:
+            logger.warning("kvserve_decoder_stack could not allocate scratch memory (code %d); running the step "
+                           "layer by layer", rc)
+            h.copy_(saved)
+            return False
+        return True

@@ -1,0 +1,110 @@
+"""The whole layer loop in one C call (kvserve/model/fused_layers.py, csrc/decoder.c) on the default quantized model:
+the same logits and the same KV cache contents as the Python loop, bit for bit, for the steps it takes; the Python
+loop for the steps it does not; and a clean fallback when the kernel fails mid-way."""
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.fused_layers import FusedLayerLoop
+from kvserve.model.quant import kernels as qkernels
+from tests.conftest import flat_batch, scattered_block_tables
+
+pytestmark = pytest.mark.skipif(qkernels.load() is None or qkernels.isa() is None,
+                                reason="quantized kernels unavailable")
+
+
+@pytest.fixture(scope="module")
+def qllm():
+    return LLM(num_kv_blocks=256, max_num_seqs=16, quantization="auto")
+
+
+def _forward_both(model, requests, block_size=16, num_blocks=64):
+    """Run the same batch on two fresh caches, fused and layer by layer; returns both (logits, cache) pairs."""
+    batch = flat_batch(requests, block_size)
+    fused, out = model.fused_layers, []
+    try:
+        for f in (fused, None):
+            model.fused_layers = f
+            cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size))
+            out.append((model.forward(batch, cache), cache))
+    finally:
+        model.fused_layers = fused
+    return out
+
+
+def _assert_bitwise(a, b):
+    assert a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_built_for_the_default_quantized_model(qllm, llm):
+    assert isinstance(qllm.llm_engine.model.fused_layers, FusedLayerLoop)
+    assert llm.llm_engine.model.fused_layers is None  # float32 Linear projections: the Python loop
+
+
+def test_a_mixed_short_step_equals_the_python_loop_bit_for_bit(qllm):
+    model = qllm.llm_engine.model
+    # three requests with context in the cache (decode rows and a 5-token span) and a fresh 20-token prompt, all
+    # within the paged-attention kernel's short queries
+    shape = [(40, 1), (17, 1), (63, 5), (0, 20)]
+    tables = scattered_block_tables(shape, 16)
+    reqs = [([(7 * i + 3 * j) % 30000 + 100 for j in range(q)], ctx, t) for i, ((ctx, q), t) in
+            enumerate(zip(shape, tables))]
+    calls, loop = [], model.fused_layers
+    model.fused_layers = lambda *a: calls.append(loop(*a)) or calls[-1]  # records whether it took the step
+    try:
+        (lf, cf), (lp, cp) = _forward_both(model, reqs)
+    finally:
+        model.fused_layers = loop
+    assert calls == [True]  # the fused run took the step (the second run had no fused loop)
+    _assert_bitwise(lf, lp)
+    _assert_bitwise(cf, cp)
+
+
+def test_a_long_prompt_chunk_runs_the_python_loop(qllm):
+    model = qllm.llm_engine.model
+    reqs = [(list(range(200, 240)), 0, [3, 1, 2]), ([5], 20, [0, 4])]  # 40 tokens: past SHORT_QUERY_TOKENS (SDPA)
+    batch = flat_batch(reqs, 16)
+    meta = model.attn.build_metadata(batch)
+    h = model.embed(batch.input_ids)
+    before = h.clone()
+    cache = torch.zeros(model.kv_cache_shape(8, 16))
+    assert model.fused_layers(h, batch, meta, model._rope(batch.positions), cache) is False
+    assert torch.equal(h, before) and not cache.any()  # nothing done
+    (lf, _), (lp, _) = _forward_both(model, reqs, num_blocks=8)
+    _assert_bitwise(lf, lp)
+
+
+def test_a_failure_mid_way_falls_back_with_the_same_result(qllm, monkeypatch):
+    model = qllm.llm_engine.model
+    fused = model.fused_layers
+    real_lib = fused._lib
+
+    class FailingLib:
+        """Runs the real kernel, then reports a scratch failure (h and the cache are written by then)."""
+
+        def kvserve_decoder_stack(self, *args):
+            assert real_lib.kvserve_decoder_stack(*args) == 0
+            return -3
+
+    reqs = [([11, 12, 13], 0, [2]), ([14], 30, [0, 1])]
+    (expected, _), _ = _forward_both(model, reqs, num_blocks=4)
+    monkeypatch.setattr(fused, "_lib", FailingLib())
+    batch = flat_batch(reqs, 16)
+    got = model.forward(batch, torch.zeros(model.kv_cache_shape(4, 16)))  # fused fails, the Python loop reruns
+    _assert_bitwise(got, expected)
+
+
+def test_generation_is_unchanged_and_the_switch_turns_it_off(qllm, monkeypatch):
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Name a fruit:"]
+    model = qllm.llm_engine.model
+    fused = [o.outputs[0].token_ids for o in qllm.generate(prompts, sp)]
+    keep, model.fused_layers = model.fused_layers, None
+    try:
+        python = [o.outputs[0].token_ids for o in qllm.generate(prompts, sp)]
+    finally:
+        model.fused_layers = keep
+    assert fused == python
+    monkeypatch.setenv("KVSERVE_FUSED_LAYERS", "0")
+    assert FusedLayerLoop.build(model) is None
