@@ -67,9 +67,11 @@ def _methods(t, isas: list) -> dict:
     own = make_linear_method(t, "auto")
     i8 = make_linear_method(t, "int8")
     for name in isas:
-        out[f"kvserve {own.path.split('/')[0]}/{name}"] = (
-            (lambda x, own=own, name=name: kernels.qgemm(x, own.packed, name)), own.weight_bytes())
-        out[f"kvserve int8/{name}"] = ((lambda x, name=name: kernels.qgemm(x, i8.packed, name)), i8.weight_bytes())
+        for act, tag in (("int8", ""), ("int8x2", "+a16")):  # the two activation quantizations (kernels.ACTIVATIONS)
+            out[f"kvserve {own.path.split('/')[0]}/{name}{tag}"] = (
+                (lambda x, own=own, name=name, act=act: kernels.qgemm(x, own.packed, name, act)), own.weight_bytes())
+            out[f"kvserve int8/{name}{tag}"] = ((lambda x, name=name, act=act: kernels.qgemm(x, i8.packed, name, act)),
+                                                i8.weight_bytes())
     q8, s8 = P.quantize_int8_per_channel(w)
     q8_t, s8_t = torch.from_numpy(q8), torch.from_numpy(s8)
     out["torch int8pack"] = ((lambda x: torch.ops.aten._weight_int8pack_mm(x, q8_t, s8_t)), n * k + n * 4)

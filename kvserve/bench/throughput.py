@@ -283,13 +283,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prefill_batch(engine, b: int, context: int, max_tokens: int, tag: str) -> None:
-    """Add ``b`` greedy requests of ``context`` distinct prompt tokens (``max_tokens`` each, EOS ignored) and step
-    until every prompt is computed, so the next step is a pure batch-``b`` decode."""
+    """Add ``b`` greedy requests of ``context`` distinct prompt tokens (EOS ignored) and step until every prompt is
+    computed, so the next step is a pure batch-``b`` decode that lasts at least ``max_tokens`` more steps.
+
+    Under chunked prefill the first requests decode while the later prompts are still being computed, so each
+    request gets ``max_tokens`` plus the number of steps the prefill takes (else the early ones would finish inside
+    the measured steps and the batch would be smaller than ``b``).
+
+    Raises:
+        RuntimeError: fewer than ``b`` requests are running once the prompts are computed (a pool or
+            ``max_num_seqs`` too small for the batch).
+    """
     from kvserve import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    budget = engine.config.scheduler_config.max_num_batched_tokens
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens + -(-b * context // budget) + 2, ignore_eos=True)
     for i in range(b):
         engine.add_request(list(range(1000 + i, 1000 + i + context)), sp, request_id=f"{tag}-{b}-{i}")
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
             engine.scheduler.waiting:
         engine.step()
+    if len(engine.scheduler.running) != b:
+        raise RuntimeError(f"{tag}: {len(engine.scheduler.running)} of {b} requests running after their prompts")

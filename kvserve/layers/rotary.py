@@ -23,6 +23,31 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
+class RopeTable:
+    """``rope_cos_sin`` of positions ``0 .. n-1`` computed once and indexed per step (two index ops instead of six
+    element-wise ones: a batch-1 decode step is a few milliseconds, and those ops were ~0.1 ms of it). The rows are
+    the same bits as ``rope_cos_sin`` of the step's positions (element-wise ops: the value at a position does not
+    depend on the others; ``tests/model/test_rotary.py``). The table grows by doubling when a step reaches past it
+    (float32, 64-dim heads: 512 bytes per position).
+
+    Args:
+        inv_freq: ``[D / 2]`` float32 (``rope_inv_freq``).
+        dtype: of the returned rows.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype):
+        self.inv_freq, self.dtype = inv_freq, dtype
+        self.cos = self.sin = torch.empty(0, inv_freq.shape[0] * 2, dtype=dtype)
+
+    def __call__(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` int64, all below ``end`` -> ``(cos, sin)``, each ``[T, 1, D]`` contiguous."""
+        if end > self.cos.shape[0]:
+            n = max(end, 2 * self.cos.shape[0], 256)
+            cos, sin = rope_cos_sin(torch.arange(n), self.inv_freq, self.dtype)
+            self.cos, self.sin = cos[:, 0], sin[:, 0]
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x [T, heads, D]`` rotated: ``x * cos + rotate_half(x) * sin`` with ``cos``, ``sin`` from ``rope_cos_sin``
     (a new tensor)."""

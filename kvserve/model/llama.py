@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.model.backends import ModelBackends
-from kvserve.layers.rotary import rope_cos_sin, rope_inv_freq
+from kvserve.layers.rotary import RopeTable, rope_inv_freq
 from kvserve.model.base import ModelArch
 from kvserve.model.fused_layers import FusedLayerLoop
 from kvserve.worker.input_batch import InputBatch
@@ -80,6 +80,7 @@ class LlamaModel:
                 )
             )
         self.inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta)
+        self.rope_table = RopeTable(self.inv_freq, self.dtype)
         # The whole layer loop in one C call for steps the CPU kernels take whole (None: always the Python loop).
         self.fused_layers = FusedLayerLoop.build(self)
 
@@ -93,8 +94,10 @@ class LlamaModel:
         a = self.arch
         return 2 * a.num_hidden_layers * block_size * self.num_kv_heads * a.head_dim * self.dtype.itemsize
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.inv_freq, self.dtype)
+    def _rope(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the batch's positions, each ``[T, 1, D]`` (``RopeTable``; no position reaches a
+        request's ``seq_len``)."""
+        return self.rope_table(batch.positions, max(batch.context_lens))
 
     @torch.inference_mode()
     def forward(self, batch: InputBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -113,7 +116,7 @@ class LlamaModel:
             tensor-parallel rank other than 0, ``[S, vocab_size / tp]`` (its own vocabulary slice).
         """
         meta = self.attn.build_metadata(batch)
-        rope = self._rope(batch.positions)
+        rope = self._rope(batch)
         h = self.embed(batch.input_ids)  # the residual stream: a fresh tensor, updated in place by add_rms_norm
         if self.fused_layers is None or not self.fused_layers(h, batch, meta, rope, kv_cache):
             h = self._layer_loop(h, batch, meta, rope, kv_cache)
