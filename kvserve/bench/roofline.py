@@ -5,8 +5,9 @@ Measured here, in one run (never taken from a table: the machines differ):
 - read bandwidth (GB/s): ``torch.sum`` over a buffer far larger than the last-level cache, best of N
   (``quant_kernels.read_bandwidth_gbs``);
 - fp32 peak (GFLOP/s): a square ``torch.mm``, best of N;
-- int8 peak (GOP/s): kvserve's own quantized matmul (``kvserve.model.quant.kernels.qgemm``, the path the engine
-  uses) on a compute-bound shape (many rows, a weight that stays in cache), best of N.
+- int8 peak (GOP/s): kvserve's own quantized matmul (``kvserve.model.quant.kernels.qgemm``, the path and the
+  activation quantization the engine uses: with the 15-bit pair each multiply-add costs two int8 ones, so its peak
+  is about half) on a compute-bound shape (many rows, a weight that stays in cache), best of N.
 
 Then, per ``--quantization``, the decode step time at each batch size (``throughput.step_costs``: median of real
 engine steps, each request at ``--context`` tokens) against its roofline bound (``bounds``): the time to read the
@@ -131,8 +132,9 @@ def fp32_peak_gflops(n: int = 1024, repeats: int = 5) -> float:
 
 
 def int8_peak_gops(m: int = 256, n: int = 1024, k: int = 1024, repeats: int = 5) -> Optional[float]:
-    """Best-of-``repeats`` GOP/s (``2 m n k`` int8 operations) of kvserve's quantized matmul on an ``m x k``
-    activation and an ``n x k`` Q8 weight (1 MiB: stays in cache; compute-bound); ``None`` without the kernels."""
+    """Best-of-``repeats`` GOP/s (``2 m n k`` operations) of kvserve's quantized matmul on an ``m x k`` activation
+    and an ``n x k`` Q8 weight (1 MiB: stays in cache; compute-bound), with the process's activation quantization
+    (``kernels.activations()``); ``None`` without the kernels."""
     from kvserve.model.quant import kernels
     from kvserve.model.quant import pack as P
 
@@ -141,7 +143,14 @@ def int8_peak_gops(m: int = 256, n: int = 1024, k: int = 1024, repeats: int = 5)
     rng = np.random.default_rng(0)
     w = P.pack_q8(rng.integers(-127, 128, (n, k), dtype=np.int8), np.full((n, k // P.QK), 0.01, np.float16))
     x = torch.randn(m, k)
-    return 2 * m * n * k / _best(lambda: kernels.qgemm(x, w), repeats) / 1e9
+    act = kernels.activations()
+    return 2 * m * n * k / _best(lambda: kernels.qgemm(x, w, activations=act), repeats) / 1e9
+
+
+def _activations() -> str:
+    from kvserve.model.quant import kernels
+
+    return kernels.activations()
 
 
 def prefill_tokens_per_s(engine_args: dict, n_tokens: int, repeats: int = 3) -> float:
@@ -193,7 +202,8 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     print(f"CPU: {info['model']} ({info['cpus']} logical CPUs, torch threads {torch.get_num_threads()}; "
           f"{' '.join(info['flags'])})")
     print(f"read bandwidth {bw:.1f} GB/s; fp32 peak {fp32:.1f} GFLOP/s (torch.mm); int8 peak "
-          + (f"{int8:.1f} GOP/s (kvserve qgemm)" if int8 else "n/a (quantized kernels unavailable)"))
+          + (f"{int8:.1f} GOP/s (kvserve qgemm, {_activations()} activations)" if int8
+             else "n/a (quantized kernels unavailable)"))
     report = {"cpu": info, "bandwidth_gbs": bw, "fp32_gflops": fp32, "int8_gops": int8, "quantizations": {}}
     for q in args.quantization:
         eargs = {**engine_args, "quantization": q}

@@ -351,3 +351,16 @@ def test_avx512_vnni_path_logic_under_emulation(emulated_avx512, kind, rows, act
     got = y[:, :n].numpy().astype(np.float64)
     mag = np.abs(x).astype(np.float64) @ np.abs(w).T + 1e-30
     assert np.all(np.abs(got - kernels.reference_qgemm(x, w, act)) <= 1e-5 * mag)
+
+
+@pytest.mark.parametrize("qtype", [formats.Q4_1, formats.Q8_0, formats.Q4_K])
+def test_a_row_gives_the_same_bits_alone_and_in_any_tile(isa, qtype):
+    """Batch invariance of the matmul: a row's output does not depend on the other rows of the call, nor on its
+    place in a row tile (1 to 4 or 6 rows)."""
+    k = 512 if qtype == formats.Q4_K else 288
+    layer = make_linear_method(_gguf_tensor(qtype, 48, k, seed=11))
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((13, k)).astype(np.float32))
+    whole = layer(x)
+    for i in (0, 5, 12):
+        assert torch.equal(layer(x[i: i + 1]), whole[i: i + 1])
+        assert torch.equal(layer(x[i: i + 2])[:1], whole[i: i + 1]) or i == 12
