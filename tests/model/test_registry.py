@@ -63,3 +63,26 @@ def test_qwen2_logits_and_greedy_tokens_match_transformers(tiny_qwen2, tokenizer
             expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                    max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
         assert out.outputs[0].token_ids == expected[0, len(ids):].tolist()
+
+
+def test_qwen2_int8_runs_its_biases_through_the_fused_layer_loop(tiny_qwen2, tokenizer):
+    """With int8 weights the layer loop runs in one C call (kvserve/model/fused_layers.py), Q/K/V biases included:
+    the same logits, bit for bit, as the Python loop, and within int8 rounding of transformers."""
+    from kvserve.model.fused_layers import FusedLayerLoop
+    from kvserve.model.quant import kernels as qkernels
+
+    if qkernels.isa() is None:
+        pytest.skip(str(qkernels.unavailable_reason()))
+    path, hf = tiny_qwen2
+    model = build_model(load_model(str(path)), select_backends("cpu", torch.float32, "int8"))
+    assert isinstance(model.fused_layers, FusedLayerLoop)
+    ids = tokenizer.encode(PROMPTS[1])[:20]  # within the paged-attention kernel's short queries: the fused path
+    batch = flat_batch([(ids, 0, [4, 2, 7, 1, 0])], 4, logits_rows=range(len(ids)))
+    fused = model.forward(batch, torch.zeros(model.kv_cache_shape(8, 4)))
+    loop, model.fused_layers = model.fused_layers, None
+    python = model.forward(batch, torch.zeros(model.kv_cache_shape(8, 4)))
+    model.fused_layers = loop
+    assert torch.equal(fused, python)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (fused - ref).abs().max().item() < 0.05 * ref.abs().max().item()
