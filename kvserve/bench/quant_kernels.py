@@ -237,6 +237,8 @@ def format_tables(res: dict) -> str:
             cells = [f"{per[r]['ms']:.3f} ({methods['fp32'][r]['ms'] / per[r]['ms']:.2f}x)" for r in rows]
             out.append(f"| {name} | " + " | ".join(cells) + " |")
         out.append("")
+    if not res.get("cold_one_row"):  # --no-cold
+        return "\n".join(out)
     out.append("**1 row, weights read from memory** (copies cycled past the caches, as in a decode step; GB/s = "
                "weight bytes / time; bound = bytes / read bandwidth)")
     out.append("")

@@ -105,7 +105,7 @@ def _add_bench(bench: argparse.ArgumentParser, chosen):
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     runner = None
     for name, (help_text, setup) in _BENCH.items():
-        p = bench_sub.add_parser(name, help=help_text)
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
             runner = setup(p)
     bench_sub.add_parser("quant-kernels", add_help=False,

@@ -19,6 +19,7 @@ from kvserve.layers.linear import (ColumnParallelLinear, Linear, LinearMethod, P
                                    shard_rows)
 from kvserve.model import cpu_kernels
 from kvserve.model.quant import QuantEmbedding, QuantTensor, make_linear_method
+from kvserve.model.quant import kernels as quant_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +95,13 @@ def select_backends(device: str, dtype: torch.dtype, quantization: str = "auto",
     dot-product kernels (ISA chosen at run time), float weights to ``Linear``.
 
     Raises:
-        ValueError: a device other than ``"cpu"``.
+        ValueError: a device other than ``"cpu"``; a ``KVSERVE_QUANT_ACTIVATIONS`` that is not one of the
+            activation quantizations (checked here, before any weight is packed or read from the cache).
     """
     if device != "cpu":
         raise ValueError(f"device must be 'cpu' (no other backend is built yet), got {device!r}")
+    if quantization != "fp32":
+        quant_kernels.activations()
     kernels = cpu_kernels.load() is not None
     reason = cpu_kernels.unavailable_reason()
     if reason:

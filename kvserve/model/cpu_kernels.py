@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import subprocess
 import tempfile
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / n for n in ("gemm_avx2.c", "paged_attention.c", "elementwise.c")]
@@ -67,6 +70,7 @@ def _build() -> Path:
 def _build_into(out: Path, cc: str) -> Path:
     if out.exists():
         return out
+    logger.info("first run: compiling kvserve's float32 CPU kernels into %s (one-off)", out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)

@@ -78,3 +78,17 @@ def test_bad_quantization_is_a_clear_error(bad):
         LLM(quantization=bad, num_kv_blocks=8)
     with pytest.raises(ValueError, match="quantization='int8' needs dtype='float32'"):
         LLM(quantization="int8", dtype="bfloat16", num_kv_blocks=8)
+
+
+def test_bad_activations_variable_fails_before_any_weight_is_packed(monkeypatch, caplog):
+    """A bad ``KVSERVE_QUANT_ACTIVATIONS`` is a clear error at start-up, before the packed-weight cache is touched
+    (found by a fresh-user run: it was first taken for a corrupt cache entry and the weights repacked)."""
+    monkeypatch.setenv(quant_kernels.ACT_ENV, "bogus")
+    quant_kernels.activations.cache_clear()
+    try:
+        with caplog.at_level("INFO"), pytest.raises(ValueError, match="KVSERVE_QUANT_ACTIVATIONS must be one of"):
+            LLM(num_kv_blocks=8, quantization="auto")
+    finally:
+        quant_kernels.activations.cache_clear()
+    assert not any("packed-weight cache" in r.getMessage() or "packing weights" in r.getMessage()
+                   for r in caplog.records)

@@ -66,6 +66,7 @@ def _build() -> Path:
         out = folder / f"libkvserve_qgemm_{tag}.so"
         if out.exists():
             return out
+        logger.info("first run: compiling kvserve's quantized kernels into %s (one-off)", out)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
