@@ -94,6 +94,9 @@ class FusedLayerLoop:
         self._model, self._stack, self._layers, self._lib = model, stack, layers, lib
         self._scratch = torch.empty(0, dtype=torch.float32)
         self.timings: Optional[torch.Tensor] = None
+        # what the cache must look like: one [2, blocks, block_size, H_kv, D] slab per layer of *this* loop (a cache
+        # of another layer count -- an early-exit draft's -- must never reach the kernel)
+        self._kv_lead, self._kv_tail = (stack.num_layers, 2), (model.num_kv_heads, model.arch.head_dim)
         a = model.arch
         d = a.head_dim
         # x, qkv, attn, delta, gate_up, act (kvserve_decoder_stack's scratch), then a copy of the embeddings
@@ -150,7 +153,8 @@ class FusedLayerLoop:
 
     def __call__(self, h: torch.Tensor, batch, meta, rope, kv_cache: torch.Tensor) -> bool:
         if not (isinstance(meta, CPUAttentionMetadata) and not meta.groups and meta.kernel is not None
-                and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
+                and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() and kv_cache.shape[:2] == self._kv_lead
+                and kv_cache.shape[4:] == self._kv_tail and h.shape[1] == self._stack.hidden):
             return False
         cos, sin = rope
         t = batch.num_tokens

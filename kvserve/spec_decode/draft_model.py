@@ -39,6 +39,7 @@ import torch
 
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
 from kvserve.core.sched_output import ScheduledRequest
+from kvserve.model.fused_layers import FusedLayerLoop
 from kvserve.model.llama import LlamaModel
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.proposer import DraftProposal, Proposer, check_budgets
@@ -65,6 +66,7 @@ def early_exit_model(target: LlamaModel, num_layers: int) -> LlamaModel:
     view = copy.copy(target)
     view.layers = target.layers[:num_layers]
     view.arch = dataclasses.replace(target.arch, num_hidden_layers=num_layers)
+    view.fused_layers = FusedLayerLoop.build(view)  # the target's would run all its layers on the draft's cache
     return view
 
 

@@ -108,3 +108,32 @@ def test_generation_is_unchanged_and_the_switch_turns_it_off(qllm, monkeypatch):
     assert fused == python
     monkeypatch.setenv("KVSERVE_FUSED_LAYERS", "0")
     assert FusedLayerLoop.build(model) is None
+
+
+def test_an_early_exit_draft_gets_its_own_loop_and_a_foreign_cache_is_refused(qllm):
+    """The draft model of speculative decoding is a view of the target with its first layers only: it must run its
+    own fused loop over its own, shorter cache (found by running the engine tests on the quantized path: the view
+    kept the target's loop, which ran 30 layers over a 2-layer cache and crashed)."""
+    from kvserve.spec_decode.draft_model import early_exit_model
+
+    target = qllm.llm_engine.model
+    draft = early_exit_model(target, 2)
+    assert draft.fused_layers is not target.fused_layers and draft.fused_layers._stack.num_layers == 2
+    reqs = [([11, 12, 13], 0, [2]), ([14], 30, [0, 1])]
+    (fused, _), (python, _) = _forward_both(draft, reqs, num_blocks=4)
+    _assert_bitwise(fused, python)
+    batch = flat_batch(reqs, 16)
+    meta = target.attn.build_metadata(batch)
+    h = target.embed(batch.input_ids)
+    # the target's loop is handed the draft's 2-layer cache: refused, nothing written
+    assert target.fused_layers(h, batch, meta, target._rope(batch), torch.zeros(draft.kv_cache_shape(4, 16))) is False
+
+
+def test_speculative_decoding_with_a_draft_on_the_quantized_path(qllm):
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    plain = [o.outputs[0].token_ids for o in qllm.generate(prompts, sp)]
+    spec = LLM(num_kv_blocks=256, max_num_seqs=4, quantization="auto",
+               speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 4})
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp)]
+    assert got == plain  # greedy: the drafts change the schedule, not the tokens
