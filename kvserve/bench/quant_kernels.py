@@ -130,9 +130,11 @@ def cold_one_row(t, isas: list, total_mib: int = 96, repeats: int = 3) -> dict:
     for _ in range(own_copies):
         p = own.packed
         packs.append(type(p)(p.fmt, p.data.clone(), p.out_features, p.in_features, p.oscale))
+    act = kernels.activations()  # the engine's activation quantization
+    tag = "+a16" if act == "int8x2" else ""
     for name in isas:
-        cases[f"kvserve {own.path.split('/')[0]}/{name}"] = (
-            [lambda x, p=p, name=name: kernels.qgemm(x, p, name) for p in packs], own.weight_bytes())
+        cases[f"kvserve {own.path.split('/')[0]}/{name}{tag}"] = (
+            [lambda x, p=p, name=name: kernels.qgemm(x, p, name, act) for p in packs], own.weight_bytes())
     for label, (fns, nbytes) in cases.items():
         best = float("inf")
         for _ in range(repeats):
@@ -158,11 +160,11 @@ def run(rows: list, repeats: int, min_s: float, model: Optional[str] = None, sha
     isas = [name for name in kernels.ISAS if kernels.cpu_supports(name) and kernels.self_check(name)]
     bw = read_bandwidth_gbs()
     results = []
-    cold = {}
+    cold_rows = {}
     for label in shapes or list(SHAPES):
         t = tensors[SHAPES[label]]
         if cold:
-            cold[label] = cold_one_row(t, isas)
+            cold_rows[label] = cold_one_row(t, isas)
         keep = _methods(t, isas)
         if methods:
             keep = {k: v for k, v in keep.items() if k == "fp32" or any(k.startswith(p) for p in methods)}
@@ -177,7 +179,7 @@ def run(rows: list, repeats: int, min_s: float, model: Optional[str] = None, sha
                 results.append({"shape": label, "rows": r, "method": name, "ms": best[name] * 1e3,
                                 "weight_bytes": nbytes})
     return {"bandwidth_gbs": bw, "isa": kernels.isa(), "threads": torch.get_num_threads(), "results": results,
-            "cold_one_row": cold}
+            "cold_one_row": cold_rows}
 
 
 def model_step(path, rows: list, repeats: int = 3) -> dict:
