@@ -2,7 +2,7 @@
 
 A decode step of SmolLM2 with 4-bit weights takes a few milliseconds, and the Python loop over its 30 layers -- about
 eight calls into C per layer, each with its checks, a new output tensor and a ``ctypes`` crossing -- was a third of
-it (docs/quant_kernels.md, "The whole layer loop in C"). ``FusedLayerLoop`` hands the whole loop to C: per layer the
+it (measured: README, "Quantized weights"; docs/benchmarks.md, issue 12). ``FusedLayerLoop`` hands the loop to C: per layer the
 same kernels in the same order (quantized Q/K/V projection, RoPE + K/V write + paged attention, output projection,
 residual add + RMSNorm, gate/up, silu * up, down, residual add + the next RMSNorm), so the residual stream it returns
 equals the Python loop's bit for bit (``tests/model/test_fused_layers.py``).
@@ -91,6 +91,7 @@ class FusedLayerLoop:
     """
 
     def __init__(self, model, stack: _Stack, layers, lib):
+        # the model is held so the weights the C structs point into stay alive as long as this loop
         self._model, self._stack, self._layers, self._lib = model, stack, layers, lib
         self._scratch = torch.empty(0, dtype=torch.float32)
         self.timings: Optional[torch.Tensor] = None
