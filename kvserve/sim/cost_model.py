@@ -37,6 +37,7 @@ import torch
 
 from kvserve.attention.torch_sdpa import SHORT_QUERY_TOKENS
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.engine.step_trace import plan_rows
 
 FEATURES = ("prefill_tokens", "decode_tokens", "logit_rows", "decode_ctx", "prefill_attn", "rows")
 PREFILL_FEATURES = ("prefill_tokens", "prefill_attn")  # the part of a step a prefill calibration scales
@@ -45,24 +46,28 @@ PREFILL_FEATURES = ("prefill_tokens", "prefill_attn")  # the part of a step a pr
 def step_features(so: SchedulerOutput) -> tuple:
     """The ``FEATURES`` of one step plan, in that order (tokens, tokens, rows, thousands of kernel query-key pairs,
     millions of SDPA pairs, rows)."""
-    prefill_tokens = decode_tokens = rows = logit_rows = 0
+    return row_features(plan_rows(so))
+
+
+def row_features(rows) -> tuple:
+    """``step_features`` of a step given as ``kvserve.engine.step_trace.plan_rows``: ``(q, start_pos, spec,
+    logits)`` per scheduled request (tokens, position, 0/1, sampled rows) — the form a server's step trace keeps."""
+    prefill_tokens = decode_tokens = n = logit_rows = 0
     decode_ctx = prefill_attn = 0.0
-    for s in so.scheduled:
-        q = len(s.token_ids)
-        rows += 1
-        if s.samples:
-            logit_rows += len(s.sampling_states) + len(s.spec_token_ids)
-        if q == 1 or s.spec_token_ids:
+    for q, start, spec, logits in rows:
+        n += 1
+        logit_rows += logits
+        if q == 1 or spec:
             decode_tokens += q
-            decode_ctx += q * (s.start_pos + q)
+            decode_ctx += q * (start + q)
         else:
             prefill_tokens += q
-            pairs = q * (s.start_pos + (q + 1) / 2)
+            pairs = q * (start + (q + 1) / 2)
             if q <= SHORT_QUERY_TOKENS:
                 decode_ctx += pairs  # the paged-attention kernel, as decode rows
             else:
                 prefill_attn += pairs  # gather + SDPA
-    return (prefill_tokens, decode_tokens, logit_rows, decode_ctx / 1e3, prefill_attn / 1e6, rows)
+    return (prefill_tokens, decode_tokens, logit_rows, decode_ctx / 1e3, prefill_attn / 1e6, n)
 
 
 @dataclass
@@ -184,21 +189,36 @@ def fit(samples: list[tuple[tuple, float]]) -> CostModel:
         raise ValueError(f"need at least {len(FEATURES) + 1} measured steps to fit, got {len(samples)}")
     if any(not t > 0 for _, t in samples):
         raise ValueError("measured step times must be > 0")
-    x = torch.tensor([[1.0, *f] for f, _ in samples], dtype=torch.float64)
-    y = torch.tensor([t for _, t in samples], dtype=torch.float64)
-    w = 1.0 / y
-    active = list(range(x.shape[1]))
-    while True:
-        sol = torch.linalg.lstsq(x[:, active] * w[:, None], (y * w)[:, None]).solution[:, 0]
+    full = nnls_relative([[1.0, *f] for f, _ in samples], [t for _, t in samples])
+    return CostModel(full[0], dict(zip(FEATURES, full[1:])))
+
+
+def nnls_relative(x: list, y: list) -> list:
+    """Non-negative least squares of ``y ≈ x @ c`` on relative error (each row weighted by ``1 / y``), by active
+    set: a column whose unconstrained coefficient comes out negative is dropped and the rest refitted.
+
+    Args:
+        x: rows of regressors, ``n x k``; y: ``n`` positive targets.
+
+    Returns:
+        the ``k`` coefficients (0.0 for dropped columns).
+    """
+    xt = torch.tensor(x, dtype=torch.float64)
+    yt = torch.tensor(y, dtype=torch.float64)
+    w = 1.0 / yt
+    active = list(range(xt.shape[1]))
+    sol = torch.zeros(0, dtype=torch.float64)
+    while active:
+        sol = torch.linalg.lstsq(xt[:, active] * w[:, None], (yt * w)[:, None]).solution[:, 0]
         neg = [a for a, v in zip(active, sol.tolist()) if v < 0]
         if not neg:
             break
         worst = min(neg, key=lambda a: sol[active.index(a)].item())
         active.remove(worst)
-    full = [0.0] * x.shape[1]
+    full = [0.0] * xt.shape[1]
     for a, v in zip(active, sol.tolist()):
         full[a] = v
-    return CostModel(full[0], dict(zip(FEATURES, full[1:])))
+    return full
 
 
 def fit_errors(model: CostModel, samples: list[tuple[tuple, float]]) -> dict:

@@ -20,13 +20,16 @@ import logging
 import math
 import signal
 import socket
+import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from kvserve.bench.serve import (LoadRequest, fetch_model, fetch_prefix_counters, parse_goodput, prefix_hit_rate,
                                  request_records, run_benchmark, summarize)
 from kvserve.bench.workloads import azure_trace
+from kvserve.engine import step_trace
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
 from kvserve.sim.trace import TraceRequest
 
@@ -58,6 +61,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate-each-level", action="store_true",
                    help="with --save-calibration: measure the calibration again before every level (on a shared "
                         "machine whose load drifts, each level is then simulated at its own moment's speed)")
+    p.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="the server's step trace (`kvserve serve --step-trace`; default: a temporary file when the "
+                        "server is started here): each level also compares the server's steps with the cost model, "
+                        "step by step")
     p.add_argument("--calibration-runs", type=int, default=3,
                    help="lone prefills per calibration; each decode batch is measured runs // 3 times (more runs: "
                         "a steadier calibration, ~10 s more per 3 runs)")
@@ -112,8 +119,9 @@ def _engine_flags(engine_args: dict) -> list:
     return flags
 
 
-def start_server(engine_args: dict, timeout: float = 600.0) -> tuple:
-    """Start ``kvserve serve`` on a free loopback port; returns ``(process, base_url)`` once ``/health`` is 200.
+def start_server(engine_args: dict, timeout: float = 600.0, step_trace: str | None = None) -> tuple:
+    """Start ``kvserve serve`` on a free loopback port (with ``--step-trace step_trace`` when given); returns
+    ``(process, base_url)`` once ``/health`` is 200.
 
     Raises:
         ValueError: the server exits or is not healthy within ``timeout`` seconds.
@@ -122,7 +130,7 @@ def start_server(engine_args: dict, timeout: float = 600.0) -> tuple:
 
     port = _free_port()
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(port), "--no-access-log",
-           *_engine_flags(engine_args)]
+           *_engine_flags(engine_args), *(["--step-trace", step_trace] if step_trace else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
@@ -141,7 +149,7 @@ def start_server(engine_args: dict, timeout: float = 600.0) -> tuple:
 
 def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24,
               prefill_len: int = 192, prefill_runs: int = 3, seed: int = 0, replicas: int = 1,
-              decode_runs: int = 1) -> dict:
+              decode_runs: int = 1, step_trace_path: str | None = None) -> dict:
     """Measure a live server's decode and prefill steps against the cost model's predictions.
 
     Decode: the median inter-token gap of 1 and of 8 concurrent streams (fresh ``context``-token prompts,
@@ -158,6 +166,13 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     token ids): a second calibration on the same server must not find the first one's prompts in its prefix cache.
     ``replicas``: the server spreads concurrent fresh prompts over this many engines (a data-parallel
     deployment), so ``b`` streams are predicted as a step of ``ceil(b / replicas)`` rows.
+
+    With ``step_trace_path`` (the server's ``--step-trace``), a burst of 12 fresh ``prefill_len``-token prompts
+    follows, 4 at once and 8 more 0.1 s apart (several prompt chunks in one step, then chunks beside decode rows:
+    the steps of a loaded server), and the three numbers
+    are fitted instead on every step the server ran during the calibration (``fit_from_steps``): its own loop
+    turns, each against the prediction for its very plan, rather than two medians seen through HTTP. The result
+    then also has ``"fit": "server steps"`` and ``"steps"``; ``points`` keep the client-side view.
     """
     import random
     import statistics
@@ -172,6 +187,7 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     points = []
     if prefill_runs < 1 or decode_runs < 1:
         raise ValueError(f"calibration runs must be >= 1, got prefill_runs={prefill_runs}, decode_runs={decode_runs}")
+    t_start = time.monotonic()
     for b in (1, 8):
         gaps = []
         for _ in range(decode_runs):
@@ -198,12 +214,63 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     measured, pre = statistics.median(ttfts), cost.prefill_time(f)
     rest = offset + scale * (cost.step_time(f) - pre)
     prefill_scale = (measured - rest) / pre if pre > 0 and measured > rest else None
-    return {"offset_s": offset, "scale": scale, "prefill_scale": prefill_scale, "points": points,
-            "prefill_points": [(prefill_len, measured, cost.step_time(f))]}
+    cal = {"offset_s": offset, "scale": scale, "prefill_scale": prefill_scale, "points": points,
+           "prefill_points": [(prefill_len, measured, cost.step_time(f))]}
+    if step_trace_path is None:
+        return cal
+    burst = [LoadRequest(fresh(prefill_len), output_len, 0.0 if i < 4 else 0.1 * (i - 3)) for i in range(12)]
+    asyncio.run(run_benchmark(base_url, model, burst, [r.arrival_s for r in burst]))
+    time.sleep(0.5)  # the server flushes its trace when it idles
+    steps = [st for st in step_trace.read(step_trace_path) if st[0] >= t_start]
+    return {**cal, **fit_from_steps(steps, cost), "fit": "server steps"}
+
+
+def loop_turns(steps: list) -> list:
+    """``(turn_s, rows)`` per step of a step trace (``kvserve.engine.step_trace.read`` tuples): from a step's start
+    to the next one's where the loop went straight on (``more``), the step alone otherwise."""
+    return [((steps[k + 1][0] if more and k + 1 < len(steps) else t1) - t0, rows)
+            for k, (t0, t1, more, rows) in enumerate(steps)]
+
+
+def fit_from_steps(steps: list, cost) -> dict:
+    """``offset_s``, ``scale`` and ``prefill_scale`` of ``ServerCalibrated`` fitted to a server's loop turns: ``turn
+    = offset + scale * (predicted - prefill part) + prefill_scale * prefill part`` per step, by non-negative least
+    squares on relative error (``cost_model.nnls_relative``).
+
+    Args:
+        steps: ``kvserve.engine.step_trace.read`` tuples (at least 3 steps, some with prompt chunks).
+        cost: the uncalibrated ``CostModel``.
+
+    Returns:
+        ``{"offset_s", "scale", "prefill_scale", "steps", "mean_abs_rel_err"}``; ``prefill_scale`` is ``None``
+        when no step had a prefill part.
+
+    Raises:
+        ValueError: fewer than 3 steps.
+    """
+    from kvserve.sim.cost_model import nnls_relative, row_features
+
+    turns = [(t, row_features(rows)) for t, rows in loop_turns(steps) if t > 0]
+    if len(turns) < 3:
+        raise ValueError(f"the server's step trace has {len(turns)} steps in the calibration; need at least 3")
+    x = []
+    for _, f in turns:
+        pre = cost.prefill_time(f)
+        x.append([1.0, cost.step_time(f) - pre, pre])
+    y = [t for t, _ in turns]
+    has_prefill = any(r[2] > 0 for r in x)
+    offset, scale, prefill_scale = nnls_relative(x if has_prefill else [r[:2] for r in x], y) + ([] if has_prefill
+                                                                                               else [None])
+    pred = [offset + scale * a + (prefill_scale or 0.0) * b for _, a, b in x]
+    err = sum(abs(p - t) / t for p, t in zip(pred, y)) / len(y)
+    if not scale > 0:
+        raise ValueError("the server's calibration steps give no positive scale for the cost model; profile again")
+    return {"offset_s": offset, "scale": scale, "prefill_scale": prefill_scale if has_prefill else None,
+            "steps": len(y), "mean_abs_rel_err": err}
 
 
 def calibrate_profile(base_url: str, model: str, engine_args: dict, profile_path, seed: int = 0,
-                      replicas: int = 1, runs: int = 3) -> tuple:
+                      replicas: int = 1, runs: int = 3, step_trace_path: str | None = None) -> tuple:
     """``calibrate`` the live server at ``base_url`` against the profile's uncalibrated cost model (``runs`` lone
     prefills, each decode batch measured ``runs // 3`` times, at least once), print the result, store it as the
     profile's ``server_calibration`` (the file is rewritten) and return ``(Simulator with it, the calibration
@@ -212,18 +279,59 @@ def calibrate_profile(base_url: str, model: str, engine_args: dict, profile_path
 
     raw_sim, prof = build_simulator(engine_args, profile_path, server_calibration=False)
     cal = calibrate(base_url, model, raw_sim.step_time, seed=seed, replicas=replicas, prefill_runs=runs,
-                    decode_runs=max(1, runs // 3))
+                    decode_runs=max(1, runs // 3), step_trace_path=step_trace_path)
     ps = cal["prefill_scale"]
     print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
           f"(prefill terms x {ps if ps is None else round(ps, 3)}; measured / predicted decode step: " +
           ", ".join(f"{b} streams {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) +
           "; lone prefill: " +
           ", ".join(f"{n} tokens {m * 1000:.0f} / {p * 1000:.0f} ms" for n, m, p in cal["prefill_points"]) +
-          ")", flush=True)
+          ")" + (f"; fitted on the server's {cal['steps']} steps, mean |error| {100 * cal['mean_abs_rel_err']:.1f}%"
+                 if cal.get("fit") else ""), flush=True)
     prof["server_calibration"] = {**cal, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with open(profile_path, "w") as f:
         json.dump(prof, f, indent=1)
     return build_simulator(engine_args, profile_path)[0], prof["server_calibration"]
+
+
+def step_comparison(steps: list, cost, t_start: float, t_end: float) -> dict:
+    """The server's own steps between ``t_start`` and ``t_end`` (monotonic seconds; ``kvserve.engine.step_trace.read``
+    tuples) against ``cost``'s prediction for the very same plans.
+
+    Returns ``{"steps", "step_s", "turn_s", "predicted_s", "turn_error", "by_kind"}``: the number of steps, their
+    total time inside ``engine.step`` and as whole loop turns (a step's start to the next one's, where the loop did
+    not idle between them; the step alone otherwise), the total predicted, ``(predicted - turn) / turn``, and the
+    same three totals per kind of step (``decode``: single-token rows only; ``mixed``: a prompt chunk with decode
+    rows; ``prefill``: prompt chunks only).
+    """
+    from kvserve.sim.cost_model import row_features
+
+    sel = [s for s in steps if t_start <= s[0] <= t_end]
+    out = {"steps": len(sel), "step_s": 0.0, "turn_s": 0.0, "predicted_s": 0.0, "by_kind": {}}
+    for (t0, t1, _, rows), (turn, _) in zip(sel, loop_turns(sel)):
+        pred = cost.step_time(row_features(rows))
+        chunks = sum(1 for q, _, spec, _ in rows if q > 1 and not spec)
+        kind = "decode" if not chunks else ("prefill" if chunks == len(rows) else "mixed")
+        agg = out["by_kind"].setdefault(kind, {"steps": 0, "step_s": 0.0, "turn_s": 0.0, "predicted_s": 0.0})
+        for d in (out, agg):
+            d["step_s"] += t1 - t0
+            d["turn_s"] += turn
+            d["predicted_s"] += pred
+        agg["steps"] += 1
+    out["turn_error"] = (out["predicted_s"] - out["turn_s"]) / out["turn_s"] if out["turn_s"] else None
+    return out
+
+
+def format_step_comparison(name: str, c: dict) -> str:
+    """One line per kind of step of a ``step_comparison``: steps, ms inside ``engine.step``, per loop turn, and
+    predicted, per step."""
+    lines = [f"{name}: server steps vs the cost model on the same plans (ms per step: in engine.step / loop turn / "
+             f"predicted)"]
+    for kind, d in sorted(c["by_kind"].items()):
+        n = d["steps"]
+        lines.append(f"  {kind:<8}{n:>6} steps  {1e3 * d['step_s'] / n:8.1f} {1e3 * d['turn_s'] / n:8.1f} "
+                     f"{1e3 * d['predicted_s'] / n:8.1f}  ({100 * (d['predicted_s'] - d['turn_s']) / d['turn_s']:+.1f}%)")
+    return "\n".join(lines)
 
 
 def compare(real: dict, sim: dict) -> dict:
@@ -263,8 +371,12 @@ def run(args: argparse.Namespace) -> int:
     sim, prof = build_simulator(eargs, args.profile)
     raw_sim, _ = build_simulator(eargs, args.profile, server_calibration=False)
     proc = None
+    trace_path = args.step_trace
     if args.base_url is None:
-        proc, base_url = start_server({k: v for k, v in eargs.items() if k != "speculative_config"})
+        if trace_path is None:
+            trace_path = os.path.join(tempfile.mkdtemp(prefix="kvserve-validate-"), "steps.jsonl")
+        proc, base_url = start_server({k: v for k, v in eargs.items() if k != "speculative_config"},
+                                      step_trace=trace_path)
     else:
         base_url = args.base_url
     rows, report = [], []
@@ -274,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
         def recalibrate(level: int = 0):
             return calibrate_profile(base_url, model, eargs, args.profile, seed=args.seed * 1000 + level,
-                                     runs=args.calibration_runs)
+                                     runs=args.calibration_runs, step_trace_path=trace_path)
 
         cal = prof.get("server_calibration")
         if args.save_calibration:
@@ -285,8 +397,10 @@ def run(args: argparse.Namespace) -> int:
             reqs = level_requests(args, rate, args.seed + i)
             offsets = [r.arrival_s for r in reqs]
             before = fetch_prefix_counters(base_url)
+            t_start = time.monotonic()
             results, duration = asyncio.run(run_benchmark(base_url, model, reqs, offsets,
                                                           max_duration=args.max_duration))
+            t_end = time.monotonic()
             real = summarize(results, duration, slos)
             real.update(prefix_hit_rate(before, fetch_prefix_counters(base_url)))
             trace = trace_from_records(request_records([[r] for r in reqs], [[r] for r in results]))
@@ -299,6 +413,11 @@ def run(args: argparse.Namespace) -> int:
                            "errors": {k: v[2] for k, v in comp.items()},
                            "errors_uncalibrated": {k: v[2] for k, v in compare(real, raw).items()}})
             print(format_comparison([(name, comp)]), flush=True)
+            if trace_path is not None:
+                time.sleep(0.5)  # the server flushes its trace when it idles
+                steps_cmp = step_comparison(step_trace.read(trace_path), sim.step_time, t_start, t_end)
+                report[-1]["server_steps"] = steps_cmp
+                print(format_step_comparison(name, steps_cmp), flush=True)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

@@ -125,3 +125,54 @@ def test_calibration_runs_pool_the_decode_gaps_and_take_the_median_prefill(monke
     assert cal["prefill_points"][0][1] == pytest.approx(0.3)
     with pytest.raises(ValueError, match="prefill_runs=0, decode_runs=1"):
         V.calibrate("http://x", "m", Linear(), prefill_runs=0)
+
+
+def _synthetic_trace(server):
+    """A step trace as ``kvserve.engine.step_trace.read`` gives it, whose loop turns are exactly ``server``'s
+    prediction for each plan: decodes of 1-12 rows, lone prompts and prompt chunks beside decodes."""
+    from kvserve.sim.cost_model import row_features
+
+    plans = [[(1, 100 + k, 0, 1)] * b for k, b in enumerate((1, 2, 4, 8, 12))]
+    plans += [[(n, 0, 0, 1)] for n in (48, 128, 256)]
+    plans += [[(128, 0, 0, 1)] + [(1, 300, 0, 1)] * 6, [(200, 64, 0, 0), (1, 80, 0, 1)]]
+    steps, t = [], 10.0
+    for k, rows in enumerate(plans):
+        turn = server.step_time(row_features(rows))
+        more = k not in (4, len(plans) - 1)  # the loop idles after the fifth step, and ends after the last
+        steps.append((t, t + 0.9 * turn if more else t + turn, more, rows))
+        t += turn + (0.0 if more else 2.0)
+    return steps
+
+
+def test_fit_from_steps_recovers_the_server_calibration():
+    """``fit_from_steps``: the loop turns of a server that runs ``offset + scale x decode part + prefill_scale x
+    prefill part`` give back those three numbers; ``loop_turns`` counts an idle wait in no step."""
+    from kvserve.sim.cost_model import CostModel
+    from kvserve.sim.validate import fit_from_steps, loop_turns
+
+    base = CostModel(0.004, {"prefill_tokens": 0.0015, "decode_tokens": 0.0018, "logit_rows": 0.0001,
+                             "decode_ctx": 0.0025, "prefill_attn": 1.5, "rows": 0.0002})
+    server = ServerCalibrated(base, offset_s=0.002, scale=1.3, prefill_scale=1.1)
+    steps = _synthetic_trace(server)
+    turns = loop_turns(steps)
+    assert turns[4][0] == pytest.approx(steps[4][1] - steps[4][0])  # idle after it: the step alone
+    assert turns[0][0] == pytest.approx(steps[1][0] - steps[0][0])
+    fit = fit_from_steps(steps, base)
+    assert fit["offset_s"] == pytest.approx(0.002, rel=1e-6) and fit["scale"] == pytest.approx(1.3, rel=1e-6)
+    assert fit["prefill_scale"] == pytest.approx(1.1, rel=1e-6) and fit["steps"] == 10
+    assert fit["mean_abs_rel_err"] < 1e-9
+    with pytest.raises(ValueError, match="need at least 3"):
+        fit_from_steps(steps[:2], base)
+
+
+def test_step_comparison_splits_steps_by_kind_within_the_window():
+    from kvserve.sim.cost_model import CostModel
+    from kvserve.sim.validate import step_comparison
+
+    base = CostModel(0.004, {"prefill_tokens": 0.0015, "decode_tokens": 0.0018, "logit_rows": 0.0,
+                             "decode_ctx": 0.0025, "prefill_attn": 1.5, "rows": 0.0})
+    steps = _synthetic_trace(ServerCalibrated(base, scale=1.25))
+    assert step_comparison(steps, base, steps[0][0], steps[-2][0])["steps"] == 9  # the last one starts later
+    c = step_comparison(steps, base, steps[0][0], steps[-1][0])
+    assert {k: v["steps"] for k, v in c["by_kind"].items()} == {"decode": 5, "prefill": 3, "mixed": 2}
+    assert c["turn_error"] == pytest.approx(1 / 1.25 - 1)  # the model predicts 80% of every turn
