@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_profile(args: argparse.Namespace) -> int:
     """``kvserve sim profile``: measure, fit, save, print the fit."""
+    from kvserve.sim.cost_model import FEATURE_UNITS
     from kvserve.sim.profile import measure, save
 
     prof = measure(engine_kwargs(args), quick=args.quick)
@@ -214,7 +215,7 @@ def run_profile(args: argparse.Namespace) -> int:
     cm, fit = prof["cost_model"], prof["fit"]
     print(f"profile of {prof['model']} ({len(prof['samples'])} steps) written to {args.output}")
     print(f"step_s = {cm['intercept_s'] * 1000:.2f} ms + " +
-          " + ".join(f"{v * 1000:.4g} ms x {k}" for k, v in cm["coef_s"].items()))
+          " + ".join(f"{v * 1000:.4g} ms x {k}{FEATURE_UNITS.get(k, '')}" for k, v in cm["coef_s"].items()))
     print(f"fit: mean |error| {100 * fit['mean_abs_rel_err']:.1f}%, max {100 * fit['max_abs_rel_err']:.1f}%",
           file=sys.stdout)
     return 0

@@ -40,6 +40,7 @@ from kvserve.core.sched_output import SchedulerOutput
 from kvserve.engine.step_trace import plan_rows
 
 FEATURES = ("prefill_tokens", "decode_tokens", "logit_rows", "decode_ctx", "prefill_attn", "rows")
+FEATURE_UNITS = {"decode_ctx": " (thousands of pairs)", "prefill_attn": " (millions of pairs)"}  # printed after a name
 PREFILL_FEATURES = ("prefill_tokens", "prefill_attn")  # the part of a step a prefill calibration scales
 
 

@@ -49,7 +49,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input-len", type=int, default=512)
     p.add_argument("--max-output-len", type=int, default=256)
     p.add_argument("--azure-kind", choices=["conv", "code"], default="conv")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None,
+                   help="the folder holding azure_llm_2023/ (default: ../shared/data next to the repository)")
     p.add_argument("--seed", type=int, default=100, help="level i uses seed + i (fresh prompts per level)")
     p.add_argument("--base-url", default=None, help="use this running server instead of starting one")
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS")
@@ -220,9 +221,20 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
         return cal
     burst = [LoadRequest(fresh(prefill_len), output_len, 0.0 if i < 4 else 0.1 * (i - 3)) for i in range(12)]
     asyncio.run(run_benchmark(base_url, model, burst, [r.arrival_s for r in burst]))
-    time.sleep(0.5)  # the server flushes its trace when it idles
-    steps = [st for st in step_trace.read(step_trace_path) if st[0] >= t_start]
+    steps = [st for st in read_idle_trace(step_trace_path) if st[0] >= t_start]
     return {**cal, **fit_from_steps(steps, cost), "fit": "server steps"}
+
+
+def read_idle_trace(path, timeout: float = 30.0) -> list:
+    """The server's step trace once it has gone idle: the server writes its buffered lines when its loop idles, so
+    this reads ``path`` until the last step left nothing unfinished (``more`` false), for at most ``timeout``
+    seconds (then what is there)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        steps = step_trace.read(path)
+        if (steps and not steps[-1][2]) or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.1)
 
 
 def loop_turns(steps: list) -> list:
@@ -283,7 +295,7 @@ def calibrate_profile(base_url: str, model: str, engine_args: dict, profile_path
     ps = cal["prefill_scale"]
     print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
           f"(prefill terms x {ps if ps is None else round(ps, 3)}; measured / predicted decode step: " +
-          ", ".join(f"{b} streams {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) +
+          ", ".join(f"{b} stream{'s' if b > 1 else ''} {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) +
           "; lone prefill: " +
           ", ".join(f"{n} tokens {m * 1000:.0f} / {p * 1000:.0f} ms" for n, m, p in cal["prefill_points"]) +
           ")" + (f"; fitted on the server's {cal['steps']} steps, mean |error| {100 * cal['mean_abs_rel_err']:.1f}%"
@@ -368,6 +380,7 @@ def run(args: argparse.Namespace) -> int:
     if args.calibration_runs < 1:
         raise ValueError(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
     eargs = {k: v for k, v in engine_kwargs(args).items() if k != "device"}
+    levels = [level_requests(args, rate, args.seed + i) for i, rate in enumerate(rates)]  # bad data: fail before serving
     sim, prof = build_simulator(eargs, args.profile)
     raw_sim, _ = build_simulator(eargs, args.profile, server_calibration=False)
     proc = None
@@ -394,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         for i, rate in enumerate(rates):
             if args.save_calibration and args.calibrate_each_level and i > 0:
                 sim, cal = recalibrate(i)
-            reqs = level_requests(args, rate, args.seed + i)
+            reqs = levels[i]
             offsets = [r.arrival_s for r in reqs]
             before = fetch_prefix_counters(base_url)
             t_start = time.monotonic()
@@ -414,8 +427,7 @@ def run(args: argparse.Namespace) -> int:
                            "errors_uncalibrated": {k: v[2] for k, v in compare(real, raw).items()}})
             print(format_comparison([(name, comp)]), flush=True)
             if trace_path is not None:
-                time.sleep(0.5)  # the server flushes its trace when it idles
-                steps_cmp = step_comparison(step_trace.read(trace_path), sim.step_time, t_start, t_end)
+                steps_cmp = step_comparison(read_idle_trace(trace_path), sim.step_time, t_start, t_end)
                 report[-1]["server_steps"] = steps_cmp
                 print(format_step_comparison(name, steps_cmp), flush=True)
     finally:

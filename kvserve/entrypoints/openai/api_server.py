@@ -349,14 +349,14 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: Optional[str] = None, log_level: str = "info",
                  access_log: bool = True, api_key: Optional[str] = None, metrics_auth: bool = True,
                  sock: Optional[socket.socket] = None, dashboard: Optional[bool] = None,
-                 dashboard_show_prompts: bool = False, step_trace: Optional[str] = None) -> KVServeServer:
+                 dashboard_show_prompts: bool = False, step_trace: Optional[StepTrace] = None) -> KVServeServer:
     """Load the model and build the server (not started). ``served_model_name`` defaults to the model file's stem;
     ``dashboard`` (``/dashboard`` and ``/v1/engine/state``) defaults to on iff ``host`` is a loopback address.
 
     Args:
         api_key, metrics_auth: see ``build_app``.
         sock: an already bound socket (``bind_socket``) to serve on; ``host`` and ``port`` then only name it.
-        step_trace: write one JSON line per engine step to this file (``kvserve.engine.step_trace``).
+        step_trace: record one JSON line per engine step there (``kvserve.engine.step_trace``).
 
     Raises:
         ValueError: bad engine arguments or an unloadable model.
@@ -364,9 +364,9 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
     llm = AsyncLLM.from_engine_args(**engine_args)
     name = served_model_name or Path(llm.engine.model_path).stem
     llm.stat_logger = PrometheusStatLogger(name)
-    if step_trace:
-        llm.step_trace = StepTrace(step_trace)
-        logger.info("step trace: one line per engine step in %s", step_trace)
+    if step_trace is not None:
+        llm.step_trace = step_trace
+        logger.info("step trace: one line per engine step in %s", step_trace.path)
     if dashboard is None:
         dashboard = dash.is_loopback(host)
     app = build_app(llm, name, api_key=api_key, metrics_auth=metrics_auth, dashboard=dashboard,
@@ -438,18 +438,22 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     """Serve until SIGINT / SIGTERM; returns 0 after a clean shutdown.
 
     Raises:
-        ValueError: the address cannot be bound (checked before the model loads), an empty ``--api-key``, bad
-            engine arguments.
+        ValueError: the address cannot be bound or the ``--step-trace`` file cannot be written (both checked before
+            the model loads), an empty ``--api-key``, bad engine arguments.
     """
     api_key = api_key_from(args)
     sock = bind_socket(args.host, args.port)
+    trace = None
     try:
+        trace = StepTrace(args.step_trace) if args.step_trace else None  # an unwritable path: before the model loads
         server = build_server(engine_args, host=args.host, port=args.port, served_model_name=args.served_model_name,
                               log_level=args.uvicorn_log_level, access_log=not args.no_access_log, api_key=api_key,
                               metrics_auth=not args.no_metrics_auth, sock=sock, dashboard=args.dashboard,
-                              dashboard_show_prompts=args.dashboard_show_prompts, step_trace=args.step_trace)
+                              dashboard_show_prompts=args.dashboard_show_prompts, step_trace=trace)
     except BaseException:
         sock.close()
+        if trace is not None:
+            trace.close()
         raise
     asyncio.run(server.serve())
     return 0
