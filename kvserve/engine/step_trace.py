@@ -2,12 +2,13 @@
 
 Each line is ``{"t0": s, "t1": s, "more": 0|1, "rows": [[q, start_pos, spec, logits], ...]}``: the
 ``time.monotonic()`` seconds at which ``AsyncLLM``'s loop handed the step to its worker thread and got it back,
-whether requests were left unfinished after it (``more``: the loop goes on to the next step without idling), and per scheduled request of the
-step's ``SchedulerOutput`` its query tokens ``q``, the position of its first one (``start_pos``), whether it
-verifies drafts (``spec``: 0/1) and how many rows it samples (``logits``: sampling states + draft tokens, 0 for a
-prompt chunk that does not end its prompt). After a step with ``more``, the time from its ``t0`` to the next line's
-is the server's whole loop turn (step + streaming the outputs + admitting new requests), which is what ``kvserve sim`` advances
-its clock by; ``kvserve sim validate`` reads these lines to compare the cost model with the server step by step
+whether requests were left unfinished after it (``more``: the loop goes on to the next step without idling), and
+per scheduled request of the step's ``SchedulerOutput`` its query tokens ``q``, the position of its first one
+(``start_pos``), whether it verifies drafts (``spec``: 0/1) and how many rows it samples (``logits``: sampling
+states + draft tokens, 0 for a prompt chunk that does not end its prompt). After a step with ``more``, the time
+from its ``t0`` to the next line's is the server's whole loop turn (step + streaming the outputs + admitting new
+requests), which is what ``kvserve sim`` advances its clock by. ``kvserve sim validate`` reads these lines
+(``kvserve.sim.trace.read_step_trace``) to compare the cost model with the server step by step
 (``kvserve.sim.cost_model.row_features`` turns ``rows`` into the model's features).
 
 Lines are buffered and written every ``flush_every`` steps and on ``close``; a write error stops the trace with a
@@ -57,8 +58,8 @@ class StepTrace:
         iff ``more``; steps that scheduled nothing are left out."""
         if self._f is None or scheduler_output is None or not scheduler_output.scheduled:
             return
-        self._buf.append(json.dumps({"t0": round(t0, 6), "t1": round(t1, 6), "more": int(more), "rows": plan_rows(scheduler_output)},
-                                    separators=(",", ":")))
+        line = {"t0": round(t0, 6), "t1": round(t1, 6), "more": int(more), "rows": plan_rows(scheduler_output)}
+        self._buf.append(json.dumps(line, separators=(",", ":")))
         if len(self._buf) >= self.flush_every:
             self.flush()
 
@@ -79,21 +80,3 @@ class StepTrace:
             self._f.close()
             self._f = None
 
-
-def read(path) -> list:
-    """The lines of a step trace as ``(t0, t1, more, rows)`` tuples, in step order.
-
-    Raises:
-        ValueError: a line that is not a step record (its line number).
-    """
-    steps = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                steps.append((float(d["t0"]), float(d["t1"]), bool(d["more"]), [tuple(int(v) for v in r) for r in d["rows"]]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}: line {n}: not a step-trace record ({type(e).__name__}: {e})") from None
-    return steps

@@ -2,10 +2,10 @@
 
 A decode step of SmolLM2 with 4-bit weights takes a few milliseconds, and the Python loop over its 30 layers -- about
 eight calls into C per layer, each with its checks, a new output tensor and a ``ctypes`` crossing -- was a third of
-it (measured: README, "Quantized weights"; docs/benchmarks.md, issue 12). ``FusedLayerLoop`` hands the loop to C: per layer the
-same kernels in the same order (quantized Q/K/V projection, RoPE + K/V write + paged attention, output projection,
-residual add + RMSNorm, gate/up, silu * up, down, residual add + the next RMSNorm), so the residual stream it returns
-equals the Python loop's bit for bit (``tests/model/test_fused_layers.py``).
+it (measured: README, "Quantized weights"; docs/benchmarks.md, issue 12). ``FusedLayerLoop`` hands the loop to C:
+per layer the same kernels in the same order (quantized Q/K/V projection, RoPE + K/V write + paged attention,
+output projection, residual add + RMSNorm, gate/up, silu * up, down, residual add + the next RMSNorm), so the
+residual stream it returns equals the Python loop's bit for bit (``tests/model/test_fused_layers.py``).
 
 It takes a step when everything runs in kvserve's CPU kernels: float32, one process (no tensor parallelism), every
 projection a ``QuantLinear`` on a kernel path with no padded outputs, and every request of the step in the

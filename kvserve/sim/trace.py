@@ -179,6 +179,23 @@ def _read_json_lines(path: Path, lo_hi=None):
             yield lineno, obj
 
 
+def read_step_trace(path) -> list:
+    """A server's step trace (``kvserve serve --step-trace``, ``kvserve.engine.step_trace``) as ``(t0, t1, more,
+    rows)`` tuples in step order: monotonic seconds, seconds, bool, ``[(q, start_pos, spec, logits), ...]``.
+
+    Raises:
+        ValueError: a missing file, or a line that is not a step record (with its line number).
+    """
+    steps = []
+    for lineno, d in _read_json_lines(Path(path)):
+        try:
+            steps.append((float(d["t0"]), float(d["t1"]), bool(d["more"]),
+                          [tuple(int(v) for v in r) for r in d["rows"]]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: line {lineno}: not a step-trace record ({type(e).__name__}: {e})") from None
+    return steps
+
+
 def _records(path: Path, start: int, num_requests: Optional[int], required: tuple, optional: tuple = ()):
     """Yield ``("FILE: line N", object)`` for the JSON objects from the ``start``-th (0-based, blank lines not
     counted), at most ``num_requests`` of them, each with every ``required`` field and no field outside

@@ -18,9 +18,9 @@ import asyncio
 import json
 import logging
 import math
+import os
 import signal
 import socket
-import os
 import subprocess
 import sys
 import tempfile
@@ -29,9 +29,8 @@ import time
 from kvserve.bench.serve import (LoadRequest, fetch_model, fetch_prefix_counters, parse_goodput, prefix_hit_rate,
                                  request_records, run_benchmark, summarize)
 from kvserve.bench.workloads import azure_trace
-from kvserve.engine import step_trace
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
-from kvserve.sim.trace import TraceRequest
+from kvserve.sim.trace import TraceRequest, read_step_trace
 
 METRICS = (("output_throughput", "output tok/s"), ("request_throughput", "req/s"),
            ("median_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"),
@@ -231,14 +230,14 @@ def read_idle_trace(path, timeout: float = 30.0) -> list:
     seconds (then what is there)."""
     deadline = time.monotonic() + timeout
     while True:
-        steps = step_trace.read(path)
+        steps = read_step_trace(path)
         if (steps and not steps[-1][2]) or time.monotonic() > deadline:
             return steps
         time.sleep(0.1)
 
 
 def loop_turns(steps: list) -> list:
-    """``(turn_s, rows)`` per step of a step trace (``kvserve.engine.step_trace.read`` tuples): from a step's start
+    """``(turn_s, rows)`` per step of a step trace (``kvserve.sim.trace.read_step_trace`` tuples): from a step's start
     to the next one's where the loop went straight on (``more``), the step alone otherwise."""
     return [((steps[k + 1][0] if more and k + 1 < len(steps) else t1) - t0, rows)
             for k, (t0, t1, more, rows) in enumerate(steps)]
@@ -250,7 +249,7 @@ def fit_from_steps(steps: list, cost) -> dict:
     squares on relative error (``cost_model.nnls_relative``).
 
     Args:
-        steps: ``kvserve.engine.step_trace.read`` tuples (at least 3 steps, some with prompt chunks).
+        steps: ``kvserve.sim.trace.read_step_trace`` tuples (at least 3 steps, some with prompt chunks).
         cost: the uncalibrated ``CostModel``.
 
     Returns:
@@ -270,10 +269,9 @@ def fit_from_steps(steps: list, cost) -> dict:
         pre = cost.prefill_time(f)
         x.append([1.0, cost.step_time(f) - pre, pre])
     y = [t for t, _ in turns]
-    has_prefill = any(r[2] > 0 for r in x)
-    offset, scale, prefill_scale = nnls_relative(x if has_prefill else [r[:2] for r in x], y) + ([] if has_prefill
-                                                                                               else [None])
-    pred = [offset + scale * a + (prefill_scale or 0.0) * b for _, a, b in x]
+    has_prefill = any(r[2] > 0 for r in x)  # else the prefill column is all zeros and its coefficient 0
+    offset, scale, prefill_scale = nnls_relative(x, y)
+    pred = [offset + scale * a + prefill_scale * b for _, a, b in x]
     err = sum(abs(p - t) / t for p, t in zip(pred, y)) / len(y)
     if not scale > 0:
         raise ValueError("the server's calibration steps give no positive scale for the cost model; profile again")
@@ -295,7 +293,8 @@ def calibrate_profile(base_url: str, model: str, engine_args: dict, profile_path
     ps = cal["prefill_scale"]
     print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
           f"(prefill terms x {ps if ps is None else round(ps, 3)}; measured / predicted decode step: " +
-          ", ".join(f"{b} stream{'s' if b > 1 else ''} {m * 1000:.0f} / {p * 1000:.0f} ms" for b, m, p in cal["points"]) +
+          ", ".join(f"{b} stream{'s' if b > 1 else ''} {m * 1000:.0f} / {p * 1000:.0f} ms"
+                    for b, m, p in cal["points"]) +
           "; lone prefill: " +
           ", ".join(f"{n} tokens {m * 1000:.0f} / {p * 1000:.0f} ms" for n, m, p in cal["prefill_points"]) +
           ")" + (f"; fitted on the server's {cal['steps']} steps, mean |error| {100 * cal['mean_abs_rel_err']:.1f}%"
@@ -307,8 +306,8 @@ def calibrate_profile(base_url: str, model: str, engine_args: dict, profile_path
 
 
 def step_comparison(steps: list, cost, t_start: float, t_end: float) -> dict:
-    """The server's own steps between ``t_start`` and ``t_end`` (monotonic seconds; ``kvserve.engine.step_trace.read``
-    tuples) against ``cost``'s prediction for the very same plans.
+    """The server's own steps between ``t_start`` and ``t_end`` (monotonic seconds;
+    ``kvserve.sim.trace.read_step_trace`` tuples) against ``cost``'s prediction for the very same plans.
 
     Returns ``{"steps", "step_s", "turn_s", "predicted_s", "turn_error", "by_kind"}``: the number of steps, their
     total time inside ``engine.step`` and as whole loop turns (a step's start to the next one's, where the loop did
@@ -341,8 +340,9 @@ def format_step_comparison(name: str, c: dict) -> str:
              f"predicted)"]
     for kind, d in sorted(c["by_kind"].items()):
         n = d["steps"]
+        err = (d["predicted_s"] - d["turn_s"]) / d["turn_s"]
         lines.append(f"  {kind:<8}{n:>6} steps  {1e3 * d['step_s'] / n:8.1f} {1e3 * d['turn_s'] / n:8.1f} "
-                     f"{1e3 * d['predicted_s'] / n:8.1f}  ({100 * (d['predicted_s'] - d['turn_s']) / d['turn_s']:+.1f}%)")
+                     f"{1e3 * d['predicted_s'] / n:8.1f}  ({100 * err:+.1f}%)")
     return "\n".join(lines)
 
 
@@ -380,7 +380,7 @@ def run(args: argparse.Namespace) -> int:
     if args.calibration_runs < 1:
         raise ValueError(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
     eargs = {k: v for k, v in engine_kwargs(args).items() if k != "device"}
-    levels = [level_requests(args, rate, args.seed + i) for i, rate in enumerate(rates)]  # bad data: fail before serving
+    levels = [level_requests(args, rate, args.seed + i) for i, rate in enumerate(rates)]  # bad data: before serving
     sim, prof = build_simulator(eargs, args.profile)
     raw_sim, _ = build_simulator(eargs, args.profile, server_calibration=False)
     proc = None

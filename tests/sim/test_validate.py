@@ -128,7 +128,7 @@ def test_calibration_runs_pool_the_decode_gaps_and_take_the_median_prefill(monke
 
 
 def _synthetic_trace(server):
-    """A step trace as ``kvserve.engine.step_trace.read`` gives it, whose loop turns are exactly ``server``'s
+    """A step trace as ``kvserve.sim.trace.read_step_trace`` gives it, whose loop turns are exactly ``server``'s
     prediction for each plan: decodes of 1-12 rows, lone prompts and prompt chunks beside decodes."""
     from kvserve.sim.cost_model import row_features
 
@@ -176,3 +176,23 @@ def test_step_comparison_splits_steps_by_kind_within_the_window():
     c = step_comparison(steps, base, steps[0][0], steps[-1][0])
     assert {k: v["steps"] for k, v in c["by_kind"].items()} == {"decode": 5, "prefill": 3, "mixed": 2}
     assert c["turn_error"] == pytest.approx(1 / 1.25 - 1)  # the model predicts 80% of every turn
+
+
+def test_read_idle_trace_waits_for_the_idle_server(tmp_path):
+    """``read_idle_trace`` reads until the last step left nothing unfinished (the server writes its lines when it
+    idles), and gives up after its timeout with what is there."""
+    import threading
+
+    from kvserve.sim.validate import read_idle_trace
+
+    p = tmp_path / "steps.jsonl"
+    p.write_text('{"t0": 1.0, "t1": 1.1, "more": 1, "rows": [[5, 0, 0, 1]]}\n')
+    assert len(read_idle_trace(p, timeout=0.2)) == 1  # never idle: what is there, after the timeout
+
+    def finish():
+        with open(p, "a") as f:
+            f.write('{"t0": 1.1, "t1": 1.2, "more": 0, "rows": [[1, 5, 0, 1]]}\n')
+
+    threading.Timer(0.3, finish).start()
+    steps = read_idle_trace(p, timeout=10.0)
+    assert [more for _, _, more, _ in steps] == [True, False]

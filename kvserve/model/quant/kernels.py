@@ -37,7 +37,8 @@ from kvserve.model.quant import pack as P
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
-#: The library's sources: the matmul, and the whole-layer-loop entry point that calls it (``kvserve.model.fused_layers``).
+#: The library's sources: the matmul, and the whole-layer-loop entry point that calls it
+#: (``kvserve.model.fused_layers``).
 _SOURCES = [_CSRC / "qgemm.c", _CSRC / "decoder.c"]
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 #: Instruction-set paths, best first, with qgemm.c's ids.
