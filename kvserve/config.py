@@ -23,6 +23,7 @@ DEFAULT_KV_CACHE_MAX_BYTES = 4 * 1024**3
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 SUPPORTED_DEVICES = ("cpu",)
 SUPPORTED_QUANTIZATION = ("auto", "fp32", "int8")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 SUPPORTED_SCHEDULING = ("continuous", "static")
 SUPPORTED_POLICIES = ("fcfs", "priority")
 DEFAULT_CHUNKED_BUDGET = 512
@@ -89,6 +90,11 @@ class CacheConfig:
             ``DEFAULT_KV_CACHE_RAM_FRACTION`` (10%) of available RAM, at most ``DEFAULT_KV_CACHE_MAX_BYTES`` (4 GiB).
         enable_prefix_caching: share computed full blocks between requests with the same prefix (default on,
             like vLLM v1).
+        kv_cache_dtype: element type of the KV pool (vLLM's name): ``"auto"`` (default) = the model's dtype;
+            ``"float32"``; ``"bfloat16"`` = half the bytes per block, so twice the blocks for the same memory and
+            half the bytes a decode step's attention reads. Keys and values are rounded to it when written (round
+            to nearest even) and attention computes in float32 on the widened values (docs/kv_cache_dtype.md has
+            the measured speed and accuracy).
     """
 
     block_size: int = _field(16, "tokens per KV block, 1 to 1024")
@@ -97,6 +103,8 @@ class CacheConfig:
     kv_cache_memory_bytes: Optional[int] = _field(None, "KV pool budget in bytes (default: 10% of available RAM, "
                                                         "at most 4 GiB)")
     enable_prefix_caching: bool = _field(True, "share computed KV blocks between requests with a common prefix")
+    kv_cache_dtype: str = _field("auto", "KV cache element type: auto (the model's dtype), float32, or bfloat16 "
+                                         "(half the bytes per block)", SUPPORTED_KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1, 1024)
@@ -105,6 +113,7 @@ class CacheConfig:
         if self.kv_cache_memory_bytes is not None:
             check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, SUPPORTED_KV_CACHE_DTYPES)
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
         """Number of blocks in the pool, given the bytes one block takes over all layers (K and V).

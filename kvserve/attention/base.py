@@ -40,12 +40,13 @@ class AttentionBackend(abc.ABC):
 
         Args:
             kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, one layer.
-            k, v: ``[T, H_kv, D]``, same dtype as the cache.
+            k, v: ``[T, H_kv, D]``, cast to the cache's dtype if they differ (``kv_cache_dtype``: e.g. float32
+                values rounded to a bfloat16 cache).
             batch: the step's ``InputBatch`` (its ``slot_mapping``).
         """
         h, d = kv_cache.shape[-2:]
-        kv_cache[0].view(-1, h, d).index_copy_(0, batch.slot_mapping, k)
-        kv_cache[1].view(-1, h, d).index_copy_(0, batch.slot_mapping, v)
+        kv_cache[0].view(-1, h, d).index_copy_(0, batch.slot_mapping, k.to(kv_cache.dtype))
+        kv_cache[1].view(-1, h, d).index_copy_(0, batch.slot_mapping, v.to(kv_cache.dtype))
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: object, scale: float) -> torch.Tensor:
@@ -53,7 +54,8 @@ class AttentionBackend(abc.ABC):
 
         Args:
             q: ``[T, H_q, D]``; ``H_q`` a multiple of ``H_kv`` (GQA).
-            kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, one layer.
+            kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, one layer (its dtype may differ from ``q``'s:
+                keys and values are widened to ``q``'s dtype as they are read).
             meta: what ``build_metadata`` returned for this step.
             scale: softmax scale, usually ``D ** -0.5``.
 

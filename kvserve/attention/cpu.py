@@ -62,7 +62,8 @@ class CPUAttentionMetadata(AttentionMetadata):
 
 
 class CPUKernelAttentionBackend(TorchSDPABackend):
-    """float32 CPU only; use when ``cpu_kernels.load()`` returned the library (``select_attention_backend``)."""
+    """float32 queries on the CPU, over a float32 or bfloat16 KV cache (``kv_cache_dtype``); use when
+    ``cpu_kernels.load()`` returned the library (``select_attention_backend``)."""
 
     name = "cpu-kernels"
 
@@ -103,8 +104,10 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
                     rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float,
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
         fused = meta.fused
-        if fused is None or fused[0] is not rope or fused[1] != num_heads or fused[2] != scale:
-            plan = cpu_kernels.RopeWriteAttend(num_heads, kv_cache.shape, *rope, batch.slot_mapping, meta.kernel, scale)
+        if (fused is None or fused[0] is not rope or fused[1] != num_heads or fused[2] != scale
+                or fused[3].kv_dtype != kv_cache.dtype):
+            plan = cpu_kernels.RopeWriteAttend(num_heads, kv_cache.shape, kv_cache.dtype, *rope, batch.slot_mapping,
+                                               meta.kernel, scale)
             fused = meta.fused = (rope, num_heads, scale, plan)
         res = fused[3](qkv, kv_cache, out)
         if res is None:  # the kernel cannot take these tensors: PyTorch ops

@@ -132,7 +132,8 @@ class TorchSDPABackend(AttentionBackend):
 def sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale: float, out: torch.Tensor) -> None:
     """One group: gather its blocks into a padded copy, one SDPA call, scatter the real rows into ``out``.
 
-    ``q``: ``[T, H_q, D]`` (rows may be strided); ``kv_cache``: one layer's ``[2, num_blocks, block_size, H_kv, D]``;
+    ``q``: ``[T, H_q, D]`` (rows may be strided); ``kv_cache``: one layer's ``[2, num_blocks, block_size, H_kv, D]``
+    (any dtype: read as ``q``'s);
     ``out``: ``[T, H_q, D]``, only the group's rows are written."""
     h_q, d = q.shape[1:]
     h_kv = kv_cache.shape[-2]
@@ -142,8 +143,9 @@ def sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale
     else:
         qg = q[g.query_index].transpose(1, 2)
     # index_select on the block dimension: one contiguous copy per block (faster than advanced indexing per token)
-    k = kv_cache[0].index_select(0, g.block_tables).view(b, -1, h_kv, d).transpose(1, 2)  # [b, H_kv, L, D]
-    v = kv_cache[1].index_select(0, g.block_tables).view(b, -1, h_kv, d).transpose(1, 2)
+    # (a cache of another dtype, kv_cache_dtype, is widened to the queries' dtype on the gathered copy)
+    k = kv_cache[0].index_select(0, g.block_tables).to(q.dtype).view(b, -1, h_kv, d).transpose(1, 2)  # [b,H_kv,L,D]
+    v = kv_cache[1].index_select(0, g.block_tables).to(q.dtype).view(b, -1, h_kv, d).transpose(1, 2)
     if g.is_causal:  # row i sees keys 0..i (top-left aligned); padded rows' outputs are discarded
         o = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=scale, enable_gqa=h_q != h_kv)
     else:

@@ -5,7 +5,9 @@ next-token distributions are compared: top-1 agreement (the argmaxes are equal) 
 under each (``exp`` of the mean negative log-likelihood of the true next token). The texts are fixed: GSM8K test
 rows in file order (question, a blank line, answer), until at least ``--min-positions`` positions are scored
 (``../shared/data/gsm8k/test.jsonl``, MIT). Because the default path reads exactly the GGUF file's values, the
-differences measured are activation rounding (int8 per 32-block) and summation order only.
+differences measured are activation rounding (int8 per 32-block) and summation order only. With
+``--kv-cache-dtype bfloat16`` the candidates run over a bfloat16 KV cache (the reference always over float32), so
+the rounding of the cache is measured too.
 """
 
 from __future__ import annotations
@@ -40,14 +42,15 @@ class AccuracyResult:
         return self.ppl_candidate / self.ppl_reference - 1
 
 
-def _all_logits(model, ids: list[int]) -> torch.Tensor:
-    """``[len(ids), V]`` float32 logits of every position of ``ids``, one prefill in a private cache."""
+def _all_logits(model, ids: list[int], kv_cache_dtype=None) -> torch.Tensor:
+    """``[len(ids), V]`` float32 logits of every position of ``ids``, one prefill in a private cache of
+    ``kv_cache_dtype`` (default: the model's dtype)."""
     from kvserve.core.sched_output import ScheduledRequest
     from kvserve.worker.input_batch import build_input_batch
 
     bs = 16
     n_blocks = -(-len(ids) // bs)
-    kv = torch.zeros(model.kv_cache_shape(n_blocks, bs), dtype=model.dtype)
+    kv = torch.zeros(model.kv_cache_shape(n_blocks, bs), dtype=kv_cache_dtype or model.dtype)
     batch = build_input_batch([ScheduledRequest("t", ids, 0, list(range(n_blocks)), samples=True)], bs)
     batch.logits_indices = torch.arange(len(ids))
     return model.forward(batch, kv)
@@ -58,10 +61,13 @@ def compare(reference, candidate, texts: list[list[int]]) -> AccuracyResult:
     return compare_all(reference, {"candidate": candidate}, texts)["candidate"]
 
 
-def compare_all(reference, candidates: dict, texts: list[list[int]], progress_every: int = 0) -> dict:
+def compare_all(reference, candidates: dict, texts: list[list[int]], progress_every: int = 0,
+                kv_cache_dtypes: dict | None = None) -> dict:
     """``compare`` for several candidates (``{name: CausalLM}``) at once: the reference runs once per text.
 
     Args:
+        kv_cache_dtypes: ``{name: torch.dtype}``, the KV-cache dtype of a candidate (default: its model's dtype;
+            the reference always uses its model's).
         progress_every: print the running results every this many texts (0: never), so a long run that is cut
             short still reports what it measured.
 
@@ -78,7 +84,7 @@ def compare_all(reference, candidates: dict, texts: list[list[int]], progress_ev
         nll_ref -= float(ref.log_softmax(-1).gather(1, targets).sum())
         n += len(ids) - 1
         for name, model in candidates.items():
-            cand = _all_logits(model, ids)[:-1]
+            cand = _all_logits(model, ids, (kv_cache_dtypes or {}).get(name))[:-1]
             agree[name] += int((top_ref == cand.argmax(-1)).sum())
             nll[name] -= float(cand.log_softmax(-1).gather(1, targets).sum())
         if progress_every and (i + 1) % progress_every == 0:
@@ -121,16 +127,20 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     """Build the fp32 model and each candidate, print agreement and perplexities."""
     from kvserve.engine.llm_engine import LLMEngine
 
-    def model_for(q: str):
-        return LLMEngine.from_engine_args(**{**engine_args, "quantization": q, "num_kv_blocks": 1})
+    def engine_for(q: str, kv_cache_dtype: str):
+        return LLMEngine.from_engine_args(**{**engine_args, "quantization": q, "num_kv_blocks": 1,
+                                             "kv_cache_dtype": kv_cache_dtype})
 
-    ref = model_for("fp32")
+    ref = engine_for("fp32", "auto")
     texts = gsm8k_texts(ref.tokenizer, args.min_positions, args.data_dir)
-    candidates = {q: model_for(q).model for q in args.quantizations.split(",") if q}
+    engines = {q: engine_for(q, engine_args.get("kv_cache_dtype", "auto")) for q in args.quantizations.split(",") if q}
+    kv_dtypes = {q: e.kv_cache_dtype for q, e in engines.items()}
     results = {}
-    for q, r in compare_all(ref.model, candidates, texts, progress_every=args.progress_every).items():
-        results[q] = {**r.__dict__, "ppl_change": r.ppl_change}
-        print(f"{q:>5} vs fp32: top-1 agreement {r.top1_agreement:.2%} over {r.positions} positions; perplexity "
+    for q, r in compare_all(ref.model, {q: e.model for q, e in engines.items()}, texts,
+                            progress_every=args.progress_every, kv_cache_dtypes=kv_dtypes).items():
+        kv = str(kv_dtypes[q]).removeprefix("torch.")
+        results[q] = {**r.__dict__, "ppl_change": r.ppl_change, "kv_cache_dtype": kv}
+        print(f"{q:>5} ({kv} KV cache) vs fp32 (float32 KV cache): top-1 agreement {r.top1_agreement:.2%} over {r.positions} positions; perplexity "
               f"{r.ppl_candidate:.3f} vs {r.ppl_reference:.3f} ({r.ppl_change:+.2%})")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=2))

@@ -88,15 +88,16 @@ def prefill_bound_tokens_per_s(cost: ModelCost, peak_gops: float) -> float:
     return peak_gops * 1e9 / (2 * cost.macs_per_token)
 
 
-def model_cost(model) -> ModelCost:
-    """``ModelCost`` of a built ``CausalLM`` (``kvserve.model.llama.LlamaModel``): its projections and LM head."""
+def model_cost(model, kv_cache_dtype: Optional[torch.dtype] = None) -> ModelCost:
+    """``ModelCost`` of a built ``CausalLM`` (``kvserve.model.llama.LlamaModel``): its projections and LM head, and
+    the KV bytes per token in ``kv_cache_dtype`` (default: the model's dtype)."""
     from kvserve.model.quant import QuantLinear
 
     linears = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
     parts = [p for lin in linears for p in getattr(lin, "parts", [lin])]
     nbytes = sum(p.weight_bytes() if hasattr(p, "weight_bytes") else p.numel() * model.dtype.itemsize for p in parts)
     return ModelCost(weight_bytes=int(nbytes), macs_per_token=int(sum(p.numel() for p in parts)),
-                     kv_bytes_per_token=model.bytes_per_block(1), int8=all(isinstance(p, QuantLinear) for p in parts))
+                     kv_bytes_per_token=model.bytes_per_block(1, kv_cache_dtype), int8=all(isinstance(p, QuantLinear) for p in parts))
 
 
 # ------------------------------------------------------------------------------------------------ measurements
@@ -207,7 +208,8 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     report = {"cpu": info, "bandwidth_gbs": bw, "fp32_gflops": fp32, "int8_gops": int8, "quantizations": {}}
     for q in args.quantization:
         eargs = {**engine_args, "quantization": q}
-        cost = model_cost(LLM(**{**eargs, "num_kv_blocks": 1}).llm_engine.model)
+        probe = LLM(**{**eargs, "num_kv_blocks": 1}).llm_engine
+        cost = model_cost(probe.model, probe.kv_cache_dtype)
         peak = int8 if cost.int8 and int8 else fp32
         steps = {c["batch"]: c["step_ms"] for c in step_costs(eargs, max(batches), args.context)}
         rows = []

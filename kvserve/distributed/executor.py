@@ -68,7 +68,8 @@ class TensorParallelExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self.runner = ModelRunner(model, spec.num_blocks, spec.block_size, sampler, device=spec.device)
+        self.runner = ModelRunner(model, spec.num_blocks, spec.block_size, sampler, device=spec.device,
+                                  kv_cache_dtype=getattr(torch, spec.kv_cache_dtype))
         logger.info("tensor parallel: %d ranks (workers pids %s), %s backend", spec.world_size,
                     [p.pid for p in self.procs], torch.distributed.get_backend())
 

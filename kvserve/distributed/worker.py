@@ -38,6 +38,7 @@ class ShardSpec:
         world_size: ``tensor_parallel_size``.
         timeout_s: bound on start-up and on every collective, seconds.
         port: the rendezvous port on 127.0.0.1.
+        kv_cache_dtype: the pool's element type, ``"float32"`` / ``"bfloat16"`` (resolved: never ``"auto"``).
     """
 
     model: str
@@ -50,6 +51,7 @@ class ShardSpec:
     world_size: int
     timeout_s: float
     port: int
+    kv_cache_dtype: str = "float32"
 
     def group(self, rank: int) -> TensorParallelGroup:
         """Rank ``rank``'s (not yet joined) ``TensorParallelGroup``."""
@@ -97,7 +99,8 @@ def worker_main(rank: int, spec: ShardSpec, conn) -> None:
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         model = build_shard(spec, group)
-        kv_cache = lazy_zeros(model.kv_cache_shape(spec.num_blocks, spec.block_size), model.dtype, spec.device)
+        kv_cache = lazy_zeros(model.kv_cache_shape(spec.num_blocks, spec.block_size),
+                              getattr(torch, spec.kv_cache_dtype), spec.device)
         conn.send(("ready", None))
         group.init(spec.port, spec.device)
         while True:

@@ -31,6 +31,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.structured.backend import GrammarBackend
 from kvserve.validation import check_text
+from kvserve.worker.kv_pool import kv_cache_torch_dtype
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ class LLMEngine:
         logger.info("%s: %s", self.arch.architecture,
                     self.backends.describe(self.model.layers[0]["qkv"], self.model.lm_head))
         self.block_size = cc.block_size
-        self.num_blocks = cc.resolve_num_blocks(self.model.bytes_per_block(cc.block_size))
+        self.kv_cache_dtype = kv_cache_torch_dtype(cc.kv_cache_dtype, self.model.dtype)
+        self.num_blocks = cc.resolve_num_blocks(self.model.bytes_per_block(cc.block_size, self.kv_cache_dtype))
         self.pool_tokens = self.num_blocks * self.block_size
         self.max_model_len = mc.max_model_len or loaded.arch.max_position_embeddings
         self.eos_token_ids = loaded.eos_token_ids
@@ -86,9 +88,10 @@ class LLMEngine:
         if not sc.enable_chunked_prefill:
             self.max_total_tokens = min(self.max_total_tokens, sc.max_num_batched_tokens)
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max_model_len %d",
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
             self.num_blocks, self.block_size, self.pool_tokens,
-            self.num_blocks * self.model.bytes_per_block(self.block_size) / 2**20, self.max_model_len,
+            self.num_blocks * self.model.bytes_per_block(self.block_size, self.kv_cache_dtype) / 2**20,
+            str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len,
         )
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cc.enable_prefix_caching)
         sampler = Sampler(self.eos_token_ids)
@@ -101,10 +104,12 @@ class LLMEngine:
             from kvserve.distributed.worker import ShardSpec
 
             shard_spec = ShardSpec(str(loaded.path), mc.dtype, quantization, mc.device, mc.num_threads,
-                                   self.num_blocks, self.block_size, tp, pc.distributed_timeout_seconds, free_port())
+                                   self.num_blocks, self.block_size, tp, pc.distributed_timeout_seconds, free_port(),
+                                   str(self.kv_cache_dtype).removeprefix("torch."))
             self.model_runner = TensorParallelExecutor(self.model, sampler, shard_spec, tp_group)
         else:
-            self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, device=mc.device)
+            self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, device=mc.device,
+                                            kv_cache_dtype=self.kv_cache_dtype)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_backend = GrammarBackend(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
@@ -161,7 +166,8 @@ class LLMEngine:
         cost = relative_cost(draft, self.model)
         logger.info("draft model: %d layers, %.2f of the target's cost per token; draft KV pool %d blocks",
                     draft.arch.num_hidden_layers, cost, num_blocks)
-        return DraftModelProposer(draft, num_blocks, self.block_size, sampler, cost=cost)
+        return DraftModelProposer(draft, num_blocks, self.block_size, sampler, cost=cost,
+                                  kv_cache_dtype=self.kv_cache_dtype)
 
     @classmethod
     def from_engine_args(cls, **engine_args) -> "LLMEngine":

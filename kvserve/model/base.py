@@ -8,7 +8,7 @@ for the rows that sample. Adding a family is one module implementing ``CausalLM`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
@@ -62,7 +62,7 @@ class CausalLM(Protocol):
 
     Attributes:
         arch: its ``ModelArch``.
-        dtype: weight, activation and KV-cache dtype.
+        dtype: weight and activation dtype, and the KV cache's by default (``kv_cache_dtype="auto"``).
     """
 
     arch: ModelArch
@@ -77,6 +77,6 @@ class CausalLM(Protocol):
         """Shape of the whole KV pool for ``num_blocks`` blocks of ``block_size`` tokens."""
         ...
 
-    def bytes_per_block(self, block_size: int) -> int:
-        """Bytes one KV block takes over all layers, K and V."""
+    def bytes_per_block(self, block_size: int, kv_cache_dtype: Optional[torch.dtype] = None) -> int:
+        """Bytes one KV block takes over all layers, K and V, in ``kv_cache_dtype`` (default: ``dtype``)."""
         ...

@@ -2,8 +2,9 @@
 use and loaded with ``ctypes`` (which releases the GIL during a call):
 
 - ``gemm_avx2.c``: the matmul of every projection (``kvserve.layers.linear``);
-- ``paged_attention.c``: attention of decode tokens and short queries, read in place from the KV blocks, alone or
-  with RoPE and the K/V write in the same call (``kvserve.attention.cpu``);
+- ``paged_attention.c`` (+ ``paged_attention_kv.h``, once per cache type): attention of decode tokens and short
+  queries, read in place from the KV blocks of a float32 or bfloat16 cache, alone or with RoPE and the K/V write in
+  the same call (``kvserve.attention.cpu``);
 - ``elementwise.c``: one-pass RMSNorm (optionally after the residual add) and SwiGLU's silu(gate) * up
   (``kvserve.layers.elementwise``).
 
@@ -32,10 +33,12 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / n for n in ("gemm_avx2.c", "paged_attention.c", "elementwise.c")]
-_HEADERS = [_CSRC / "simd.h"]
+_HEADERS = [_CSRC / "simd.h", _CSRC / "paged_attention_kv.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 #: Output features per packed panel (``NR`` in gemm_avx2.c).
 PANEL = 16
+#: KV-cache dtypes the attention kernels read and write -> the suffix of their C functions.
+KV_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _lib = None
 _reason: Optional[str] = None
@@ -102,12 +105,15 @@ def load():
             lib.kvserve_gemm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
             lib.kvserve_gemm_f32.restype = None
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            lib.kvserve_paged_attention_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [
-                ctypes.c_float, ptr, i64]
-            lib.kvserve_paged_attention_f32.restype = ctypes.c_int
-            lib.kvserve_rope_write_attend_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
-                                                          ptr] + [i64] * 5 + [ctypes.c_float, ptr, i64]
-            lib.kvserve_rope_write_attend_f32.restype = ctypes.c_int
+            for suffix in KV_SUFFIX.values():
+                attend = getattr(lib, "kvserve_paged_attention_" + suffix)
+                attend.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [ctypes.c_float, ptr,
+                                                                                                  i64]
+                attend.restype = ctypes.c_int
+                fused = getattr(lib, "kvserve_rope_write_attend_" + suffix)
+                fused.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [
+                    ctypes.c_float, ptr, i64]
+                fused.restype = ctypes.c_int
             lib.kvserve_rms_norm_f32.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
             lib.kvserve_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
             lib.kvserve_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
@@ -154,7 +160,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
     Args:
         q: ``[T, H_q, D]`` float32 (rows may be strided; each head's D floats contiguous).
-        kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` float32 contiguous, one layer.
+        kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16 (``KV_SUFFIX``) contiguous, one
+            layer.
         block_tables: ``[B, max_blocks]`` int64 contiguous.
         q_start, q_len, seq_len: ``[B]`` int64: request b's rows are ``q_start[b] .. + q_len[b]``; it has
             ``seq_len[b]`` keys, this step's included.
@@ -166,11 +173,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     """
     t, h_q, d = q.shape
     _, _, bs, h_kv, _ = kv_cache.shape
-    if (q.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous()
+    if (q.dtype != torch.float32 or kv_cache.dtype not in KV_SUFFIX or not kv_cache.is_contiguous()
             or d % 8 or h_q % h_kv or q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous()):
         return False
     b, max_blocks = block_tables.shape
-    rc = _lib.kvserve_paged_attention_f32(
+    rc = getattr(_lib, "kvserve_paged_attention_" + KV_SUFFIX[kv_cache.dtype])(
         q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
         max_blocks, q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), b, h_q, h_kv, d, bs, scale,
         out.data_ptr(), out.stride(0))
@@ -179,13 +186,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
 class RopeWriteAttend:
     """One step's attention layers after their fused Q/K/V projections, one kernel call per layer
-    (``kvserve_rope_write_attend_f32``): RoPE (rotate-half) on the query and key heads of ``qkv`` in place, every
+    (``kvserve_rope_write_attend_f32`` / ``_bf16``): RoPE (rotate-half) on the query and key heads of ``qkv`` in place, every
     row's K/V written to its cache slot, then paged attention of ``requests``. Everything that is the same for every
     layer of the step is checked and resolved here once, so a layer's call costs little Python.
 
     Args:
         num_heads: ``H_q``, a multiple of ``H_kv``.
         kv_shape: a layer's cache shape ``(2, num_blocks, block_size, H_kv, D)``.
+        kv_dtype: the cache's dtype, a key of ``KV_SUFFIX`` (float32 or bfloat16; another: ``ok`` is ``False``).
         cos, sin: ``[T, D]`` float32 contiguous (any view of such, e.g. ``[T, 1, D]``): the rotation of each row.
         slot_mapping: ``[T]`` int64 contiguous, each row's cache slot.
         requests: ``(block_tables [B, max_blocks], q_start [B], q_len [B], seq_len [B])`` int64 contiguous, the
@@ -197,18 +205,21 @@ class RopeWriteAttend:
             calls return ``None``. The tensors must stay alive while the plan is used.
     """
 
-    def __init__(self, num_heads: int, kv_shape: tuple, cos: torch.Tensor, sin: torch.Tensor,
+    def __init__(self, num_heads: int, kv_shape: tuple, kv_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,
                  slot_mapping: torch.Tensor, requests: Optional[tuple], scale: float):
         t = slot_mapping.shape[0]
         _, _, bs, h_kv, d = kv_shape
         tensors = (slot_mapping,) + (requests or ())
-        self.ok = (_lib is not None and cos.dtype == sin.dtype == torch.float32 and d % 8 == 0 and num_heads % h_kv == 0
+        self.ok = (_lib is not None and kv_dtype in KV_SUFFIX and cos.dtype == sin.dtype == torch.float32
+                   and d % 8 == 0 and num_heads % h_kv == 0
                    and cos.numel() == sin.numel() == t * d and cos.is_contiguous() and sin.is_contiguous()
                    and all(x.dtype == torch.int64 and x.is_contiguous() for x in tensors))
         self.kv_shape, self.num_heads, self.t = tuple(kv_shape), num_heads, t
         self.qkv_shape = (t, (num_heads + 2 * h_kv) * d)
         self.out_shape = (t, num_heads * d)
-        self._kv_half = kv_shape[1] * bs * h_kv * d * 4  # bytes from a layer's K to its V
+        self.kv_dtype = kv_dtype
+        self._kv_half = kv_shape[1] * bs * h_kv * d * kv_dtype.itemsize  # bytes from a layer's K to its V
+        self._fn = getattr(_lib, "kvserve_rope_write_attend_" + KV_SUFFIX[kv_dtype]) if self.ok else None
         tables, q_start, q_len, seq_len = requests or (slot_mapping,) * 4  # not read without requests
         b, max_blocks = (0, 0) if requests is None else tables.shape
         self._head = (t, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr())
@@ -218,7 +229,8 @@ class RopeWriteAttend:
     def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor,
                  out: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, bool]]:
         """One layer: ``qkv [T, (H_q + 2 H_kv) * D]`` float32 (rows may be strided, ``stride(1) == 1``; its query
-        and key heads are rotated in place), ``kv_cache`` that layer's ``kv_shape`` float32 contiguous; ``out``: an
+        and key heads are rotated in place), ``kv_cache`` that layer's ``kv_shape`` in ``kv_dtype``, contiguous (its
+        keys and values are rounded to ``kv_dtype`` as PyTorch's cast rounds); ``out``: an
         ``[T, H_q * D]`` float32 contiguous tensor to write into (default: a new one).
 
         Returns:
@@ -227,13 +239,13 @@ class RopeWriteAttend:
             another way from the rotated ``qkv``); ``None``: nothing done, the kernel cannot take these tensors.
         """
         if not (self.ok and qkv.dtype == torch.float32 and qkv.shape == self.qkv_shape and qkv.stride(1) == 1
-                and kv_cache.dtype == torch.float32 and kv_cache.shape == self.kv_shape and kv_cache.is_contiguous()):
+                and kv_cache.dtype == self.kv_dtype and kv_cache.shape == self.kv_shape and kv_cache.is_contiguous()):
             return None
         if out is None or not _out_ok(out, self.out_shape):
             out = torch.empty(self.out_shape, dtype=torch.float32)
         k = kv_cache.data_ptr()
-        rc = _lib.kvserve_rope_write_attend_f32(qkv.data_ptr(), qkv.stride(0), *self._head, k, k + self._kv_half,
-                                                *self._tail, out.data_ptr(), self.out_shape[1])
+        rc = self._fn(qkv.data_ptr(), qkv.stride(0), *self._head, k, k + self._kv_half, *self._tail, out.data_ptr(),
+                      self.out_shape[1])
         return out, rc == 0
 
 

@@ -46,14 +46,18 @@ class _Layer(ctypes.Structure):
 class _Stack(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("h_q", _i64), ("h_kv", _i64), ("d", _i64),
                 ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("isa", _i64), ("act", _i64),
-                ("attn_norm", _ptr), ("layers", _ptr), ("rms_norm", _ptr), ("rope_write_attend", _ptr),
+                ("attn_norm", _ptr), ("layers", _ptr), ("rms_norm", _ptr), ("rope_write_attend", _ptr * 2),
                 ("add_rms_norm", _ptr), ("silu_mul", _ptr)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("T", _i64), ("cos", _ptr), ("sin", _ptr), ("slot_mapping", _ptr), ("block_tables", _ptr),
                 ("max_blocks", _i64), ("q_start", _ptr), ("q_len", _ptr), ("seq_len", _ptr), ("num_reqs", _i64),
-                ("block_size", _i64), ("kv_cache", _ptr), ("layer_floats", _i64), ("timing_ns", _ptr)]
+                ("block_size", _i64), ("kv_cache", _ptr), ("kv_dtype", _i64), ("layer_bytes", _i64),
+                ("timing_ns", _ptr)]
+
+#: KV-cache dtype -> ``DecoderStep.kv_dtype`` (the index of its ``rope_write_attend`` kernel).
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _qweight(layer) -> Optional[_QWeight]:
@@ -77,9 +81,9 @@ class FusedLayerLoop:
     Call with ``(h, batch, meta, rope, kv_cache)``: ``h [T, hidden]`` float32 contiguous, the residual stream
     (the embeddings; updated in place to the last layer's output, before the final norm); ``batch`` the step's
     ``InputBatch``; ``meta`` its attention metadata; ``rope`` ``(cos, sin)`` ``[T, 1, D]`` float32;
-    ``kv_cache`` ``[layers, 2, num_blocks, block_size, H_kv, D]`` float32 contiguous. Returns ``True`` when the step
-    ran (``h`` holds the result, this step's K/V are written), ``False`` when the caller must run the Python loop
-    instead: a step this loop does not take (nothing done), or a kernel that ran out of scratch memory mid-way (``h``
+    ``kv_cache`` ``[layers, 2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16 contiguous. Returns ``True``
+    when the step ran (``h`` holds the result, this step's K/V are written), ``False`` when the caller must run the
+    Python loop instead: a step this loop does not take (nothing done), or a kernel that ran out of scratch memory mid-way (``h``
     is restored to the embeddings; the Python loop then rewrites the same cache slots with the same values).
 
     Raises:
@@ -146,7 +150,8 @@ class FusedLayerLoop:
         stack = _Stack(len(model.layers), hidden, model.num_heads, model.num_kv_heads, d, inter, a.rms_norm_eps,
                        d**-0.5, qkernels.ISAS[qkernels.isa()], qkernels.ACTIVATIONS[acts.pop()], norm0.data_ptr(),
                        ctypes.addressof(layers), _address(cpu.kvserve_rms_norm_f32),
-                       _address(cpu.kvserve_rope_write_attend_f32),
+                       (_ptr * 2)(*(_address(getattr(cpu, "kvserve_rope_write_attend_" + cpu_kernels.KV_SUFFIX[dt]))
+                                    for dt in _KV_DTYPES)),
                        _address(cpu.kvserve_add_rms_norm_f32), _address(cpu.kvserve_silu_mul_f32))
         lib.kvserve_decoder_stack.argtypes = [_ptr] * 9  # stack, step, h, x, qkv, attn, delta, gate_up, act
         lib.kvserve_decoder_stack.restype = ctypes.c_int
@@ -154,7 +159,7 @@ class FusedLayerLoop:
 
     def __call__(self, h: torch.Tensor, batch, meta, rope, kv_cache: torch.Tensor) -> bool:
         if not (isinstance(meta, CPUAttentionMetadata) and not meta.groups and meta.kernel is not None
-                and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() and kv_cache.shape[:2] == self._kv_lead
+                and kv_cache.dtype in _KV_DTYPES and kv_cache.is_contiguous() and kv_cache.shape[:2] == self._kv_lead
                 and kv_cache.shape[4:] == self._kv_tail and h.shape[1] == self._stack.hidden):
             return False
         cos, sin = rope
@@ -174,10 +179,10 @@ class FusedLayerLoop:
             off += t * w
         saved = views.pop().view(t, -1)
         saved.copy_(h)
-        layer_floats = kv_cache[0].numel()
+        layer_bytes = kv_cache[0].numel() * kv_cache.dtype.itemsize
         step = _Step(t, cos.data_ptr(), sin.data_ptr(), batch.slot_mapping.data_ptr(), tables.data_ptr(),
                      tables.shape[1], q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), tables.shape[0],
-                     kv_cache.shape[3], kv_cache.data_ptr(), layer_floats,
+                     kv_cache.shape[3], kv_cache.data_ptr(), _KV_DTYPES[kv_cache.dtype], layer_bytes,
                      None if self.timings is None else self.timings.data_ptr())
         rc = self._lib.kvserve_decoder_stack(ctypes.byref(self._stack), ctypes.byref(step), h.data_ptr(),
                                              *(v.data_ptr() for v in views))

@@ -10,6 +10,8 @@ no kernel.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from kvserve.model.backends import ModelBackends
@@ -89,10 +91,12 @@ class LlamaModel:
         a = self.arch
         return (a.num_hidden_layers, 2, num_blocks, block_size, self.num_kv_heads, a.head_dim)
 
-    def bytes_per_block(self, block_size: int) -> int:
-        """Bytes one KV block takes over all layers, K and V (on this rank)."""
+    def bytes_per_block(self, block_size: int, kv_cache_dtype: Optional[torch.dtype] = None) -> int:
+        """Bytes one KV block takes over all layers, K and V (on this rank), in ``kv_cache_dtype`` (default: the
+        model's dtype)."""
         a = self.arch
-        return 2 * a.num_hidden_layers * block_size * self.num_kv_heads * a.head_dim * self.dtype.itemsize
+        itemsize = (kv_cache_dtype or self.dtype).itemsize
+        return 2 * a.num_hidden_layers * block_size * self.num_kv_heads * a.head_dim * itemsize
 
     def _rope(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the batch's positions, each ``[T, 1, D]`` (``RopeTable``; no position reaches a
@@ -109,7 +113,8 @@ class LlamaModel:
 
         Args:
             batch: the step's ``InputBatch`` (``T`` tokens).
-            kv_cache: ``[layers, 2, num_blocks, block_size, H_kv, D]`` in the model dtype.
+            kv_cache: ``[layers, 2, num_blocks, block_size, H_kv, D]`` in the model dtype or the engine's
+                ``kv_cache_dtype``.
 
         Returns:
             ``[S, vocab_size]`` float32 logits of the rows ``batch.logits_indices`` (``S`` of them); on a

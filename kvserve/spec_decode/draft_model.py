@@ -115,10 +115,13 @@ class DraftModelProposer(Proposer):
             into passes of this size, like chunked prefill, so its attention scores stay small); >= 1.
         generator: draws for unseeded sampled requests (seeded ones use their own generator); default a CPU
             generator seeded with 0.
+        kv_cache_dtype: the draft pool's element type (the engine passes its ``kv_cache_dtype``); ``None``: the
+            model's dtype.
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler, cost: float = 0.0,
-                 max_catch_up_tokens: int = 512, generator: Optional[torch.Generator] = None):
+                 max_catch_up_tokens: int = 512, generator: Optional[torch.Generator] = None,
+                 kv_cache_dtype: Optional[torch.dtype] = None):
         self.model = model
         self.block_size = block_size
         self.sampler = sampler
@@ -128,7 +131,7 @@ class DraftModelProposer(Proposer):
         self.max_catch_up_tokens = max_catch_up_tokens
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.kv_cache = lazy_zeros(model.kv_cache_shape(num_blocks, block_size), model.dtype)
+        self.kv_cache = lazy_zeros(model.kv_cache_shape(num_blocks, block_size), kv_cache_dtype or model.dtype)
         self.seqs: dict[str, _DraftSeq] = {}
         self.num_forward_passes = 0
 

@@ -28,20 +28,23 @@ class ModelRunner:
         sampler: the ``Sampler``.
         rejection_sampler: verifies drafts (speculative decoding); a default one is made when ``None``.
         device: where the cache and the step's tensors live.
+        kv_cache_dtype: the cache's element type (``kv_pool.kv_cache_torch_dtype``); ``None``: the model's dtype.
 
-    The cache is one zero-initialised tensor ``[layers, 2, num_blocks, block_size, H_kv, D]`` in the model dtype
+    The cache is one zero-initialised tensor ``[layers, 2, num_blocks, block_size, H_kv, D]`` in ``kv_cache_dtype``
     (zeros, not garbage: masked-out keys are multiplied by 0 in attention, and 0 * NaN would be NaN), allocated
     lazily (``kv_pool.lazy_zeros``: a page counts in RSS only once a block on it is written).
     """
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler,
-                 rejection_sampler: RejectionSampler | None = None, device: str = "cpu"):
+                 rejection_sampler: RejectionSampler | None = None, device: str = "cpu",
+                 kv_cache_dtype: torch.dtype | None = None):
         self.model = model
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
         self.rejection_sampler = rejection_sampler or RejectionSampler()
-        self.kv_cache = lazy_zeros(model.kv_cache_shape(num_blocks, block_size), model.dtype, device)
+        self.kv_cache = lazy_zeros(model.kv_cache_shape(num_blocks, block_size), kv_cache_dtype or model.dtype,
+                                   device)
         self.step_buffers = StepBuffers()  # the flat batch's tensors, reused step after step
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

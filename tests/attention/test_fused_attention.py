@@ -117,7 +117,7 @@ def test_scratch_failure_falls_back_to_sdpa_on_the_rotated_queries(monkeypatch):
 def test_tensors_the_kernel_cannot_take_use_the_pytorch_ops():
     """D = 12 (not a multiple of 8): ``forward_qkv`` declines in Python and the PyTorch ops run."""
     cache, batch, qkv, rope = _setup(BATCHES["mixed"], 6, 2, 12, 4)
-    plan = cpu_kernels.RopeWriteAttend(6, cache.shape, *rope, batch.slot_mapping, None, 1.0)
+    plan = cpu_kernels.RopeWriteAttend(6, cache.shape, cache.dtype, *rope, batch.slot_mapping, None, 1.0)
     assert not plan.ok and plan(qkv, cache) is None
     be = CPUKernelAttentionBackend()
     ref_cache = cache.clone()

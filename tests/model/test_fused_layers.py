@@ -19,14 +19,15 @@ def qllm():
     return LLM(num_kv_blocks=256, max_num_seqs=16, quantization="auto")
 
 
-def _forward_both(model, requests, block_size=16, num_blocks=64):
-    """Run the same batch on two fresh caches, fused and layer by layer; returns both (logits, cache) pairs."""
+def _forward_both(model, requests, block_size=16, num_blocks=64, kv_dtype=torch.float32):
+    """Run the same batch on two fresh caches of ``kv_dtype``, fused and layer by layer; returns both (logits,
+    cache) pairs."""
     batch = flat_batch(requests, block_size)
     fused, out = model.fused_layers, []
     try:
         for f in (fused, None):
             model.fused_layers = f
-            cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size))
+            cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=kv_dtype)
             out.append((model.forward(batch, cache), cache))
     finally:
         model.fused_layers = fused
@@ -34,7 +35,8 @@ def _forward_both(model, requests, block_size=16, num_blocks=64):
 
 
 def _assert_bitwise(a, b):
-    assert a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    bits = {4: torch.int32, 2: torch.int16}[a.dtype.itemsize]
+    assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
 
 
 def test_built_for_the_default_quantized_model(qllm, llm):
@@ -42,7 +44,10 @@ def test_built_for_the_default_quantized_model(qllm, llm):
     assert llm.llm_engine.model.fused_layers is None  # float32 Linear projections: the Python loop
 
 
-def test_a_mixed_short_step_equals_the_python_loop_bit_for_bit(qllm):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_short_step_equals_the_python_loop_bit_for_bit(qllm, kv_dtype):
+    """Over a float32 and a bfloat16 KV cache (``kv_cache_dtype``): the C loop picks the cache type's attention
+    kernel, as the Python loop's backend does."""
     model = qllm.llm_engine.model
     # three requests with context in the cache (decode rows and a 5-token span) and a fresh 20-token prompt, all
     # within the paged-attention kernel's short queries
@@ -53,7 +58,7 @@ def test_a_mixed_short_step_equals_the_python_loop_bit_for_bit(qllm):
     calls, loop = [], model.fused_layers
     model.fused_layers = lambda *a: calls.append(loop(*a)) or calls[-1]  # records whether it took the step
     try:
-        (lf, cf), (lp, cp) = _forward_both(model, reqs)
+        (lf, cf), (lp, cp) = _forward_both(model, reqs, kv_dtype=kv_dtype)
     finally:
         model.fused_layers = loop
     assert calls == [True]  # the fused run took the step (the second run had no fused loop)

@@ -26,7 +26,7 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
                   const float *oscale, float *y, int64_t ldy);
 
 typedef int (*rope_write_attend_fn)(float *qkv, int64_t qkv_stride, int64_t T, const float *cos, const float *sin,
-                                    const int64_t *slot_mapping, float *k_cache, float *v_cache,
+                                    const int64_t *slot_mapping, void *k_cache, void *v_cache,
                                     const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
                                     const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
                                     int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
@@ -59,14 +59,14 @@ typedef struct {
     const float *attn_norm; /* [hidden]: layer 0's input norm */
     const DecoderLayer *layers;
     rms_norm_fn rms_norm;
-    rope_write_attend_fn rope_write_attend;
+    rope_write_attend_fn rope_write_attend[2]; /* by DecoderStep.kv_dtype: 0 float32 cache, 1 bfloat16 */
     add_rms_norm_fn add_rms_norm;
     silu_mul_fn silu_mul;
 } DecoderStack;
 
 /* One step: the flat batch's T rows, their rotations and cache slots, the requests to attend (all of the batch's:
  * every one goes through the paged-attention kernel), and the KV pool ([layers, 2, num_blocks, block_size, h_kv,
- * d] float32 contiguous). */
+ * d] contiguous, float32 or bfloat16 as kv_dtype says). */
 typedef struct {
     int64_t T;
     const float *cos, *sin;      /* [T, d] */
@@ -75,8 +75,9 @@ typedef struct {
     int64_t max_blocks;
     const int64_t *q_start, *q_len, *seq_len; /* [num_reqs] */
     int64_t num_reqs, block_size;
-    float *kv_cache;
-    int64_t layer_floats; /* floats of one layer's K and V together */
+    void *kv_cache;
+    int64_t kv_dtype;     /* 0: float32 elements, 1: bfloat16 */
+    int64_t layer_bytes;  /* bytes of one layer's K and V together */
     int64_t *timing_ns;   /* NULL, or [3] nanoseconds added up: matmuls, attention, norms + activation (profiling) */
 } DecoderStep;
 
@@ -104,6 +105,8 @@ enum { T_MATMUL = 0, T_ATTENTION = 1, T_ELEMENTWISE = 2 };
 int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h, float *x, float *qkv, float *attn,
                           float *delta, float *gu, float *act) {
     const int64_t T = p->T, H = s->hidden, qd = s->h_q * s->d, I = s->intermediate;
+    if (p->kv_dtype != 0 && p->kv_dtype != 1) return -1;
+    const rope_write_attend_fn attend = s->rope_write_attend[p->kv_dtype];
     for (int64_t i = 0; i < s->num_layers; i++) {
         const DecoderLayer *L = s->layers + i;
         if (L->qkv.k != H || L->qkv.n != (s->h_q + 2 * s->h_kv) * s->d || L->o.k != qd || L->o.n != H ||
@@ -116,7 +119,7 @@ int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h,
     for (int64_t i = 0; i < s->num_layers; i++) {
         const DecoderLayer *L = s->layers + i;
         const int64_t nqkv = L->qkv.n;
-        float *k_cache = p->kv_cache + i * p->layer_floats, *v_cache = k_cache + p->layer_floats / 2;
+        char *k_cache = (char *)p->kv_cache + i * p->layer_bytes, *v_cache = k_cache + p->layer_bytes / 2;
         if (kvserve_qgemm((int)L->qkv.fmt, (int)s->isa, (int)s->act, x, T, H, L->qkv.w, nqkv, L->qkv.oscale, qkv,
                           nqkv))
             return -2;
@@ -124,7 +127,7 @@ int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h,
             for (int64_t t = 0; t < T; t++)
                 for (int64_t n = 0; n < nqkv; n++) qkv[t * nqkv + n] += L->qkv_bias[n];
         lap(p, &t0, T_MATMUL);
-        if (s->rope_write_attend(qkv, nqkv, T, p->cos, p->sin, p->slot_mapping, k_cache, v_cache, p->block_tables,
+        if (attend(qkv, nqkv, T, p->cos, p->sin, p->slot_mapping, k_cache, v_cache, p->block_tables,
                                  p->max_blocks, p->q_start, p->q_len, p->seq_len, p->num_reqs, s->h_q, s->h_kv, s->d,
                                  p->block_size, s->scale, attn, qd))
             return -3;

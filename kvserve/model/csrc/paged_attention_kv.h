@@ -1,0 +1,143 @@
+/* The paged-attention kernels of paged_attention.c for one KV-cache element type, included once per type with:
+ *   KV_T          the cache's element type (float, or uint16_t holding bfloat16 bits);
+ *   KV_NAME(x)    x with the type's suffix (x##_f32, x##_bf16);
+ *   KV_LOAD8(p)   8 consecutive elements at p as an __m256 of float32;
+ *   KV_STORE_ROW(dst, src, n)  n float32 values at src stored as n elements at dst.
+ * The macros are undefined at the end, ready for the next type. */
+
+/* q . k over d values (d % 8 == 0; q float32, k a cache row of KV_T widened to float32) with four independent
+ * accumulator chains: one chain would wait on the FMA latency at every step. */
+static inline float KV_NAME(dot)(const float *a, const KV_T *b, int64_t d) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= d; j += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), KV_LOAD8(b + j), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), KV_LOAD8(b + j + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 16), KV_LOAD8(b + j + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 24), KV_LOAD8(b + j + 24), s3);
+    }
+    for (; j < d; j += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), KV_LOAD8(b + j), s0);
+    return hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+}
+
+/* a[0..d) = sum over keys j in [0, n) of p[j] * v[j][0..d) (v[j] = v_base + slot[j]), accumulated in ascending j
+ * with one FMA per term, 32 floats (4 registers) at a time; stored to a. d % 8 == 0. */
+static inline void KV_NAME(weighted_sum)(const float *p, const KV_T *v_base, const int64_t *slot, int64_t n,
+                                         int64_t d, float *a) {
+    int64_t c = 0;
+    for (; c + 32 <= d; c += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const KV_T *v = v_base + slot[j] + c;
+            __m256 pj = _mm256_set1_ps(p[j]);
+            a0 = _mm256_fmadd_ps(pj, KV_LOAD8(v), a0);
+            a1 = _mm256_fmadd_ps(pj, KV_LOAD8(v + 8), a1);
+            a2 = _mm256_fmadd_ps(pj, KV_LOAD8(v + 16), a2);
+            a3 = _mm256_fmadd_ps(pj, KV_LOAD8(v + 24), a3);
+        }
+        _mm256_storeu_ps(a + c, a0);
+        _mm256_storeu_ps(a + c + 8, a1);
+        _mm256_storeu_ps(a + c + 16, a2);
+        _mm256_storeu_ps(a + c + 24, a3);
+    }
+    for (; c < d; c += 8) {
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), KV_LOAD8(v_base + slot[j] + c), a0);
+        _mm256_storeu_ps(a + c, a0);
+    }
+}
+
+/* Attention of num_reqs requests (see the file comment). Returns 0, or -1 when scratch memory could not be
+ * allocated. */
+static int KV_NAME(attend)(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,
+                  const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start, const int64_t *q_len,
+                  const int64_t *seq_len, int64_t num_reqs, int64_t h_q, int64_t h_kv, int64_t d, int64_t block_size,
+                  float scale, float *out, int64_t out_stride) {
+    const int64_t g = h_q / h_kv, row = h_kv * d; /* query heads per KV head; floats per cache slot */
+    int64_t macs = 0;
+    for (int64_t r = 0; r < num_reqs; r++) macs += q_len[r] * seq_len[r];
+    macs *= h_q * d;
+    const int threads = omp_get_max_threads(), parallel = threads > 1 && macs >= PARALLEL_MIN_MACS;
+    /* A task is one request and nk of its KV heads. On one thread, or with enough requests to keep every thread
+     * busy, a task takes all heads, so it reads each cache slot as one contiguous row (which the hardware prefetcher
+     * follows); otherwise one KV head each, for parallelism. The heads' arithmetic is the same either way. */
+    const int64_t nk = !parallel || num_reqs >= 2 * threads ? h_kv : 1, per_req = h_kv / nk, hq = nk * g;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed) if (parallel)
+    for (int64_t task = 0; task < num_reqs * per_req; task++) {
+        const int64_t r = task / per_req, k0 = (task % per_req) * nk, n = q_len[r], L = seq_len[r], first = L - n;
+        const int64_t *table = block_tables + r * max_blocks;
+        const float *qr = q + q_start[r] * q_stride + k0 * g * d; /* query head h of row i: qr + i*q_stride + h*d */
+        /* slot[L]: offset (elements) of KV head k0 of key j in the cache; then scores [n * hq][L] */
+        int64_t *slot = malloc(sizeof(int64_t) * (size_t)L + sizeof(float) * (size_t)(n * hq) * (size_t)L);
+        if (!slot) { failed = 1; continue; }
+        float *s = (float *)(slot + L);
+        for (int64_t j = 0, b = 0, o = 0; j < L; j++) { /* the block table walked once, without a division per key */
+            slot[j] = (table[b] * block_size + o) * row + k0 * d;
+            if (++o == block_size) { o = 0; b++; }
+        }
+        for (int64_t j = 0; j < L; j++) {
+            const KV_T *kj = k_cache + slot[j];
+            if (j + PREFETCH_KEYS < L) { /* this key's and value's rows, ahead (values: for the weighted sums) */
+                prefetch_bytes(k_cache + slot[j + PREFETCH_KEYS], nk * d * (int64_t)sizeof(KV_T));
+                prefetch_bytes(v_cache + slot[j + PREFETCH_KEYS], nk * d * (int64_t)sizeof(KV_T));
+            }
+            for (int64_t i = (j > first ? j - first : 0); i < n; i++) /* rows that see key j */
+                for (int64_t kh = 0, h = 0; kh < nk; kh++)
+                    for (int64_t e = 0; e < g; e++, h++)
+                        s[(i * hq + h) * L + j] = scale * KV_NAME(dot)(qr + i * q_stride + h * d, kj + kh * d, d);
+        }
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t kh = 0, h = 0; kh < nk; kh++)
+                for (int64_t e = 0; e < g; e++, h++) {
+                    float *p = s + (i * hq + h) * L;
+                    softmax(p, first + i + 1); /* row i sees keys 0 .. first + i */
+                    KV_NAME(weighted_sum)(p, v_cache + kh * d, slot, first + i + 1, d,
+                                          out + (q_start[r] + i) * out_stride + (k0 * g + h) * d);
+                }
+        free(slot);
+    }
+    return failed ? -1 : 0;
+}
+
+/* The kernel above for rows q (row stride q_stride floats) written to out (row stride out_stride). */
+int KV_NAME(kvserve_paged_attention)(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                                const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
+                                const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
+                                int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
+                                int64_t out_stride) {
+    return KV_NAME(attend)(q, q_stride, (const KV_T *)k_cache, (const KV_T *)v_cache, block_tables, max_blocks,
+                           q_start, q_len, seq_len, num_reqs, h_q, h_kv, d, block_size, scale, out, out_stride);
+}
+
+/* One attention layer's work after the fused Q/K/V projection, in one call:
+ *   1. RoPE on the query and key heads of every row of qkv, in place (row t: H_q query heads, H_kv key heads,
+ *      H_kv value heads of d floats, at qkv + t * qkv_stride), with cos/sin rows t of cos, sin ([T, d]);
+ *   2. each row's key and value heads stored (KV_STORE_ROW) into cache slot slot_mapping[t] (k_cache, v_cache:
+ *      [slots, H_kv, d] of KV_T);
+ *   3. attention of the num_reqs requests given (the short queries; 0: none) over their paged K/V into out (row
+ *      stride out_stride), as kvserve_paged_attention_<type>. Rows of other requests are not written.
+ * Returns 0, or -1 when step 3 could not allocate scratch memory (steps 1 and 2 are then done, out not written). */
+int KV_NAME(kvserve_rope_write_attend)(float *qkv, int64_t qkv_stride, int64_t T, const float *cos, const float *sin,
+                                  const int64_t *slot_mapping, void *k_cache, void *v_cache,
+                                  const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
+                                  const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
+                                  int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
+                                  int64_t out_stride) {
+    const int64_t row = h_kv * d;
+#pragma omp parallel for schedule(static) if (T * (h_q + h_kv) * d >= PARALLEL_MIN_ROPE_FLOATS)
+    for (int64_t t = 0; t < T; t++) {
+        float *x = qkv + t * qkv_stride;
+        rope_heads(x, h_q + h_kv, d, cos + t * d, sin + t * d);
+        KV_STORE_ROW((KV_T *)k_cache + slot_mapping[t] * row, x + h_q * d, row);
+        KV_STORE_ROW((KV_T *)v_cache + slot_mapping[t] * row, x + (h_q + h_kv) * d, row);
+    }
+    if (num_reqs == 0) return 0;
+    return KV_NAME(attend)(qkv, qkv_stride, (const KV_T *)k_cache, (const KV_T *)v_cache, block_tables, max_blocks,
+                           q_start, q_len, seq_len, num_reqs, h_q, h_kv, d, block_size, scale, out, out_stride);
+}
+
+#undef KV_T
+#undef KV_NAME
+#undef KV_LOAD8
+#undef KV_STORE_ROW
