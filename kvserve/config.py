@@ -117,6 +117,11 @@ class CacheConfig:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, SUPPORTED_KV_CACHE_DTYPES)
 
+    def resolve_kv_cache_dtype(self, model_dtype: str) -> str:
+        """The pool's element type by name, ``"float32"`` or ``"bfloat16"``: ``kv_cache_dtype``, or ``model_dtype``
+        (``ModelConfig.dtype``) for ``"auto"``."""
+        return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
         """Number of blocks in the pool, given the bytes one block takes over all layers (K and V).
 

@@ -135,13 +135,15 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     texts = gsm8k_texts(ref.tokenizer, args.min_positions, args.data_dir)
     engines = {q: engine_for(q, engine_args.get("kv_cache_dtype", "auto")) for q in args.quantizations.split(",") if q}
     kv_dtypes = {q: e.kv_cache_dtype for q, e in engines.items()}
+    kv_names = {q: e.config.cache_config.resolve_kv_cache_dtype(e.config.model_config.dtype)
+                for q, e in engines.items()}
     results = {}
     for q, r in compare_all(ref.model, {q: e.model for q, e in engines.items()}, texts,
                             progress_every=args.progress_every, kv_cache_dtypes=kv_dtypes).items():
-        kv = str(kv_dtypes[q]).removeprefix("torch.")
-        results[q] = {**r.__dict__, "ppl_change": r.ppl_change, "kv_cache_dtype": kv}
-        print(f"{q:>5} ({kv} KV cache) vs fp32 (float32 KV cache): top-1 agreement {r.top1_agreement:.2%} over {r.positions} positions; perplexity "
-              f"{r.ppl_candidate:.3f} vs {r.ppl_reference:.3f} ({r.ppl_change:+.2%})")
+        results[q] = {**r.__dict__, "ppl_change": r.ppl_change, "kv_cache_dtype": kv_names[q]}
+        print(f"{q:>5} ({kv_names[q]} KV cache) vs fp32 (float32 KV cache): top-1 agreement {r.top1_agreement:.2%} "
+              f"over {r.positions} positions; perplexity {r.ppl_candidate:.3f} vs {r.ppl_reference:.3f} "
+              f"({r.ppl_change:+.2%})")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=2))
     return 0

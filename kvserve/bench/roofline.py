@@ -97,7 +97,8 @@ def model_cost(model, kv_cache_dtype: Optional[torch.dtype] = None) -> ModelCost
     parts = [p for lin in linears for p in getattr(lin, "parts", [lin])]
     nbytes = sum(p.weight_bytes() if hasattr(p, "weight_bytes") else p.numel() * model.dtype.itemsize for p in parts)
     return ModelCost(weight_bytes=int(nbytes), macs_per_token=int(sum(p.numel() for p in parts)),
-                     kv_bytes_per_token=model.bytes_per_block(1, kv_cache_dtype), int8=all(isinstance(p, QuantLinear) for p in parts))
+                     kv_bytes_per_token=model.bytes_per_block(1, kv_cache_dtype),
+                     int8=all(isinstance(p, QuantLinear) for p in parts))
 
 
 # ------------------------------------------------------------------------------------------------ measurements

@@ -31,7 +31,6 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.structured.backend import GrammarBackend
 from kvserve.validation import check_text
-from kvserve.worker.kv_pool import kv_cache_torch_dtype
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,8 @@ class LLMEngine:
         logger.info("%s: %s", self.arch.architecture,
                     self.backends.describe(self.model.layers[0]["qkv"], self.model.lm_head))
         self.block_size = cc.block_size
-        self.kv_cache_dtype = kv_cache_torch_dtype(cc.kv_cache_dtype, self.model.dtype)
+        kv_dtype_name = cc.resolve_kv_cache_dtype(mc.dtype)  # the model's dtype is mc.dtype (load_model casts)
+        self.kv_cache_dtype = getattr(torch, kv_dtype_name)
         self.num_blocks = cc.resolve_num_blocks(self.model.bytes_per_block(cc.block_size, self.kv_cache_dtype))
         self.pool_tokens = self.num_blocks * self.block_size
         self.max_model_len = mc.max_model_len or loaded.arch.max_position_embeddings
@@ -91,7 +91,7 @@ class LLMEngine:
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
             self.num_blocks, self.block_size, self.pool_tokens,
             self.num_blocks * self.model.bytes_per_block(self.block_size, self.kv_cache_dtype) / 2**20,
-            str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len,
+            kv_dtype_name, self.max_model_len,
         )
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cc.enable_prefix_caching)
         sampler = Sampler(self.eos_token_ids)
@@ -105,7 +105,7 @@ class LLMEngine:
 
             shard_spec = ShardSpec(str(loaded.path), mc.dtype, quantization, mc.device, mc.num_threads,
                                    self.num_blocks, self.block_size, tp, pc.distributed_timeout_seconds, free_port(),
-                                   str(self.kv_cache_dtype).removeprefix("torch."))
+                                   kv_dtype_name)
             self.model_runner = TensorParallelExecutor(self.model, sampler, shard_spec, tp_group)
         else:
             self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, device=mc.device,
@@ -172,8 +172,9 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, **engine_args) -> "LLMEngine":
         """Build from flat arguments (``model``, ``dtype``, ``max_model_len``, ``block_size``, ``num_kv_blocks``,
-        ``kv_cache_memory_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``enable_prefix_caching``,
-        ``scheduling``, ``scheduling_policy``, ``num_threads``)."""
+        ``kv_cache_memory_bytes``, ``kv_cache_dtype``, ``max_num_seqs``, ``max_num_batched_tokens``,
+        ``enable_chunked_prefill``, ``enable_prefix_caching``, ``scheduling``, ``scheduling_policy``,
+        ``num_threads``, ...: every ``EngineConfig`` field)."""
         return cls(EngineConfig.from_kwargs(**engine_args))
 
     # ------------------------------------------------------------------------------------------------ requests

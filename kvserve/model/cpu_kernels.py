@@ -186,9 +186,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
 class RopeWriteAttend:
     """One step's attention layers after their fused Q/K/V projections, one kernel call per layer
-    (``kvserve_rope_write_attend_f32`` / ``_bf16``): RoPE (rotate-half) on the query and key heads of ``qkv`` in place, every
-    row's K/V written to its cache slot, then paged attention of ``requests``. Everything that is the same for every
-    layer of the step is checked and resolved here once, so a layer's call costs little Python.
+    (``kvserve_rope_write_attend_f32`` / ``_bf16``): RoPE (rotate-half) on the query and key heads of ``qkv`` in
+    place, every row's K/V written to its cache slot, then paged attention of ``requests``. Everything that is the
+    same for every layer of the step is checked and resolved here once, so a layer's call costs little Python.
 
     Args:
         num_heads: ``H_q``, a multiple of ``H_kv``.

@@ -83,8 +83,9 @@ class FusedLayerLoop:
     ``InputBatch``; ``meta`` its attention metadata; ``rope`` ``(cos, sin)`` ``[T, 1, D]`` float32;
     ``kv_cache`` ``[layers, 2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16 contiguous. Returns ``True``
     when the step ran (``h`` holds the result, this step's K/V are written), ``False`` when the caller must run the
-    Python loop instead: a step this loop does not take (nothing done), or a kernel that ran out of scratch memory mid-way (``h``
-    is restored to the embeddings; the Python loop then rewrites the same cache slots with the same values).
+    Python loop instead: a step this loop does not take (nothing done), or a kernel that ran out of scratch memory
+    mid-way (``h`` is restored to the embeddings; the Python loop then rewrites the same cache slots with the same
+    values).
 
     Raises:
         ValueError: the model's shapes do not match its weights (a bug, not an input error).

@@ -172,8 +172,7 @@ def build_simulator(engine_args: dict, profile_path, server_calibration: bool = 
     if config.model_config.dtype != prof.get("dtype", config.model_config.dtype):
         raise ValueError(f"{profile_path}: profile field 'dtype' is {prof['dtype']!r}, the run asks for "
                          f"{config.model_config.dtype!r}")
-    run_kv = config.cache_config.kv_cache_dtype
-    run_kv = config.model_config.dtype if run_kv == "auto" else run_kv
+    run_kv = config.cache_config.resolve_kv_cache_dtype(config.model_config.dtype)
     field = "kv_cache_dtype" if "kv_cache_dtype" in prof else "dtype"  # profiles before the field: the model's
     prof_kv = prof.get(field, "float32")
     if run_kv != prof_kv:  # another cache type reads other bytes per step: the profile's step costs do not apply

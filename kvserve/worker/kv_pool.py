@@ -17,20 +17,6 @@ import math
 import torch
 
 
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The pool's element type for ``CacheConfig.kv_cache_dtype``: ``model_dtype`` for ``"auto"``, else the named
-    dtype (``"float32"``, ``"bfloat16"``).
-
-    Raises:
-        ValueError: a name outside ``SUPPORTED_KV_CACHE_DTYPES``.
-    """
-    from kvserve.config import SUPPORTED_KV_CACHE_DTYPES
-
-    if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {SUPPORTED_KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
-
-
 def lazy_zeros(shape: tuple, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     """A zero tensor of ``shape`` / ``dtype`` whose pages are allocated on first write (CPU); on another device
     ``torch.zeros``.

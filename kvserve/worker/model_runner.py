@@ -28,7 +28,8 @@ class ModelRunner:
         sampler: the ``Sampler``.
         rejection_sampler: verifies drafts (speculative decoding); a default one is made when ``None``.
         device: where the cache and the step's tensors live.
-        kv_cache_dtype: the cache's element type (``kv_pool.kv_cache_torch_dtype``); ``None``: the model's dtype.
+        kv_cache_dtype: the cache's element type (the engine's, from ``CacheConfig.resolve_kv_cache_dtype``);
+            ``None``: the model's dtype.
 
     The cache is one zero-initialised tensor ``[layers, 2, num_blocks, block_size, H_kv, D]`` in ``kv_cache_dtype``
     (zeros, not garbage: masked-out keys are multiplied by 0 in attention, and 0 * NaN would be NaN), allocated

@@ -10,6 +10,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.accuracy import compare_all, gsm8k_texts
+from kvserve.bench.roofline import model_cost
 from kvserve.bench.workloads import default_data_dir
 from kvserve.sim.cli import build_simulator
 from kvserve.sim.cost_model import FEATURES, CostModel
@@ -30,6 +31,7 @@ def test_the_pool_is_bfloat16_and_holds_twice_the_blocks(bf16_llm):
     model = engine.model
     # SmolLM2-135M: 30 layers x K and V x 16 tokens x 3 KV heads x 64 dims
     assert model.bytes_per_block(16, BF16) == 30 * 2 * 16 * 3 * 64 * 2 == model.bytes_per_block(16) // 2
+    assert model_cost(model, BF16).kv_bytes_per_token == 30 * 2 * 3 * 64 * 2  # the roofline's KV bytes too
     budget = 10 * model.bytes_per_block(16)
     f32 = LLM(kv_cache_memory_bytes=budget).llm_engine
     bf16 = LLM(kv_cache_memory_bytes=budget, kv_cache_dtype="bfloat16").llm_engine

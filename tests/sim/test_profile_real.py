@@ -14,6 +14,7 @@ def test_quick_profile_then_simulate(tmp_path, capsys):
     prof = json.loads(out.read_text())
     assert prof["features"] == list(FEATURES) and prof["model"].endswith(".gguf")
     assert prof["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M fp32: 30 layers, 3 KV heads of 64
+    assert prof["kv_cache_dtype"] == "float32"  # what the step costs were measured over (sim refuses another)
     assert len(prof["samples"]) >= 20
     f = {name: i for i, name in enumerate(FEATURES)}
     decodes = [s["step_s"] for s in prof["samples"]  # 4 single-token rows and no prompt chunk

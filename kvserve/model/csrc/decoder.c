@@ -127,9 +127,9 @@ int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h,
             for (int64_t t = 0; t < T; t++)
                 for (int64_t n = 0; n < nqkv; n++) qkv[t * nqkv + n] += L->qkv_bias[n];
         lap(p, &t0, T_MATMUL);
-        if (attend(qkv, nqkv, T, p->cos, p->sin, p->slot_mapping, k_cache, v_cache, p->block_tables,
-                                 p->max_blocks, p->q_start, p->q_len, p->seq_len, p->num_reqs, s->h_q, s->h_kv, s->d,
-                                 p->block_size, s->scale, attn, qd))
+        if (attend(qkv, nqkv, T, p->cos, p->sin, p->slot_mapping, k_cache, v_cache, p->block_tables, p->max_blocks,
+                   p->q_start, p->q_len, p->seq_len, p->num_reqs, s->h_q, s->h_kv, s->d, p->block_size, s->scale, attn,
+                   qd))
             return -3;
         lap(p, &t0, T_ATTENTION);
         if (kvserve_qgemm((int)L->o.fmt, (int)s->isa, (int)s->act, attn, T, qd, L->o.w, H, L->o.oscale, delta, H))
