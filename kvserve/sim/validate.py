@@ -65,6 +65,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the server's step trace (`kvserve serve --step-trace`; default: a temporary file when the "
                         "server is started here): each level also compares the server's steps with the cost model, "
                         "step by step")
+    p.add_argument("--fit-each-level", action="store_true",
+                   help="also replay each level with the calibration fitted afterwards on that level's own server "
+                        "steps (needs the step trace): not a prediction, but it tells the simulator's error apart "
+                        "from the machine's speed drifting between calibration and level")
     p.add_argument("--calibration-runs", type=int, default=3,
                    help="lone prefills per calibration; each decode batch is measured runs // 3 times (more runs: "
                         "a steadier calibration, ~10 s more per 3 runs)")
@@ -333,6 +337,30 @@ def step_comparison(steps: list, cost, t_start: float, t_end: float) -> dict:
     return out
 
 
+def level_fitted(raw_sim, steps: list, t_start: float, t_end: float, trace: list, slos, real: dict) -> tuple:
+    """The level replayed with a cost model fitted afterwards on the level's own server steps: ``fit_from_steps``
+    over the steps between ``t_start`` and ``t_end`` (monotonic seconds), then the same requests through a
+    ``Simulator`` with that ``ServerCalibrated`` model.
+
+    Not a prediction (the level's timing is an input): with three numbers fitted on hundreds of steps, what is
+    left of the error is the simulator's own (its cost model's shape, the scheduler replay, the queueing), apart
+    from the machine's speed moving between the calibration and the level.
+
+    Returns:
+        ``(fit, comparison)``: ``fit_from_steps``'s dict and ``compare(real, simulated)``.
+
+    Raises:
+        ValueError: fewer than 3 server steps in the level.
+    """
+    from kvserve.sim.cost_model import ServerCalibrated
+    from kvserve.sim.simulator import Simulator
+
+    fit = fit_from_steps([s for s in steps if t_start <= s[0] <= t_end], raw_sim.step_time)
+    cost = ServerCalibrated(raw_sim.step_time, fit["offset_s"], fit["scale"], fit["prefill_scale"])
+    sim = Simulator(raw_sim.config, cost, raw_sim.num_blocks, raw_sim.max_model_len)
+    return fit, compare(real, sim.run(trace, slos).summary)
+
+
 def format_step_comparison(name: str, c: dict) -> str:
     """One line per kind of step of a ``step_comparison``: steps, ms inside ``engine.step``, per loop turn, and
     predicted, per step."""
@@ -379,6 +407,9 @@ def run(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     if args.calibration_runs < 1:
         raise ValueError(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
+    if args.fit_each_level and args.base_url is not None and args.step_trace is None:
+        raise ValueError("--fit-each-level needs the server's step trace: with --base-url, pass --step-trace FILE "
+                         "(the file that server writes)")
     eargs = {k: v for k, v in engine_kwargs(args).items() if k != "device"}
     levels = [level_requests(args, rate, args.seed + i) for i, rate in enumerate(rates)]  # bad data: before serving
     sim, prof = build_simulator(eargs, args.profile)
@@ -427,9 +458,19 @@ def run(args: argparse.Namespace) -> int:
                            "errors_uncalibrated": {k: v[2] for k, v in compare(real, raw).items()}})
             print(format_comparison([(name, comp)]), flush=True)
             if trace_path is not None:
-                steps_cmp = step_comparison(read_idle_trace(trace_path), sim.step_time, t_start, t_end)
+                steps = read_idle_trace(trace_path)
+                steps_cmp = step_comparison(steps, sim.step_time, t_start, t_end)
                 report[-1]["server_steps"] = steps_cmp
                 print(format_step_comparison(name, steps_cmp), flush=True)
+                if args.fit_each_level:
+                    fit, fitted_comp = level_fitted(raw_sim, steps, t_start, t_end, trace, slos, real)
+                    report[-1].update({"level_fit": fit, "errors_level_fitted": {k: v[2] for k, v in
+                                                                                  fitted_comp.items()}})
+                    print(f"{name}, replayed with the cost model fitted on this level's {fit['steps']} server steps "
+                          f"(offset {1e3 * fit['offset_s']:.1f} ms, scale {fit['scale']:.3f}, prefill scale "
+                          f"{fit['prefill_scale'] if fit['prefill_scale'] is None else round(fit['prefill_scale'], 3)}"
+                          f"; mean |step error| {100 * fit['mean_abs_rel_err']:.1f}%):", flush=True)
+                    print(format_comparison([(name + " fitted", fitted_comp)]), flush=True)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

@@ -196,3 +196,30 @@ def test_read_idle_trace_waits_for_the_idle_server(tmp_path):
     threading.Timer(0.3, finish).start()
     steps = read_idle_trace(p, timeout=10.0)
     assert [more for _, _, more, _ in steps] == [True, False]
+
+
+def test_level_fitted_replay_uses_the_calibration_fitted_on_the_levels_steps():
+    """``--fit-each-level``: the level's server steps give back the server's own offset and scales, and the
+    replay with them is the simulation of that server exactly; the uncalibrated model is not."""
+    from kvserve.config import EngineConfig
+    from kvserve.sim import trace as tr
+    from kvserve.sim.cost_model import CostModel
+    from kvserve.sim.simulator import Simulator
+    from kvserve.sim.validate import level_fitted
+
+    base = CostModel(0.004, {"prefill_tokens": 0.0015, "decode_tokens": 0.0018, "logit_rows": 0.0001,
+                             "decode_ctx": 0.0025, "prefill_attn": 1.5, "rows": 0.0002})
+    server = ServerCalibrated(base, offset_s=0.002, scale=1.3, prefill_scale=1.1)
+    config = EngineConfig.from_kwargs(max_num_seqs=4, block_size=16, max_num_batched_tokens=64)
+    raw_sim = Simulator(config, base, 256, max_model_len=4096)
+    trace = [tr.TraceRequest(0.3 * k, 40 + 7 * k, 5 + k % 4) for k in range(12)]
+    real = Simulator(config, server, 256, max_model_len=4096).run(trace).summary
+    steps = _synthetic_trace(server)
+    fit, comp = level_fitted(raw_sim, steps + [(99.0, 99.1, False, [(1, 5, 0, 1)])], steps[0][0], steps[-1][0],
+                             trace, None, real)
+    assert fit["steps"] == 10  # the step after the level's window is left out
+    assert fit["scale"] == pytest.approx(1.3, rel=1e-6) and fit["prefill_scale"] == pytest.approx(1.1, rel=1e-6)
+    assert comp["median_ttft_ms"][2] == pytest.approx(0.0, abs=1e-6)
+    assert comp["p99_tpot_ms"][2] == pytest.approx(0.0, abs=1e-6)
+    raw = compare(real, raw_sim.run(trace).summary)
+    assert raw["median_ttft_ms"][2] < -0.1  # the uncalibrated model runs faster than this server
