@@ -16,7 +16,8 @@ overhead). Prefill and decode tokens get their own coefficients because they run
 512-token chunk is one large matmul; 32 decode rows are 32 rows with a paged-attention read each), and so that a
 server calibration can scale the two parts apart (``ServerCalibrated``). The coefficients are fitted by
 non-negative least squares on relative error (every measured step counts alike, a 40 ms decode as much as a 2 s
-prefill), so the model can be replayed anywhere. The same shape is used by Vidur (Agrawal et al., MLSys 2024),
+prefill; reweighted by the prediction so that noisy measurements do not bias totals low: ``nnls_relative``), so the
+model can be replayed anywhere. The same shape is used by Vidur (Agrawal et al., MLSys 2024),
 which fits per-operator costs; a whole-step model is coarser but needs only a few minutes of measurements on the
 real engine (``kvserve sim profile``). Profiles of the first format, with one ``tokens`` feature, still load: its
 coefficient becomes both token coefficients (the same prediction).
@@ -174,7 +175,8 @@ def prefill_features(prompt_len: int) -> tuple:
 
 
 def fit(samples: list[tuple[tuple, float]]) -> CostModel:
-    """Non-negative least squares of ``step_s`` on ``FEATURES`` + intercept, weighted by ``1 / step_s``.
+    """Non-negative least squares of ``step_s`` on ``FEATURES`` + intercept on relative error (``nnls_relative``:
+    weighted by ``1 / step_s``, then by ``1 / prediction``, so that totals are not biased low).
 
     Args:
         samples: ``(features, step_s)`` pairs, at least ``len(FEATURES) + 1``.
@@ -194,12 +196,21 @@ def fit(samples: list[tuple[tuple, float]]) -> CostModel:
     return CostModel(full[0], dict(zip(FEATURES, full[1:])))
 
 
-def nnls_relative(x: list, y: list) -> list:
-    """Non-negative least squares of ``y ≈ x @ c`` on relative error (each row weighted by ``1 / y``), by active
-    set: a column whose unconstrained coefficient comes out negative is dropped and the rest refitted.
+def nnls_relative(x: list, y: list, iterations: int = 4) -> list:
+    """Non-negative least squares of ``y ≈ x @ c`` on relative error, by active set: a column whose unconstrained
+    coefficient comes out negative is dropped and the rest refitted.
+
+    The first solve weights each row by ``1 / y`` (its relative error). That alone is biased low when the
+    measurements are noisy (a step measured slow weighs less than one measured fast: with the ~10-15% spread of
+    steps on a shared CPU, totals came out 3-6% short). Each further iteration weights each row by ``1 /
+    prediction`` instead (iteratively reweighted least squares for errors proportional to the mean: the gamma
+    quasi-likelihood with identity link, McCullagh & Nelder, *Generalized Linear Models*, 2nd ed. 1989, ch. 8-9),
+    whose estimate of the mean, and so of total time, is unbiased; on exact data every iteration gives the same
+    coefficients.
 
     Args:
         x: rows of regressors, ``n x k``; y: ``n`` positive targets.
+        iterations: solves in all (``1``: plain relative error).
 
     Returns:
         the ``k`` coefficients (0.0 for dropped columns).
@@ -207,18 +218,24 @@ def nnls_relative(x: list, y: list) -> list:
     xt = torch.tensor(x, dtype=torch.float64)
     yt = torch.tensor(y, dtype=torch.float64)
     w = 1.0 / yt
-    active = list(range(xt.shape[1]))
-    sol = torch.zeros(0, dtype=torch.float64)
-    while active:
-        sol = torch.linalg.lstsq(xt[:, active] * w[:, None], (yt * w)[:, None]).solution[:, 0]
-        neg = [a for a, v in zip(active, sol.tolist()) if v < 0]
-        if not neg:
-            break
-        worst = min(neg, key=lambda a: sol[active.index(a)].item())
-        active.remove(worst)
     full = [0.0] * xt.shape[1]
-    for a, v in zip(active, sol.tolist()):
-        full[a] = v
+    for it in range(max(1, iterations)):
+        active = list(range(xt.shape[1]))
+        sol = torch.zeros(0, dtype=torch.float64)
+        while active:
+            sol = torch.linalg.lstsq(xt[:, active] * w[:, None], (yt * w)[:, None]).solution[:, 0]
+            neg = [a for a, v in zip(active, sol.tolist()) if v < 0]
+            if not neg:
+                break
+            worst = min(neg, key=lambda a: sol[active.index(a)].item())
+            active.remove(worst)
+        full = [0.0] * xt.shape[1]
+        for a, v in zip(active, sol.tolist()):
+            full[a] = v
+        pred = xt @ torch.tensor(full, dtype=torch.float64)
+        if not bool((pred > 0).all()):  # a prediction of 0 s cannot weigh a row: keep the last weights' answer
+            break
+        w = 1.0 / pred
     return full
 
 

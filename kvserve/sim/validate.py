@@ -176,7 +176,8 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     the steps of a loaded server), and the three numbers
     are fitted instead on every step the server ran during the calibration (``fit_from_steps``): its own loop
     turns, each against the prediction for its very plan, rather than two medians seen through HTTP. The result
-    then also has ``"fit": "server steps"`` and ``"steps"``; ``points`` keep the client-side view.
+    then also has ``"fit": "server steps"``, ``"steps"`` and ``"window"`` (its start and end, monotonic seconds: the
+    step trace's clock); ``points`` keep the client-side view.
     """
     import random
     import statistics
@@ -225,7 +226,7 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     burst = [LoadRequest(fresh(prefill_len), output_len, 0.0 if i < 4 else 0.1 * (i - 3)) for i in range(12)]
     asyncio.run(run_benchmark(base_url, model, burst, [r.arrival_s for r in burst]))
     steps = [st for st in read_idle_trace(step_trace_path) if st[0] >= t_start]
-    return {**cal, **fit_from_steps(steps, cost), "fit": "server steps"}
+    return {**cal, **fit_from_steps(steps, cost), "fit": "server steps", "window": (t_start, time.monotonic())}
 
 
 def read_idle_trace(path, timeout: float = 30.0) -> list:
@@ -453,7 +454,8 @@ def run(args: argparse.Namespace) -> int:
             name = f"{rate:g} req/s"
             comp = compare(real, simulated)
             rows.append((name, comp))
-            report.append({"rate": rate, "seed": args.seed + i, "server_calibration": cal, "real": real, "sim": simulated, "sim_uncalibrated": raw,
+            report.append({"rate": rate, "seed": args.seed + i, "window": (t_start, t_end), "server_calibration": cal,
+                           "real": real, "sim": simulated, "sim_uncalibrated": raw,
                            "errors": {k: v[2] for k, v in comp.items()},
                            "errors_uncalibrated": {k: v[2] for k, v in compare(real, raw).items()}})
             print(format_comparison([(name, comp)]), flush=True)
