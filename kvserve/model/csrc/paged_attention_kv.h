@@ -21,10 +21,22 @@ static inline float KV_NAME(dot)(const float *a, const KV_T *b, int64_t d) {
 }
 
 /* a[0..d) = sum over keys j in [0, n) of p[j] * v[j][0..d) (v[j] = v_base + slot[j]), accumulated in ascending j
- * with one FMA per term, 32 floats (4 registers) at a time; stored to a. d % 8 == 0. */
+ * with one FMA per term, stored to a. d % 8 == 0. Up to 64 floats (8 registers) per pass: each register's chain
+ * waits on the FMA latency once per key, so the more independent chains a pass carries, the fewer cycles per key
+ * (and each value row is read once per pass). Every element's sum is the same chain whatever the pass width. */
 static inline void KV_NAME(weighted_sum)(const float *p, const KV_T *v_base, const int64_t *slot, int64_t n,
                                          int64_t d, float *a) {
     int64_t c = 0;
+    for (; c + 64 <= d; c += 64) {
+        __m256 x[8];
+        for (int u = 0; u < 8; u++) x[u] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const KV_T *v = v_base + slot[j] + c;
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            for (int u = 0; u < 8; u++) x[u] = _mm256_fmadd_ps(pj, KV_LOAD8(v + 8 * u), x[u]);
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(a + c + 8 * u, x[u]);
+    }
     for (; c + 32 <= d; c += 32) {
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
