@@ -35,6 +35,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from kvserve.sample.argmax import argmax
+
 PAD_TOKEN_ID = -1
 """Fills draft slots a row does not use and output slots after a row's last emitted token."""
 
@@ -99,7 +101,7 @@ class RejectionSampler:
         else:
             draft_at_draft = draft_probs.to(device).gather(-1, drafts[..., None]).squeeze(-1).float()  # q_j(t_j)
         accept = self._accept(target_at_draft, draft_at_draft, uniforms)
-        accept_greedy = drafts == target_probs[:, :k].argmax(dim=-1)
+        accept_greedy = drafts == argmax(target_probs[:, :k])
         accept = torch.where(greedy_t[:, None], accept_greedy, accept) & valid
         num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B], index of the first refusal (or n)
 
@@ -111,8 +113,8 @@ class RejectionSampler:
             q = None if draft_probs is None else draft_probs.to(device)[rows, at].float()
             residual = self._recovery_distribution(dist, q, drafts[rows, at])
             dist = torch.where(rejected[:, None], residual, dist)
-        sampled = (dist / exponentials.clamp_min(1e-20)).argmax(dim=-1)
-        final = torch.where(greedy_t, dist.argmax(dim=-1), sampled)
+        sampled = argmax(dist / exponentials.clamp_min(1e-20))
+        final = torch.where(greedy_t, argmax(dist), sampled)
 
         out = torch.full((b, k + 1), PAD_TOKEN_ID, dtype=torch.long, device=device)
         keep = torch.arange(k, device=device)[None, :] < num_accepted[:, None]

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from kvserve.core.sched_output import SamplingState
+from kvserve.sample.argmax import argmax
 from kvserve.structured.backend import apply_bitmask, bitmask_for
 
 
@@ -59,7 +60,7 @@ class Sampler:
             self._apply_grammar_masks(logits, raw, states)
             self._apply_penalties(logits, states)
 
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             idx = torch.tensor(rows)
@@ -68,7 +69,7 @@ class Sampler:
             for j, i in enumerate(rows):
                 g = states[i].generator or self.generator
                 noise[j].exponential_(generator=g)
-            tokens[idx] = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
+            tokens[idx] = argmax(probs / noise.clamp_min(1e-20))
 
         token_list = tokens.tolist()
         logprobs = [None] * b
