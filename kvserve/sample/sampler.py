@@ -5,9 +5,10 @@ grammar masks (structured outputs: one ``[B, ceil(V/32)]`` bitmask, a row per re
 repetition / presence / frequency penalties -> greedy rows take the argmax; sampled rows: temperature -> top-k ->
 top-p (nucleus, Holtzman et al. 2020) -> min-p -> one draw per row.
 
-The draw uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. is a sample from ``p``), so each
-seeded request draws its own ``vocab_size`` exponentials from its own ``torch.Generator``: a seeded request's
-tokens do not depend on what else is in the batch.
+The filtered distribution is built over each row's most likely candidates, without sorting the vocabulary, and the
+draw is by inverse transform (``kvserve.sample.nucleus``): each sampled row takes one uniform from its own
+``torch.Generator`` (seeded requests) or the sampler's, so a seeded request's tokens do not depend on what else is in
+the batch.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Optional
 import torch
 
 from kvserve.core.sched_output import SamplingState
+from kvserve.sample import nucleus
 from kvserve.sample.argmax import argmax
 from kvserve.structured.backend import apply_bitmask, bitmask_for
 
@@ -64,12 +66,10 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             idx = torch.tensor(rows)
-            probs = _processed_probs(logits[idx], [params[i] for i in rows])
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(rows):
-                g = states[i].generator or self.generator
-                noise[j].exponential_(generator=g)
-            tokens[idx] = argmax(probs / noise.clamp_min(1e-20))
+            ids, probs = nucleus.filtered(logits if len(rows) == b else logits[idx], [params[i] for i in rows])
+            uniforms = torch.cat([torch.rand(1, generator=states[i].generator or self.generator, dtype=torch.float64)
+                                  for i in rows])
+            tokens[idx] = nucleus.draw(ids, probs, uniforms)
 
         token_list = tokens.tolist()
         logprobs = [None] * b
@@ -132,27 +132,8 @@ def _has_penalty(sp) -> bool:
 
 
 def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p over ``[b, V]`` logits -> ``[b, V]`` probabilities (rows sum to 1).
-
-    The most likely token always survives, so tiny ``top_p`` or ``temperature`` never yields an empty row or NaN.
-    """
-    b, v = logits.shape
-    temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-    logits = logits / temp[:, None]
-    if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        top_k = torch.tensor([min(p.top_k, v) if p.top_k_enabled else v for p in params])
-        ranks = torch.arange(v)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill((mass_before > top_p[:, None]) & (ranks > 0), float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
-    if bool((min_p > 0).any()):
-        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs * keep
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    """Temperature, top-k, top-p and min-p over ``[b, V]`` logits -> ``[b, V]`` probabilities (rows sum to 1;
+    ``kvserve.sample.nucleus``). The most likely token always survives, so tiny ``top_p`` or ``temperature`` never
+    yields an empty row or NaN."""
+    ids, probs = nucleus.filtered(logits, params)
+    return nucleus.dense(ids, probs, logits.shape[1])
