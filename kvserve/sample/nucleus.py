@@ -10,12 +10,13 @@ stays while the mass of the tokens ranked above it is at most ``top_p``; the mos
 (at least ``min_p`` times the most likely token's probability), renormalised after each step.
 
 A draw is by inverse transform: one uniform ``u`` from the request's generator, and the first token whose
-cumulative probability (a float64 running sum, in two levels) exceeds ``u`` times the total. One random number per row instead of a
-vocabulary-sized noise vector (the exponential race ``argmax(p / E)``), an exact sample of the same distribution.
+cumulative probability (a float64 running sum, in two levels) exceeds ``u`` times the total. One random number per
+row instead of a vocabulary-sized noise vector (the exponential race ``argmax(p / E)``), an exact sample of the same
+distribution.
 
-Measured before this module (torch 2.13 on the CPU, ``[1, 49152]`` logits): a full sort 3.9 ms per row, drawing 49,152
-exponentials from a ``torch.Generator`` 1.1 ms per row; a batch-64 decode step spent 86 ms sampling at temperature
-0.8 and 259 ms with ``top_p=0.95`` (docs/benchmarks.md, "Sampling").
+Measured before this module (torch 2.13 on the CPU, ``[1, 49152]`` logits): a full sort 2-3.9 ms per row, drawing
+49,152 exponentials from a ``torch.Generator`` 1.1 ms per row; a batch-64 decode step of chat requests spent 86 ms
+sampling at temperature 0.8 and 219 ms with ``top_p=0.95`` (now 10 and 24 ms: docs/benchmarks.md, "Sampling").
 """
 
 from __future__ import annotations

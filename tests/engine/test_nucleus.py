@@ -34,7 +34,7 @@ def _reference(logits, params):
 PARAMS = [
     SamplingParams(temperature=0.8),
     SamplingParams(temperature=0.8, top_p=0.95),
-    SamplingParams(temperature=1.3, top_p=0.999),      # a nucleus of thousands: the window doubles
+    SamplingParams(temperature=1.3, top_p=0.999),      # a nucleus of thousands: the window widens
     SamplingParams(temperature=0.7, top_k=50),
     SamplingParams(temperature=1.0, top_k=3000),       # top_k beyond the first window
     SamplingParams(temperature=0.9, top_k=40, top_p=0.5),
