@@ -19,6 +19,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the most likely's probability")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object (answers + summary) instead of text")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -113,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         items = load_prompts_file(args.prompts_file)
     else:
         items = [("messages", [{"role": "user", "content": p}]) for p in (args.prompt or BUILTIN_PROMPTS)]
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                        max_tokens=args.max_tokens, seed=args.seed)
     llm = LLM(**engine_kwargs(args))
     if probe is not None:
         probe.mark("LLM() start-up")

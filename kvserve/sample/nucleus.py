@@ -36,6 +36,9 @@ def filtered(logits: torch.Tensor, params: list) -> tuple[Optional[torch.Tensor]
         logits: ``[b, V]`` float32 (not modified).
         params: ``b`` ``SamplingParams`` (``temperature`` > 0).
 
+    ``sample`` and ``probabilities`` call it once for the rows without top-k / top-p and once for the others: in one
+    call a row without them keeps every candidate and widens the window to the whole vocabulary.
+
     Returns:
         ``(ids, probs)``. With no top-k / top-p in any row: ``ids`` is ``None`` and ``probs`` is ``[b, V]`` over the
         vocabulary. Otherwise ``ids`` ``[b, K]`` int64 token ids of each row's candidates (most likely first) and
@@ -77,6 +80,39 @@ def filtered(logits: torch.Tensor, params: list) -> tuple[Optional[torch.Tensor]
         all_ids[i, : r_ids.numel()] = r_ids
         probs[i, : r_q.numel()] = r_q
     return all_ids, _min_p(probs, min_p)
+
+
+def _groups(params: list) -> list:
+    """Row indices of the rows without top-k / top-p, then of those with: each group is filtered on its own, so a
+    plain row never widens the candidate window of a top-p row's batch to the whole vocabulary."""
+    plain = [i for i, p in enumerate(params) if not (p.top_k_enabled or p.top_p < 1.0)]
+    cut = [i for i, p in enumerate(params) if p.top_k_enabled or p.top_p < 1.0]
+    return [g for g in (plain, cut) if g]
+
+
+def sample(logits: torch.Tensor, params: list, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``[b, V]`` float32 ``logits`` from its filtered distribution (``filtered``; rows with
+    and without top-k / top-p apart), drawn with ``uniforms`` ``[b]`` (``draw``). Returns ``[b]`` int64."""
+    groups = _groups(params)
+    if len(groups) == 1:
+        return draw(*filtered(logits, params), uniforms)
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    for g in groups:
+        idx = torch.tensor(g)
+        out[idx] = draw(*filtered(logits[idx], [params[i] for i in g]), uniforms[idx])
+    return out
+
+
+def probabilities(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """``[b, V]`` float32 filtered distributions of ``[b, V]`` logits (rows sum to 1; zeros for dropped tokens)."""
+    groups = _groups(params)
+    if len(groups) == 1:
+        return dense(*filtered(logits, params), logits.shape[1])
+    out = torch.empty_like(logits)
+    for g in groups:
+        idx = torch.tensor(g)
+        out[idx] = dense(*filtered(logits[idx], [params[i] for i in g]), logits.shape[1])
+    return out
 
 
 def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

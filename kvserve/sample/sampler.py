@@ -66,10 +66,9 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             idx = torch.tensor(rows)
-            ids, probs = nucleus.filtered(logits if len(rows) == b else logits[idx], [params[i] for i in rows])
             uniforms = torch.cat([torch.rand(1, generator=states[i].generator or self.generator, dtype=torch.float64)
                                   for i in rows])
-            tokens[idx] = nucleus.draw(ids, probs, uniforms)
+            tokens[idx] = nucleus.sample(logits if len(rows) == b else logits[idx], [params[i] for i in rows], uniforms)
 
         token_list = tokens.tolist()
         logprobs = [None] * b
@@ -135,5 +134,4 @@ def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p over ``[b, V]`` logits -> ``[b, V]`` probabilities (rows sum to 1;
     ``kvserve.sample.nucleus``). The most likely token always survives, so tiny ``top_p`` or ``temperature`` never
     yields an empty row or NaN."""
-    ids, probs = nucleus.filtered(logits, params)
-    return nucleus.dense(ids, probs, logits.shape[1])
+    return nucleus.probabilities(logits, params)

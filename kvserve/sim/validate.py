@@ -41,10 +41,13 @@ METRICS = (("output_throughput", "output tok/s"), ("request_throughput", "req/s"
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, skip=("device", "speculative_config"))
-    p.add_argument("--profile", default="profile.json")
-    p.add_argument("--rates", default="0.1,0.3,0.6", help="comma-separated request rates (req/s), one per level")
+    p.add_argument("--profile", default="profile.json",
+                   help="the cost-model profile (`kvserve sim profile --output FILE`; default: profile.json)")
+    p.add_argument("--rates", default="0.1,0.3,0.6",
+                   help="comma-separated request rates (req/s), one per level (default: 0.1,0.3,0.6)")
     p.add_argument("--num-prompts", type=int, default=24, help="requests per level")
-    p.add_argument("--length-scale", type=float, default=8.0)
+    p.add_argument("--length-scale", type=float, default=8.0,
+                   help="the Azure trace's token counts are divided by this (default: 8, for a small model on a CPU)")
     p.add_argument("--max-input-len", type=int, default=512)
     p.add_argument("--max-output-len", type=int, default=256)
     p.add_argument("--azure-kind", choices=["conv", "code"], default="conv")

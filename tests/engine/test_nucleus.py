@@ -101,3 +101,24 @@ def test_two_level_draw_equals_a_float64_inverse_transform():
     assert bool((probs[0, got] > 0).all())
     ids = torch.arange(999, -1, -1)[None, :].expand(4000, -1)  # through candidate ids
     assert torch.equal(nucleus.draw(ids, probs.expand(4000, -1), u), 999 - got)
+
+
+def test_rows_without_top_k_or_top_p_do_not_widen_a_top_p_rows_window():
+    """A batch mixing plain rows (temperature only) with top-p / top-k rows: each row's distribution is the one it
+    has alone, and the top-p rows' candidate window stays small (the plain rows are filtered apart)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 49152, generator=g) * 3
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=1.0, min_p=0.1), SamplingParams(temperature=0.7, top_k=50),
+              SamplingParams(temperature=0.8), SamplingParams(temperature=0.9, top_k=20, top_p=0.8)]
+    mixed = nucleus.probabilities(logits, params)
+    for i, p in enumerate(params):
+        torch.testing.assert_close(mixed[i], nucleus.probabilities(logits[i : i + 1], [p])[0])
+    cut = [i for i, p in enumerate(params) if p.top_k_enabled or p.top_p < 1.0]
+    ids, _ = nucleus.filtered(logits[cut], [params[i] for i in cut])
+    assert ids.shape[1] <= 49152 // 8  # (one call with the plain rows: the whole vocabulary)
+    u = torch.rand(6, generator=g, dtype=torch.float64)
+    toks = nucleus.sample(logits, params, u)
+    for i, p in enumerate(params):
+        assert toks[i] == nucleus.sample(logits[i : i + 1], [p], u[i : i + 1])[0]
+        assert mixed[i, toks[i]] > 0
