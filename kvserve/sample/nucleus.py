@@ -153,8 +153,9 @@ def draw(ids: Optional[torch.Tensor], probs: torch.Tensor, uniforms: torch.Tenso
     c = chunks.cumsum(dim=-1)
     target = uniforms.double() * c[:, -1]
     j = torch.searchsorted(c, target[:, None], right=True).squeeze(1).clamp_max(c.shape[1] - 1)
-    rows = torch.arange(b)
-    before = torch.where(j > 0, c[rows, (j - 1).clamp_min(0)], torch.zeros((), dtype=torch.float64))
+    rows = torch.arange(b, device=probs.device)
+    zero = torch.zeros((), dtype=torch.float64, device=probs.device)
+    before = torch.where(j > 0, c[rows, (j - 1).clamp_min(0)], zero)
     inner = p.view(b, -1, CHUNK)[rows, j].double().cumsum(dim=-1)  # [b, CHUNK]: the chosen chunk's running sum
     col = j * CHUNK + torch.searchsorted(inner, (target - before)[:, None], right=True).squeeze(1).clamp_max(CHUNK - 1)
     col = col.clamp_max(n - 1)

@@ -41,6 +41,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
 from kvserve.core.sched_output import ScheduledRequest
 from kvserve.model.fused_layers import FusedLayerLoop
 from kvserve.model.llama import LlamaModel
+from kvserve.sample import nucleus
 from kvserve.sample.argmax import argmax
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.proposer import DraftProposal, Proposer, check_budgets
@@ -207,11 +208,11 @@ class DraftModelProposer(Proposer):
             return
         tokens = argmax(logits).tolist()
         for row, (i, req, _, _) in enumerate(feed):
-            if not req.sampling_params.greedy:  # sample d ~ q with the request's own generator (exponential race)
+            if not req.sampling_params.greedy:  # sample d ~ q with the request's own generator (inverse transform)
                 q = self.sampler.target_probs(logits[row : row + 1], req.sampling_state)[0]
                 g = req.generator or self.generator
-                noise = torch.empty_like(q).exponential_(generator=g)
-                tokens[row] = int(argmax(q / noise.clamp_min(1e-20)))
+                u = torch.rand(1, generator=g, device=g.device, dtype=torch.float64).to(q.device)
+                tokens[row] = int(nucleus.draw(None, q[None], u)[0])
                 probs[i].append(q)
             drafts[i].append(tokens[row])
 
