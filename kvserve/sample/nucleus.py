@@ -49,13 +49,13 @@ def filtered(logits: torch.Tensor, params: list) -> tuple[Optional[torch.Tensor]
     temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
     scaled = logits / temp[:, None]
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-    if not any(p.top_k_enabled or p.top_p < 1.0 for p in params):
+    if not any(_cuts(p) for p in params):
         return None, _min_p(scaled.softmax(dim=-1), min_p)
     top_k = torch.tensor([min(p.top_k, v) if p.top_k_enabled else v for p in params])
     has_k = torch.tensor([p.top_k_enabled for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     lse_all = torch.logsumexp(scaled, dim=-1)
-    out: list = [None] * b  # per row: (ids, probs) of its window
+    rounds = []  # per window: (rows whose nucleus closed in it, their ids [n, k], their probabilities [n, k])
     left = torch.arange(b)
     k = min(v, max(FIRST_CANDIDATES, int(top_k[has_k].max()) if bool(has_k.any()) else 0))
     while left.numel():
@@ -69,50 +69,50 @@ def filtered(logits: torch.Tensor, params: list) -> tuple[Optional[torch.Tensor]
         open_ = keep[:, -1] & (tk > k) if k < v else torch.zeros(left.numel(), dtype=torch.bool)
         q = p * keep
         q = q / q.sum(dim=-1, keepdim=True)
-        for j in torch.nonzero(~open_).flatten().tolist():  # nucleus inside the window: done
-            out[int(left[j])] = (ids[j], q[j])
+        done = ~open_
+        rounds.append((left[done], ids[done], q[done]))
         left = left[open_]
         k = min(v, 4 * k)  # the rest: a window four times wider (each round is one topk over those rows)
-    width = max(r[0].numel() for r in out)
+    if len(rounds) == 1:  # every nucleus closed in the first window (the usual case): rows in order already
+        return rounds[0][1], _min_p(rounds[0][2], min_p)
+    width = rounds[-1][1].shape[1]
     all_ids = torch.zeros(b, width, dtype=torch.long)
     probs = torch.zeros(b, width, dtype=torch.float32)
-    for i, (r_ids, r_q) in enumerate(out):
-        all_ids[i, : r_ids.numel()] = r_ids
-        probs[i, : r_q.numel()] = r_q
+    for rows, r_ids, r_q in rounds:
+        all_ids[rows, : r_ids.shape[1]] = r_ids
+        probs[rows, : r_q.shape[1]] = r_q
     return all_ids, _min_p(probs, min_p)
 
 
-def _groups(params: list) -> list:
-    """Row indices of the rows without top-k / top-p, then of those with: each group is filtered on its own, so a
-    plain row never widens the candidate window of a top-p row's batch to the whole vocabulary."""
-    plain = [i for i, p in enumerate(params) if not (p.top_k_enabled or p.top_p < 1.0)]
-    cut = [i for i, p in enumerate(params) if p.top_k_enabled or p.top_p < 1.0]
-    return [g for g in (plain, cut) if g]
+def _cuts(p) -> bool:
+    """Whether a row's ``SamplingParams`` cut the vocabulary by rank (top-k or top-p)."""
+    return p.top_k_enabled or p.top_p < 1.0
+
+
+def _by_group(logits: torch.Tensor, params: list, fn, out: torch.Tensor) -> torch.Tensor:
+    """``fn(logits rows, their params, row indices)`` for the rows without top-k / top-p and, apart, for those with
+    (in one ``filtered`` call a row without them keeps every candidate and widens the window of a top-p row to the
+    whole vocabulary); the results go into ``out`` by row (a single group: ``fn``'s result as it is)."""
+    plain = [i for i, p in enumerate(params) if not _cuts(p)]
+    if not plain or len(plain) == len(params):
+        return fn(logits, params, torch.arange(len(params)))
+    for g in (plain, [i for i, p in enumerate(params) if _cuts(p)]):
+        idx = torch.tensor(g)
+        out[idx] = fn(logits[idx], [params[i] for i in g], idx)
+    return out
 
 
 def sample(logits: torch.Tensor, params: list, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of ``[b, V]`` float32 ``logits`` from its filtered distribution (``filtered``; rows with
     and without top-k / top-p apart), drawn with ``uniforms`` ``[b]`` (``draw``). Returns ``[b]`` int64."""
-    groups = _groups(params)
-    if len(groups) == 1:
-        return draw(*filtered(logits, params), uniforms)
-    out = torch.empty(logits.shape[0], dtype=torch.long)
-    for g in groups:
-        idx = torch.tensor(g)
-        out[idx] = draw(*filtered(logits[idx], [params[i] for i in g]), uniforms[idx])
-    return out
+    return _by_group(logits, params, lambda x, ps, idx: draw(*filtered(x, ps), uniforms[idx]),
+                     torch.empty(logits.shape[0], dtype=torch.long))
 
 
 def probabilities(logits: torch.Tensor, params: list) -> torch.Tensor:
     """``[b, V]`` float32 filtered distributions of ``[b, V]`` logits (rows sum to 1; zeros for dropped tokens)."""
-    groups = _groups(params)
-    if len(groups) == 1:
-        return dense(*filtered(logits, params), logits.shape[1])
-    out = torch.empty_like(logits)
-    for g in groups:
-        idx = torch.tensor(g)
-        out[idx] = dense(*filtered(logits[idx], [params[i] for i in g]), logits.shape[1])
-    return out
+    return _by_group(logits, params, lambda x, ps, idx: dense(*filtered(x, ps), logits.shape[1]),
+                     torch.empty_like(logits))
 
 
 def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,8 @@ class Sampler:
             idx = torch.tensor(rows)
             uniforms = torch.cat([torch.rand(1, generator=states[i].generator or self.generator, dtype=torch.float64)
                                   for i in rows])
-            tokens[idx] = nucleus.sample(logits if len(rows) == b else logits[idx], [params[i] for i in rows], uniforms)
+            rows_logits = logits if len(rows) == b else logits[idx]
+            tokens[idx] = nucleus.sample(rows_logits, [params[i] for i in rows], uniforms)
 
         token_list = tokens.tolist()
         logprobs = [None] * b
@@ -89,7 +90,7 @@ class Sampler:
         sp = state.params
         if sp.greedy:
             return logits.float().softmax(dim=-1)
-        return _processed_probs(logits.float(), [sp] * logits.shape[0])
+        return nucleus.probabilities(logits.float(), [sp] * logits.shape[0])
 
     def _suppress_stop_tokens(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
         for i, r in enumerate(states):
@@ -128,10 +129,3 @@ class Sampler:
 
 def _has_penalty(sp) -> bool:
     return sp.repetition_penalty != 1.0 or bool(sp.presence_penalty) or bool(sp.frequency_penalty)
-
-
-def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p over ``[b, V]`` logits -> ``[b, V]`` probabilities (rows sum to 1;
-    ``kvserve.sample.nucleus``). The most likely token always survives, so tiny ``top_p`` or ``temperature`` never
-    yields an empty row or NaN."""
-    return nucleus.probabilities(logits, params)

@@ -219,7 +219,7 @@ def nnls_relative(x: list, y: list, iterations: int = 4) -> list:
     yt = torch.tensor(y, dtype=torch.float64)
     w = 1.0 / yt
     full = [0.0] * xt.shape[1]
-    for it in range(max(1, iterations)):
+    for _ in range(max(1, iterations)):
         active = list(range(xt.shape[1]))
         sol = torch.zeros(0, dtype=torch.float64)
         while active:

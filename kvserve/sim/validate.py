@@ -346,7 +346,7 @@ def level_fitted(raw_sim, steps: list, t_start: float, t_end: float, trace: list
     over the steps between ``t_start`` and ``t_end`` (monotonic seconds), then the same requests through a
     ``Simulator`` with that ``ServerCalibrated`` model.
 
-    Not a prediction (the level's timing is an input): with three numbers fitted on hundreds of steps, what is
+    Not a prediction (the level's timing is an input): with three numbers fitted on tens to hundreds of steps, what is
     left of the error is the simulator's own (its cost model's shape, the scheduler replay, the queueing), apart
     from the machine's speed moving between the calibration and the level.
 
