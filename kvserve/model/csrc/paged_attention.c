@@ -2,9 +2,11 @@
  * or a bfloat16 KV cache (queries, scores, softmax and sums in float32 either way).
  *
  * PagedAttention (Kwon et al., SOSP 2023, section 4.1): each request's keys and values are read in place from the
- * global block pool through its block table, with no gathered copy. One task per request (or per request and KV
- * head, when there are few requests) walks the request's blocks once: all G = H_q / H_kv query heads of each KV
- * head (GQA) and all of the request's query rows share each key and value row while it is in cache. Softmax is
+ * global block pool through its block table, with no gathered copy. One task per request walks the request's
+ * blocks once: all G = H_q / H_kv query heads of each KV head (GQA) and all of the request's query rows share each
+ * key and value row while it is in cache. With fewer than two requests per thread (a batch-1 decode), each
+ * request's work is spread over the threads instead -- its keys' scores, then its softmaxes, then its weighted sums
+ * by KV head and 16 columns -- with the same arithmetic, so the same bits (attend_spread). Softmax is
  * exact and in float32: scores for the whole context go to a scratch buffer, then max, exp, sum (8 lanes at a time),
  * and the weighted sum of values (in registers, one query head at a time). The block table is walked once per task
  * into a list of slot offsets (no integer division per key).
@@ -103,6 +105,14 @@ static inline void store_row_f32(float *dst, const float *src, int64_t n) {
 /* Tasks with at least this many multiply-adds (queries x keys x D) in all are split over OpenMP threads; below it
  * one thread does them all (a decode step of one short request: waking a second thread costs more than it saves). */
 #define PARALLEL_MIN_MACS (256 * 1024)
+
+/* The spread kernel (a few requests' work split inside each request: attend_spread) runs from this many multiply-adds
+ * (below, one thread); its weighted sums carry up to SPREAD_MAX_G query heads per pass (larger GQA groups take
+ * several) and ask for each value line SPREAD_PREFETCH_KEYS keys ahead (measured: docs/benchmarks.md, "Batch-1
+ * decode at long context"). */
+#define SPREAD_MIN_MACS (96 * 1024)
+#define SPREAD_MAX_G 4
+#define SPREAD_PREFETCH_KEYS 32
 
 /* RoPE, rotate-half form (GPT-NeoX; Hugging Face Llama's apply_rotary_pos_emb; Su et al. 2021), in place on n heads
  * of d floats at x: with a = x[:d/2], b = x[d/2:], x = [a cos_lo - b sin_lo, b cos_hi + a sin_hi] (cos, sin: the
