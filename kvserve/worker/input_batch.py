@@ -83,13 +83,28 @@ class StepBuffers:
             t = torch.zeros(max(n, 64, 2 * (0 if buf is None else buf[0].numel())), dtype=torch.long)
             buf = self._bufs[name] = (t, t.numpy())
         buf[1][:n] = a.reshape(-1)
-        return buf[0][:n].view(a.shape)
+        return buf[0][:n] if a.ndim == 1 else buf[0][:n].view(a.shape)
+
+
+def _decode_arrays(entries: Sequence[BatchEntry], block_size: int) -> tuple:
+    """A pure decode step (one token per entry): ``(input_ids, positions, slot_mapping, seq_lens)`` as lists, in
+    one Python pass (no per-token vector arithmetic is worth its fixed cost at one token per request)."""
+    input_ids, positions, slots = [], [], []
+    for e in entries:
+        p = e.start_pos
+        input_ids.append(e.token_ids[0])
+        positions.append(p)
+        b = p // block_size
+        if b >= len(e.block_ids):
+            raise ValueError(f"entry {len(slots)}: {len(e.block_ids)} blocks cannot hold {p + 1} tokens")
+        slots.append(e.block_ids[b] * block_size + p - b * block_size)
+    return input_ids, positions, slots, [p + 1 for p in positions]
 
 
 def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: str = "cpu",
                       buffers: StepBuffers | None = None) -> InputBatch:
     """Flatten ``B >= 1`` plan entries into an ``InputBatch``, vectorised over tokens (one Python pass over the
-    requests for their token lists and block tables).
+    requests for their token lists and block tables; a pure decode step, one token per request, is one pass).
 
     Args:
         entries: the scheduled requests, in flat-batch order; each feeds ``>= 1`` token.
@@ -101,24 +116,32 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
     Raises:
         ValueError: an entry feeds no token, or its block table is too short for its positions.
     """
-    query_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=len(entries))
-    if len(entries) == 0 or (query_lens < 1).any():
+    n = len(entries)
+    query_lens = [len(e.token_ids) for e in entries]
+    if n == 0 or min(query_lens) < 1:
         raise ValueError("every batch entry must feed at least one token")
-    starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=len(entries))
-    qsl = np.zeros(len(entries) + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=qsl[1:])
-    t = int(qsl[-1])
-    input_ids = np.fromiter(itertools.chain.from_iterable(e.token_ids for e in entries), dtype=np.int64, count=t)
-    req_index = np.repeat(np.arange(len(entries)), query_lens)
-    positions = np.arange(t, dtype=np.int64) - qsl[req_index] + starts[req_index]
-    seq_lens = starts + query_lens
+    if max(query_lens) == 1:
+        input_ids, positions, slot_mapping, seq_lens = _decode_arrays(entries, block_size)
+        qsl = list(range(n + 1))
+    else:
+        ql = np.asarray(query_lens, dtype=np.int64)
+        starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=n)
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(ql, out=qsl[1:])
+        t = int(qsl[-1])
+        input_ids = np.fromiter(itertools.chain.from_iterable(e.token_ids for e in entries), dtype=np.int64, count=t)
+        req_index = np.repeat(np.arange(n), ql)
+        positions = np.arange(t, dtype=np.int64) - qsl[req_index] + starts[req_index]
+        seq_lens = (starts + ql).tolist()
+        slot_mapping = None  # from the block tables, below
     max_blocks = max(len(e.block_ids) for e in entries)
-    tables = np.zeros((len(entries), max_blocks), dtype=np.int64)
+    tables = np.zeros((n, max_blocks), dtype=np.int64)
     for b, e in enumerate(entries):
         if len(e.block_ids) * block_size < seq_lens[b]:
             raise ValueError(f"entry {b}: {len(e.block_ids)} blocks cannot hold {seq_lens[b]} tokens")
         tables[b, : len(e.block_ids)] = e.block_ids
-    slot_mapping = tables[req_index, positions // block_size] * block_size + positions % block_size
+    if slot_mapping is None:
+        slot_mapping = tables[req_index, positions // block_size] * block_size + positions % block_size
     logits_indices = []
     for b, e in enumerate(entries):
         if not e.samples:
@@ -130,7 +153,7 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
     def tensor(name: str, a) -> torch.Tensor:
         if buffers is not None and device == "cpu":
             return buffers.put(name, np.asarray(a, dtype=np.int64))
-        return torch.as_tensor(a, dtype=torch.long).to(device)
+        return torch.as_tensor(np.asarray(a, dtype=np.int64)).to(device)
 
     return InputBatch(
         input_ids=tensor("input_ids", input_ids),
@@ -139,10 +162,10 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
         query_start_loc=tensor("query_start_loc", qsl),
         seq_lens=tensor("seq_lens", seq_lens),
         block_tables=tensor("block_tables", tables),
-        logits_indices=tensor("logits_indices", np.asarray(logits_indices, dtype=np.int64)),
+        logits_indices=tensor("logits_indices", logits_indices),
         block_size=block_size,
-        query_lens=query_lens.tolist(),
-        context_lens=seq_lens.tolist(),
+        query_lens=query_lens,
+        context_lens=seq_lens,
     )
 
 

@@ -35,6 +35,28 @@ def test_mixed_plan_gives_exact_tensors():
     assert all(t.dtype == torch.long for t in (b.input_ids, b.positions, b.slot_mapping, b.block_tables))
 
 
+def test_pure_decode_plan_gives_exact_tensors():
+    """One token per request (the builder's one-pass path): decodes at a block's first and last slot, in a later
+    block, a fork whose two samples read one row, and a request that feeds a token without sampling."""
+    plan = [
+        ScheduledRequest("edge", [11], 4, [3, 7], samples=True, sampling_states=[state("edge")]),  # slot 0 of block 7
+        ScheduledRequest("last", [12], 3, [5], samples=True, sampling_states=[state("last")]),  # slot 3 of block 5
+        ScheduledRequest("fork", [13], 9, [2, 0, 8], samples=True, sampling_states=[state("fork"), state("fork#1")]),
+        ScheduledRequest("quiet", [14], 1, [6]),
+    ]
+    b = build_input_batch(plan, block_size=4)
+    assert b.input_ids.tolist() == [11, 12, 13, 14]
+    assert b.positions.tolist() == [4, 3, 9, 1]
+    assert b.slot_mapping.tolist() == [7 * 4 + 0, 5 * 4 + 3, 8 * 4 + 1, 6 * 4 + 1]
+    assert b.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert b.seq_lens.tolist() == [5, 4, 10, 2]
+    assert b.block_tables.tolist() == [[3, 7, 0], [5, 0, 0], [2, 0, 8], [6, 0, 0]]
+    assert b.logits_indices.tolist() == [0, 1, 2, 2]
+    assert (b.query_lens, b.context_lens, b.num_tokens, b.num_reqs) == ([1, 1, 1, 1], [5, 4, 10, 2], 4, 4)
+    with pytest.raises(ValueError, match="entry 1: 1 blocks cannot hold 5 tokens"):
+        build_input_batch([plan[1], ScheduledRequest("x", [1], 4, [0])], block_size=4)
+
+
 def test_bad_plans_are_refused():
     with pytest.raises(ValueError, match="at least one token"):
         build_input_batch([ScheduledRequest("x", [], 0, [0])], block_size=4)
