@@ -110,7 +110,7 @@ static inline void store_row_f32(float *dst, const float *src, int64_t n) {
  * (below, one thread); its weighted sums carry up to SPREAD_MAX_G query heads per pass (larger GQA groups take
  * several) and ask for each value line SPREAD_PREFETCH_KEYS keys ahead (measured: docs/benchmarks.md, "Batch-1
  * decode at long context"). */
-#define SPREAD_MIN_MACS (96 * 1024)
+#define SPREAD_MIN_MACS (192 * 1024)
 #define SPREAD_MAX_G 4
 #define SPREAD_PREFETCH_KEYS 32
 
