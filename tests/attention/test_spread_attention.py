@@ -1,7 +1,8 @@
 """The paged-attention kernel's spread path (``attend_spread`` in ``csrc/paged_attention_kv.h``: a few requests' keys,
 softmaxes and weighted sums split over the threads inside each request) gives the same bits as the one-thread path,
 where each request is one task, and the values of plain causal attention. It runs when the step has fewer than two
-requests per thread and enough work (``SPREAD_MIN_MACS``), so these contexts are long. No model: random K/V in a
+requests per thread, enough work (``SPREAD_MIN_MACS``) and scores that fit ``SPREAD_MAX_SCORE_FLOATS``, so these
+contexts are long (the last case is over that cap: one task per request). No model: random K/V in a
 scattered pool."""
 
 import pytest
@@ -31,6 +32,7 @@ def _attend(q, cache, tables, q_start, q_len, seq_len, scale, threads):
     ([(800, 1)], 10, 2, 32, 16),  # 5 query heads per KV head: more than one pass of SPREAD_MAX_G
     ([(2000, 2)], 4, 4, 16, 7),  # MHA, the smallest D the spread takes, a block size not a power of two
     ([(5, 1), (600, 1)], 8, 1, 128, 16),  # MQA; a short request beside a long one
+    ([(14000, 40)], 9, 3, 64, 16),  # scores over SPREAD_MAX_SCORE_FLOATS: one task per request (same bits)
 ])
 def test_spread_equals_one_thread_bit_for_bit_and_causal_attention(reqs, h_q, h_kv, d, bs, kv_dtype):
     g = torch.Generator().manual_seed(7)

@@ -113,6 +113,9 @@ static inline void store_row_f32(float *dst, const float *src, int64_t n) {
 #define SPREAD_MIN_MACS (192 * 1024)
 #define SPREAD_MAX_G 4
 #define SPREAD_PREFETCH_KEYS 32
+/* ... and only while all its requests' scores together fit in this many floats (16 MiB): a batch-invariant step's
+ * long prompt chunks keep one task per request, each with its own scratch. */
+#define SPREAD_MAX_SCORE_FLOATS (4 * 1024 * 1024)
 
 /* RoPE, rotate-half form (GPT-NeoX; Hugging Face Llama's apply_rotary_pos_emb; Su et al. 2021), in place on n heads
  * of d floats at x: with a = x[:d/2], b = x[d/2:], x = [a cos_lo - b sin_lo, b cos_hi + a sin_hi] (cos, sin: the

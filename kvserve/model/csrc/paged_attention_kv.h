@@ -183,7 +183,11 @@ static int KV_NAME(attend)(const float *q, int64_t q_stride, const KV_T *k_cache
     for (int64_t r = 0; r < num_reqs; r++) macs += q_len[r] * seq_len[r];
     macs *= h_q * d;
     const int threads = omp_get_max_threads(), parallel = threads > 1 && macs >= PARALLEL_MIN_MACS;
-    if (threads > 1 && macs >= SPREAD_MIN_MACS && num_reqs < 2 * threads && d % 16 == 0)
+    int64_t score_floats = 0; /* the spread keeps every request's scores at once: long prompt chunks stay per request */
+    for (int64_t r = 0; r < num_reqs; r++) score_floats += q_len[r] * seq_len[r];
+    score_floats *= h_q;
+    if (threads > 1 && macs >= SPREAD_MIN_MACS && num_reqs < 2 * threads && d % 16 == 0 &&
+        score_floats <= SPREAD_MAX_SCORE_FLOATS)
         return KV_NAME(attend_spread)(q, q_stride, k_cache, v_cache, block_tables, max_blocks, q_start, q_len, seq_len,
                                       num_reqs, h_q, h_kv, d, block_size, scale, out, out_stride, threads);
     /* A task is one request and nk of its KV heads. On one thread, or with enough requests to keep every thread
