@@ -1,8 +1,9 @@
 """The CPU-kernel backend: decode tokens and short queries read K/V in place through the block table.
 
 ``csrc/paged_attention.c`` (through ``kvserve.model.cpu_kernels``) runs one task per request serving all its GQA
-query heads (with fewer than two requests per thread, each request's scores, softmaxes and weighted sums are split
-over the threads instead, with the same arithmetic), reading each block where it lies; the gather of the reference backend copies every key and
+query heads (with fewer than two requests per thread and enough work, ``SPREAD_MIN_MACS``, each request's scores,
+softmaxes and weighted sums are split over the threads instead, with the same arithmetic), reading each block
+where it lies; the gather of the reference backend copies every key and
 value of the group once more per layer (sizes and timings: docs/benchmarks.md, "CPU kernels"). Per layer,
 ``forward_qkv`` is one kernel call for RoPE, the K/V write and the in-place attention of every query of at most
 ``SHORT_QUERY_TOKENS`` tokens (the reference path runs about a dozen PyTorch ops for the same: docs/quant_kernels.md,

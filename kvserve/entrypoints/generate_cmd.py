@@ -16,12 +16,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a user message (chat template applied); repeatable. Default: the built-in prompts")
     p.add_argument("--prompts-file", default=None,
                    help="JSONL, one object per line with 'prompt' (raw text) or 'messages' (chat)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the most likely's probability")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set of tokens with this much "
+                   "probability (default: 1.0, off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0, off; -1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the most likely's probability (default: 0.0, off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of every prompt's sampling generator (default: none: the engine's shared one)")
     p.add_argument("--json", action="store_true", help="print one JSON object (answers + summary) instead of text")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--report-memory", action="store_true",

@@ -87,8 +87,13 @@ class StepBuffers:
 
 
 def _decode_arrays(entries: Sequence[BatchEntry], block_size: int) -> tuple:
-    """A pure decode step (one token per entry): ``(input_ids, positions, slot_mapping, seq_lens)`` as lists, in
-    one Python pass (no per-token vector arithmetic is worth its fixed cost at one token per request)."""
+    """A step of one token per entry (decodes, or a 1-token prompt or final chunk): ``(input_ids, positions,
+    slot_mapping, seq_lens)`` as lists, in one Python pass (no per-token vector arithmetic is worth its fixed cost
+    at one token per request).
+
+    Raises:
+        ValueError: an entry's block table does not reach its position.
+    """
     input_ids, positions, slots = [], [], []
     for e in entries:
         p = e.start_pos
@@ -104,7 +109,9 @@ def _decode_arrays(entries: Sequence[BatchEntry], block_size: int) -> tuple:
 def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: str = "cpu",
                       buffers: StepBuffers | None = None) -> InputBatch:
     """Flatten ``B >= 1`` plan entries into an ``InputBatch``, vectorised over tokens (one Python pass over the
-    requests for their token lists and block tables; a pure decode step, one token per request, is one pass).
+    requests for their token lists and block tables). When every entry feeds one token (decode steps, and a
+    1-token prompt or final chunk among them), the ids, positions and slots come from one Python pass instead
+    (``_decode_arrays``), without per-token numpy arithmetic.
 
     Args:
         entries: the scheduled requests, in flat-batch order; each feeds ``>= 1`` token.

@@ -4,9 +4,10 @@
  * PagedAttention (Kwon et al., SOSP 2023, section 4.1): each request's keys and values are read in place from the
  * global block pool through its block table, with no gathered copy. One task per request walks the request's
  * blocks once: all G = H_q / H_kv query heads of each KV head (GQA) and all of the request's query rows share each
- * key and value row while it is in cache. With fewer than two requests per thread (a batch-1 decode), each
- * request's work is spread over the threads instead -- its keys' scores, then its softmaxes, then its weighted sums
- * by KV head and 16 columns -- with the same arithmetic, so the same bits (attend_spread). Softmax is
+ * key and value row while it is in cache. With fewer than two requests per thread (a batch-1 decode), at least
+ * SPREAD_MIN_MACS of work and scores within SPREAD_MAX_SCORE_FLOATS, each request's work is spread over the threads
+ * instead -- its keys' scores, then its softmaxes, then its weighted sums by KV head and 16 columns -- with the same
+ * arithmetic, so the same bits (attend_spread). Softmax is
  * exact and in float32: scores for the whole context go to a scratch buffer, then max, exp, sum (8 lanes at a time),
  * and the weighted sum of values (in registers, one query head at a time). The block table is walked once per task
  * into a list of slot offsets (no integer division per key).
