@@ -151,22 +151,28 @@ def render_rounds(texts: list, tokenize: Callable[[dict], list], suffix: list, m
 
 def build_sessions(tokenize: Callable[[dict], list], num_users: int, data_dir=None, max_rounds: Optional[int] = None,
                    max_input_len: Optional[int] = None, output_len: Optional[int] = None,
-                   min_rounds: int = 2) -> list:
+                   min_rounds: int = 2, flags: Optional[dict] = None) -> list:
     """The first ``num_users`` users (dataset order) with at least ``min_rounds`` rounds within ``max_input_len``
     prompt tokens, as ``LoadRequest`` lists (one per round, ``output_len`` tokens each, or the dataset's own answer
     length when ``None``); at most ``max_rounds`` rounds per user.
+
+    ``flags``: the command-line names the error messages give for ``"users"``, ``"rounds"``, ``"input"`` (shown as
+    ``max_input_len + 1``: the longest prompt allowed, generation suffix included, when the name is not
+    ``--multiround-max-input-len``) and ``"output"``; default: ``kvserve bench serve``'s.
 
     Raises:
         ValueError: bad counts, or fewer such users than ``num_users`` (the message names the flags).
     """
     from kvserve.bench.serve import LoadRequest
 
+    names = {"users": "--num-prompts", "rounds": "--max-rounds", "input": "--multiround-max-input-len",
+             "output": "--multiround-output-len", **(flags or {})}
     if num_users < 1:
-        raise ValueError(f"--num-prompts (users) must be >= 1, got {num_users}")
+        raise ValueError(f"{names['users']} (users) must be >= 1, got {num_users}")
     if max_rounds is not None and max_rounds < min_rounds:
-        raise ValueError(f"--max-rounds must be >= {min_rounds}, got {max_rounds}")
+        raise ValueError(f"{names['rounds']} must be >= {min_rounds}, got {max_rounds}")
     if output_len is not None and output_len < 1:
-        raise ValueError(f"--multiround-output-len must be >= 1, got {output_len}")
+        raise ValueError(f"{names['output']} must be >= 1, got {output_len}")
     suffix = generation_suffix(tokenize)
     sessions = []
     for conv in read_conversations(data_dir):
@@ -178,5 +184,7 @@ def build_sessions(tokenize: Callable[[dict], list], num_users: int, data_dir=No
         sessions.append([LoadRequest(ids, output_len or conv.output_lens[k]) for k, ids in enumerate(rounds)])
         if len(sessions) == num_users:
             return sessions
+    as_given = names["input"] == "--multiround-max-input-len" or max_input_len is None
+    shown = max_input_len if as_given else max_input_len + 1
     raise ValueError(f"only {len(sessions)} users of {DATASET_DIR} have {min_rounds}+ rounds within "
-                     f"--multiround-max-input-len {max_input_len} tokens; ask fewer (--num-prompts) or raise the cap")
+                     f"{names['input']} {shown} tokens; ask fewer ({names['users']}) or raise the cap")

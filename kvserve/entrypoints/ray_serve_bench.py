@@ -163,6 +163,13 @@ def main(argv=None) -> int:
         time.sleep(0.05)
     url, model = f"http://127.0.0.1:{server.port}", server.config.app.state.served_model_name
     try:
+        try:  # before the calibration: a workload the dataset cannot give fails at once
+            sessions = build_sessions(server_tokenizer(url, model), args.num_users, max_rounds=args.rounds,
+                                      max_input_len=args.max_input_tokens - 1, output_len=args.output_len,
+                                      flags={"users": "--num-users", "rounds": "--rounds",
+                                             "input": "--max-input-tokens", "output": "--output-len"})
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
         if sim is not None and args.calibrate:
             from kvserve.sim.validate import calibrate_profile
 
@@ -170,8 +177,6 @@ def main(argv=None) -> int:
             asyncio.run(run_benchmark(url, model, warm, [0.0] * len(warm)))
             sim, _ = calibrate_profile(url, model, {"max_model_len": args.max_model_len, "num_threads": 1},
                                        args.simulate, seed=7, replicas=args.replicas, runs=args.calibration_runs)
-        sessions = build_sessions(server_tokenizer(url, model), args.num_users, max_rounds=args.rounds,
-                                  max_input_len=args.max_input_tokens - 1, output_len=args.output_len)
         offsets = arrival_times([s[0] for s in sessions], args.request_rate, args.seed)
         print(f"{args.replicas} replicas; {len(sessions)} users, rounds {[len(s) for s in sessions]}; "
               f"{sum(len(r.prompt) + 1 for s in sessions for r in s)} prompt tokens per router", flush=True)

@@ -91,3 +91,22 @@ def test_bad_multiround_flags(server, capsys):
                          (["--multiround-output-len", "0"], "--multiround-output-len")):
         assert main(base + extra) == 2
         assert field in capsys.readouterr().err
+
+
+def test_session_errors_name_the_callers_flags(server):
+    """``python -m kvserve.entrypoints.ray_serve_bench`` passes its own flag names (and its cap as given: the
+    longest prompt allowed, one more than the rounds' cap without the generation suffix)."""
+    from kvserve.bench.multiround import build_sessions, server_tokenizer
+
+    flags = {"users": "--num-users", "rounds": "--rounds", "input": "--max-input-tokens", "output": "--output-len"}
+    tokenize = server_tokenizer(server.url)
+    for kwargs, message in (({"num_users": 0}, "--num-users (users) must be >= 1, got 0"),
+                            ({"num_users": 3, "max_rounds": 1}, "--rounds must be >= 2, got 1"),
+                            ({"num_users": 3, "output_len": 0}, "--output-len must be >= 1, got 0")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            build_sessions(tokenize, flags=flags, **kwargs)
+    with pytest.raises(ValueError, match=r"only \d+ users of sharegpt_multiround have 2\+ rounds within "
+                                         r"--max-input-tokens 40 tokens; ask fewer \(--num-users\)"):
+        build_sessions(tokenize, 50, max_input_len=39, flags=flags)
+    with pytest.raises(ValueError, match=r"within --multiround-max-input-len 39 tokens; ask fewer \(--num-prompts\)"):
+        build_sessions(tokenize, 50, max_input_len=39)
