@@ -22,6 +22,23 @@ from typing import Optional
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def rust_backend(tokenizer):
+    """The ``tokenizers.Tokenizer`` behind a ``transformers`` fast tokenizer when decoding through it gives the same
+    text as ``tokenizer.decode`` (it does unless ``clean_up_tokenization_spaces`` is set), else ``None``.
+
+    ``tokenizer.decode`` spends about 2.5 us per call in Python (argument handling, the clean-up check) around the
+    same Rust call; a request decodes twice per token (``add_token``), so at batch 64 that was ~0.3 ms per step.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - transformers' fast tokenizers need it
+        return None
+    if not isinstance(backend, Tokenizer) or getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False:
+        return None
+    return backend
+
+
 class IncrementalDetokenizer:
     """Detokenizes one request's output tokens as they arrive.
 
@@ -48,8 +65,11 @@ class IncrementalDetokenizer:
         self.stop_floor = 0  # characters produced by the first min_tokens tokens: no stop string may end there
         self.num_emitted_chars = 0
         self.stopped = False
+        self._backend = rust_backend(tokenizer)
 
     def _decode(self, ids) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int) -> Optional[str]:

@@ -92,6 +92,30 @@ def test_detokenizer_round_trips_multibyte_text(tokenizer, text):
         assert multibyte  # the text really has characters split across tokens
 
 
+def test_detokenizer_decodes_through_the_rust_tokenizer_with_the_same_text(tokenizer):
+    """The default tokenizer has no clean-up step, so the detokenizer calls its ``tokenizers.Tokenizer`` directly;
+    every slice it decodes gives ``tokenizer.decode``'s text, special tokens kept or skipped; a tokenizer with the
+    clean-up step keeps ``tokenizer.decode``."""
+    import copy
+
+    from kvserve.engine.detokenizer import rust_backend
+
+    assert IncrementalDetokenizer(tokenizer)._backend is tokenizer.backend_tokenizer
+    chat_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi 😀 世界"}], tokenize=True,
+                                             add_generation_prompt=True)
+    chat_ids = list(chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"])  # transformers 5: an encoding
+    ids = chat_ids + tokenizer.encode(" café — ok 🇫🇷, done.")
+    assert any(t in tokenizer.all_special_ids for t in ids)
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        for a in range(len(ids)):
+            for b in range(a, min(len(ids), a + 6) + 1):
+                assert detok._decode(ids[a:b]) == tokenizer.decode(ids[a:b], skip_special_tokens=skip), (a, b)
+    cleaning = copy.copy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert rust_backend(cleaning) is None and IncrementalDetokenizer(cleaning)._backend is None
+
+
 def test_stop_string_is_never_streamed_before_it_is_cut(tokenizer):
     text = "The answer is 42. END of the story"
     detok = IncrementalDetokenizer(tokenizer, stop=[". END"])
