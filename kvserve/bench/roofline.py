@@ -180,6 +180,26 @@ def format_rows(rows: list) -> str:
     return "\n".join(out)
 
 
+def bandwidth_drift(before_gbs: float, after_gbs: float, batch1_step_ms: Optional[float],
+                    batch1_bytes: Optional[float]) -> str:
+    """One report line: the read bandwidth measured again after the steps, and (given the batch-1 step time and the
+    bytes it must read) the batch-1 step / bandwidth bound against each reading. The bounds above use the first
+    reading; on a shared host the reading can move by tens of percent within minutes, and the ratio moves with it.
+
+    Raises:
+        ValueError: a bandwidth that is not positive.
+    """
+    if before_gbs <= 0 or after_gbs <= 0:
+        raise ValueError(f"bandwidths must be > 0 GB/s, got {before_gbs}, {after_gbs}")
+    line = (f"read bandwidth after the steps {after_gbs:.1f} GB/s (before: {before_gbs:.1f}, "
+            f"{100 * (after_gbs / before_gbs - 1):+.0f}%)")
+    if batch1_step_ms is not None and batch1_bytes:
+        ratios = [batch1_step_ms / (batch1_bytes / (g * 1e9) * 1e3) for g in (before_gbs, after_gbs)]
+        line += (f"; batch-1 step / bandwidth bound {ratios[0]:.2f}x against the first reading, "
+                 f"{ratios[1]:.2f}x against this one")
+    return line
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", nargs="+", default=["auto", "fp32"], choices=["auto", "fp32", "int8"],
                    help="the weights' paths to measure, in one run (default: auto fp32)")
@@ -239,6 +259,12 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
             print(f"prefill of {args.prefill_tokens} tokens: {tps:.0f} tokens/s, {tps / bound:.2f} of its compute "
                   f"bound ({bound:.0f} tokens/s)")
         report["quantizations"][q] = res
+    bw_after = read_bandwidth_gbs()
+    report["bandwidth_gbs_after"] = bw_after
+    for q, res in report["quantizations"].items():
+        first = res["steps"][0] if res["steps"] and res["steps"][0]["batch"] == 1 else None
+        nbytes = None if first is None else first["bandwidth_ms"] / 1e3 * bw * 1e9  # the bytes the bound counted
+        print(f"quantization {q}: " + bandwidth_drift(bw, bw_after, first and first["step_ms"], nbytes))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
     return 0

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvserve.bench.roofline import Bound, ModelCost, bounds, cpu_info, format_rows, prefill_bound_tokens_per_s
+from kvserve.bench.roofline import (Bound, ModelCost, bandwidth_drift, bounds, cpu_info, format_rows,
+                                    prefill_bound_tokens_per_s)
 
 COST = ModelCost(weight_bytes=100_000_000, macs_per_token=125_000_000, kv_bytes_per_token=50_000, int8=True)
 
@@ -28,3 +29,13 @@ def test_table_and_cpu_info():
     assert table.splitlines()[-1] == "| 1 | 10.0 | 5.00 | 1.00 | 2.00 | 2.00 | 10.00 |"
     info = cpu_info()
     assert info["cpus"] >= 1 and isinstance(info["model"], str) and isinstance(info["flags"], list)
+
+
+def test_bandwidth_drift_line():
+    """100 MB read in a 10 ms step: 4.00x its bound at 40 GB/s (2.5 ms), 2.00x at 20 GB/s (5 ms)."""
+    assert bandwidth_drift(40.0, 20.0, 10.0, 100e6) == (
+        "read bandwidth after the steps 20.0 GB/s (before: 40.0, -50%); batch-1 step / bandwidth bound 4.00x "
+        "against the first reading, 2.00x against this one")
+    assert bandwidth_drift(40.0, 44.0, None, None) == "read bandwidth after the steps 44.0 GB/s (before: 40.0, +10%)"
+    with pytest.raises(ValueError, match="bandwidths must be > 0"):
+        bandwidth_drift(0.0, 1.0, None, None)
