@@ -151,14 +151,14 @@ def render_rounds(texts: list, tokenize: Callable[[dict], list], suffix: list, m
 
 def build_sessions(tokenize: Callable[[dict], list], num_users: int, data_dir=None, max_rounds: Optional[int] = None,
                    max_input_len: Optional[int] = None, output_len: Optional[int] = None,
-                   min_rounds: int = 2, flags: Optional[dict] = None) -> list:
+                   min_rounds: int = 2, flags: Optional[dict] = None, shown_cap: Optional[int] = None) -> list:
     """The first ``num_users`` users (dataset order) with at least ``min_rounds`` rounds within ``max_input_len``
     prompt tokens, as ``LoadRequest`` lists (one per round, ``output_len`` tokens each, or the dataset's own answer
     length when ``None``); at most ``max_rounds`` rounds per user.
 
-    ``flags``: the command-line names the error messages give for ``"users"``, ``"rounds"``, ``"input"`` (shown as
-    ``max_input_len + 1``: the longest prompt allowed, generation suffix included, when the name is not
-    ``--multiround-max-input-len``) and ``"output"``; default: ``kvserve bench serve``'s.
+    ``flags``: the command-line names the error messages give for ``"users"``, ``"rounds"``, ``"input"`` and
+    ``"output"``; default: ``kvserve bench serve``'s. ``shown_cap``: the prompt cap as the caller's flag gave it, for
+    the messages (default: ``max_input_len``).
 
     Raises:
         ValueError: bad counts, or fewer such users than ``num_users`` (the message names the flags).
@@ -184,7 +184,6 @@ def build_sessions(tokenize: Callable[[dict], list], num_users: int, data_dir=No
         sessions.append([LoadRequest(ids, output_len or conv.output_lens[k]) for k, ids in enumerate(rounds)])
         if len(sessions) == num_users:
             return sessions
-    as_given = names["input"] == "--multiround-max-input-len" or max_input_len is None
-    shown = max_input_len if as_given else max_input_len + 1
+    cap = max_input_len if shown_cap is None else shown_cap
     raise ValueError(f"only {len(sessions)} users of {DATASET_DIR} have {min_rounds}+ rounds within "
-                     f"{names['input']} {shown} tokens; ask fewer ({names['users']}) or raise the cap")
+                     f"{names['input']} {cap} tokens; ask fewer ({names['users']}) or raise the cap")

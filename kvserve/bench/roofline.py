@@ -180,11 +180,11 @@ def format_rows(rows: list) -> str:
     return "\n".join(out)
 
 
-def bandwidth_drift(before_gbs: float, after_gbs: float, batch1_step_ms: Optional[float],
-                    batch1_bytes: Optional[float]) -> str:
-    """One report line: the read bandwidth measured again after the steps, and (given the batch-1 step time and the
-    bytes it must read) the batch-1 step / bandwidth bound against each reading. The bounds above use the first
-    reading; on a shared host the reading can move by tens of percent within minutes, and the ratio moves with it.
+def bandwidth_drift(before_gbs: float, after_gbs: float, batch1_ratio: Optional[float]) -> str:
+    """One report line: the read bandwidth measured again after the steps and, given the batch-1 step / bandwidth
+    bound against the first reading, the same ratio against this one (the bound is bytes / bandwidth, so the ratio
+    scales with the bandwidth). The bounds above use the first reading; on a shared host the reading can move by
+    tens of percent within minutes, and the ratio moves with it.
 
     Raises:
         ValueError: a bandwidth that is not positive.
@@ -193,10 +193,9 @@ def bandwidth_drift(before_gbs: float, after_gbs: float, batch1_step_ms: Optiona
         raise ValueError(f"bandwidths must be > 0 GB/s, got {before_gbs}, {after_gbs}")
     line = (f"read bandwidth after the steps {after_gbs:.1f} GB/s (before: {before_gbs:.1f}, "
             f"{100 * (after_gbs / before_gbs - 1):+.0f}%)")
-    if batch1_step_ms is not None and batch1_bytes:
-        ratios = [batch1_step_ms / (batch1_bytes / (g * 1e9) * 1e3) for g in (before_gbs, after_gbs)]
-        line += (f"; batch-1 step / bandwidth bound {ratios[0]:.2f}x against the first reading, "
-                 f"{ratios[1]:.2f}x against this one")
+    if batch1_ratio is not None:
+        line += (f"; batch-1 step / bandwidth bound {batch1_ratio:.2f}x against the first reading, "
+                 f"{batch1_ratio * after_gbs / before_gbs:.2f}x against this one")
     return line
 
 
@@ -263,8 +262,8 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     report["bandwidth_gbs_after"] = bw_after
     for q, res in report["quantizations"].items():
         first = res["steps"][0] if res["steps"] and res["steps"][0]["batch"] == 1 else None
-        nbytes = None if first is None else first["bandwidth_ms"] / 1e3 * bw * 1e9  # the bytes the bound counted
-        print(f"quantization {q}: " + bandwidth_drift(bw, bw_after, first and first["step_ms"], nbytes))
+        ratio = None if first is None else first["step_ms"] / first["bandwidth_ms"]
+        print(f"quantization {q}: " + bandwidth_drift(bw, bw_after, ratio))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
     return 0

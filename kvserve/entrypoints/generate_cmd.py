@@ -21,7 +21,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set of tokens with this much "
                    "probability (default: 1.0, off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0, off; -1: off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the most likely's probability (default: 0.0, off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min_p x the most likely's probability (default: 0.0, off)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of every prompt's sampling generator (default: none: the engine's shared one)")
     p.add_argument("--json", action="store_true", help="print one JSON object (answers + summary) instead of text")

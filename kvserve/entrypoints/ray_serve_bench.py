@@ -167,7 +167,8 @@ def main(argv=None) -> int:
             sessions = build_sessions(server_tokenizer(url, model), args.num_users, max_rounds=args.rounds,
                                       max_input_len=args.max_input_tokens - 1, output_len=args.output_len,
                                       flags={"users": "--num-users", "rounds": "--rounds",
-                                             "input": "--max-input-tokens", "output": "--output-len"})
+                                             "input": "--max-input-tokens", "output": "--output-len"},
+                                      shown_cap=args.max_input_tokens)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         if sim is not None and args.calibrate:

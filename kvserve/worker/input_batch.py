@@ -86,32 +86,12 @@ class StepBuffers:
         return buf[0][:n] if a.ndim == 1 else buf[0][:n].view(a.shape)
 
 
-def _decode_arrays(entries: Sequence[BatchEntry], block_size: int) -> tuple:
-    """A step of one token per entry (decodes, or a 1-token prompt or final chunk): ``(input_ids, positions,
-    slot_mapping, seq_lens)`` as lists, in one Python pass (no per-token vector arithmetic is worth its fixed cost
-    at one token per request).
-
-    Raises:
-        ValueError: an entry's block table does not reach its position.
-    """
-    input_ids, positions, slots = [], [], []
-    for e in entries:
-        p = e.start_pos
-        input_ids.append(e.token_ids[0])
-        positions.append(p)
-        b = p // block_size
-        if b >= len(e.block_ids):
-            raise ValueError(f"entry {len(slots)}: {len(e.block_ids)} blocks cannot hold {p + 1} tokens")
-        slots.append(e.block_ids[b] * block_size + p - b * block_size)
-    return input_ids, positions, slots, [p + 1 for p in positions]
-
-
 def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: str = "cpu",
                       buffers: StepBuffers | None = None) -> InputBatch:
     """Flatten ``B >= 1`` plan entries into an ``InputBatch``, vectorised over tokens (one Python pass over the
     requests for their token lists and block tables). When every entry feeds one token (decode steps, and a
-    1-token prompt or final chunk among them), the ids, positions and slots come from one Python pass instead
-    (``_decode_arrays``), without per-token numpy arithmetic.
+    1-token prompt or final chunk among them), the ids, positions and slots are Python lists built per entry
+    instead: no per-token vector arithmetic is worth its fixed cost at one token per request.
 
     Args:
         entries: the scheduled requests, in flat-batch order; each feeds ``>= 1`` token.
@@ -127,8 +107,11 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
     query_lens = [len(e.token_ids) for e in entries]
     if n == 0 or min(query_lens) < 1:
         raise ValueError("every batch entry must feed at least one token")
-    if max(query_lens) == 1:
-        input_ids, positions, slot_mapping, seq_lens = _decode_arrays(entries, block_size)
+    one_token = max(query_lens) == 1
+    if one_token:
+        input_ids = [e.token_ids[0] for e in entries]
+        positions = [e.start_pos for e in entries]
+        seq_lens = [p + 1 for p in positions]
         qsl = list(range(n + 1))
     else:
         ql = np.asarray(query_lens, dtype=np.int64)
@@ -140,14 +123,15 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
         req_index = np.repeat(np.arange(n), ql)
         positions = np.arange(t, dtype=np.int64) - qsl[req_index] + starts[req_index]
         seq_lens = (starts + ql).tolist()
-        slot_mapping = None  # from the block tables, below
     max_blocks = max(len(e.block_ids) for e in entries)
     tables = np.zeros((n, max_blocks), dtype=np.int64)
     for b, e in enumerate(entries):
         if len(e.block_ids) * block_size < seq_lens[b]:
             raise ValueError(f"entry {b}: {len(e.block_ids)} blocks cannot hold {seq_lens[b]} tokens")
         tables[b, : len(e.block_ids)] = e.block_ids
-    if slot_mapping is None:
+    if one_token:
+        slot_mapping = [e.block_ids[p // block_size] * block_size + p % block_size for e, p in zip(entries, positions)]
+    else:
         slot_mapping = tables[req_index, positions // block_size] * block_size + positions % block_size
     logits_indices = []
     for b, e in enumerate(entries):

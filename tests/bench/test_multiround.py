@@ -94,8 +94,8 @@ def test_bad_multiround_flags(server, capsys):
 
 
 def test_session_errors_name_the_callers_flags(server):
-    """``python -m kvserve.entrypoints.ray_serve_bench`` passes its own flag names (and its cap as given: the
-    longest prompt allowed, one more than the rounds' cap without the generation suffix)."""
+    """``python -m kvserve.entrypoints.ray_serve_bench`` passes its own flag names and its cap as given (the longest
+    prompt allowed, one more than the rounds' cap without the generation suffix)."""
     from kvserve.bench.multiround import build_sessions, server_tokenizer
 
     flags = {"users": "--num-users", "rounds": "--rounds", "input": "--max-input-tokens", "output": "--output-len"}
@@ -107,6 +107,6 @@ def test_session_errors_name_the_callers_flags(server):
             build_sessions(tokenize, flags=flags, **kwargs)
     with pytest.raises(ValueError, match=r"only \d+ users of sharegpt_multiround have 2\+ rounds within "
                                          r"--max-input-tokens 40 tokens; ask fewer \(--num-users\)"):
-        build_sessions(tokenize, 50, max_input_len=39, flags=flags)
+        build_sessions(tokenize, 50, max_input_len=39, flags=flags, shown_cap=40)
     with pytest.raises(ValueError, match=r"within --multiround-max-input-len 39 tokens; ask fewer \(--num-prompts\)"):
         build_sessions(tokenize, 50, max_input_len=39)

@@ -32,10 +32,10 @@ def test_table_and_cpu_info():
 
 
 def test_bandwidth_drift_line():
-    """100 MB read in a 10 ms step: 4.00x its bound at 40 GB/s (2.5 ms), 2.00x at 20 GB/s (5 ms)."""
-    assert bandwidth_drift(40.0, 20.0, 10.0, 100e6) == (
+    """A step at 4.00x its bound at 40 GB/s is 2.00x its bound at 20 GB/s (the bound is bytes / bandwidth)."""
+    assert bandwidth_drift(40.0, 20.0, 4.0) == (
         "read bandwidth after the steps 20.0 GB/s (before: 40.0, -50%); batch-1 step / bandwidth bound 4.00x "
         "against the first reading, 2.00x against this one")
-    assert bandwidth_drift(40.0, 44.0, None, None) == "read bandwidth after the steps 44.0 GB/s (before: 40.0, +10%)"
+    assert bandwidth_drift(40.0, 44.0, None) == "read bandwidth after the steps 44.0 GB/s (before: 40.0, +10%)"
     with pytest.raises(ValueError, match="bandwidths must be > 0"):
-        bandwidth_drift(0.0, 1.0, None, None)
+        bandwidth_drift(0.0, 1.0, None)

@@ -102,7 +102,7 @@ static int KV_NAME(attend_spread)(const float *q, int64_t q_stride, const KV_T *
                                   int64_t out_stride, int threads) {
     const int64_t g = h_q / h_kv, row = h_kv * d, cols = d / 16;
     /* per request: its slot list and scores [q_len][h_q][L] in one buffer; offsets (elements) in base[] */
-    int64_t *base = malloc(sizeof(int64_t) * (size_t)(4 * num_reqs + 4));
+    int64_t *base = malloc(sizeof(int64_t) * (size_t)(3 * (num_reqs + 1)));
     if (!base) return -1;
     int64_t *slot_off = base, *score_off = base + num_reqs + 1, *chunk0 = base + 2 * num_reqs + 2;
     const int64_t chunks_per_req = (2 * threads + num_reqs - 1) / num_reqs;
@@ -141,7 +141,8 @@ static int KV_NAME(attend_spread)(const float *q, int64_t q_stride, const KV_T *
             float *s = scores + score_off[r];
             for (int64_t j = j0; j < j1; j++) {
                 const KV_T *kj = k_cache + slot[j];
-                if (j + PREFETCH_KEYS < j1) prefetch_bytes(k_cache + slot[j + PREFETCH_KEYS], row * (int64_t)sizeof(KV_T));
+                if (j + PREFETCH_KEYS < j1)
+                    prefetch_bytes(k_cache + slot[j + PREFETCH_KEYS], row * (int64_t)sizeof(KV_T));
                 for (int64_t i = (j > first ? j - first : 0); i < n; i++)
                     for (int64_t h = 0; h < h_q; h++)
                         s[(i * h_q + h) * L + j] = scale * KV_NAME(dot)(qr + i * q_stride + h * d, kj + (h / g) * d, d);
@@ -183,11 +184,9 @@ static int KV_NAME(attend)(const float *q, int64_t q_stride, const KV_T *k_cache
     for (int64_t r = 0; r < num_reqs; r++) macs += q_len[r] * seq_len[r];
     macs *= h_q * d;
     const int threads = omp_get_max_threads(), parallel = threads > 1 && macs >= PARALLEL_MIN_MACS;
-    int64_t score_floats = 0; /* the spread keeps every request's scores at once: long prompt chunks stay per request */
-    for (int64_t r = 0; r < num_reqs; r++) score_floats += q_len[r] * seq_len[r];
-    score_floats *= h_q;
+    /* the spread keeps every request's scores (macs / d floats) at once: long prompt chunks stay per request */
     if (threads > 1 && macs >= SPREAD_MIN_MACS && num_reqs < 2 * threads && d % 16 == 0 &&
-        score_floats <= SPREAD_MAX_SCORE_FLOATS)
+        macs / d <= SPREAD_MAX_SCORE_FLOATS)
         return KV_NAME(attend_spread)(q, q_stride, k_cache, v_cache, block_tables, max_blocks, q_start, q_len, seq_len,
                                       num_reqs, h_q, h_kv, d, block_size, scale, out, out_stride, threads);
     /* A task is one request and nk of its KV heads. On one thread, or with enough requests to keep every thread
