@@ -62,8 +62,9 @@ class Sampler:
             self._apply_grammar_masks(logits, raw, states)
             self._apply_penalties(logits, states)
 
-        tokens = argmax(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
+        # the greedy pick, unless every row samples (it would be overwritten: a [b, V] read, 0.25 ms warm at b = 64)
+        tokens = argmax(logits) if len(rows) < b else torch.empty(b, dtype=torch.long)
         if rows:
             idx = torch.tensor(rows)
             uniforms = torch.cat([torch.rand(1, generator=states[i].generator or self.generator, dtype=torch.float64)
