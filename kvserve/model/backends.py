@@ -71,11 +71,12 @@ class ModelBackends:
         return torch.cat(parts)
 
     @staticmethod
-    def make_embedding(table) -> Callable[[torch.Tensor], torch.Tensor]:
+    def make_embedding(table, tied_head=None) -> Callable[[torch.Tensor], torch.Tensor]:
         """Token lookup ``ids [T] -> [T, hidden]`` over a float ``[V, hidden]`` table, or over a GGUF ``QuantTensor``
-        (only the looked-up rows are decoded, from the memory-mapped file)."""
+        (only the looked-up rows are decoded: from ``tied_head``'s packed bytes when that LM head was built from
+        this table and holds its exact values, else from the file; ``QuantEmbedding``)."""
         if isinstance(table, QuantTensor):
-            return QuantEmbedding(table)
+            return QuantEmbedding(table, tied_head)
         return partial(torch.nn.functional.embedding, weight=table)
 
     def describe(self, layer: LinearMethod, lm_head: LinearMethod) -> str:

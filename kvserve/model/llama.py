@@ -59,8 +59,10 @@ class LlamaModel:
         self.final_norm = weights["model.norm.weight"]
         self.dtype = self.final_norm.dtype  # activations and KV cache (quantized weights compute in float32)
         embed = weights["model.embed_tokens.weight"]
-        self.embed = backends.make_embedding(embed)  # replicated on every rank (a lookup: no matmul to split)
-        self.lm_head = column([weights.get("lm_head.weight", embed)], gather_output=True, what="lm_head")
+        head = weights.get("lm_head.weight", embed)
+        self.lm_head = column([head], gather_output=True, what="lm_head")
+        # replicated on every rank (a lookup: no matmul to split); a tied head may serve its rows
+        self.embed = backends.make_embedding(embed, self.lm_head if head is embed else None)
         self.layers = []
         for i in range(arch.num_hidden_layers):
             p = f"model.layers.{i}."

@@ -63,6 +63,10 @@ def test_embedding_lookup_and_tied_lm_head(model_tensors):
         pytest.skip(str(kernels.unavailable_reason()))
     head = make_linear_method(emb)  # the same Q8_0 bytes as the LM head, through the kernel
     assert head.path.startswith("q8/") and (head.out_features, head.in_features) == (49152, 576)
+    tied = QuantEmbedding(emb, head)  # rows decoded from the head's packed bytes (in memory), not the file
+    assert tied.head is head.packed
+    _same_bits(tied(ids).numpy(), gguf.quants.dequantize(np.asarray(emb.raw[ids.numpy()]), emb.qtype))
+    assert QuantEmbedding(emb, make_linear_method(emb, "int8")).head is None  # re-quantized: not the file's values
     x = np.random.default_rng(0).standard_normal((3, 576)).astype(np.float32)
     got = head(torch.from_numpy(x)).numpy()
     ref = kernels.reference_qgemm(x, emb.dequantize(), head.activations)

@@ -21,7 +21,7 @@ import torch
 import gguf
 from kvserve.model.quant import QuantTensor, formats, kernels, make_linear_method
 from kvserve.model.quant import pack as P
-from kvserve.model.quant.linear import ConcatLinear, QuantLinear, unpack
+from kvserve.model.quant.linear import ConcatLinear, QuantLinear, unpack, unpack_rows
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason=str(kernels.unavailable_reason()))
 
@@ -195,6 +195,20 @@ def test_pack_round_trip_is_exact():
     q8 = rng.integers(-128, 128, (17, 96)).astype(np.int8)
     w8 = P.pack_q8(q8, d[:17, :1].repeat(3, 1))
     np.testing.assert_array_equal(unpack(w8), q8 * np.repeat(d[:17, :1].astype(np.float32), 96, 1))
+
+
+def test_unpack_rows_equals_those_rows_of_unpack():
+    rng = np.random.default_rng(2)
+    q4, q8 = rng.integers(0, 16, (37, 96), dtype=np.uint8), rng.integers(-127, 128, (37, 96)).astype(np.int8)
+    d, m = (rng.standard_normal((37, 3)).astype(np.float16) for _ in range(2))
+    packed = [P.pack_q4(q4, d, m), P.pack_q4(q4, d.astype(np.float32), m.astype(np.float32)), P.pack_q8(q8, d),
+              P.pack_q8(q8, d, rng.random(37).astype(np.float32))]
+    rows = np.array([36, 0, 15, 16, 17, 5, 5, 32])  # both ends, each side of a group of 16, the padded last group
+    for w in packed:
+        np.testing.assert_array_equal(unpack_rows(w, rows).view(np.uint32), unpack(w)[rows].view(np.uint32))
+        assert unpack_rows(w, rows[:0]).shape == (0, 96)
+        with pytest.raises(IndexError, match=r"\[0, 37\)"):
+            unpack_rows(w, np.array([37]))
 
 
 def test_bad_quantization_is_a_value_error_naming_field_and_values():

@@ -32,6 +32,7 @@ def test_default_engine_keeps_the_file_quantized(qllm, llm, monkeypatch):
         suffix = "+a16" if quant_kernels.activations() == "int8x2" else ""
         assert (layer, head) == (f"q4/{isa}{suffix}", f"q8/{isa}{suffix}")  # the file's Q4_1 layers, Q8_0 embedding
     assert qllm.llm_engine.backends.quantization == "auto"
+    assert model.embed.head is model.lm_head.packed  # tied: lookups decode the head's bytes, no file reads
     assert llm.llm_engine.model.lm_head.path in ("kvserve", "onednn", "mkl")  # the suite's fp32 reference
 
 

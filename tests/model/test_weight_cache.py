@@ -76,6 +76,7 @@ def test_miss_then_hit_same_tokens_without_packing(setup, caplog):
     for a, b in zip(_packed(first), _packed(second)):
         assert torch.equal(a, b)
     assert isinstance(second.lm_head, QuantLinear) and second.lm_head.path == first.lm_head.path
+    assert second.embed.head is second.lm_head.packed  # the embedding's rows come from the mapped entry too
     assert _greedy(second) == _greedy(first)
 
 

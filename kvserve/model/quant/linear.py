@@ -89,6 +89,37 @@ def unpack(w: P.PackedWeight) -> np.ndarray:
     return np.ascontiguousarray(full.reshape(groups * 16, nb * 32)[: w.out_features, : w.in_features])
 
 
+def unpack_rows(w: P.PackedWeight, rows: np.ndarray) -> np.ndarray:
+    """``unpack(w)[rows]`` without decoding the other rows: float32 ``[len(rows), in_features]`` for an int
+    ``rows [T]`` in ``[0, out_features)`` (an embedding lookup from a tied LM head's packed bytes).
+
+    Raises:
+        IndexError: a row outside ``[0, out_features)``.
+    """
+    rows = np.asarray(rows, np.int64).reshape(-1)
+    if rows.size and (rows.min() < 0 or rows.max() >= w.out_features):
+        raise IndexError(f"rows must be in [0, {w.out_features}), got {rows.min()}..{rows.max()}")
+    data = w.data.numpy()  # [groups, nb, block bytes]; row r is output r % 16 of group r // 16
+    groups, nb, _ = data.shape
+    g, o, t = rows // P.G, rows % P.G, len(rows)
+
+    def scales(a: int, b: int, dtype: str) -> np.ndarray:  # [T, nb] float32: each row's scale per block
+        return data[..., a:b].view(dtype).reshape(groups, nb, P.G)[g, :, o].astype(np.float32)
+
+    if w.fmt == P.FMT_Q8:
+        q = data[..., 32:].view(np.int8).reshape(groups, nb, 8, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
+        full = q.reshape(t, nb, 32).astype(np.float32) * scales(0, 32, "<f2")[..., None]
+        if w.oscale is not None:
+            full = full * w.oscale.numpy()[rows][:, None, None]
+    else:
+        d, m, qo = ((scales(0, 32, "<f2"), scales(32, 64, "<f2"), 64) if w.fmt == P.FMT_Q4
+                    else (scales(0, 64, "<f4"), scales(64, 128, "<f4"), 128))
+        nib = data[..., qo:].reshape(groups, nb, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
+        q = np.stack([nib & 0x0F, nib >> 4], axis=2).reshape(t, nb, 32).astype(np.float32)  # [T, nb, half j i]
+        full = d[..., None] * q + m[..., None]
+    return np.ascontiguousarray(full.reshape(t, nb * 32)[:, : w.in_features])
+
+
 class QuantLinear:
     """A bias-free linear layer over a ``PackedWeight`` (4- or 8-bit blocks), computed by ``kernels.qgemm``.
 
@@ -271,13 +302,38 @@ def _pack(c: tuple) -> QuantLinear:
 
 class QuantEmbedding:
     """Token embedding lookup from a ``QuantTensor`` (e.g. ``token_embd.weight``, Q8_0 in the default model):
-    only the looked-up rows are decoded, from the file's own bytes (memory-mapped).
+    only the looked-up rows are decoded.
 
     Call with ``ids [T]`` int -> ``[T, hidden]`` float32, equal to the rows of ``gguf.quants.dequantize``.
+
+    Args:
+        table: the embedding's blocks (a view of the memory-mapped GGUF file).
+        tied_head: the LM head built from the same tensor (tied embeddings), or ``None``. When it holds the file's
+            values exactly (a ``QuantLinear`` of kind ``q8`` over Q8_0, or ``q4`` over Q4_1; checked on a few
+            rows), rows are decoded from its packed bytes, which every decode step reads anyway, so they are in
+            memory. Otherwise each lookup reads its rows from the file (``QuantTensor.dequantize``), which
+            costs a disk read per row not yet in the page cache (~2-5 ms on this project's virtual disk) when
+            the packed weights came from the ``weight_cache`` and the file itself was never read.
     """
 
-    def __init__(self, table: QuantTensor):
+    def __init__(self, table: QuantTensor, tied_head=None):
         self.table = table
+        self.head = tied_head.packed if _holds_table(tied_head, table) else None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.table.dequantize(np.asarray(ids.cpu(), np.int64)))
+        ids = np.asarray(ids.cpu(), np.int64)
+        if self.head is not None:
+            return torch.from_numpy(unpack_rows(self.head, ids))
+        return torch.from_numpy(self.table.dequantize(ids))
+
+
+def _holds_table(head, table: QuantTensor) -> bool:
+    """Whether ``head`` (a built LM head) decodes to exactly ``table``'s values, row for row."""
+    if not isinstance(head, QuantLinear) or table.rows is not None or head.packed.oscale is not None:
+        return False
+    kind = head.path.split("/")[0]
+    if (table.qtype, kind) not in ((formats.Q8_0, "q8"), (formats.Q4_1, "q4")) or \
+            (head.out_features, head.packed.in_features) != table.shape:
+        return False
+    probe = np.array([0, table.out_features // 2, table.out_features - 1])
+    return np.array_equal(unpack_rows(head.packed, probe).view(np.uint32), table.dequantize(probe).view(np.uint32))
