@@ -64,7 +64,12 @@ def test_embedding_lookup_and_tied_lm_head(model_tensors):
     head = make_linear_method(emb)  # the same Q8_0 bytes as the LM head, through the kernel
     assert head.path.startswith("q8/") and (head.out_features, head.in_features) == (49152, 576)
     tied = QuantEmbedding(emb, head)  # rows decoded from the head's packed bytes (in memory), not the file
-    assert tied.head is head.packed
+    assert tied.head is head.packed and tied._kernel is not None  # decoded in C (the kernels loaded: no skip above)
+    _same_bits(tied(ids).numpy(), gguf.quants.dequantize(np.asarray(emb.raw[ids.numpy()]), emb.qtype))
+    _same_bits(tied(ids.to(torch.int32)).numpy(), tied(ids).numpy())
+    with pytest.raises(IndexError, match=r"\[0, 49152\)"):
+        tied(torch.tensor([49152]))
+    tied._kernel = None  # the numpy decoder (where the kernels do not load): the same bits
     _same_bits(tied(ids).numpy(), gguf.quants.dequantize(np.asarray(emb.raw[ids.numpy()]), emb.qtype))
     assert QuantEmbedding(emb, make_linear_method(emb, "int8")).head is None  # re-quantized: not the file's values
     x = np.random.default_rng(0).standard_normal((3, 576)).astype(np.float32)

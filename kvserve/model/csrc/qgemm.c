@@ -456,6 +456,48 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
     return 0;
 }
 
+/* out[t, K] = row rows[t] of a packed weight (fmt, K as for kvserve_qgemm), decoded to float32 as
+ * kvserve/model/quant/linear.py's unpack does: d q + m (FMT_Q4, FMT_Q4F), d q times oscale[row] when given (FMT_Q8),
+ * each product and sum rounded on its own (no fused multiply-add), so the bits equal numpy's. An embedding lookup
+ * from a tied LM head. Returns 0; -1 for a bad fmt or K, -2 for a row outside [0, N) (nothing written). */
+T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(int fmt, const uint8_t *w, int64_t N,
+                                                                              int64_t K, const float *oscale,
+                                                                              const int64_t *rows, int64_t T,
+                                                                              float *out) {
+    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F) || K <= 0 || K % QK) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (rows[t] < 0 || rows[t] >= N) return -2;
+    const int64_t nb = K / QK, bb = fmt == FMT_Q4 ? Q4_BLOCK : fmt == FMT_Q4F ? Q4F_BLOCK : Q8_BLOCK;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t r = rows[t], g = r / G, o = r % G;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + (g * nb + b) * bb;
+            float *y = out + t * K + b * QK;
+            if (fmt == FMT_Q8) {
+                const float d = _cvtsh_ss(((const uint16_t *)blk)[o]);
+                const int8_t *q = (const int8_t *)(blk + 32);
+                for (int j = 0; j < 8; j++)
+                    for (int i = 0; i < 4; i++) {
+                        float v = (float)q[j * 64 + o * 4 + i] * d;
+                        y[j * 4 + i] = oscale ? v * oscale[r] : v;
+                    }
+            } else {
+                const int f32 = fmt == FMT_Q4F;
+                const float d = f32 ? ((const float *)blk)[o] : _cvtsh_ss(((const uint16_t *)blk)[o]);
+                const float m = f32 ? ((const float *)(blk + 64))[o] : _cvtsh_ss(((const uint16_t *)(blk + 32))[o]);
+                const uint8_t *nib = blk + (f32 ? 128 : 64);
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t byte = nib[j * 64 + o * 4 + i];
+                        y[j * 4 + i] = d * (float)(byte & 0x0F) + m;
+                        y[16 + j * 4 + i] = d * (float)(byte >> 4) + m;
+                    }
+            }
+        }
+    }
+    return 0;
+}
+
 /* Layout constants, so Python and C cannot disagree: out[5] = {QK, G, Q4, Q8, Q4F block bytes}. */
 void kvserve_q_layout(int64_t *out) {
     out[0] = QK; out[1] = G; out[2] = Q4_BLOCK; out[3] = Q8_BLOCK; out[4] = Q4F_BLOCK;

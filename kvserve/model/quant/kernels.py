@@ -106,6 +106,8 @@ def load():
     lib.kvserve_q_isa_supported.restype = cint
     lib.kvserve_q_quantize_rows.argtypes = [cint, cint, ptr, i64, i64, ptr, ptr, ptr]
     lib.kvserve_q_quantize_rows.restype = None
+    lib.kvserve_q_unpack_rows.argtypes = [cint, ptr, i64, i64, ptr, ptr, i64, ptr]
+    lib.kvserve_q_unpack_rows.restype = cint
     layout = (ctypes.c_int64 * 5)()
     lib.kvserve_q_layout(layout)
     if tuple(layout) != (P.QK, P.G, P.Q4_BLOCK, P.Q8_BLOCK, P.Q4F_BLOCK):

@@ -311,20 +311,41 @@ class QuantEmbedding:
         tied_head: the LM head built from the same tensor (tied embeddings), or ``None``. When it holds the file's
             values exactly (a ``QuantLinear`` of kind ``q8`` over Q8_0, or ``q4`` over Q4_1; checked on a few
             rows), rows are decoded from its packed bytes, which every decode step reads anyway, so they are in
-            memory. Otherwise each lookup reads its rows from the file (``QuantTensor.dequantize``), which
-            costs a disk read per row not yet in the page cache (~2-5 ms on this project's virtual disk) when
-            the packed weights came from the ``weight_cache`` and the file itself was never read.
+            memory: by ``kvserve_q_unpack_rows`` in C where the quantized kernels load (one call, where numpy's
+            dozen calls cost ~0.1 ms in a decode step, after the weights have left the caches), else by
+            ``unpack_rows``; the same bits. Otherwise each lookup reads its rows from the file
+            (``QuantTensor.dequantize``), which costs a disk read per row not yet in the page cache (~2-5 ms on
+            this project's virtual disk) when the packed weights came from the ``weight_cache`` and the file
+            itself was never read.
+
+    Raises:
+        IndexError: an id outside ``[0, vocab)`` (from the head; the file path also takes negative ids, from the end).
     """
 
     def __init__(self, table: QuantTensor, tied_head=None):
         self.table = table
         self.head = tied_head.packed if _holds_table(tied_head, table) else None
+        self._kernel = None  # qgemm.c's kvserve_q_unpack_rows (one C call per lookup), else unpack_rows (numpy)
+        if self.head is not None and kernels.isa() is not None:
+            self._kernel = functools.partial(kernels.load().kvserve_q_unpack_rows, self.head.fmt,
+                                             self.head.data.data_ptr(), self.head.out_features, self.head.in_features,
+                                             None if self.head.oscale is None else self.head.oscale.data_ptr())
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = np.asarray(ids.cpu(), np.int64)
-        if self.head is not None:
-            return torch.from_numpy(unpack_rows(self.head, ids))
-        return torch.from_numpy(self.table.dequantize(ids))
+        if self.head is None:
+            return torch.from_numpy(self.table.dequantize(np.asarray(ids.cpu(), np.int64)))
+        if self._kernel is None:
+            return torch.from_numpy(unpack_rows(self.head, np.asarray(ids.cpu(), np.int64)))
+        if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.device.type != "cpu":
+            ids = ids.to(device="cpu", dtype=torch.int64).contiguous()  # (few torch calls: each costs here)
+        out = torch.empty(ids.numel(), self.head.in_features, dtype=torch.float32)
+        rc = self._kernel(ids.data_ptr(), ids.numel(), out.data_ptr())
+        if rc == -2:
+            raise IndexError(f"rows must be in [0, {self.head.out_features}), got {int(ids.min())}..{int(ids.max())}")
+        if rc:
+            raise RuntimeError(f"kvserve_q_unpack_rows refused a weight of {self.head.out_features}x"
+                               f"{self.head.in_features}")
+        return out
 
 
 def _holds_table(head, table: QuantTensor) -> bool:
