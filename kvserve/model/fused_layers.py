@@ -4,8 +4,9 @@ A decode step of SmolLM2 with 4-bit weights takes a few milliseconds, and the Py
 eight calls into C per layer, each with its checks, a new output tensor and a ``ctypes`` crossing -- was a third of
 it (measured: README, "Quantized weights"; docs/benchmarks.md, issue 12). ``FusedLayerLoop`` hands the loop to C:
 per layer the same kernels in the same order (quantized Q/K/V projection, RoPE + K/V write + paged attention,
-output projection, residual add + RMSNorm, gate/up, silu * up, down, residual add + the next RMSNorm), so the
-residual stream it returns equals the Python loop's bit for bit (``tests/model/test_fused_layers.py``).
+output projection, residual add + RMSNorm, gate/up, silu * up, down, residual add + the next RMSNorm; after the
+last layer, the model's final RMSNorm), so the residual stream it leaves and the normed rows it returns equal the
+Python loop's and ``rms_norm`` of its rows bit for bit (``tests/model/test_fused_layers.py``).
 
 It takes a step when everything runs in kvserve's CPU kernels: float32, one process (no tensor parallelism), every
 projection a ``QuantLinear`` on a kernel path with no padded outputs, and every request of the step in the
@@ -136,12 +137,13 @@ class FusedLayerLoop:
             if any(p is None for p in parts):
                 return no(f"layer {i}: a projection that is not an unpadded kernel QuantLinear")
             acts.update(w[k].activations for k in ("qkv", "o", "gate_up", "down"))
-            nxt = model.layers[i + 1]["attn_norm"] if i + 1 < len(model.layers) else None
-            norms = [w["mlp_norm"]] + ([nxt] if nxt is not None else [])
+            # the next layer's input norm; after the last layer, the final norm (its rows are the LM head's input)
+            nxt = model.layers[i + 1]["attn_norm"] if i + 1 < len(model.layers) else model.final_norm
+            norms = [w["mlp_norm"], nxt]
             bias = w["qkv_bias"]
             if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms + ([bias] if bias is not None else [])):
                 return no(f"layer {i}: norm or bias not float32 contiguous")
-            layers[i] = _Layer(w["mlp_norm"].data_ptr(), None if nxt is None else nxt.data_ptr(),
+            layers[i] = _Layer(w["mlp_norm"].data_ptr(), nxt.data_ptr(),
                                None if bias is None else bias.data_ptr(), *parts)
         if len(acts) != 1:
             return no(f"mixed activation quantizations {sorted(acts)}")
@@ -158,11 +160,15 @@ class FusedLayerLoop:
         lib.kvserve_decoder_stack.restype = ctypes.c_int
         return cls(model, stack, layers, lib)
 
-    def __call__(self, h: torch.Tensor, batch, meta, rope, kv_cache: torch.Tensor) -> bool:
+    def __call__(self, h: torch.Tensor, batch, meta, rope, kv_cache: torch.Tensor) -> Optional[torch.Tensor]:
+        """Run every layer on ``h [T, hidden]`` float32 (the embeddings; left holding the last layer's output, before
+        the final norm, as the Python loop leaves it). Returns the final RMSNorm of every row, ``[T, hidden]``
+        float32 (a view of this loop's scratch: valid until its next call), or ``None`` when this step is not one
+        it takes (nothing done; ``h`` as it was)."""
         if not (isinstance(meta, CPUAttentionMetadata) and not meta.groups and meta.kernel is not None
                 and kv_cache.dtype in _KV_DTYPES and kv_cache.is_contiguous() and kv_cache.shape[:2] == self._kv_lead
                 and kv_cache.shape[4:] == self._kv_tail and h.shape[1] == self._stack.hidden):
-            return False
+            return None
         cos, sin = rope
         t = batch.num_tokens
         tables, q_start, q_len, seq_len = meta.kernel
@@ -170,7 +176,7 @@ class FusedLayerLoop:
         if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
                 and all(v.dtype == torch.int64 and v.is_contiguous() for v in ints)
                 and h.dtype == torch.float32 and h.is_contiguous()):
-            return False
+            return None
         need = t * sum(self._widths)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.float32)
@@ -193,5 +199,5 @@ class FusedLayerLoop:
             logger.warning("kvserve_decoder_stack could not allocate scratch memory (code %d); running the step "
                            "layer by layer", rc)
             h.copy_(saved)
-            return False
-        return True
+            return None
+        return views[0].view(t, -1)  # x, the scratch the last layer's add_rms_norm wrote: the final norm's rows

@@ -125,10 +125,15 @@ class LlamaModel:
         meta = self.attn.build_metadata(batch)
         rope = self._rope(batch)
         h = self.embed(batch.input_ids)  # the residual stream: a fresh tensor, updated in place by add_rms_norm
-        if self.fused_layers is None or not self.fused_layers(h, batch, meta, rope, kv_cache):
+        x = None if self.fused_layers is None else self.fused_layers(h, batch, meta, rope, kv_cache)  # normed rows
+        every_row = batch.logits_rows_are_all()  # a decode step: no gather (each torch call costs here)
+        if x is None:
             h = self._layer_loop(h, batch, meta, rope, kv_cache)
-        h = self.ops.rms_norm(h[batch.logits_indices], self.final_norm, self.arch.rms_norm_eps)
-        return self.lm_head(h).float()
+            x = self.ops.rms_norm(h if every_row else h[batch.logits_indices], self.final_norm, self.arch.rms_norm_eps)
+        elif not every_row:
+            x = x[batch.logits_indices]
+        logits = self.lm_head(x)
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def _layer_loop(self, h: torch.Tensor, batch: InputBatch, meta, rope: tuple, kv_cache: torch.Tensor) -> torch.Tensor:
         """Every decoder layer on the residual stream ``h [T, hidden]`` (updated in place where the ops allow);

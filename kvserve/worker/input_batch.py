@@ -8,8 +8,8 @@ by the draft-model proposer for its own cache, so there is one copy of the slot 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +54,14 @@ class InputBatch:
     block_size: int
     query_lens: list[int]
     context_lens: list[int]
+    #: ``logits_indices`` when, as built, it was every row in order (``0 .. T-1``: a step of one token per sampling
+    #: entry); ``logits_rows_are_all`` compares by identity, so a replaced ``logits_indices`` is never mistaken.
+    all_rows_indices: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def logits_rows_are_all(self) -> bool:
+        """Whether the logits rows are every row in order, known without reading the tensor (the forward then
+        skips the gather)."""
+        return self.all_rows_indices is not None and self.logits_indices is self.all_rows_indices
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +154,7 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
             return buffers.put(name, np.asarray(a, dtype=np.int64))
         return torch.as_tensor(np.asarray(a, dtype=np.int64)).to(device)
 
+    logits = tensor("logits_indices", logits_indices)
     return InputBatch(
         input_ids=tensor("input_ids", input_ids),
         positions=tensor("positions", positions),
@@ -153,10 +162,11 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
         query_start_loc=tensor("query_start_loc", qsl),
         seq_lens=tensor("seq_lens", seq_lens),
         block_tables=tensor("block_tables", tables),
-        logits_indices=tensor("logits_indices", logits_indices),
+        logits_indices=logits,
         block_size=block_size,
         query_lens=query_lens,
         context_lens=seq_lens,
+        all_rows_indices=logits if logits_indices == list(range(len(input_ids))) else None,
     )
 
 

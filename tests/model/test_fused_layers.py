@@ -56,14 +56,43 @@ def test_a_mixed_short_step_equals_the_python_loop_bit_for_bit(qllm, kv_dtype):
     reqs = [([(7 * i + 3 * j) % 30000 + 100 for j in range(q)], ctx, t) for i, ((ctx, q), t) in
             enumerate(zip(shape, tables))]
     calls, loop = [], model.fused_layers
-    model.fused_layers = lambda *a: calls.append(loop(*a)) or calls[-1]  # records whether it took the step
+    model.fused_layers = lambda *a: calls.append(loop(*a)) or calls[-1]  # records what it returned
     try:
         (lf, cf), (lp, cp) = _forward_both(model, reqs, kv_dtype=kv_dtype)
     finally:
         model.fused_layers = loop
-    assert calls == [True]  # the fused run took the step (the second run had no fused loop)
+    assert len(calls) == 1 and calls[0] is not None  # the fused run took the step (the second had no fused loop)
     _assert_bitwise(lf, lp)
     _assert_bitwise(cf, cp)
+
+
+def test_a_decode_step_returns_the_final_norm_of_every_row(qllm):
+    """A step of one sampled token per request (the forward skips the gather): the normed rows the loop returns are
+    the final RMSNorm of the residual stream it leaves, and the logits equal the Python loop's, bit for bit."""
+    from kvserve.core.sched_output import ScheduledRequest
+    from kvserve.worker.input_batch import build_input_batch
+
+    model = qllm.llm_engine.model
+    plan = [ScheduledRequest(f"r{i}", [100 + i], pos, blocks, samples=True)
+            for i, (pos, blocks) in enumerate([(5, [3]), (17, [9, 4]), (0, [7])])]
+    results = []
+    for fused in (model.fused_layers, None):
+        keep, model.fused_layers = model.fused_layers, fused
+        try:
+            batch = build_input_batch(plan, block_size=16)
+            assert batch.logits_rows_are_all()
+            cache = torch.zeros(model.kv_cache_shape(16, 16))
+            results.append((model.forward(batch, cache), cache))
+        finally:
+            model.fused_layers = keep
+    _assert_bitwise(results[0][0], results[1][0])
+    _assert_bitwise(results[0][1], results[1][1])
+    batch = build_input_batch(plan, block_size=16)
+    with torch.inference_mode():
+        h = model.embed(batch.input_ids)
+        x = model.fused_layers(h, batch, model.attn.build_metadata(batch), model._rope(batch),
+                               torch.zeros(model.kv_cache_shape(16, 16)))  # h: left the last layer's output
+        _assert_bitwise(x, model.ops.rms_norm(h, model.final_norm, model.arch.rms_norm_eps))
 
 
 def test_a_long_prompt_chunk_runs_the_python_loop(qllm):
@@ -74,7 +103,7 @@ def test_a_long_prompt_chunk_runs_the_python_loop(qllm):
     h = model.embed(batch.input_ids)
     before = h.clone()
     cache = torch.zeros(model.kv_cache_shape(8, 16))
-    assert model.fused_layers(h, batch, meta, model._rope(batch), cache) is False
+    assert model.fused_layers(h, batch, meta, model._rope(batch), cache) is None
     assert torch.equal(h, before) and not cache.any()  # nothing done
     (lf, _), (lp, _) = _forward_both(model, reqs, num_blocks=8)
     _assert_bitwise(lf, lp)
@@ -131,7 +160,7 @@ def test_an_early_exit_draft_gets_its_own_loop_and_a_foreign_cache_is_refused(ql
     meta = target.attn.build_metadata(batch)
     h = target.embed(batch.input_ids)
     # the target's loop is handed the draft's 2-layer cache: refused, nothing written
-    assert target.fused_layers(h, batch, meta, target._rope(batch), torch.zeros(draft.kv_cache_shape(4, 16))) is False
+    assert target.fused_layers(h, batch, meta, target._rope(batch), torch.zeros(draft.kv_cache_shape(4, 16))) is None
 
 
 def test_speculative_decoding_with_a_draft_on_the_quantized_path(qllm):

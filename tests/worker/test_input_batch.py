@@ -53,6 +53,11 @@ def test_pure_decode_plan_gives_exact_tensors():
     assert b.block_tables.tolist() == [[3, 7, 0], [5, 0, 0], [2, 0, 8], [6, 0, 0]]
     assert b.logits_indices.tolist() == [0, 1, 2, 2]
     assert (b.query_lens, b.context_lens, b.num_tokens, b.num_reqs) == ([1, 1, 1, 1], [5, 4, 10, 2], 4, 4)
+    assert not b.logits_rows_are_all()  # the fork reads row 2 twice, "quiet" samples nothing
+    every = build_input_batch(plan[:2], block_size=4)  # each row samples once, in order: the forward skips a gather
+    assert every.logits_indices.tolist() == [0, 1] and every.logits_rows_are_all()
+    every.logits_indices = torch.tensor([0, 1])  # replaced (as prompt-logprob rows do): the same values, not known
+    assert not every.logits_rows_are_all()
     with pytest.raises(ValueError, match="entry 1: 1 blocks cannot hold 5 tokens"):
         build_input_batch([plan[1], ScheduledRequest("x", [1], 4, [0])], block_size=4)
 

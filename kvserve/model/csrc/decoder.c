@@ -8,7 +8,8 @@
  *   attn = rope_write_attend(qkv)               RoPE, K/V written to the cache slots, paged attention
  *   h   += qgemm(attn, W_o);  x = rms_norm(h)   one pass (add_rms_norm)
  *   gu   = qgemm(x, W_gate_up);  a = silu(gate) * up
- *   h   += qgemm(a, W_down);  x = rms_norm(h) with the next layer's weight (the last layer: h only)
+ *   h   += qgemm(a, W_down);  x = rms_norm(h) with the next layer's weight (the last layer: the final norm's,
+ *                                the LM head's input; or h only)
  *
  * What it saves is the interpreter: a decode step of a 30-layer model makes ~240 calls from Python into C (each with
  * its argument checks, a new output tensor and a ctypes crossing) where this makes one, which matters once the
@@ -46,7 +47,8 @@ typedef struct {
 } QWeight;
 
 typedef struct {
-    const float *mlp_norm, *next_norm; /* [hidden]; next_norm: the next layer's input norm, NULL for the last */
+    const float *mlp_norm, *next_norm; /* [hidden]; next_norm: the next layer's input norm (the last layer: the
+                                        * model's final norm, or NULL for none) */
     const float *qkv_bias;             /* [qkv.n] or NULL */
     QWeight qkv, o, gate_up, down;
 } DecoderLayer;
