@@ -106,9 +106,9 @@ class FusedLayerLoop:
         self._kv_lead, self._kv_tail = (stack.num_layers, 2), (model.num_kv_heads, model.arch.head_dim)
         a = model.arch
         d = a.head_dim
-        # x, qkv, attn, delta, gate_up, act (kvserve_decoder_stack's scratch), then a copy of the embeddings
+        # x, qkv, attn, delta, gate_up, act: kvserve_decoder_stack's scratch, floats per row
         self._widths = (a.hidden_size, (model.num_heads + 2 * model.num_kv_heads) * d, model.num_heads * d,
-                        a.hidden_size, 2 * model.intermediate_size, model.intermediate_size, a.hidden_size)
+                        a.hidden_size, 2 * model.intermediate_size, model.intermediate_size)
 
     @classmethod
     def build(cls, model) -> Optional["FusedLayerLoop"]:
@@ -180,24 +180,21 @@ class FusedLayerLoop:
         need = t * sum(self._widths)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.float32)
-        views, off = [], 0
+        base, ptrs = self._scratch.data_ptr(), []  # addresses only: each torch view would be a call (cold: costly)
         for w in self._widths:
-            views.append(self._scratch[off: off + t * w])
-            off += t * w
-        saved = views.pop().view(t, -1)
-        saved.copy_(h)
-        layer_bytes = kv_cache[0].numel() * kv_cache.dtype.itemsize
+            ptrs.append(base)
+            base += 4 * t * w
+        layer_bytes = kv_cache.stride(0) * kv_cache.element_size()  # one layer's K and V (contiguous)
         step = _Step(t, cos.data_ptr(), sin.data_ptr(), batch.slot_mapping.data_ptr(), tables.data_ptr(),
                      tables.shape[1], q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), tables.shape[0],
                      kv_cache.shape[3], kv_cache.data_ptr(), _KV_DTYPES[kv_cache.dtype], layer_bytes,
                      None if self.timings is None else self.timings.data_ptr())
-        rc = self._lib.kvserve_decoder_stack(ctypes.byref(self._stack), ctypes.byref(step), h.data_ptr(),
-                                             *(v.data_ptr() for v in views))
+        rc = self._lib.kvserve_decoder_stack(ctypes.byref(self._stack), ctypes.byref(step), h.data_ptr(), *ptrs)
         if rc == -1:
             raise ValueError("kvserve_decoder_stack: the model's shapes do not match its weights")
         if rc:
             logger.warning("kvserve_decoder_stack could not allocate scratch memory (code %d); running the step "
                            "layer by layer", rc)
-            h.copy_(saved)
+            h.copy_(self._model.embed(batch.input_ids))  # h as it was (the embeddings), rather than a copy each step
             return None
-        return views[0].view(t, -1)  # x, the scratch the last layer's add_rms_norm wrote: the final norm's rows
+        return self._scratch[: t * self._widths[0]].view(t, -1)  # x, which the last layer's add_rms_norm wrote
