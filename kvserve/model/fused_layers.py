@@ -100,6 +100,7 @@ class FusedLayerLoop:
         # the model is held so the weights the C structs point into stay alive as long as this loop
         self._model, self._stack, self._layers, self._lib = model, stack, layers, lib
         self._scratch = torch.empty(0, dtype=torch.float32)
+        self._x_views: dict = {}  # row count -> the [T, hidden] view of the scratch's start (cleared on growth)
         self.timings: Optional[torch.Tensor] = None
         # what the cache must look like: one [2, blocks, block_size, H_kv, D] slab per layer of *this* loop (a cache
         # of another layer count -- an early-exit draft's -- must never reach the kernel)
@@ -180,6 +181,7 @@ class FusedLayerLoop:
         need = t * sum(self._widths)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.float32)
+            self._x_views = {}
         base, ptrs = self._scratch.data_ptr(), []  # addresses only: each torch view would be a call (cold: costly)
         for w in self._widths:
             ptrs.append(base)
@@ -197,4 +199,7 @@ class FusedLayerLoop:
                            "layer by layer", rc)
             h.copy_(self._model.embed(batch.input_ids))  # h as it was (the embeddings), rather than a copy each step
             return None
-        return self._scratch[: t * self._widths[0]].view(t, -1)  # x, which the last layer's add_rms_norm wrote
+        x = self._x_views.get(t)  # x, which the last layer's add_rms_norm wrote; a view made once per row count
+        if x is None:  # (slicing a tensor is a torch call: ~60 us with the caches cold from the weights)
+            x = self._x_views[t] = self._scratch[: t * self._widths[0]].view(t, -1)
+        return x
