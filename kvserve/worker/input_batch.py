@@ -155,6 +155,8 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
         return torch.as_tensor(np.asarray(a, dtype=np.int64)).to(device)
 
     logits = tensor("logits_indices", logits_indices)
+    # the lengths first: a prompt chunk has many rows and few logits rows
+    every_row = len(logits_indices) == len(input_ids) and logits_indices == list(range(len(input_ids)))
     return InputBatch(
         input_ids=tensor("input_ids", input_ids),
         positions=tensor("positions", positions),
@@ -166,7 +168,7 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
         block_size=block_size,
         query_lens=query_lens,
         context_lens=seq_lens,
-        all_rows_indices=logits if logits_indices == list(range(len(input_ids))) else None,
+        all_rows_indices=logits if every_row else None,
     )
 
 
