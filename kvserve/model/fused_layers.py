@@ -82,11 +82,12 @@ class FusedLayerLoop:
     Call with ``(h, batch, meta, rope, kv_cache)``: ``h [T, hidden]`` float32 contiguous, the residual stream
     (the embeddings; updated in place to the last layer's output, before the final norm); ``batch`` the step's
     ``InputBatch``; ``meta`` its attention metadata; ``rope`` ``(cos, sin)`` ``[T, 1, D]`` float32;
-    ``kv_cache`` ``[layers, 2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16 contiguous. Returns ``True``
-    when the step ran (``h`` holds the result, this step's K/V are written), ``False`` when the caller must run the
-    Python loop instead: a step this loop does not take (nothing done), or a kernel that ran out of scratch memory
-    mid-way (``h`` is restored to the embeddings; the Python loop then rewrites the same cache slots with the same
-    values).
+    ``kv_cache`` ``[layers, 2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16 contiguous. Returns, when the
+    step ran (``h`` holds the last layer's output, this step's K/V are written), the final RMSNorm of every row,
+    ``[T, hidden]`` float32 (a view of the loop's scratch, valid until its next call: the LM head's input);
+    ``None`` when the caller must run the Python loop instead: a step this loop does not take (nothing done), or a
+    kernel that ran out of scratch memory mid-way (``h`` is restored to the embeddings; the Python loop then
+    rewrites the same cache slots with the same values).
 
     Raises:
         ValueError: the model's shapes do not match its weights (a bug, not an input error).
