@@ -197,29 +197,34 @@ def test_pack_round_trip_is_exact():
     np.testing.assert_array_equal(unpack(w8), q8 * np.repeat(d[:17, :1].astype(np.float32), 96, 1))
 
 
-def test_unpack_rows_equals_those_rows_of_unpack():
+def test_unpack_rows_decode_the_packed_values():
+    """unpack_rows (numpy) and kvserve_q_unpack_rows (C) against the values packed, bit for bit, in all four formats."""
     rng = np.random.default_rng(2)
     q4, q8 = rng.integers(0, 16, (37, 96), dtype=np.uint8), rng.integers(-127, 128, (37, 96)).astype(np.int8)
     d, m = (rng.standard_normal((37, 3)).astype(np.float16) for _ in range(2))
-    packed = [P.pack_q4(q4, d, m), P.pack_q4(q4, d.astype(np.float32), m.astype(np.float32)), P.pack_q8(q8, d),
-              P.pack_q8(q8, d, rng.random(37).astype(np.float32))]
+    osc = rng.random(37).astype(np.float32)
+    wide = (lambda a: np.repeat(a.astype(np.float32), 32, 1))
+    cases = [(P.pack_q4(q4, d, m), wide(d) * q4 + wide(m)),
+             (P.pack_q4(q4, d.astype(np.float32), m.astype(np.float32)), wide(d) * q4 + wide(m)),
+             (P.pack_q8(q8, d), q8 * wide(d)), (P.pack_q8(q8, d, osc), q8 * wide(d) * osc[:, None])]
     rows = np.array([36, 0, 15, 16, 17, 5, 5, 32])  # both ends, each side of a group of 16, the padded last group
     lib = kernels.load() if kernels.isa() is not None else None
-    for w in packed:
-        np.testing.assert_array_equal(unpack_rows(w, rows).view(np.uint32), unpack(w)[rows].view(np.uint32))
+    for w, full in cases:
+        expected = full.astype(np.float32)[rows]
+        np.testing.assert_array_equal(unpack_rows(w, rows).view(np.uint32), expected.view(np.uint32))
+        assert unpack_rows(w, rows[:0]).shape == (0, 96)
+        with pytest.raises(IndexError, match=r"\[0, 37\)"):
+            unpack_rows(w, np.array([37]))
         if lib is not None:  # the C decoder (QuantEmbedding's), bit for bit the same
             out, r = np.full((len(rows), 96), np.nan, np.float32), np.ascontiguousarray(rows)
             os_ptr = None if w.oscale is None else w.oscale.data_ptr()
             assert lib.kvserve_q_unpack_rows(w.fmt, w.data.data_ptr(), 37, 96, os_ptr, r.ctypes.data, len(r),
                                              out.ctypes.data) == 0
-            np.testing.assert_array_equal(out.view(np.uint32), unpack(w)[rows].view(np.uint32))
+            np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
             bad = np.array([3, 37])  # a row past the end: refused before anything is written
             assert lib.kvserve_q_unpack_rows(w.fmt, w.data.data_ptr(), 37, 96, os_ptr, bad.ctypes.data, 2,
                                              out.ctypes.data) == -2
-            np.testing.assert_array_equal(out.view(np.uint32), unpack(w)[rows].view(np.uint32))
-        assert unpack_rows(w, rows[:0]).shape == (0, 96)
-        with pytest.raises(IndexError, match=r"\[0, 37\)"):
-            unpack_rows(w, np.array([37]))
+            np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
 
 
 def test_bad_quantization_is_a_value_error_naming_field_and_values():

@@ -66,32 +66,13 @@ def check_quantization(quantization: Optional[str]) -> str:
 def unpack(w: P.PackedWeight) -> np.ndarray:
     """The float32 ``[out_features, in_features]`` weight a ``PackedWeight`` represents (inverse of packing):
     Q4 ``d * q + m``, Q8 ``d * q`` (times ``oscale``), in float32 as ``gguf`` dequantizes."""
-    data = w.data.numpy()
-    groups, nb, _ = data.shape
-    d = data[..., 0:32].copy().view("<f2").astype(np.float32)  # [g, b, 16]
-    if w.fmt in (P.FMT_Q4, P.FMT_Q4F):
-        if w.fmt == P.FMT_Q4:
-            m, qo = data[..., 32:64].copy().view("<f2").astype(np.float32), 64
-        else:
-            d, m, qo = data[..., 0:64].copy().view("<f4"), data[..., 64:128].copy().view("<f4"), 128
-        nib = data[..., qo:].reshape(groups, nb, 4, 16, 4)  # [g, b, j, o, i]
-        q = np.stack([nib & 0x0F, nib >> 4], axis=-1)  # [g, b, j, o, i, half]
-        q = q.transpose(0, 3, 1, 5, 2, 4).reshape(groups * 16, nb, 32).astype(np.float32)  # [g o, b, half j i]
-        dd = d.transpose(0, 2, 1).reshape(groups * 16, nb, 1)
-        mm = m.transpose(0, 2, 1).reshape(groups * 16, nb, 1)
-        full = dd * q + mm
-    else:
-        q = data[..., 32:].copy().view(np.int8).reshape(groups, nb, 8, 16, 4)  # [g, b, j, o, i]
-        q = q.transpose(0, 3, 1, 2, 4).reshape(groups * 16, nb, 32).astype(np.float32)
-        full = q * d.transpose(0, 2, 1).reshape(groups * 16, nb, 1)
-        if w.oscale is not None:
-            full = full * w.oscale.numpy()[:, None, None]
-    return np.ascontiguousarray(full.reshape(groups * 16, nb * 32)[: w.out_features, : w.in_features])
+    return unpack_rows(w, np.arange(w.out_features))
 
 
 def unpack_rows(w: P.PackedWeight, rows: np.ndarray) -> np.ndarray:
-    """``unpack(w)[rows]`` without decoding the other rows: float32 ``[len(rows), in_features]`` for an int
-    ``rows [T]`` in ``[0, out_features)`` (an embedding lookup from a tied LM head's packed bytes).
+    """Rows of the weight a ``PackedWeight`` represents, without decoding the others: float32
+    ``[len(rows), in_features]`` for an int ``rows [T]`` in ``[0, out_features)`` (``unpack``: all of them; an
+    embedding lookup from a tied LM head's packed bytes: a few).
 
     Raises:
         IndexError: a row outside ``[0, out_features)``.
