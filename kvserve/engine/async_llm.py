@@ -3,10 +3,14 @@
 One background task owns the engine. Each turn of its loop, under one ``asyncio.Lock``:
 
     apply pending aborts           # engine.abort_request(ids): their KV blocks return to the pool at once
-    outputs = engine.step()        # in a worker thread (asyncio.to_thread): the event loop never runs model work
+    outputs = engine.step()        # in the engine's own worker thread: the event loop never runs model work
     route outputs                  # each RequestOutput goes to its request's asyncio.Queue
 
-and sleeps on an ``asyncio.Event`` while the engine has nothing to do. ``add_request`` takes the same lock, so the
+and sleeps on an ``asyncio.Event`` while the engine has nothing to do. Every call into the engine (steps, adding
+requests) runs on one dedicated thread (``kvserve-engine``), as vLLM's engine core owns its own loop: a pool of
+threads would hand consecutive steps to different threads, and each thread that starts OpenMP work keeps its own
+team of OpenMP workers, so a step on another thread wakes a cold, sleeping team (and, before PyTorch sets the
+thread count of a new thread, runs with OpenMP's default count). ``add_request`` takes the same lock, so the
 engine is never touched by two threads at once; requests that arrive during a step are added before the next one
 (the lock is FIFO). ``RequestStream.abort()`` is synchronous (safe inside ``finally`` of a cancelled task): it
 drops the stream at once and the engine forgets the request before its next step.
@@ -15,6 +19,7 @@ drops the stream at once and the engine forgets the request before its next step
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -100,6 +105,7 @@ class AsyncLLM:
         self._lock: Optional[asyncio.Lock] = None
         self._wake: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None  # the engine's one thread
         self._accepting = True
         self._stopping = False
         self.dead_error: Optional[BaseException] = None
@@ -134,6 +140,7 @@ class AsyncLLM:
         if self._task is None:
             self._lock = asyncio.Lock()
             self._wake = asyncio.Event()
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
             self._task = asyncio.create_task(self._run(), name="kvserve-engine-loop")
 
     async def shutdown(self) -> None:
@@ -145,6 +152,8 @@ class AsyncLLM:
         if self._task is not None:
             self._wake.set()
             await self._task
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)  # the loop has ended: nothing runs on it any more
         if self.step_trace is not None:
             self.step_trace.close()
 
@@ -189,7 +198,7 @@ class AsyncLLM:
             self._check_accepting()
             self._streams[rid] = stream
             try:
-                await asyncio.to_thread(self.engine.add_request, prompt, sampling_params, rid, arrival, priority)
+                await self._in_engine_thread(self.engine.add_request, prompt, sampling_params, rid, arrival, priority)
             except ValueError:
                 self._streams.pop(rid, None)  # the engine queued nothing
                 raise
@@ -220,6 +229,10 @@ class AsyncLLM:
             raise EngineShutdownError("the server is shutting down" if self._task else "AsyncLLM.start() not called")
 
     # ------------------------------------------------------------------------------------------------ the loop
+    async def _in_engine_thread(self, fn, *args):
+        """``fn(*args)`` on the engine's thread; the event loop runs on meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
     async def _run(self) -> None:
         engine = self.engine
         try:
@@ -235,7 +248,7 @@ class AsyncLLM:
                     outputs = None
                     if engine.has_unfinished_requests():
                         t0 = time.monotonic()
-                        outputs = await asyncio.to_thread(engine.step)
+                        outputs = await self._in_engine_thread(engine.step)
                         if self.step_trace is not None:
                             self.step_trace.record(engine.last_scheduler_output, t0, time.monotonic(),
                                                    engine.has_unfinished_requests())

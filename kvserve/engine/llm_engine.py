@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 from datetime import timedelta
 from typing import Optional, Union
 
@@ -34,6 +35,7 @@ from kvserve.validation import check_text
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+_thread = threading.local()  # per thread: the OpenMP thread count this module last set there (LLMEngine.step)
 
 PromptType = Union[str, list]
 
@@ -58,6 +60,7 @@ class LLMEngine:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         if mc.num_threads:
             torch.set_num_threads(mc.num_threads)
+        self._num_threads = torch.get_num_threads()  # what every thread that steps this engine must use
         quantization = "fp32" if mc.dtype == "bfloat16" and mc.quantization == "auto" else mc.quantization
         loaded = load_model(mc.model, mc.dtype, keep_quantized=quantization != "fp32")
         self.model_path = loaded.path
@@ -285,7 +288,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------------ step
     def step(self) -> list:
-        """Run one iteration; returns a ``RequestOutput`` for every request that received a token."""
+        """Run one iteration; returns a ``RequestOutput`` for every request that received a token.
+
+        Any thread may call it (one at a time). OpenMP keeps its thread count per thread, and a thread that has not
+        run a PyTorch op yet starts with OpenMP's default (all cores), which the kernels would use; so the first
+        step on each thread sets the engine's count there (``num_threads``, else PyTorch's)."""
+        if getattr(_thread, "num_threads", None) != self._num_threads:
+            torch.set_num_threads(self._num_threads)
+            _thread.num_threads = self._num_threads
         scheduler_output = self.scheduler.schedule()
         self.last_scheduler_output = scheduler_output  # read by AsyncLLM's step trace (kvserve.engine.step_trace)
         model_output = self.model_runner.execute_model(scheduler_output)

@@ -64,3 +64,35 @@ def test_shutdown_aborts_in_flight_and_refuses_new(engine):
 
     asyncio.run(run())
     assert_pool_clean(engine)
+
+
+def test_every_engine_call_runs_on_one_thread(engine):
+    """Steps and add_request all run on the engine's own thread (a thread pool would hop between threads, each with
+    its own cold OpenMP team: the served step then took 2-2.7x longer at 2 threads, docs/server_benchmarks.md)."""
+    import threading
+
+    threads = []
+    real_step, real_add = engine.step, engine.add_request
+
+    def step():
+        threads.append(threading.current_thread().name)
+        return real_step()
+
+    def add(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real_add(*args, **kwargs)
+
+    engine.step, engine.add_request = step, add
+
+    async def run():
+        a = AsyncLLM(engine)
+        await a.start()
+        streams = [await a.add_request(f"Count to {i}:", GREEDY) for i in range(3)]
+        for s in streams:
+            async for _ in s:
+                pass
+        await a.shutdown()
+
+    asyncio.run(run())
+    assert len(threads) > 6 and set(threads) == {"kvserve-engine_0"}
+    assert_pool_clean(engine)

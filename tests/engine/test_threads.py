@@ -1,0 +1,40 @@
+"""``LLMEngine.step`` on any thread runs the kernels with the engine's thread count (real model)."""
+
+import ctypes
+import os
+import threading
+
+import pytest
+import torch
+
+from kvserve import SamplingParams
+from kvserve.engine.llm_engine import LLMEngine
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenMP's default count is 1 here: nothing to tell apart")
+def test_a_fresh_thread_steps_with_the_engines_thread_count():
+    """OpenMP keeps its thread count per thread; a new thread starts with the default (every core) until PyTorch
+    sets it there. Seen from inside the model runner, the first step on a fresh thread must already use the
+    engine's count."""
+    gomp = ctypes.CDLL("libgomp.so.1")  # PyTorch's runtime, already loaded (the kernels share it)
+    before = torch.get_num_threads()
+    engine = LLMEngine.from_engine_args(num_kv_blocks=16, max_num_seqs=2, num_threads=1)
+    try:
+        seen = []
+        real = engine.model_runner.execute_model
+
+        def execute_model(so):
+            seen.append(gomp.omp_get_max_threads())
+            return real(so)
+
+        engine.model_runner.execute_model = execute_model
+        engine.add_request([1000 + i for i in range(20)], SamplingParams(temperature=0, max_tokens=3), "r")
+        fresh = threading.Thread(target=engine.step)
+        fresh.start()
+        fresh.join()
+        assert seen == [1]
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert seen == [1, 1, 1]
+    finally:
+        torch.set_num_threads(before)  # the suite's other engines keep their count
