@@ -81,9 +81,10 @@ class RequestResult:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only; default: %(default)s)")
     p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
-    p.add_argument("--dataset", choices=["random", "sharegpt", "azure", "sharegpt-multiround"], default="random")
+    p.add_argument("--dataset", choices=["random", "sharegpt", "azure", "sharegpt-multiround"], default="random",
+                   help="the prompts (default: %(default)s: random token ids, no data files needed)")
     p.add_argument("--num-prompts", type=int, default=20, help="requests (sharegpt-multiround: users)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s of a Poisson process (sharegpt-multiround: users/s); inf = all at once "
