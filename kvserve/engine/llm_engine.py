@@ -291,9 +291,10 @@ class LLMEngine:
         """Run one iteration; returns a ``RequestOutput`` for every request that received a token.
 
         Any thread may call it (one at a time). OpenMP keeps its thread count per thread, and a thread that has not
-        run a PyTorch op yet starts with OpenMP's default (all cores), which the kernels would use; so the first
-        step on each thread sets the engine's count there (``num_threads``, else PyTorch's)."""
-        if getattr(_thread, "num_threads", None) != self._num_threads:
+        run a PyTorch op yet starts with OpenMP's default (all cores), which the kernels would use; so the engine's
+        count (``num_threads``, else PyTorch's) is set on the first step on each thread, and again whenever
+        PyTorch's count has changed since (another engine built with another count, or user code)."""
+        if getattr(_thread, "num_threads", None) != self._num_threads or torch.get_num_threads() != self._num_threads:
             torch.set_num_threads(self._num_threads)
             _thread.num_threads = self._num_threads
         scheduler_output = self.scheduler.schedule()

@@ -15,7 +15,7 @@ from kvserve.engine.llm_engine import LLMEngine
 def test_a_fresh_thread_steps_with_the_engines_thread_count():
     """OpenMP keeps its thread count per thread; a new thread starts with the default (every core) until PyTorch
     sets it there. Seen from inside the model runner, the first step on a fresh thread must already use the
-    engine's count."""
+    engine's count, and so must a step after the count was changed on its thread."""
     gomp = ctypes.CDLL("libgomp.so.1")  # PyTorch's runtime, already loaded (the kernels share it)
     before = torch.get_num_threads()
     engine = LLMEngine.from_engine_args(num_kv_blocks=16, max_num_seqs=2, num_threads=1)
@@ -33,8 +33,9 @@ def test_a_fresh_thread_steps_with_the_engines_thread_count():
         fresh.start()
         fresh.join()
         assert seen == [1]
-        while engine.has_unfinished_requests():
-            engine.step()
-        assert seen == [1, 1, 1]
+        engine.step()
+        torch.set_num_threads(2)  # someone else changes the count on this thread: the next step restores the engine's
+        engine.step()
+        assert seen == [1, 1, 1] and not engine.has_unfinished_requests()
     finally:
         torch.set_num_threads(before)  # the suite's other engines keep their count
