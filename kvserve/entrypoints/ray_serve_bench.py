@@ -83,8 +83,10 @@ def simulate(sim, records: list, replicas: int, router: str) -> dict:
     (``kvserve.sim.cluster``), behind a fresh ``router`` and behind ``RecordedPlacement`` (each request on the
     replica the real run chose: the router in the ingress sees concurrent requests in its own order, and Serve may
     send a request to another replica than the one chosen). Returns ``{router: summary, "recorded placement":
-    summary}`` (``requests_per_replica`` descending)."""
-    from kvserve.sim.cluster import ClusterSimulator
+    summary}`` (``requests_per_replica`` descending). The replicas share one host as the calibration measured
+    (``calibrated_contention``: its step-time factors with 1 .. N replicas busy, for decode and for prompt chunks),
+    or none when it has none."""
+    from kvserve.sim.cluster import ClusterSimulator, calibrated_contention
     from kvserve.sim.validate import trace_from_records
 
     sent = sorted((r for r in records if r.get("start_s") is not None), key=lambda r: r["start_s"])
@@ -96,7 +98,7 @@ def simulate(sim, records: list, replicas: int, router: str) -> dict:
     if router == "prefix":
         fresh.cache_blocks = sim.num_blocks  # as the Ray router sizes it: each replica's pool
     for name, policy in ((router, fresh), ("recorded placement", RecordedPlacement(placements))):
-        s = ClusterSimulator(sim, replicas, policy).run(trace).summary
+        s = ClusterSimulator(sim, replicas, policy, *calibrated_contention(sim)).run(trace).summary
         s["requests_per_replica"] = sorted(s["requests_per_replica"], reverse=True)
         out[name] = s
     return out

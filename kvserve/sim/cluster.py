@@ -9,6 +9,16 @@ reuses instead of hashing again).
 Event loop: the next event is the earliest of the next arrival and the replicas' step ends. Steps that end at ``t``
 deliver their tokens first; arrivals at or before ``t`` are routed and queued; then every idle replica with work
 starts its next step (``schedule()``, ``t + step_time``). One replica behaves exactly as ``Simulator.run``.
+
+Replicas that share a host's CPUs (``contention``): ``contention[k - 1]`` is how much longer a step takes while
+``k`` replicas of its host are computing one (``contention[0]`` is normally 1), and replicas fill hosts of
+``len(contention)`` in order (replica ``r`` on host ``r // len(contention)``). Each step's cost-model time is work
+done at rate ``1 / factor`` for the ``k`` busy at each moment (processor sharing), so a step is re-timed whenever
+another replica of its host starts or ends one. A step's factor mixes ``contention[k - 1]`` for its decode and
+per-step part with ``prefill_contention[k - 1]`` (default 1) for its prompt chunks' part, weighted by their
+cost-model times. ``contention`` is measured by ``kvserve.sim.validate.calibrate`` with ``replicas > 1``; prompt
+chunks are left unslowed by default because replays with a measured prompt factor predicted TTFT worse
+(docs/scale_out.md). Without ``contention``, replicas are independent machines.
 """
 
 from __future__ import annotations
@@ -57,6 +67,11 @@ class _Replica:
         self.kv = KVCacheManager(sim.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.sched = Scheduler(sim.config.scheduler_config, self.kv, eos_token_ids=())
         self.step = None  # the SchedulerOutput being computed, or None when idle
+        self.work_s = 0.0  # cost-model seconds of the step left at ``mark_s``, computed at rate 1 / ``factor``
+        self.mark_s = self.start_s = 0.0
+        self.factor = 1.0
+        self.prefill_frac = 0.0  # the step's prompt-chunk share of its cost-model time
+        self.version = 0  # bumped when the step is re-timed: older heap entries are stale
         self.busy_s = 0.0
         self.steps = 0
         self.num_requests = 0
@@ -73,17 +88,28 @@ class ClusterSimulator:
         sim: the single-engine simulator (config, cost model, pool size, ``reject_reason``).
         num_replicas: replicas, >= 1.
         router: a ``kvserve.distributed.router.Router`` (replica ids are 0 .. N-1).
+        contention: step-time factors while 1, 2, ... replicas of one host compute a step (the module docstring);
+            ``None``: every replica on a machine of its own.
+        prefill_contention: the factors for the steps' prompt-chunk part; ``None``: all 1 (not slowed).
 
     Raises:
-        ValueError: ``num_replicas < 1``.
+        ValueError: ``num_replicas < 1``; a ``contention`` that is empty or has a factor that is not a finite
+            number > 0; a ``prefill_contention`` without ``contention`` or of another length.
     """
 
-    def __init__(self, sim: Simulator, num_replicas: int, router: Router):
+    def __init__(self, sim: Simulator, num_replicas: int, router: Router, contention: Optional[list] = None,
+                 prefill_contention: Optional[list] = None):
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {num_replicas!r}")
         self.sim = sim
         self.num_replicas = num_replicas
         self.router = router
+        self.contention = check_contention(contention)
+        pc = check_contention(prefill_contention, "prefill_contention")
+        if pc is not None and len(pc) != len(self.contention or []):
+            raise ValueError(f"prefill_contention needs as many factors as contention "
+                             f"({len(self.contention or [])}), got {len(pc)}")
+        self.prefill_contention = pc or [1.0] * len(self.contention or [])
 
     def run(self, trace: list[TraceRequest], slos: Optional[dict] = None) -> ClusterResult:
         """Simulate ``trace`` (arrivals in non-decreasing order) to the last request's end.
@@ -100,7 +126,7 @@ class ClusterSimulator:
         results = [RequestResult() for _ in trace]
         replica_of = [-1] * len(trace)
         last_token = [0.0] * len(trace)
-        ends: list = []  # heap of (step end time, replica index)
+        ends: list = []  # heap of (step end time, replica index, the step's version)
         idle_with_work: set = set()
         n, i, t = len(trace), 0, 0.0
         while True:
@@ -109,10 +135,15 @@ class ClusterSimulator:
             if t_arr == math.inf and t_end == math.inf:
                 break
             t = min(t_arr, t_end)
+            if self.contention:
+                self._advance(reps, t)
             while ends and ends[0][0] <= t:  # steps ending now deliver their tokens
-                _, r = heapq.heappop(ends)
+                _, r, version = heapq.heappop(ends)
                 rep = reps[r]
+                if version != rep.version:  # re-timed since: a later entry stands for it
+                    continue
                 so, rep.step = rep.step, None
+                rep.busy_s += t - rep.start_s
                 out = _fake_run(so)
                 rep.sched.update_from_output(so, out)
                 for rid in out.sampled_token_ids:
@@ -131,17 +162,50 @@ class ClusterSimulator:
             while i < n and trace[i].arrival_s <= t:  # arrivals up to now are routed and queued
                 self._admit(i, trace[i], reps, results, replica_of, bs, idle_with_work)
                 i += 1
-            for r in sorted(idle_with_work):  # idle replicas with work start a step
+            started = sorted(idle_with_work)
+            for r in started:  # idle replicas with work start a step
                 rep = reps[r]
                 so = rep.sched.schedule()
                 if not so.scheduled:
                     raise RuntimeError(f"replica {r} made no progress at t={t:.3f} s with {rep.sched.num_waiting} "
                                        f"waiting; check the pool size and token budget")
-                dt = sim.step_time(so)
-                rep.step, rep.busy_s, rep.steps = so, rep.busy_s + dt, rep.steps + 1
-                heapq.heappush(ends, (t + dt, r))
+                rep.step, rep.steps, rep.start_s, rep.mark_s = so, rep.steps + 1, t, t
+                rep.version += 1
+                if self.contention:
+                    rep.work_s, pre = _split(sim.step_time, so)
+                    rep.prefill_frac = pre / rep.work_s if rep.work_s > 0 else 0.0
+                    rep.factor = None  # no end pushed yet
+                else:
+                    rep.work_s, rep.factor = sim.step_time(so), 1.0
+                if not self.contention:
+                    heapq.heappush(ends, (t + rep.work_s, r, rep.version))
             idle_with_work.clear()
+            if self.contention:
+                self._retime(reps, t, ends)
         return ClusterResult(self._summary(reps, results, t, slos, wall0), results, replica_of)
+
+    def _advance(self, reps: list, t: float) -> None:
+        """Contention: every step in flight has done ``(t - mark) / factor`` of its work by ``t``."""
+        for rep in reps:
+            if rep.step is not None:
+                rep.work_s = max(0.0, rep.work_s - (t - rep.mark_s) / rep.factor)
+                rep.mark_s = t
+
+    def _retime(self, reps: list, t: float, ends: list) -> None:
+        """Contention: each step in flight continues at its host's present rate; a step whose factor changed gets
+        a new end (its older heap entry goes stale)."""
+        h = len(self.contention)
+        busy = [0] * (-(-len(reps) // h))
+        for r, rep in enumerate(reps):
+            busy[r // h] += rep.step is not None
+        for r, rep in enumerate(reps):
+            if rep.step is None:
+                continue
+            k = busy[r // h] - 1
+            factor = self.contention[k] + rep.prefill_frac * (self.prefill_contention[k] - self.contention[k])
+            if factor != rep.factor:
+                rep.factor, rep.version = factor, rep.version + 1
+                heapq.heappush(ends, (t + rep.work_s * factor, r, rep.version))
 
     def _admit(self, k: int, r: TraceRequest, reps: list, results: list, replica_of: list, bs: int,
                idle_with_work: set) -> None:
@@ -193,6 +257,33 @@ class ClusterSimulator:
         return s
 
 
+def _split(step_time, so) -> tuple:
+    """``(seconds, of which prompt chunks)`` of a plan: the cost model's ``split``, or all of it not prefill."""
+    split = getattr(step_time, "split", None)
+    return split(so) if split is not None else (step_time(so), 0.0)
+
+
+def check_contention(contention: Optional[list], name: str = "contention") -> Optional[list]:
+    """``contention`` as a list of floats (``None`` stays ``None``); ``name`` is the field the messages name.
+
+    Raises:
+        ValueError: an empty list, or a factor that is not a finite number > 0 (the message names it).
+    """
+    if contention is None:
+        return None
+    try:
+        factors = [float(c) for c in contention]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a list of numbers > 0, got {contention!r}") from None
+    if not factors:
+        raise ValueError(f"{name} must list at least one factor (1 replica busy), got []")
+    for k, c in enumerate(factors):
+        if not (c > 0 and math.isfinite(c)):
+            raise ValueError(f"{name}[{k}] (the step-time factor with {k + 1} replica(s) of a host busy) must be "
+                             f"a finite number > 0, got {c}")
+    return factors
+
+
 # ---------------------------------------------------------------------------------------------------- CLI
 def add_args(p) -> None:
     """``kvserve sim`` flags for a simulated cluster (``--replicas``, ``--router``, ``--scale-plot``)."""
@@ -205,7 +296,35 @@ def add_args(p) -> None:
     g.add_argument("--router", default="prefix",
                    help=f"{', '.join(ROUTERS)}, or a comma list (default prefix)")
     g.add_argument("--scale-plot", default=None, help="sweep: write goodput per replica and hit rate vs N here")
+    g.add_argument("--contention", default=None,
+                   help="step-time factors while 1, 2, ... replicas of one host compute a step (e.g. 1,1.8: hosts "
+                        "of two replicas, each step 1.8x slower while both compute); default: the profile's server "
+                        "calibration when it was measured on replicas (else none); 'none': every replica on a "
+                        "machine of its own")
     add_bound_args(g)
+
+
+def calibrated_contention(sim: Simulator) -> tuple:
+    """``(contention, prefill_contention)`` of ``sim``'s server calibration (``ServerCalibrated``), ``None`` where
+    it has none."""
+    return getattr(sim.step_time, "contention", None), getattr(sim.step_time, "prefill_contention", None)
+
+
+def contention_arg(text: Optional[str], sim: Simulator) -> tuple:
+    """``--contention`` as ``(contention, prefill_contention)``: ``None`` -> the profile's
+    (``calibrated_contention``), ``"none"`` -> ``(None, None)``, else the comma list as floats, for both parts.
+
+    Raises:
+        ValueError: a bad list (the message names the flag).
+    """
+    if text is None:
+        return calibrated_contention(sim)
+    if text.strip().lower() == "none":
+        return None, None
+    try:
+        return check_contention(text.split(",")), None
+    except ValueError as e:
+        raise ValueError(f"--contention: {e}") from None
 
 
 def parse_list(text: str, name: str, kind, allowed=None) -> list:
@@ -234,9 +353,11 @@ def wants_cluster(args) -> bool:
 
 
 def sweep(sim: Simulator, trace: list, replicas: list, routers: list, slos: Optional[dict] = None,
-          scale_load: bool = True, router_kwargs: Optional[dict] = None) -> list:
+          scale_load: bool = True, router_kwargs: Optional[dict] = None, contention: Optional[list] = None,
+          prefill_contention: Optional[list] = None) -> list:
     """Summaries of ``trace`` on every (replica count, router) pair; with ``scale_load`` the arrival times are
-    divided by the replica count (N replicas get N times the load). Returns the summaries in order."""
+    divided by the replica count (N replicas get N times the load); ``contention`` and ``prefill_contention`` as in
+    ``ClusterSimulator``. Returns the summaries in order."""
     from kvserve.distributed.router import make_router
     from kvserve.sim.trace import TraceRequest as _TR
 
@@ -248,7 +369,7 @@ def sweep(sim: Simulator, trace: list, replicas: list, routers: list, slos: Opti
             router = make_router(name, **(router_kwargs or {})) if name == "prefix" else make_router(name)
             if name == "prefix" and not (router_kwargs or {}).get("cache_blocks"):
                 router.cache_blocks = sim.num_blocks  # the replica's pool models its prefix cache
-            out.append(ClusterSimulator(sim, n, router).run(scaled, slos).summary)
+            out.append(ClusterSimulator(sim, n, router, contention, prefill_contention).run(scaled, slos).summary)
     return out
 
 
@@ -298,10 +419,14 @@ def run_cli(args, sim: Simulator, trace: list, slos: dict) -> int:
 
     replicas = parse_list(args.replicas, "replicas", int)
     routers = parse_list(args.router, "router", str, ROUTERS)
-    rows = sweep(sim, trace, replicas, routers, slos, scale_load=len(replicas) > 1, router_kwargs=bound_kwargs(args))
+    contention, prefill_contention = contention_arg(getattr(args, "contention", None), sim)
+    rows = sweep(sim, trace, replicas, routers, slos, scale_load=len(replicas) > 1, router_kwargs=bound_kwargs(args),
+                 contention=contention, prefill_contention=prefill_contention)
     if not args.quiet:
         print(f"simulated {len(trace)} requests ({args.dataset}) on {replicas} replicas x {routers}; "
               f"{'arrivals sped up N times for N replicas; ' if len(replicas) > 1 else ''}"
+              f"{'hosts of %d replicas, step-time factors %s; ' % (len(contention), contention) if contention else ''}"
+              f"{'prompt chunks %s; ' % prefill_contention if prefill_contention else ''}"
               f"{sum(s['sim_wall_s'] for s in rows):.1f} s wall")
         print(format_sweep(rows))
     if args.output_json:

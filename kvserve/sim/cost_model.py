@@ -102,6 +102,11 @@ class CostModel:
     def __call__(self, so: SchedulerOutput) -> float:
         return self.step_time(step_features(so))
 
+    def split(self, so: SchedulerOutput) -> tuple:
+        """``(step seconds, of which its prompt chunks' terms)`` for this plan."""
+        f = step_features(so)
+        return self.step_time(f), self.prefill_time(f)
+
     def to_dict(self) -> dict:
         return {"intercept_s": self.intercept, "coef_s": dict(self.coef)}
 
@@ -143,12 +148,20 @@ class ServerCalibrated:
         offset_s: seconds added per step.
         scale: multiplier on the engine step's decode and per-step terms, > 0.
         prefill_scale: multiplier on its prefill terms, > 0; ``None``: ``scale`` (one factor for the whole step).
+        contention: measured on a data-parallel deployment (``calibrate`` with ``replicas > 1``): the factors by
+            which a step's decode and per-step part slows while 1, 2, ... of its replicas compute a step at once
+            (``kvserve.sim.cluster``); ``None`` when calibrated on one engine. The other numbers are those of one
+            replica computing alone.
+        prefill_contention: the same for the prompt-chunk part; ``None``: 1 (prompt chunks are not slowed; the
+            calibration does not measure it, docs/scale_out.md says why). Set in the profile by hand.
     """
 
     base: CostModel
     offset_s: float = 0.0
     scale: float = 1.0
     prefill_scale: Optional[float] = None
+    contention: Optional[list] = None
+    prefill_contention: Optional[list] = None
 
     def step_time(self, features: tuple) -> float:
         t = self.offset_s + self.scale * self.base.step_time(features)
@@ -158,6 +171,11 @@ class ServerCalibrated:
 
     def __call__(self, so: SchedulerOutput) -> float:
         return self.step_time(step_features(so))
+
+    def split(self, so: SchedulerOutput) -> tuple:
+        """``(step seconds, of which its prompt chunks' terms)`` for this plan, both calibrated."""
+        f = step_features(so)
+        return self.step_time(f), (self.prefill_scale or self.scale) * self.base.prefill_time(f)
 
 
 def decode_features(batch: int, context: int) -> tuple:

@@ -166,7 +166,17 @@ def load(path, model_name: str | None = None, server_calibration: bool = True) -
         for name, v in (("scale", scale), ("prefill_scale", prefill_scale)):
             if v is not None and not v > 0:
                 raise ValueError(f"{p}: field 'server_calibration.{name}' must be > 0, got {v}")
-        return prof, ServerCalibrated(cost, offset, scale, prefill_scale)
+        from kvserve.sim.cluster import check_contention
+
+        try:
+            contention = check_contention(cal.get("contention"))
+            prefill_contention = check_contention(cal.get("prefill_contention"), "prefill_contention")
+        except ValueError as e:
+            raise ValueError(f"{p}: field 'server_calibration': {e}") from None
+        if prefill_contention is not None and len(prefill_contention) != len(contention or []):
+            raise ValueError(f"{p}: field 'server_calibration': prefill_contention needs as many factors as "
+                             f"contention ({len(contention or [])}), got {len(prefill_contention)}")
+        return prof, ServerCalibrated(cost, offset, scale, prefill_scale, contention, prefill_contention)
     return prof, cost
 
 

@@ -172,7 +172,15 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     measurement leaves nothing positive for the prefill terms. Every prompt is drawn fresh from ``seed`` (random
     token ids): a second calibration on the same server must not find the first one's prompts in its prefix cache.
     ``replicas``: the server spreads concurrent fresh prompts over this many engines (a data-parallel
-    deployment), so ``b`` streams are predicted as a step of ``ceil(b / replicas)`` rows.
+    deployment), so ``b`` streams are predicted as a step of ``ceil(b / replicas)`` rows. With ``replicas > 1`` it
+    also measures ``k`` streams at once for ``k = 2 .. replicas`` (one per replica), and returns ``"contention"``:
+    ``[1.0, gap_2 / gap_1, ...]`` (each at least 1), the factor by which a step slows while ``k`` replicas of the
+    deployment compute at once (they share the host's cores, its memory bandwidth and Serve's proxy); the 8-stream
+    point is divided by its factor first, so that ``offset_s`` and ``scale`` describe one replica computing alone
+    (``kvserve.sim.cluster`` applies the factors step by step). The factors are assumed not to depend on a step's
+    rows. They are not applied to prompt chunks (``ServerCalibrated.prefill_contention``): measured that way, a
+    prompt beside decoding replicas took 1.56-1.61x as long, yet replays with that factor missed TTFT by more than
+    replays without (docs/scale_out.md).
 
     With ``step_trace_path`` (the server's ``--step-trace``), a burst of 12 fresh ``prefill_len``-token prompts
     follows, 4 at once and 8 more 0.1 s apart (several prompt chunks in one step, then chunks beside decode rows:
@@ -192,21 +200,32 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
 
     from kvserve.sim.cost_model import decode_features, prefill_features
 
-    points = []
-    if prefill_runs < 1 or decode_runs < 1:
-        raise ValueError(f"calibration runs must be >= 1, got prefill_runs={prefill_runs}, decode_runs={decode_runs}")
-    t_start = time.monotonic()
-    for b in (1, 8):
+    def median_gap(b: int, what: str) -> float:
+        """The median inter-token gap of ``b`` concurrent fresh streams, ``decode_runs`` times (first 3 gaps of
+        each stream dropped)."""
         gaps = []
         for _ in range(decode_runs):
             reqs = [LoadRequest(fresh(context), output_len, 0.0) for _ in range(b)]
             results, _ = asyncio.run(run_benchmark(base_url, model, reqs, [0.0] * b))
             gaps += [g for r in results if r.success for g in r.itl[3:]]
         if not gaps:
-            raise ValueError(f"calibration at batch {b} got no inter-token gaps: {[r.error for r in results]}")
+            raise ValueError(f"calibration {what} got no inter-token gaps: {[r.error for r in results]}")
+        return statistics.median(gaps)
+
+    points = []
+    if prefill_runs < 1 or decode_runs < 1:
+        raise ValueError(f"calibration runs must be >= 1, got prefill_runs={prefill_runs}, decode_runs={decode_runs}")
+    t_start = time.monotonic()
+    for b in (1, 8):
         rows = -(-b // replicas)
-        points.append((b, statistics.median(gaps), cost.step_time(decode_features(rows, context + output_len // 2))))
+        points.append((b, median_gap(b, f"at batch {b}"),
+                       cost.step_time(decode_features(rows, context + output_len // 2))))
     (_, m1, p1), (_, m8, p8) = points
+    contention = None
+    if replicas > 1:  # k one-row streams at once, one per replica: the same step with k replicas busy
+        contention = [1.0] + [max(1.0, median_gap(k, f"with {k} replicas busy") / m1)  # below 1: noise
+                              for k in range(2, replicas + 1)]
+        m8 /= contention[min(8, replicas) - 1]  # the 8 streams kept min(8, replicas) replicas busy
     scale = (m8 - m1) / (p8 - p1) if p8 > p1 else 0.0
     offset = m1 - scale * p1
     if not scale > 0 or offset < 0:  # not two consistent points: a pure ratio
@@ -224,6 +243,8 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     prefill_scale = (measured - rest) / pre if pre > 0 and measured > rest else None
     cal = {"offset_s": offset, "scale": scale, "prefill_scale": prefill_scale, "points": points,
            "prefill_points": [(prefill_len, measured, cost.step_time(f))]}
+    if contention is not None:
+        cal["contention"] = contention
     if step_trace_path is None:
         return cal
     burst = [LoadRequest(fresh(prefill_len), output_len, 0.0 if i < 4 else 0.1 * (i - 3)) for i in range(12)]
@@ -303,6 +324,8 @@ def calibrate_profile(base_url: str, model: str, engine_args: dict, profile_path
           f"(prefill terms x {ps if ps is None else round(ps, 3)}; measured / predicted decode step: " +
           ", ".join(f"{b} stream{'s' if b > 1 else ''} {m * 1000:.0f} / {p * 1000:.0f} ms"
                     for b, m, p in cal["points"]) +
+          (f"; decode step-time factor with 1..{len(cal['contention'])} replicas busy: "
+           + ", ".join(f"{c:.2f}" for c in cal["contention"]) if cal.get("contention") else "") +
           "; lone prefill: " +
           ", ".join(f"{n} tokens {m * 1000:.0f} / {p * 1000:.0f} ms" for n, m, p in cal["prefill_points"]) +
           ")" + (f"; fitted on the server's {cal['steps']} steps, mean |error| {100 * cal['mean_abs_rel_err']:.1f}%"

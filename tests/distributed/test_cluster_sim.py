@@ -49,6 +49,49 @@ def test_two_replicas_exact_times_and_placement():
     assert res.summary["requests_per_replica"] == [2, 1]
 
 
+def test_contention_stretches_steps_that_overlap_on_one_host():
+    # constant 1 s steps; with two replicas of a host busy each step runs at half speed (processor sharing)
+    alone_then_overlap = [tr.TraceRequest(0.0, 4, 1), tr.TraceRequest(0.5, 4, 1)]
+    res = ClusterSimulator(sim_for(), 2, RoundRobinRouter(), contention=[1.0, 2.0]).run(alone_then_overlap)
+    # A: 0.5 s alone, then its last 0.5 s of work at half speed -> ends at 1.5; B: 1 s at half speed while A runs
+    # (0.5 s of work), then alone -> ends at 2.0
+    assert [r.ttft for r in res.results] == [1.5, 1.5]
+    assert res.summary["busy_imbalance"] == 1.0  # 1.5 s busy each
+    together = [tr.TraceRequest(0.0, 4, 3), tr.TraceRequest(0.0, 4, 3)]
+    res = ClusterSimulator(sim_for(), 2, RoundRobinRouter(), contention=[1.0, 2.0]).run(together)
+    assert [(r.ttft, r.e2el) for r in res.results] == [(2.0, 6.0), (2.0, 6.0)]
+    # four replicas in hosts of two: each step overlaps one other on its host; in one host of four: three
+    four = [tr.TraceRequest(0.0, 4, 1) for _ in range(4)]
+    assert [r.ttft for r in ClusterSimulator(sim_for(), 4, RoundRobinRouter(), contention=[1, 2]).run(four).results] \
+        == [2.0] * 4
+    assert [r.ttft for r in ClusterSimulator(sim_for(), 4, RoundRobinRouter(), contention=[1, 2, 3, 4]).run(
+        four).results] == [4.0] * 4
+    # factors of 1 (or hosts of one replica) change nothing
+    trace = [tr.TraceRequest(0.0, 4, 3), tr.TraceRequest(0.0, 4, 3), tr.TraceRequest(0.5, 4, 2)]
+    plain = ClusterSimulator(sim_for(), 2, LeastLoadedRouter()).run(trace)
+    for c in ([1.0], [1.0, 1.0]):
+        res = ClusterSimulator(sim_for(), 2, LeastLoadedRouter(), contention=c).run(trace)
+        assert [(r.ttft, r.e2el, r.itl) for r in res.results] == [(r.ttft, r.e2el, r.itl) for r in plain.results]
+    # a step's prompt-chunk part takes prefill_contention's factor: 1 s steps, half of them the 4-token prompt
+    half = Simulator(EngineConfig.from_kwargs(block_size=4), CostModel(0.5, {**{f: 0.0 for f in FEATURES},
+                                                                            "prefill_tokens": 0.125}), 256, 4096)
+    prompts = [tr.TraceRequest(0.0, 4, 1), tr.TraceRequest(0.0, 4, 1)]
+    res = ClusterSimulator(half, 2, RoundRobinRouter(), [1.0, 2.0]).run(prompts)
+    assert [r.ttft for r in res.results] == [1.5, 1.5]  # 0.5 s at 2x + 0.5 s at 1x: prompts not slowed by default
+    res = ClusterSimulator(half, 2, RoundRobinRouter(), [1.0, 2.0], prefill_contention=[1.0, 2.0]).run(prompts)
+    assert [r.ttft for r in res.results] == [2.0, 2.0]
+    res = ClusterSimulator(half, 2, RoundRobinRouter(), [1.0, 2.0], prefill_contention=[1.0, 4.0]).run(prompts)
+    assert [r.ttft for r in res.results] == [3.0, 3.0]  # 0.5 s at 2x + 0.5 s at 4x
+    with pytest.raises(ValueError, match=r"prefill_contention needs as many factors as contention \(2\), got 1"):
+        ClusterSimulator(half, 2, RoundRobinRouter(), [1.0, 2.0], prefill_contention=[1.0])
+    with pytest.raises(ValueError, match=r"prefill_contention\[1\]"):
+        ClusterSimulator(half, 2, RoundRobinRouter(), [1.0, 2.0], prefill_contention=[1.0, -2.0])
+    for bad, match in (([], "at least one factor"), ([1.0, 0.0], r"contention\[1\] .*2 replica"),
+                       (["x"], "list of numbers"), ([1.0, float("inf")], r"contention\[1\]")):
+        with pytest.raises(ValueError, match=match):
+            ClusterSimulator(sim_for(), 2, RoundRobinRouter(), contention=bad)
+
+
 def test_prefix_router_keeps_conversations_together():
     trace = conversations(users=4, rounds=3)
     prefix = ClusterSimulator(sim_for(), 2, PrefixAwareRouter()).run(trace)
@@ -97,6 +140,18 @@ def test_cli_sweep_and_bad_flags(tmp_path, capsys):
         (1, "prefix", 6), (1, "round-robin", 6), (2, "prefix", 6), (2, "round-robin", 6)]
     assert rows[2]["requests_per_replica"] == [3, 3]  # prefix: the two prefixes on their own replicas
     assert "replicas" in capsys.readouterr().out
+    # one host of two replicas whose steps take 3x as long side by side: the 2-replica runs get slower
+    out2 = tmp_path / "rows2.json"
+    assert main(args[:-1] + [str(out2), "--contention", "1,3"]) == 0
+    shared = json.loads(out2.read_text())
+    assert "hosts of 2 replicas, step-time factors [1.0, 3.0]" in capsys.readouterr().out
+    assert shared[0]["median_ttft_ms"] == rows[0]["median_ttft_ms"]  # one replica: nothing to share with
+    assert shared[2]["median_e2el_ms"] > rows[2]["median_e2el_ms"]
+    assert main(args[:-1] + [str(out2), "--contention", "none"]) == 0
+    assert json.loads(out2.read_text())[2]["median_e2el_ms"] == rows[2]["median_e2el_ms"]
+    assert main(args + ["--contention", "1,0"]) == 2
+    assert "--contention: contention[1] (the step-time factor with 2 replica(s) of a host busy) must be a finite " \
+           "number > 0, got 0.0" in capsys.readouterr().err
     assert main(args[:-4] + ["--router", "random"]) == 2
     assert "--router must be in prefix, least-loaded, round-robin" in capsys.readouterr().err
     assert main(["serve", "--data-parallel-size", "0"]) == 2

@@ -37,6 +37,20 @@ def test_simulate_and_the_validation_table():
     assert "requests per replica: real [5, 4], prefix [6, 3], recorded placement [5, 4]" in table
 
 
+def test_simulate_applies_the_calibrations_contention():
+    """A calibration measured on the deployment's replicas (``contention``) slows the replay's overlapping steps."""
+    from kvserve.sim.cost_model import ServerCalibrated
+
+    recs = [{"conversation": u, "round": 0, "start_s": 0.0, "output_len": 2, "replica": "ab"[u],
+             "prompt_token_ids": [100 * (u + 1) + j for j in range(8)]} for u in range(2)]
+    plain = rsb.simulate(sim_for(), recs, 2, "round-robin")["recorded placement"]
+    sim = sim_for()
+    sim.step_time = ServerCalibrated(sim.step_time, contention=[1.0, 1.5])
+    shared = rsb.simulate(sim, recs, 2, "round-robin")["recorded placement"]
+    assert plain["median_ttft_ms"] == 1000.0 and plain["median_e2el_ms"] == 2000.0  # 1 s steps, side by side
+    assert shared["median_ttft_ms"] == 1500.0 and shared["median_e2el_ms"] == 3000.0  # both steps at 1.5 s
+
+
 def test_recorded_placement_falls_back_to_the_least_loaded():
     from kvserve.distributed.router import ReplicaLoad
 

@@ -51,6 +51,24 @@ def test_server_calibration_is_applied_from_the_profile(tmp_path):
     _, cost = load(p)
     assert cost.step_time(decode_features(4, 10)) == pytest.approx(0.005 + 2 * (0.1 + 0.04))
     assert cost.step_time(prefill_features(100)) == pytest.approx(0.005 + 2 * (0.1 + 0.0) + 3 * (100 * 0.01))
+    assert cost.contention is None
+    # a calibration on a data-parallel deployment carries its contention factors
+    prof["server_calibration"]["contention"] = [1.0, 1.8]
+    p.write_text(json.dumps(prof))
+    assert load(p)[1].contention == [1.0, 1.8] and load(p)[1].prefill_contention is None
+    prof["server_calibration"]["prefill_contention"] = [1.0, 1.1]
+    p.write_text(json.dumps(prof))
+    assert load(p)[1].prefill_contention == [1.0, 1.1]
+    prof["server_calibration"]["prefill_contention"] = [1.0]
+    p.write_text(json.dumps(prof))
+    with pytest.raises(ValueError, match="prefill_contention needs as many factors as contention"):
+        load(p)
+    del prof["server_calibration"]["prefill_contention"]
+    prof["server_calibration"]["contention"] = [1.0, -1]
+    p.write_text(json.dumps(prof))
+    with pytest.raises(ValueError, match=r"'server_calibration': contention\[1\] .* must be a finite number > 0"):
+        load(p)
+    del prof["server_calibration"]["contention"]
     prof["server_calibration"]["scale"] = 0
     p.write_text(json.dumps(prof))
     with pytest.raises(ValueError, match="server_calibration.scale' must be > 0"):
@@ -80,18 +98,29 @@ def test_calibration_of_a_data_parallel_deployment_predicts_per_replica_rows(mon
         def prefill_time(self, f):
             return 0.001 * f[0]
 
-    gaps = {1: 0.030, 8: 0.060}  # the server: 20 ms over the model at 1 stream, (10 + 5 * 4) * 2 at 8 on 2 replicas
+    # the server: twice the model, 30 ms at 1 stream, (10 + 5 * 4) * 2 at 8 on 2 replicas; 2 streams (one per
+    # replica) as fast as one: no contention
+    gaps = {1: 0.030, 2: 0.030, 8: 0.060}
 
     async def fake_run(url, model, reqs, offsets, **kw):
-        g = gaps.get(len(reqs), 0.0)
+        g = gaps[len(reqs)]
         return [RequestResult(success=True, ttft=0.25, itl=[g] * 10) for _ in reqs], 1.0
 
     monkeypatch.setattr(V, "run_benchmark", fake_run)
     cal = V.calibrate("http://x", "m", Linear(), replicas=2)
     assert [(b, round(p, 6)) for b, _, p in cal["points"]] == [(1, 0.015), (8, 0.030)]
     assert cal["scale"] == pytest.approx(2.0) and cal["offset_s"] == pytest.approx(0.0)
+    assert cal["contention"] == [1.0, 1.0]
     one = V.calibrate("http://x", "m", Linear())
-    assert [round(p, 6) for _, _, p in one["points"]] == [0.015, 0.05]
+    assert [round(p, 6) for _, _, p in one["points"]] == [0.015, 0.05] and "contention" not in one
+    # each step 1.5x slower while both replicas compute: 2 streams 45 ms, 8 streams 90 ms. The factor is measured
+    # and taken out of the 8-stream point, so scale and offset stay those of one replica alone
+    gaps.update({2: 0.045, 8: 0.090})
+    cal = V.calibrate("http://x", "m", Linear(), replicas=2)
+    assert cal["contention"] == pytest.approx([1.0, 1.5])
+    assert cal["scale"] == pytest.approx(2.0) and cal["offset_s"] == pytest.approx(0.0)
+    gaps[2] = 0.025  # faster with two busy is noise: the factor is 1
+    assert V.calibrate("http://x", "m", Linear(), replicas=2)["contention"] == [1.0, 1.0]
 
 
 def test_calibration_runs_pool_the_decode_gaps_and_take_the_median_prefill(monkeypatch):
