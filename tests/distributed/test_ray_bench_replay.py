@@ -58,3 +58,26 @@ def test_recorded_placement_falls_back_to_the_least_loaded():
     loads = {0: ReplicaLoad(2, 0), 1: ReplicaLoad(0, 0)}
     assert [policy.choose([], loads) for _ in range(4)] == [1, 1, 1, 1]
     assert rsb.RecordedPlacement([0]).choose([], loads) == 0
+
+
+def test_shutdown_ray_is_bounded_when_serve_hangs(monkeypatch):
+    """A ``serve.shutdown()`` that never returns (or raises) still ends in ``ray.shutdown()``, after the timeout."""
+    import threading
+    import time
+
+    from kvserve.entrypoints import ray_serve_ingress as ingress
+
+    release, calls = threading.Event(), []
+    monkeypatch.setattr(ingress.serve, "shutdown", lambda: release.wait(30))
+    monkeypatch.setattr(ingress.ray, "shutdown", lambda: calls.append("ray"))
+    t = time.monotonic()
+    ingress.shutdown_ray(timeout_s=0.2)
+    assert calls == ["ray"] and time.monotonic() - t < 5
+    release.set()
+
+    def boom():
+        raise RuntimeError("controller gone")
+
+    monkeypatch.setattr(ingress.serve, "shutdown", boom)
+    ingress.shutdown_ray(timeout_s=5)
+    assert calls == ["ray", "ray"]
