@@ -155,7 +155,7 @@ class ClusterSimulator:
                         res.itl.append(t - last_token[k])
                     last_token[k] = t
                     res.output_tokens += 1
-                    if res.output_tokens == trace[k].output_len:
+                    if res.output_tokens == sim.output_tokens(trace[k]):
                         res.success, res.e2el = True, t - trace[k].arrival_s
                 if rep.sched.has_unfinished_requests():
                     idle_with_work.add(r)
@@ -182,7 +182,7 @@ class ClusterSimulator:
             idle_with_work.clear()
             if self.contention:
                 self._retime(reps, t, ends)
-        return ClusterResult(self._summary(reps, results, t, slos, wall0), results, replica_of)
+        return ClusterResult(self._summary(trace, reps, results, t, slos, wall0), results, replica_of)
 
     def _advance(self, reps: list, t: float) -> None:
         """Contention: every step in flight has done ``(t - mark) / factor`` of its work by ``t``."""
@@ -230,7 +230,8 @@ class ClusterSimulator:
         if rep.step is None:
             idle_with_work.add(dest)
 
-    def _summary(self, reps: list, results: list, duration: float, slos: Optional[dict], wall0: float) -> dict:
+    def _summary(self, trace: list, reps: list, results: list, duration: float, slos: Optional[dict],
+                 wall0: float) -> dict:
         s = summarize(results, duration, slos or {})
         queries = sum(rep.kv.prefix_cache_queries for rep in reps)
         hits = sum(rep.kv.prefix_cache_hits for rep in reps)
@@ -247,6 +248,7 @@ class ClusterSimulator:
             "steps": sum(rep.steps for rep in reps),
             "preemptions": sum(rep.sched.num_preemptions for rep in reps),
             "rejected": sum(1 for r in results if r.error.startswith("HTTP 400")),
+            "truncated": Simulator.num_truncated(trace, results),
             "num_blocks": self.sim.num_blocks,
             "sim_wall_s": time.perf_counter() - wall0,
         })

@@ -4,7 +4,8 @@ For each setting of the grid (``max_num_seqs`` x ``max_num_batched_tokens`` x ``
 chunked prefill x scheduling policy) the trace is simulated at the target request rate (``--request-rate``,
 Poisson arrivals; or the trace's own arrivals) and scored by goodput (requests/s meeting every SLO). A setting
 *meets* the SLOs when at least ``--attainment`` (default 90%) of the requests meet all of them and none is
-rejected; ties on goodput go to the setting with the smaller sum of p99 / SLO over the SLO metrics. The planner prints the best setting, the next-best ones, and, for the top settings, the knee: the
+rejected or cut short (a setting whose token budget, without chunked prefill, ends requests before their
+``output_len``: the engine caps a sequence at the budget); ties on goodput go to the setting with the smaller sum of p99 / SLO over the SLO metrics. The planner prints the best setting, the next-best ones, and, for the top settings, the knee: the
 highest rate of a geometric sweep at which the SLOs still hold; with ``--plot`` it draws goodput against rate per
 setting.
 
@@ -82,11 +83,25 @@ def evaluate(base_args: dict, setting: dict, profile: str, trace: list, slos: di
     """Simulate ``trace`` under ``setting``; returns goodput, attainment and the summary."""
     from kvserve.sim.cli import build_simulator
 
+    from kvserve.bench.serve import summarize
+
     sim, _ = build_simulator({**base_args, **setting}, profile)
-    s = sim.run(trace, slos).summary
+    res = sim.run(trace, slos)
+    s = res.summary
+    if s["truncated"]:  # a request cut short did not get what it asked for: it meets no SLO here
+        for r, got in zip(trace, res.results):
+            if got.success and got.output_tokens < r.output_len:
+                got.success, got.error = False, f"cut short at {got.output_tokens} of {r.output_len} tokens"
+        s = {**s, **summarize(res.results, s["duration_s"], slos)}
     n = len(trace)
     attained = s["goodput"] * s["duration_s"] / n if s["duration_s"] > 0 else 0.0
-    return {"goodput": s["goodput"], "attainment": attained, "rejected": s["rejected"], "summary": s}
+    return {"goodput": s["goodput"], "attainment": attained, "rejected": s["rejected"], "truncated": s["truncated"],
+            "summary": s}
+
+
+def _clean(ev: dict) -> bool:
+    """Nothing rejected and nothing cut short."""
+    return ev["rejected"] == 0 and ev["truncated"] == 0
 
 
 def _retimed(trace: list, rate: float, seed: int) -> list:
@@ -115,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     for st in settings:
         ev = evaluate(base, st, args.profile, trace, slos)
         ev["setting"] = st
-        ev["meets"] = ev["attainment"] >= args.attainment and ev["rejected"] == 0
+        ev["meets"] = ev["attainment"] >= args.attainment and _clean(ev)
         scored.append(ev)
     def margin(e: dict) -> float:  # ties on goodput: the setting with more room under the SLOs (p99 / SLO) first
         s = e["summary"]
@@ -128,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     if not best["meets"]:
         raise ValueError(f"no setting meets {slo_text} for {100 * args.attainment:g}% of requests at {at}; best was "
                          f"{describe(best['setting'])} with {100 * best['attainment']:.1f}% "
-                         f"(goodput {best['goodput']:.3f} req/s, {best['rejected']} rejected)")
+                         f"(goodput {best['goodput']:.3f} req/s, {best['rejected']} rejected, {best['truncated']} cut "
+                         f"short)")
     print(f"{len(settings)} settings simulated on {len(trace)} requests at {at}; SLOs: {slo_text} "
           f"for >= {100 * args.attainment:g}% of requests")
     print(f"best: {describe(best['setting'])}")
@@ -147,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
             for r in rates:
                 ev = evaluate(base, e["setting"], args.profile, _retimed(trace, r, args.seed), slos)
                 pts.append((r, ev["goodput"], ev["attainment"]))
-                if ev["attainment"] >= args.attainment and ev["rejected"] == 0 and knee == (pts[-2][0] if
-                                                                                        len(pts) > 1 else None):
+                if ev["attainment"] >= args.attainment and _clean(ev) and \
+                        knee == (pts[-2][0] if len(pts) > 1 else None):
                     knee = r  # the last rate of the unbroken run of passing rates from the lowest
             curves[describe(e["setting"])] = pts
             knees.append(knee)

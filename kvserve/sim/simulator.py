@@ -97,6 +97,17 @@ class Simulator:
             return f"prompt > max_num_batched_tokens {sc.max_num_batched_tokens} without chunked prefill"
         return None
 
+    def output_tokens(self, r: TraceRequest) -> int:
+        """The tokens the engine returns for ``r``: its ``output_len``, or fewer when prompt + output would pass
+        ``max_total_tokens`` (without chunked prefill that is the token budget): the engine then ends the request
+        at that length (``finish_reason`` "length"), and the benchmark client counts it as completed."""
+        return max(1, min(r.output_len, self.max_total_tokens - r.prompt_len))
+
+    @staticmethod
+    def num_truncated(trace: list[TraceRequest], results: list) -> int:
+        """Completed requests that got fewer tokens than their ``output_len`` (``output_tokens``)."""
+        return sum(1 for r, res in zip(trace, results) if res.success and res.output_tokens < r.output_len)
+
     def run(self, trace: list[TraceRequest], slos: Optional[dict] = None, sample_every: int = 1) -> SimResult:
         """Simulate ``trace`` (arrivals in non-decreasing order) to the last request's end.
 
@@ -181,13 +192,13 @@ class Simulator:
             "kv_usage_mean": usage_sum / running_time if running_time else 0.0,
             "kv_usage_max": usage_max,
             "rejected": sum(1 for r in results if r.error.startswith("HTTP 400")),
+            "truncated": self.num_truncated(trace, results),
             "num_blocks": self.num_blocks,
             "sim_wall_s": time.perf_counter() - wall0,
         })
         return SimResult(summary, results, samples)
 
-    @staticmethod
-    def _fill_results(trace: list[TraceRequest], results: list, step_end: list, step_tokens: list,
+    def _fill_results(self, trace: list[TraceRequest], results: list, step_end: list, step_tokens: list,
                       token_req: list) -> None:
         """Per-request TTFT, ITL, e2e latency, token count and success from the flat token deliveries: token ``j``
         of the run went to request ``token_req[j]``; step ``k`` ended at ``step_end[k]`` (seconds) and delivered
@@ -208,6 +219,6 @@ class Simulator:
             res.output_tokens = b - a
             res.ttft = float(times[0]) - arrival
             res.itl = np.diff(times).tolist()
-            if res.output_tokens == trace[k].output_len:
+            if res.output_tokens == self.output_tokens(trace[k]):
                 res.success = True
                 res.e2el = float(times[-1]) - arrival

@@ -76,3 +76,24 @@ def test_sim_names_the_line_of_a_malformed_trace(files, capsys, tmp_path):
     rc = main(["sim", "--profile", str(p), "--dataset", "azure", "--trace-file", str(csv)])
     assert rc == 2
     assert "a.csv: line 3: expected 3 fields, got 2" in capsys.readouterr().err
+
+
+def test_plan_does_not_pick_a_budget_that_cuts_requests_short(files, capsys, tmp_path):
+    """Without chunked prefill a sequence may not outgrow the token budget: with 64 tokens the 57-59-token prompts
+    (8 output tokens asked) end early. The simulator counts them as completed, as the benchmark client does, and
+    reports them as ``truncated``; the planner does not let such a setting meet the SLOs."""
+    p, t = files
+    out_json = tmp_path / "sim.json"
+    assert main(["sim", "--profile", str(p), "--dataset", "jsonl", "--trace-file", str(t), "--num-kv-blocks", "64",
+                 "--no-enable-chunked-prefill", "--max-num-batched-tokens", "64", "--output-json",
+                 str(out_json)]) == 0
+    s = json.loads(out_json.read_text())["summary"]
+    assert (s["completed"], s["truncated"], s["total_output_tokens"]) == (20, 3, 17 * 8 + 7 + 6 + 5)
+    capsys.readouterr()
+    args = ["plan", "--profile", str(p), "--dataset", "jsonl", "--trace-file", str(t), "--slo", "ttft:5000",
+            "--max-num-seqs", "4", "--chunked-prefill", "off", "--num-kv-blocks", "64", "--top", "1"]
+    assert main(args + ["--max-num-batched-tokens", "64,128"]) == 0
+    assert "best: max_num_seqs=4 max_num_batched_tokens=128" in capsys.readouterr().out
+    assert main(args + ["--max-num-batched-tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "with 85.0% (goodput" in err and "req/s, 0 rejected, 3 cut short)" in err  # 17 of 20 in full

@@ -198,3 +198,27 @@ def test_real_traces_read():
     mc = tr.read_mooncake(DATA / "mooncake" / "conversation_trace.jsonl", 200, length_scale=16)
     assert mc[0].prefix_block_tokens == 32 and mc[0].prompt_len == 423  # ceil(6758 / 16)
     assert 0 < tr.prefix_share(mc) < 1
+
+
+def test_unchunked_budget_caps_the_output_as_the_engine_does():
+    """Without chunked prefill no sequence outgrows the token budget: the real engine ends a 12-token prompt with
+    ``max_tokens=10`` after 4 tokens (``finish_reason`` "length") under a 16-token budget, the server's client
+    counts it as completed, and so does the simulator (single engine and cluster), at its 4th token."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.config import EngineConfig
+    from kvserve.distributed.router import RoundRobinRouter
+    from kvserve.sim.cluster import ClusterSimulator
+    from kvserve.sim.cost_model import FEATURES, CostModel
+    from kvserve.sim.simulator import Simulator
+    from kvserve.sim.trace import TraceRequest
+
+    engine = dict(block_size=4, enable_chunked_prefill=False, max_num_batched_tokens=16)
+    out = LLM(num_kv_blocks=64, **engine).generate([list(range(1000, 1012))],
+                                                  SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert (len(out.outputs[0].token_ids), out.outputs[0].finish_reason) == (4, "length")
+    sim = Simulator(EngineConfig.from_kwargs(**engine), CostModel(1.0, {f: 0.0 for f in FEATURES}), 64, 4096)
+    trace = [TraceRequest(0.0, 12, 10), TraceRequest(0.0, 16, 10), TraceRequest(0.0, 4, 3)]
+    assert [sim.output_tokens(r) for r in trace] == [4, 1, 3]
+    for res in (sim.run(trace).results, ClusterSimulator(sim, 1, RoundRobinRouter()).run(trace).results):
+        assert [(r.success, r.output_tokens) for r in res] == [(True, 4), (True, 1), (True, 3)]
+        assert res[0].ttft == 1.0 and res[0].e2el == 4.0  # one token per 1 s step after the prefill step
