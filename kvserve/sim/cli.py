@@ -203,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
               f"of {s['num_blocks']} blocks")
         if s["rejected"]:
             print(f"{'rejected (HTTP 400 on a server)':<40}  {s['rejected']}")
+        if s["truncated"]:
+            print(f"{'cut short (finish_reason length)':<40}  {s['truncated']} (a sequence may not outgrow the "
+                  f"unchunked token budget)")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"summary": s, "kv_usage": res.kv_usage}, f, indent=1)

@@ -1,6 +1,7 @@
 """``kvserve plan`` and ``kvserve sim`` through the CLI, on a hand-written profile and a JSONL trace (no model)."""
 
 import json
+import re
 
 import pytest
 
@@ -89,7 +90,7 @@ def test_plan_does_not_pick_a_budget_that_cuts_requests_short(files, capsys, tmp
                  str(out_json)]) == 0
     s = json.loads(out_json.read_text())["summary"]
     assert (s["completed"], s["truncated"], s["total_output_tokens"]) == (20, 3, 17 * 8 + 7 + 6 + 5)
-    capsys.readouterr()
+    assert re.search(r"cut short \(finish_reason length\) +3 ", capsys.readouterr().out)
     args = ["plan", "--profile", str(p), "--dataset", "jsonl", "--trace-file", str(t), "--slo", "ttft:5000",
             "--max-num-seqs", "4", "--chunked-prefill", "off", "--num-kv-blocks", "64", "--top", "1"]
     assert main(args + ["--max-num-batched-tokens", "64,128"]) == 0
