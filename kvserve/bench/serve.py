@@ -157,8 +157,9 @@ def check_loopback(base_url: str) -> None:
         raise ValueError(f"kvserve bench serve only targets loopback servers; {parsed.hostname!r} is {sorted(addrs)}")
 
 
-def parse_goodput(items) -> dict:
-    """``["ttft:2000", "tpot:300"]`` -> ``{"ttft": 2.0, "tpot": 0.3}`` (seconds).
+def parse_goodput(items, flag: str = "--goodput") -> dict:
+    """``["ttft:2000", "tpot:300"]`` -> ``{"ttft": 2.0, "tpot": 0.3}`` (seconds); ``flag`` is the option the
+    message names.
 
     Raises:
         ValueError: an unknown metric or a bad number.
@@ -171,7 +172,7 @@ def parse_goodput(items) -> dict:
         except ValueError:
             value = float("nan")
         if name not in SLO_METRICS or not value > 0 or math.isinf(value):
-            raise ValueError(f"--goodput takes METRIC:MS with METRIC in {SLO_METRICS} and MS > 0, got {item!r}")
+            raise ValueError(f"{flag} takes METRIC:MS with METRIC in {SLO_METRICS} and MS > 0, got {item!r}")
         slos[name] = value / 1000
     return slos
 

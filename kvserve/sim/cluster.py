@@ -324,9 +324,10 @@ def contention_arg(text: Optional[str], sim: Simulator) -> tuple:
     if text.strip().lower() == "none":
         return None, None
     try:
-        return check_contention(text.split(",")), None
-    except ValueError as e:
-        raise ValueError(f"--contention: {e}") from None
+        factors = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--contention must be a comma list of numbers > 0 (e.g. 1,1.6), got {text!r}") from None
+    return check_contention(factors, "--contention"), None
 
 
 def parse_list(text: str, name: str, kind, allowed=None) -> list:
@@ -350,8 +351,20 @@ def parse_list(text: str, name: str, kind, allowed=None) -> list:
 
 
 def wants_cluster(args) -> bool:
-    """Whether ``kvserve sim`` was asked for more than one replica or router."""
-    return str(getattr(args, "replicas", "1")) != "1" or "," in str(getattr(args, "router", ""))
+    """Whether ``kvserve sim`` was asked for more than one replica or router.
+
+    Raises:
+        ValueError: a bad ``--router``, or ``--contention`` without a cluster (one engine shares its host with no
+            other replica).
+    """
+    from kvserve.distributed.router import ROUTERS
+
+    parse_list(getattr(args, "router", "prefix"), "router", str, ROUTERS)
+    cluster = str(getattr(args, "replicas", "1")) != "1" or "," in str(getattr(args, "router", ""))
+    if not cluster and getattr(args, "contention", None) is not None:
+        raise ValueError("--contention needs --replicas N > 1 (or a list): a single engine shares its host with no "
+                         "other replica")
+    return cluster
 
 
 def sweep(sim: Simulator, trace: list, replicas: list, routers: list, slos: Optional[dict] = None,
@@ -378,15 +391,17 @@ def sweep(sim: Simulator, trace: list, replicas: list, routers: list, slos: Opti
 def format_sweep(rows: list) -> str:
     """A text table of ``sweep`` summaries."""
     head = (f"{'replicas':>8} {'router':>13} {'goodput/s':>10} {'per replica':>11} {'hit rate':>9} "
-            f"{'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'req max/mean':>12} {'overridden':>10}")
+            f"{'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'TPOT p50 ms':>11} {'req max/mean':>12} {'overridden':>10} "
+            f"{'rejected/cut':>12}")
     lines = [head]
     for s in rows:
         gp = s["goodput"] if s["goodput"] is not None else s["request_throughput"]
         per = gp / s["replicas"]
         lines.append(f"{s['replicas']:>8} {s['router']:>13} {gp:>10.3f} {per:>11.3f} "
                      f"{100 * s['prefix_cache_hit_rate']:>8.1f}% {s['median_ttft_ms'] or 0:>11.0f} "
-                     f"{s['p99_ttft_ms'] or 0:>11.0f} {s['request_imbalance'] or 0:>12.2f} "
-                     f"{s.get('overridden', '-'):>10}")
+                     f"{s['p99_ttft_ms'] or 0:>11.0f} {s['median_tpot_ms'] or 0:>11.1f} "
+                     f"{s['request_imbalance'] or 0:>12.2f} {s.get('overridden', '-'):>10} "
+                     f"{str(s['rejected']) + '/' + str(s.get('truncated', 0)):>12}")
     return "\n".join(lines)
 
 
@@ -424,11 +439,13 @@ def run_cli(args, sim: Simulator, trace: list, slos: dict) -> int:
     contention, prefill_contention = contention_arg(getattr(args, "contention", None), sim)
     rows = sweep(sim, trace, replicas, routers, slos, scale_load=len(replicas) > 1, router_kwargs=bound_kwargs(args),
                  contention=contention, prefill_contention=prefill_contention)
+    hosts = (f"hosts of {len(contention)} replicas, step-time factors {contention}"
+             f"{f' (prompt chunks {prefill_contention})' if prefill_contention else ''}; " if contention else
+             "no contention between replicas (each on a machine of its own); ")
     if not args.quiet:
         print(f"simulated {len(trace)} requests ({args.dataset}) on {replicas} replicas x {routers}; "
               f"{'arrivals sped up N times for N replicas; ' if len(replicas) > 1 else ''}"
-              f"{'hosts of %d replicas, step-time factors %s; ' % (len(contention), contention) if contention else ''}"
-              f"{'prompt chunks %s; ' % prefill_contention if prefill_contention else ''}"
+              f"{hosts}"
               f"{sum(s['sim_wall_s'] for s in rows):.1f} s wall")
         print(format_sweep(rows))
     if args.output_json:

@@ -44,12 +44,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="profile.json")
     p.add_argument("--slo", nargs="+", required=True, metavar="METRIC:MS", help="e.g. ttft:500 tpot:100")
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet every SLO")
-    p.add_argument("--max-num-seqs", default="8,16,32,64")
-    p.add_argument("--max-num-batched-tokens", default="256,512,1024")
-    p.add_argument("--block-size", default="16")
+    p.add_argument("--max-num-seqs", default="8,16,32,64", help="comma list of max_num_seqs to try")
+    p.add_argument("--max-num-batched-tokens", default="256,512,1024",
+                   help="comma list of per-step token budgets to try")
+    p.add_argument("--block-size", default="16", help="comma list of block sizes (tokens) to try")
     p.add_argument("--num-kv-blocks", default="2048", help="KV pool sizes to try (blocks)")
-    p.add_argument("--chunked-prefill", default="on,off")
-    p.add_argument("--scheduling-policy", default="fcfs")
+    p.add_argument("--chunked-prefill", default="on,off", help="comma list of on / off to try")
+    p.add_argument("--scheduling-policy", default="fcfs", help="comma list of fcfs / priority to try")
     p.add_argument("--top", type=int, default=3, help="settings to sweep for the knee and list")
     p.add_argument("--plot", default=None, help="write goodput vs rate per setting to this PNG")
     p.add_argument("--output-json", default=None)
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     """``kvserve plan``."""
     from kvserve.sim.cli import load_trace
 
-    slos = parse_goodput(args.slo)
+    slos = parse_goodput(args.slo, "--slo")
     if not slos:
         raise ValueError("--slo needs at least one METRIC:MS")
     if not 0 < args.attainment <= 1:
@@ -142,9 +143,9 @@ def run(args: argparse.Namespace) -> int:
     best = scored[0]
     if not best["meets"]:
         raise ValueError(f"no setting meets {slo_text} for {100 * args.attainment:g}% of requests at {at}; best was "
-                         f"{describe(best['setting'])} with {100 * best['attainment']:.1f}% "
-                         f"(goodput {best['goodput']:.3f} req/s, {best['rejected']} rejected, {best['truncated']} cut "
-                         f"short)")
+                         f"{describe(best['setting'])} with {100 * best['attainment']:.1f}% of requests meeting every "
+                         f"SLO (goodput {best['goodput']:.3f} req/s, {best['rejected']} rejected, {best['truncated']} "
+                         f"cut short; a setting that rejects or cuts short any request cannot meet the SLOs)")
     print(f"{len(settings)} settings simulated on {len(trace)} requests at {at}; SLOs: {slo_text} "
           f"for >= {100 * args.attainment:g}% of requests")
     print(f"best: {describe(best['setting'])}")

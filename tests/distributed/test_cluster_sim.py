@@ -145,13 +145,21 @@ def test_cli_sweep_and_bad_flags(tmp_path, capsys):
     assert main(args[:-1] + [str(out2), "--contention", "1,3"]) == 0
     shared = json.loads(out2.read_text())
     assert "hosts of 2 replicas, step-time factors [1.0, 3.0]" in capsys.readouterr().out
+    assert rows[2]["median_tpot_ms"] < shared[2]["median_tpot_ms"]
     assert shared[0]["median_ttft_ms"] == rows[0]["median_ttft_ms"]  # one replica: nothing to share with
     assert shared[2]["median_e2el_ms"] > rows[2]["median_e2el_ms"]
     assert main(args[:-1] + [str(out2), "--contention", "none"]) == 0
     assert json.loads(out2.read_text())[2]["median_e2el_ms"] == rows[2]["median_e2el_ms"]
     assert main(args + ["--contention", "1,0"]) == 2
-    assert "--contention: contention[1] (the step-time factor with 2 replica(s) of a host busy) must be a finite " \
-           "number > 0, got 0.0" in capsys.readouterr().err
+    assert "--contention[1] (the step-time factor with 2 replica(s) of a host busy) must be a finite number > 0, " \
+           "got 0.0" in capsys.readouterr().err
+    assert main(args + ["--contention", "x"]) == 2
+    assert "--contention must be a comma list of numbers > 0 (e.g. 1,1.6), got 'x'" in capsys.readouterr().err
+    single = args[:args.index("--replicas")] + ["--contention", "1,2"]
+    assert main(single) == 2  # one engine: nothing to share the host with
+    assert "--contention needs --replicas N > 1" in capsys.readouterr().err
+    assert main(single[:-2] + ["--router", "random"]) == 2
+    assert "--router must be in prefix, least-loaded, round-robin" in capsys.readouterr().err
     assert main(args[:-4] + ["--router", "random"]) == 2
     assert "--router must be in prefix, least-loaded, round-robin" in capsys.readouterr().err
     assert main(["serve", "--data-parallel-size", "0"]) == 2

@@ -97,4 +97,5 @@ def test_plan_does_not_pick_a_budget_that_cuts_requests_short(files, capsys, tmp
     assert "best: max_num_seqs=4 max_num_batched_tokens=128" in capsys.readouterr().out
     assert main(args + ["--max-num-batched-tokens", "64"]) == 2
     err = capsys.readouterr().err
-    assert "with 85.0% (goodput" in err and "req/s, 0 rejected, 3 cut short)" in err  # 17 of 20 in full
+    assert "with 85.0% of requests meeting every SLO (goodput" in err  # 17 of 20 in full
+    assert "req/s, 0 rejected, 3 cut short; a setting that rejects or cuts short any request cannot meet" in err
