@@ -439,7 +439,7 @@ def run_cli(args, sim: Simulator, trace: list, slos: dict) -> int:
     contention, prefill_contention = contention_arg(getattr(args, "contention", None), sim)
     rows = sweep(sim, trace, replicas, routers, slos, scale_load=len(replicas) > 1, router_kwargs=bound_kwargs(args),
                  contention=contention, prefill_contention=prefill_contention)
-    hosts = (f"hosts of {len(contention)} replicas, step-time factors {contention}"
+    hosts = (f"hosts of {len(contention)} replica{'s' if len(contention) > 1 else ''}, step-time factors {contention}"
              f"{f' (prompt chunks {prefill_contention})' if prefill_contention else ''}; " if contention else
              "no contention between replicas (each on a machine of its own); ")
     if not args.quiet:

@@ -48,7 +48,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", default="256,512,1024",
                    help="comma list of per-step token budgets to try")
     p.add_argument("--block-size", default="16", help="comma list of block sizes (tokens) to try")
-    p.add_argument("--num-kv-blocks", default="2048", help="KV pool sizes to try (blocks)")
+    p.add_argument("--num-kv-blocks", default="2048", help="comma list of KV pool sizes to try (blocks)")
     p.add_argument("--chunked-prefill", default="on,off", help="comma list of on / off to try")
     p.add_argument("--scheduling-policy", default="fcfs", help="comma list of fcfs / priority to try")
     p.add_argument("--top", type=int, default=3, help="settings to sweep for the knee and list")
@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
         s = e["summary"]
         return -sum((s.get(f"p99_{k}_ms") or math.inf) / (v * 1000) for k, v in slos.items())
 
-    scored.sort(key=lambda e: (e["meets"], round(e["goodput"], 9), e["attainment"], margin(e)), reverse=True)
+    scored.sort(key=lambda e: (e["meets"], _clean(e), round(e["goodput"], 9), e["attainment"], margin(e)),
+                reverse=True)  # when nothing meets the SLOs, the best named is one that serves every request in full
     slo_text = " and ".join(f"{k} <= {v * 1000:g} ms" for k, v in slos.items())
     at = f"{rate:g} req/s" if rate else "the trace's arrival rate"
     best = scored[0]

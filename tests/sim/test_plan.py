@@ -99,3 +99,7 @@ def test_plan_does_not_pick_a_budget_that_cuts_requests_short(files, capsys, tmp
     err = capsys.readouterr().err
     assert "with 85.0% of requests meeting every SLO (goodput" in err  # 17 of 20 in full
     assert "req/s, 0 rejected, 3 cut short; a setting that rejects or cuts short any request cannot meet" in err
+    # nothing meets an impossible SLO: the setting named as the best is one that serves every request in full
+    tight = [a if a != "ttft:5000" else "ttft:1" for a in args]
+    assert main(tight + ["--max-num-batched-tokens", "64,128"]) == 2
+    assert "best was max_num_seqs=4 max_num_batched_tokens=128" in capsys.readouterr().err
