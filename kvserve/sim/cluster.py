@@ -162,8 +162,7 @@ class ClusterSimulator:
             while i < n and trace[i].arrival_s <= t:  # arrivals up to now are routed and queued
                 self._admit(i, trace[i], reps, results, replica_of, bs, idle_with_work)
                 i += 1
-            started = sorted(idle_with_work)
-            for r in started:  # idle replicas with work start a step
+            for r in sorted(idle_with_work):  # idle replicas with work start a step
                 rep = reps[r]
                 so = rep.sched.schedule()
                 if not so.scheduled:
@@ -171,13 +170,12 @@ class ClusterSimulator:
                                        f"waiting; check the pool size and token budget")
                 rep.step, rep.steps, rep.start_s, rep.mark_s = so, rep.steps + 1, t, t
                 rep.version += 1
-                if self.contention:
+                if self.contention:  # its end is pushed by _retime below, at its host's rate
                     rep.work_s, pre = _split(sim.step_time, so)
                     rep.prefill_frac = pre / rep.work_s if rep.work_s > 0 else 0.0
-                    rep.factor = None  # no end pushed yet
+                    rep.factor = None
                 else:
                     rep.work_s, rep.factor = sim.step_time(so), 1.0
-                if not self.contention:
                     heapq.heappush(ends, (t + rep.work_s, r, rep.version))
             idle_with_work.clear()
             if self.contention:

@@ -19,7 +19,7 @@ import itertools
 import json
 import math
 
-from kvserve.bench.serve import parse_goodput
+from kvserve.bench.serve import parse_goodput, summarize
 from kvserve.engine.arg_utils import engine_kwargs
 from kvserve.sim import trace as tr
 
@@ -84,14 +84,12 @@ def evaluate(base_args: dict, setting: dict, profile: str, trace: list, slos: di
     """Simulate ``trace`` under ``setting``; returns goodput, attainment and the summary."""
     from kvserve.sim.cli import build_simulator
 
-    from kvserve.bench.serve import summarize
-
     sim, _ = build_simulator({**base_args, **setting}, profile)
     res = sim.run(trace, slos)
     s = res.summary
     if s["truncated"]:  # a request cut short did not get what it asked for: it meets no SLO here
         for r, got in zip(trace, res.results):
-            if got.success and got.output_tokens < r.output_len:
+            if sim.cut_short(r, got):
                 got.success, got.error = False, f"cut short at {got.output_tokens} of {r.output_len} tokens"
         s = {**s, **summarize(res.results, s["duration_s"], slos)}
     n = len(trace)

@@ -104,9 +104,15 @@ class Simulator:
         return max(1, min(r.output_len, self.max_total_tokens - r.prompt_len))
 
     @staticmethod
+    def cut_short(r: TraceRequest, res) -> bool:
+        """Whether ``res`` (a ``RequestResult``) completed with fewer tokens than ``r.output_len``
+        (``output_tokens``)."""
+        return res.success and res.output_tokens < r.output_len
+
+    @staticmethod
     def num_truncated(trace: list[TraceRequest], results: list) -> int:
-        """Completed requests that got fewer tokens than their ``output_len`` (``output_tokens``)."""
-        return sum(1 for r, res in zip(trace, results) if res.success and res.output_tokens < r.output_len)
+        """Completed requests cut short (``cut_short``)."""
+        return sum(1 for r, res in zip(trace, results) if Simulator.cut_short(r, res))
 
     def run(self, trace: list[TraceRequest], slos: Optional[dict] = None, sample_every: int = 1) -> SimResult:
         """Simulate ``trace`` (arrivals in non-decreasing order) to the last request's end.
