@@ -57,7 +57,7 @@
 #define RES 254                  /* ACT_PAIR: x ~= d (RES q1 + q2) */
 
 enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2 };
-enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
+enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AMX_INT8 = 3 };
 enum { ACT_INT8 = 0, ACT_PAIR = 1 }; /* activation precision: one int8 per value, or a pair (15 bits) */
 
 #define T_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -164,7 +164,7 @@ void kvserve_q_quantize_rows(int isa, int act, const float *x, int64_t M, int64_
     const int pair = act == ACT_PAIR;
     for (int64_t m = 0; m < M; m++) {
         int8_t *qm = q + m * K * (pair ? 2 : 1);
-        if (isa == ISA_AVX2 || isa == ISA_AVX512_VNNI)
+        if (isa == ISA_AVX2 || isa == ISA_AVX512_VNNI || isa == ISA_AMX_INT8)
             quantize_row_avx2(x + m * K, K, qm, d + m * (K / QK), s + m * (K / QK), pair);
         else
             quantize_row(x + m * K, K, qm, d + m * (K / QK), s + m * (K / QK), pair);
@@ -390,6 +390,8 @@ T_AVX512 static void group_avx512(int fmt, int pair, const uint8_t *wg, int64_t 
     }
 }
 
+#include "qgemm_amx.h"
+
 /* ---- entry points ---- */
 
 /* 1 if this CPU can run `isa`, else 0 (CPUID through the compiler's runtime). */
@@ -400,9 +402,13 @@ int kvserve_q_isa_supported(int isa) {
 #ifdef KVSERVE_Q_EMULATE_AVX512
     if (isa == ISA_AVX512_VNNI) return 1;
 #endif
-    if (isa == ISA_AVX512_VNNI)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+#ifdef KVSERVE_Q_EMULATE_AMX
+    if (isa == ISA_AMX_INT8) return 1;
+#endif
+    const int vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    if (isa == ISA_AVX512_VNNI) return vnni ? 1 : 0;
+    if (isa == ISA_AMX_INT8) return vnni && amx_usable() ? 1 : 0; /* its row tails run on the VNNI tiles */
     return 0;
 }
 
@@ -442,14 +448,18 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
             for (int64_t m = 0; m < M; m++)
                 quantize_row_avx2(x + m * K, K, xq + m * xrow, xd + m * nb, xs + m * nb, pair);
         }
+        if (isa == ISA_AMX_INT8 && M >= AMX_ROWS) { /* fewer rows: all of them on the VNNI tiles */
+            amx_rows(fmt, pair, w, nb, groups, xq, xd, xs, M, K, y, ldy, oscale);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *wg = w + g * nb * bb;
-            const float *os = oscale ? oscale + g * G : NULL;
-            if (isa == ISA_AVX512_VNNI)
-                group_avx512(fmt, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
-            else
-                group_avx2(fmt, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *wg = w + g * nb * bb;
+                const float *os = oscale ? oscale + g * G : NULL;
+                if (isa == ISA_AVX512_VNNI || isa == ISA_AMX_INT8)
+                    group_avx512(fmt, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
+                else
+                    group_avx2(fmt, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
+            }
         }
     }
     if (!on_stack) { free(xq); free(xd); free(xs); }

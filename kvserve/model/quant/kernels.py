@@ -8,10 +8,15 @@ carries its own ``__attribute__((target(...)))``, so one binary runs on every x8
 here:
 
 1. CPUID (``kvserve_q_isa_supported``, i.e. gcc's ``__builtin_cpu_supports``): ``avx512_vnni`` needs AVX-512 F, BW,
-   VL and VNNI; ``avx2`` needs AVX2 and FMA.
-2. ``KVSERVE_CPU_ISA`` (``avx2`` or ``avx512_vnni``) forces one path, e.g. to test AVX2 on an AVX-512 machine; a
-   forced path the CPU lacks is an error (``select_isa`` raises), never a silent substitute.
-3. Each candidate, best first, must pass a numerical self-check (``self_check``: both weight formats, 1-13 rows,
+   VL and VNNI; ``avx2`` needs AVX2 and FMA; ``amx_int8`` needs ``avx512_vnni`` plus AMX-TILE and AMX-INT8 (CPUID
+   leaf 7, EDX bits 24 and 25) *and* the kernel's grant of the tile state to this process (Linux
+   ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, Linux >= 5.16; see the kernel's
+   Documentation/arch/x86/xstate.rst). ``amx_int8`` computes 16 rows of a group with AMX tiles (``TDPBSUD`` /
+   ``TDPBSSD``, Intel SDM vol. 2, and the Intel AMX chapter of the optimization manual) and gives results equal,
+   bit for bit, to ``avx512_vnni``'s (the same integer sums, the same float epilogue).
+2. ``KVSERVE_CPU_ISA`` (``amx_int8``, ``avx512_vnni`` or ``avx2``) forces one path, e.g. to test AVX2 on an AVX-512
+   machine; a forced path the CPU lacks is an error (``select_isa`` raises), never a silent substitute.
+3. Each candidate, best first, must pass a numerical self-check (``self_check``: every weight format, 1-53 rows,
    against an exact-activation float64 reference) before it is used; one that fails is skipped.
 
 ``KVSERVE_CPU_KERNELS=0`` turns the library off, as for the float32 kernels; ``isa()`` is then ``None``.
@@ -40,9 +45,11 @@ _CSRC = Path(__file__).resolve().parents[1] / "csrc"
 #: The library's sources: the matmul, and the whole-layer-loop entry point that calls it
 #: (``kvserve.model.fused_layers``).
 _SOURCES = [_CSRC / "qgemm.c", _CSRC / "decoder.c"]
+#: Headers they include: part of the cache key, not of the command line.
+_HEADERS = [_CSRC / "qgemm_amx.h"]
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 #: Instruction-set paths, best first, with qgemm.c's ids.
-ISAS = {"avx512_vnni": 2, "avx2": 1}
+ISAS = {"amx_int8": 3, "avx512_vnni": 2, "avx2": 1}
 ISA_ENV = "KVSERVE_CPU_ISA"
 #: Activation precisions, with qgemm.c's ids: ``"int8"`` one int8 per value and float scale per 32-block
 #: (llama.cpp's Q8 activations: "W4A8"); ``"int8x2"`` a pair of int8 per value, ``x ~= d (254 q1 + q2)`` (15 bits,
@@ -50,7 +57,7 @@ ISA_ENV = "KVSERVE_CPU_ISA"
 ACTIVATIONS = {"int8": 0, "int8x2": 1}
 ACT_ENV = "KVSERVE_QUANT_ACTIVATIONS"
 #: The activation quantization used by default on each path (``activations()``); measured in docs/quant_kernels.md.
-DEFAULT_ACTIVATIONS = {"avx512_vnni": "int8x2", "avx2": "int8"}
+DEFAULT_ACTIVATIONS = {"amx_int8": "int8x2", "avx512_vnni": "int8x2", "avx2": "int8"}
 
 
 def _cache_dirs() -> list:
@@ -60,7 +67,7 @@ def _cache_dirs() -> list:
 
 def _build() -> Path:
     cc = os.environ.get("CC", "cc")
-    src = b"".join(p.read_bytes() for p in _SOURCES)
+    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     tag = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
     errors = []
     for folder in _cache_dirs():
@@ -261,8 +268,8 @@ def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray, activations: str = "in
 
 
 def self_check(name: str) -> bool:
-    """Run path ``name`` on small random Q4, Q4F and Q8 weights (40 x 96, 1/5/13 rows: partial output groups and row
-    tiles), with both ``ACTIVATIONS``, and compare with ``reference_qgemm``: relative error at most 1e-5 of
+    """Run path ``name`` on small random Q4, Q4F and Q8 weights (40 x 96, 1/5/13/53 rows: partial output groups, row
+    tiles, and full 16-row AMX tiles with a tail), with both ``ACTIVATIONS``, and compare with ``reference_qgemm``: relative error at most 1e-5 of
     ``sum |w| |x|`` (float32 rounding of the per-block sums). False if the CPU lacks it or any output is off."""
     if not cpu_supports(name):
         return False
@@ -282,7 +289,7 @@ def self_check(name: str) -> bool:
         (P.pack_q8(q8, d8, os8), np.repeat(d8.astype(np.float32), 32, 1) * q8 * os8[:, None]),
     ]
     for packed, wd in cases:
-        for rows in (1, 5, 13):
+        for rows in (1, 5, 13, 53):
             x = rng.standard_normal((rows, k)).astype(np.float32)
             x[0, :3] = (40.0, -40.0, 0.0)
             scale = np.abs(x).astype(np.float64) @ np.abs(wd.astype(np.float64)).T + 1e-30

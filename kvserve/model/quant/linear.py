@@ -114,9 +114,9 @@ class QuantLinear:
             ``"int8x2"``); default ``kernels.activations()``, the process-wide choice.
 
     Attributes:
-        path: ``"<kind>/<isa>"`` (isa ``avx2`` or ``avx512_vnni``), with ``"+a16"`` when activations are
-            ``"int8x2"`` (``q4/avx512_vnni+a16``), or ``"<kind>/fp32_fallback"`` when no quantized kernel can run
-            here.
+        path: ``"<kind>/<isa>"`` (isa a key of ``kernels.ISAS``: ``amx_int8``, ``avx512_vnni`` or ``avx2``), with
+            ``"+a16"`` when activations are ``"int8x2"`` (``q4/amx_int8+a16``), or ``"<kind>/fp32_fallback"`` when
+            no quantized kernel can run here.
         activations: the activation quantization in use.
         packed: the ``PackedWeight``.
 

@@ -1,0 +1,197 @@
+/* The AMX-INT8 path of kvserve_qgemm (included by qgemm.c): Intel Advanced Matrix Extensions (Sapphire Rapids and
+ * later; Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 1, ch. 18 "Intel AMX") multiply 16 rows
+ * of activations by 16 outputs of one 32-value weight block in one instruction, where the AVX-512 VNNI tile needs
+ * 8-16 `vpdpbusd` per row.
+ *
+ * Per 16 outputs (one weight group) x 16 rows x one block b of 32 input features:
+ *   A tile (16 rows x 32 bytes, row stride xrow): the rows' int8 activations of block b, read in place (q1; with
+ *       ACT_PAIR a second A tile holds q2, 32 bytes further on);
+ *   B tile (8 rows x 64 bytes): row r holds the 4 weights k = 4r..4r+3 of each of the 16 outputs -- exactly a Q8
+ *       block's 512 bytes, read in place; a Q4 group's nibbles are unpacked once per call into that form (the low
+ *       nibbles of a block's j-th 64 bytes are row j, the high nibbles row 4 + j: the layout at the top of qgemm.c);
+ *   C tiles (16 x 16 int32): TDPBSUD (signed activations x unsigned 4-bit weights) or TDPBSSD (signed x signed 8-bit)
+ *       of A and B: the block's exact integer dot products, one C tile per activation half.
+ * The C tiles are stored and the block's epilogue runs in AVX-512 exactly as the VNNI tile's (254 c1 + c2 in int32,
+ * then the same float multiply-adds in the same order), so this path's outputs equal the AVX-512 VNNI path's bit
+ * for bit: the integer sums are the same, only where they are computed differs. The weight scales are per block, so
+ * the float epilogue (about ten vector instructions per row and block) is what bounds the path, not the tile unit;
+ * two sets of C tiles alternate between blocks so that block b + 1's products run while block b is scaled. Rows past
+ * the last full 16 of a chunk go through the VNNI tiles. Measured in docs/quant_kernels.md ("AMX").
+ *
+ * Linux hands a process the tile registers only on request (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+ * the kernel's Documentation/arch/x86/xstate.rst); amx_usable() asks. Each thread loads the tile configuration
+ * before its first tile instruction of a call and releases the tiles at the end.
+ */
+#include <cpuid.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16  /* rows per AMX tile */
+#define AMX_CHUNK 32 /* rows per pass over the weights: a chunk's activations stay in L1/L2 while all groups pass */
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+#ifdef KVSERVE_Q_EMULATE_AMX /* tests only: tests/model/qgemm_amx_emu.c supplies the tile operations in C */
+#define T_AMX T_AVX512
+#else
+#define T_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+/* gcc 12's _tile_loadconfig declares only 8 bytes of its operand read, so the compiler drops the stores that fill the
+ * rest of the configuration; this names the whole struct. */
+#define AMX_LOAD_CONFIG(cfg) __asm__ volatile("ldtilecfg %0" ::"m"(cfg))
+#endif
+
+/* 1 if the CPU has AMX-TILE and AMX-INT8 (CPUID.(EAX=7, ECX=0):EDX bits 24, 25) and the kernel grants this process
+ * the tile data state, else 0. The grant is process-wide and permanent, so asking more than once is harmless. */
+static int amx_usable(void) {
+#ifdef KVSERVE_Q_EMULATE_AMX
+    return 1;
+#else
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return 0;
+    unsigned long perm = 0;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &perm)) return 0;
+    return (perm >> XFEATURE_XTILEDATA) & 1;
+#endif
+}
+
+/* Palette 1: tiles 0, 1 the A tiles (q1, q2); 2 the B tile; 4, 5 and 6, 7 the two sets of C tiles (q1, q2). */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+T_AMX static void amx_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    cfg.rows[0] = cfg.rows[1] = AMX_ROWS, cfg.colsb[0] = cfg.colsb[1] = QK;
+    cfg.rows[2] = QK / 4, cfg.colsb[2] = 4 * G;
+    for (int t = 4; t < 8; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 4 * G;
+    AMX_LOAD_CONFIG(cfg);
+}
+
+T_AMX static void amx_release(void) { _tile_release(); }
+
+/* The B tiles of n consecutive 4-bit blocks (Q4: 320 bytes each, Q4F: 384) unpacked to bq (512 bytes each). */
+T_AMX static void amx_unpack_q4(const uint8_t *w, int64_t n, int f32s, uint8_t *bq) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *nib = w + i * bb + (f32s ? 128 : 64);
+        for (int j = 0; j < 4; j++) {
+            __m512i raw = _mm512_loadu_si512((const void *)(nib + j * 64));
+            _mm512_store_si512((void *)(bq + i * 512 + j * 64), _mm512_and_si512(raw, m4));
+            _mm512_store_si512((void *)(bq + i * 512 + (4 + j) * 64), _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+        }
+    }
+}
+
+#define AX_ZERO_F(i) __m512 f##i = _mm512_setzero_ps();
+/* Row i of block pb: as A5_Q4_END / A5_Q8_END (the m_w term only for 4-bit weights). */
+#define AX_END(i)                                                                                       \
+    {                                                                                                   \
+        __m512i t = _mm512_load_si512((const void *)(cbuf + (i) * G));                                  \
+        if (pair) t = _mm512_add_epi32(_mm512_mullo_epi32(t, res32), _mm512_load_si512((const void *)(cbuf + (AMX_ROWS + (i)) * G))); \
+        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + pb])), f##i); \
+        if (fmt != FMT_Q8) f##i = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[(i) * nb + pb]), f##i);         \
+    }
+#define AX_STORE(i) _mm512_storeu_ps(y + (i) * ldy, oscale ? _mm512_mul_ps(f##i, _mm512_loadu_ps(oscale)) : f##i);
+#define AX_ROWS(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
+/* Load block b's A and B tiles and start its products into C tiles c1 (q1) and c2 (q2). */
+#define AX_ISSUE(c1, c2)                                                                                \
+    _tile_loadd(0, xq + b * xblk, xrow);                                                                \
+    if (pair) _tile_loadd(1, xq + b * xblk + QK, xrow);                                                 \
+    if (fmt == FMT_Q8) _tile_loadd(2, wg + b * bb + 32, 4 * G); else _tile_loadd(2, bq + b * 512, 4 * G); \
+    _tile_zero(c1);                                                                                     \
+    if (pair) _tile_zero(c2);                                                                           \
+    if (fmt == FMT_Q8) { _tile_dpbssd(c1, 0, 2); if (pair) _tile_dpbssd(c2, 1, 2); }                    \
+    else { _tile_dpbsud(c1, 0, 2); if (pair) _tile_dpbsud(c2, 1, 2); }
+#define AX_STORE_C(c1, c2)                                                                              \
+    _tile_stored(c1, cbuf, 4 * G);                                                                      \
+    if (pair) _tile_stored(c2, cbuf + AMX_ROWS * G, 4 * G);
+
+/* 16 rows x one group: y[16, 16] (row stride ldy) from the group's packed blocks wg (4-bit: their B tiles in bq) and
+ * the rows' activations (as in the VNNI tiles: row i at xq + i * xrow, d and s at xd, xs + i * nb). fmt and pair
+ * are constants at each call; float sums in registers. */
+T_AMX INLINE void amx_tile(const int fmt, const int pair, const uint8_t *wg, const uint8_t *bq, int64_t nb,
+                           const int8_t *xq, const float *xd, const float *xs, int64_t K, float *y, int64_t ldy,
+                           const float *oscale) {
+    _Alignas(64) int32_t cbuf[2 * AMX_ROWS * G];
+    const __m512i res32 = _mm512_set1_epi32(RES);
+    const int f32s = fmt == FMT_Q4F, bb = fmt == FMT_Q8 ? Q8_BLOCK : f32s ? Q4F_BLOCK : Q4_BLOCK;
+    const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
+    AX_ROWS(AX_ZERO_F)
+    for (int64_t b = 0; b <= nb; b++) {
+        if (b < nb) { /* block b on one set of C tiles ... */
+            if (b & 1) { AX_ISSUE(6, 7) } else { AX_ISSUE(4, 5) }
+        }
+        if (b > 0) { /* ... while block b - 1 is stored from the other and scaled */
+            const int64_t pb = b - 1;
+            if (pb & 1) { AX_STORE_C(6, 7) } else { AX_STORE_C(4, 5) }
+            const uint8_t *blk = wg + pb * bb;
+            const __m512 dw = f32s ? _mm512_loadu_ps((const void *)blk)
+                                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+            const __m512 mw = fmt == FMT_Q8 ? _mm512_setzero_ps()
+                              : f32s ? _mm512_loadu_ps((const void *)(blk + 64))
+                                     : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+            AX_ROWS(AX_END)
+        }
+    }
+    AX_ROWS(AX_STORE)
+}
+
+/* One group, rows [0, M): the full 16-row tiles on AMX (bq: a 4-bit group's B tiles, unpacked; NULL: every row on
+ * the VNNI tiles), the rest on the VNNI tiles. */
+T_AMX static void group_amx(int fmt, int pair, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
+                            const float *xs, int64_t M, int64_t K, float *y, int64_t ldy, const float *oscale,
+                            const uint8_t *bq, int tiles) {
+    const int64_t xrow = pair ? 2 * K : K, full = tiles ? M / AMX_ROWS * AMX_ROWS : 0;
+    for (int64_t m0 = 0; m0 < full; m0 += AMX_ROWS) {
+        const int8_t *xq_ = xq + m0 * xrow;
+        const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
+        float *y_ = y + m0 * ldy;
+        if (fmt == FMT_Q8) {
+            if (pair) amx_tile(FMT_Q8, 1, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
+            else amx_tile(FMT_Q8, 0, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
+        } else if (fmt == FMT_Q4F) {
+            if (pair) amx_tile(FMT_Q4F, 1, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
+            else amx_tile(FMT_Q4F, 0, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
+        } else {
+            if (pair) amx_tile(FMT_Q4, 1, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
+            else amx_tile(FMT_Q4, 0, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
+        }
+    }
+    if (full < M)
+        group_avx512(fmt, pair, wg, nb, xq + full * xrow, xd + full * nb, xs + full * nb, M - full, K, y + full * ldy,
+                     ldy, oscale);
+}
+
+/* Inside kvserve_qgemm's parallel region, called by every thread: this thread's contiguous share of the groups (as a
+ * static schedule), over the rows in chunks of AMX_CHUNK. A 4-bit weight's B tiles are unpacked once per call, for
+ * the whole share, before any product (into nb * 512 bytes per group; tile loads then never wait on those stores);
+ * a thread that cannot get that buffer runs its share on the VNNI tiles (the same bits). */
+T_AMX static void amx_rows(int fmt, int pair, const uint8_t *w, int64_t nb, int64_t groups, const int8_t *xq,
+                           const float *xd, const float *xs, int64_t M, int64_t K, float *y, int64_t ldy,
+                           const float *oscale) {
+    const int64_t xrow = pair ? 2 * K : K, bb = fmt == FMT_Q8 ? Q8_BLOCK : fmt == FMT_Q4F ? Q4F_BLOCK : Q4_BLOCK;
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num(), per = (groups + nth - 1) / nth;
+    const int64_t g0 = tid * per < groups ? tid * per : groups, g1 = g0 + per < groups ? g0 + per : groups;
+    if (g0 >= g1) return;
+    uint8_t *bq = fmt == FMT_Q8 ? NULL : aligned_alloc(64, (size_t)((g1 - g0) * nb * 512));
+    const int tiles = fmt == FMT_Q8 || bq;
+    if (bq) amx_unpack_q4(w + g0 * nb * bb, (g1 - g0) * nb, fmt == FMT_Q4F, bq);
+    if (tiles) amx_configure();
+    for (int64_t c0 = 0; c0 < M; c0 += AMX_CHUNK) {
+        const int64_t mc = M - c0 < AMX_CHUNK ? M - c0 : AMX_CHUNK;
+        for (int64_t g = g0; g < g1; g++)
+            group_amx(fmt, pair, w + g * nb * bb, nb, xq + c0 * xrow, xd + c0 * nb, xs + c0 * nb, mc, K,
+                      y + c0 * ldy + g * G, ldy, oscale ? oscale + g * G : NULL, bq ? bq + (g - g0) * nb * 512 : NULL,
+                      tiles);
+    }
+    if (tiles) amx_release();
+    free(bq);
+}
