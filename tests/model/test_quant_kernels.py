@@ -278,7 +278,7 @@ def test_default_activations_follow_the_path(monkeypatch):
         assert kernels.activations() == kernels.DEFAULT_ACTIVATIONS.get(kernels.isa(), "int8")
     finally:
         kernels.activations.cache_clear()
-    assert kernels.DEFAULT_ACTIVATIONS == {"avx512_vnni": "int8x2", "avx2": "int8"}
+    assert kernels.DEFAULT_ACTIVATIONS == {"amx_int8": "int8x2", "avx512_vnni": "int8x2", "avx2": "int8"}
 
 
 def test_fallback_without_kernels_computes_the_same(monkeypatch):
@@ -333,13 +333,15 @@ def test_non_float32_input_is_converted_not_misread():
 
 
 @pytest.fixture(scope="module")
-def emulated_avx512(tmp_path_factory):
-    """qgemm.c built with SIMDe standing in for AVX-512 (tests/model/qgemm_avx512_emu.c); skipped without SIMDe."""
+def emulated(tmp_path_factory):
+    """qgemm.c built with SIMDe standing in for AVX-512 and C loops for the AMX tile instructions
+    (tests/model/qgemm_amx_emu.c, which includes qgemm_avx512_emu.c): isa 2 and isa 3 run on any x86-64 CPU;
+    skipped without SIMDe."""
     import os
     import subprocess
     from pathlib import Path
 
-    src = Path(__file__).with_name("qgemm_avx512_emu.c")
+    src = Path(__file__).with_name("qgemm_amx_emu.c")
     if not Path("/usr/include/simde/x86/avx512.h").exists():
         pytest.skip("SIMDe headers (libsimde-dev) not installed")
     out = tmp_path_factory.mktemp("emu") / "libqgemm_emu.so"
@@ -351,46 +353,96 @@ def emulated_avx512(tmp_path_factory):
     lib = ctypes.CDLL(str(out))
     lib.kvserve_qgemm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.kvserve_q_isa_supported.argtypes = [ctypes.c_int]
     return lib
+
+
+def _random_packed(kind, n, k, rng):
+    """A random packed weight of ``kind`` (``q4``: float16 scales and mins, ``q4f``: float32 ones, ``q8``, ``int8``:
+    q8 with per-output scales) ``[n, k]``, and its dequantized float64 values."""
+    nb = k // 32
+    if kind in ("q4", "q4f"):
+        q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+        dt = np.float16 if kind == "q4" else np.float32
+        d, m = (rng.random((n, nb)) * 0.1 + 0.01).astype(dt), (-rng.random((n, nb)) * 0.5).astype(dt)
+        packed = P.pack_q4(q, d, m)
+    else:
+        q = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        d = (rng.random((n, nb)) * 0.02 + 0.001).astype(np.float16)
+        packed = P.pack_q8(q, d, (rng.random(n) + 0.5).astype(np.float32) if kind == "int8" else None)
+    return packed, unpack(packed).astype(np.float64)
+
+
+def _run(lib, packed, isa_id, act, x):
+    """``lib.kvserve_qgemm`` on path ``isa_id`` -> ``[rows, n]`` float32 numpy."""
+    rows, k = x.shape
+    n_pad = packed.data.shape[0] * 16
+    y = torch.empty(rows, n_pad)
+    rc = lib.kvserve_qgemm(packed.fmt, isa_id, kernels.ACTIVATIONS[act], torch.from_numpy(x).data_ptr(), rows, k,
+                           packed.data.data_ptr(), n_pad,
+                           None if packed.oscale is None else packed.oscale.data_ptr(), y.data_ptr(), n_pad)
+    assert rc == 0
+    return y[:, : packed.out_features].numpy()
 
 
 @pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
 @pytest.mark.parametrize("kind", ["q4", "q4f", "q8", "int8"])
 @pytest.mark.parametrize("rows", ROWS)
-def test_avx512_vnni_path_logic_under_emulation(emulated_avx512, kind, rows, act):
+def test_avx512_vnni_path_logic_under_emulation(emulated, kind, rows, act):
     """The AVX-512 VNNI code (isa 2) run through SIMDe on this CPU: equal to the exact-activation reference."""
     rng = np.random.default_rng(rows)
-    n, k = 40, 96
-    if kind in ("q4", "q4f"):
-        q = rng.integers(0, 16, (n, k), dtype=np.uint8)
-        dt = np.float16 if kind == "q4" else np.float32
-        d, m = (rng.random((n, 3)) * 0.1 + 0.01).astype(dt), (-rng.random((n, 3)) * 0.5).astype(dt)
-        packed = P.pack_q4(q, d, m)
-    else:
-        q = rng.integers(-128, 128, (n, k)).astype(np.int8)
-        d = (rng.random((n, 3)) * 0.02 + 0.001).astype(np.float16)
-        packed = P.pack_q8(q, d, (rng.random(n) + 0.5).astype(np.float32) if kind == "int8" else None)
-    w = unpack(packed).astype(np.float64)
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    n_pad = packed.data.shape[0] * 16
-    y = torch.empty(rows, n_pad)
-    rc = emulated_avx512.kvserve_qgemm(packed.fmt, 2, kernels.ACTIVATIONS[act], torch.from_numpy(x).data_ptr(), rows, k,
-                                       packed.data.data_ptr(), n_pad,
-                                       None if packed.oscale is None else packed.oscale.data_ptr(), y.data_ptr(), n_pad)
-    assert rc == 0
-    got = y[:, :n].numpy().astype(np.float64)
+    packed, w = _random_packed(kind, 40, 96, rng)
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    got = _run(emulated, packed, 2, act, x).astype(np.float64)
     mag = np.abs(x).astype(np.float64) @ np.abs(w).T + 1e-30
     assert np.all(np.abs(got - kernels.reference_qgemm(x, w, act)) <= 1e-5 * mag)
+
+
+AMX_ROWS = (1, 15, 16, 17, 37, 53, 64, 129)  # below one tile, one, one plus a tail, chunks of 32 with tails
+
+
+@pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
+@pytest.mark.parametrize("kind", ["q4", "q4f", "q8", "int8"])
+@pytest.mark.parametrize("rows", AMX_ROWS)
+def test_amx_path_logic_under_emulation(emulated, kind, rows, act):
+    """The AMX-INT8 code (isa 3) with its tile instructions emulated: equal to the exact-activation reference, and
+    bit for bit to the (emulated) AVX-512 VNNI path, at 5 output groups (the threads' shares differ in size)."""
+    assert emulated.kvserve_q_isa_supported(3) == 1
+    rng = np.random.default_rng(100 + rows)
+    packed, w = _random_packed(kind, 72, 128, rng)
+    x = rng.standard_normal((rows, 128)).astype(np.float32)
+    x[0, :3] = (40.0, -40.0, 0.0)
+    got = _run(emulated, packed, 3, act, x)
+    mag = np.abs(x).astype(np.float64) @ np.abs(w).T + 1e-30
+    assert np.all(np.abs(got.astype(np.float64) - kernels.reference_qgemm(x, w, act)) <= 1e-5 * mag)
+    assert np.array_equal(got, _run(emulated, packed, 2, act, x))
+
+
+@pytest.mark.skipif(not kernels.cpu_supports("amx_int8"), reason="CPU lacks AMX-INT8 (or the OS did not grant it)")
+@pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
+@pytest.mark.parametrize("kind", ["q4", "q4f", "q8", "int8"])
+def test_amx_equals_avx512_vnni_bit_for_bit(kind, act):
+    """On a CPU with AMX: the real tile instructions give the AVX-512 VNNI path's bits, at every row count of
+    ``AMX_ROWS`` and at this model's widest layer shape class (K = 1536, 3 row chunks)."""
+    lib = kernels.load()
+    rng = np.random.default_rng(7)
+    for n, k in ((72, 128), (48, 1536)):
+        packed, _ = _random_packed(kind, n, k, rng)
+        for rows in AMX_ROWS:
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            assert np.array_equal(_run(lib, packed, 3, act, x), _run(lib, packed, 2, act, x)), (n, k, rows)
 
 
 @pytest.mark.parametrize("qtype", [formats.Q4_1, formats.Q8_0, formats.Q4_K])
 def test_a_row_gives_the_same_bits_alone_and_in_any_tile(isa, qtype):
     """Batch invariance of the matmul: a row's output does not depend on the other rows of the call, nor on its
-    place in a row tile (1 to 4 or 6 rows)."""
+    place in a row tile (1 to 4 or 6 rows; 16-row AMX tiles, their tails and 32-row chunks)."""
     k = 512 if qtype == formats.Q4_K else 288
     layer = make_linear_method(_gguf_tensor(qtype, 48, k, seed=11))
-    x = torch.from_numpy(np.random.default_rng(5).standard_normal((13, k)).astype(np.float32))
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((53, k)).astype(np.float32))
     whole = layer(x)
-    for i in (0, 5, 12):
+    for i in (0, 5, 12, 20, 37, 52):
         assert torch.equal(layer(x[i: i + 1]), whole[i: i + 1])
-        assert torch.equal(layer(x[i: i + 2])[:1], whole[i: i + 1]) or i == 12
+        assert torch.equal(layer(x[i: i + 2])[:1], whole[i: i + 1]) or i == 52
+        assert torch.equal(layer(x[i: i + 16])[:1], whole[i: i + 1])  # first row of a full 16-row tile (or fewer)
+        assert torch.equal(layer(x[max(0, i - 16): i + 1])[-1:], whole[i: i + 1])  # a tile's tail
