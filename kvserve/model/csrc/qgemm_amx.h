@@ -43,17 +43,28 @@
 #endif
 
 /* 1 if the CPU has AMX-TILE and AMX-INT8 (CPUID.(EAX=7, ECX=0):EDX bits 24, 25) and the kernel grants this process
- * the tile data state, else 0. The grant is process-wide and permanent, so asking more than once is harmless. */
-static int amx_usable(void) {
-#ifdef KVSERVE_Q_EMULATE_AMX
-    return 1;
-#else
+ * the tile data state, else 0. The grant is process-wide and permanent, so the answer is probed once and cached:
+ * every kvserve_qgemm call checks its isa, and CPUID traps to the hypervisor in a VM. The race between two first
+ * callers is benign (both store the same value). */
+#ifndef KVSERVE_Q_EMULATE_AMX
+static int amx_probe(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return 0;
     unsigned long perm = 0;
     if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &perm)) return 0;
     return (perm >> XFEATURE_XTILEDATA) & 1;
+}
+#endif
+
+static int amx_usable(void) {
+#ifdef KVSERVE_Q_EMULATE_AMX
+    return 1;
+#else
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) __atomic_store_n(&cached, v = amx_probe(), __ATOMIC_RELAXED);
+    return v;
 #endif
 }
 
