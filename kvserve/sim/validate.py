@@ -401,6 +401,21 @@ def format_step_comparison(name: str, c: dict) -> str:
     return "\n".join(lines)
 
 
+def per_request(trace: list, records: list, simulated: list) -> list:
+    """One row per request of a level, in send order: ``[send offset s, prompt tokens, output tokens, real TTFT s,
+    simulated TTFT s, real e2e s, simulated e2e s]`` (``None`` where a request failed), so a level's miss can be
+    traced to the requests that make it (``--output-json``). ``records``: ``request_records`` of the level (the
+    real side), ``trace``: ``trace_from_records`` of them, ``simulated``: the simulator's results for ``trace``."""
+    def r6(v):
+        return None if v is None else round(v, 6)
+
+    real = sorted((r for r in records if r.get("start_s") is not None), key=lambda r: r["start_s"])  # trace order
+    return [[r6(t.arrival_s), t.prompt_len, t.output_len, r6(a["ttft"] if a["success"] else None),
+             r6(b.ttft if b.success else None), r6(a["e2el"] if a["success"] else None),
+             r6(b.e2el if b.success else None)]
+            for t, a, b in zip(trace, real, simulated)]
+
+
 def compare(real: dict, sim: dict) -> dict:
     """``{metric: (real, sim, relative error)}`` for ``METRICS`` (error ``(sim - real) / real``)."""
     out = {}
@@ -474,8 +489,10 @@ def run(args: argparse.Namespace) -> int:
             t_end = time.monotonic()
             real = summarize(results, duration, slos)
             real.update(prefix_hit_rate(before, fetch_prefix_counters(base_url)))
-            trace = trace_from_records(request_records([[r] for r in reqs], [[r] for r in results]))
-            simulated = sim.run(trace, slos).summary
+            records = request_records([[r] for r in reqs], [[r] for r in results])
+            trace = trace_from_records(records)
+            sim_result = sim.run(trace, slos)
+            simulated = sim_result.summary
             raw = raw_sim.run(trace, slos).summary
             name = f"{rate:g} req/s"
             comp = compare(real, simulated)
@@ -483,7 +500,8 @@ def run(args: argparse.Namespace) -> int:
             report.append({"rate": rate, "seed": args.seed + i, "window": (t_start, t_end), "server_calibration": cal,
                            "real": real, "sim": simulated, "sim_uncalibrated": raw,
                            "errors": {k: v[2] for k, v in comp.items()},
-                           "errors_uncalibrated": {k: v[2] for k, v in compare(real, raw).items()}})
+                           "errors_uncalibrated": {k: v[2] for k, v in compare(real, raw).items()},
+                           "requests": per_request(trace, records, sim_result.results)})
             print(format_comparison([(name, comp)]), flush=True)
             if trace_path is not None:
                 steps = read_idle_trace(trace_path)

@@ -252,3 +252,23 @@ def test_level_fitted_replay_uses_the_calibration_fitted_on_the_levels_steps():
     assert comp["p99_tpot_ms"][2] == pytest.approx(0.0, abs=1e-6)
     raw = compare(real, raw_sim.run(trace).summary)
     assert raw["median_ttft_ms"][2] < -0.1  # the uncalibrated model runs faster than this server
+
+
+def test_per_request_rows_pair_each_real_request_with_its_simulated_replay():
+    from kvserve.bench.serve import RequestResult
+    from kvserve.sim.validate import per_request, trace_from_records
+
+    # sent out of list order (the second record left first), the third failed on the real server
+    records = [{"start_s": 0.5, "prompt_token_ids": [1, 2, 3], "output_len": 2, "success": True, "ttft": 0.25,
+                "e2el": 0.5},
+               {"start_s": 0.0, "prompt_token_ids": [4, 5], "output_len": 3, "success": True, "ttft": 0.125,
+                "e2el": 0.75},
+               {"start_s": 1.0, "prompt_token_ids": [6], "output_len": 1, "success": False, "ttft": 0.0,
+                "e2el": 0.0},
+               {"start_s": None, "error": "never sent"}]
+    trace = trace_from_records(records)
+    sim = [RequestResult(success=True, ttft=0.1, e2el=0.7), RequestResult(success=True, ttft=0.2, e2el=0.4),
+           RequestResult(success=False)]
+    assert per_request(trace, records, sim) == [[0.0, 2, 3, 0.125, 0.1, 0.75, 0.7],
+                                                [0.5, 3, 2, 0.25, 0.2, 0.5, 0.4],
+                                                [1.0, 1, 1, None, None, None, None]]
