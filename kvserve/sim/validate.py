@@ -72,6 +72,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also replay each level with the calibration fitted afterwards on that level's own server "
                         "steps (needs the step trace): not a prediction, but it tells the simulator's error apart "
                         "from the machine's speed drifting between calibration and level")
+    p.add_argument("--bracket", action="store_true",
+                   help="with --save-calibration --calibrate-each-level: calibrate once more after the last level and "
+                        "also replay each level with the mean of the calibrations just before and just after it (the "
+                        "host's speed measured around the level, none of the level's own steps): tells the host's "
+                        "drift apart from the simulator's error while staying a prediction of the level")
     p.add_argument("--calibration-runs", type=int, default=3,
                    help="lone prefills per calibration; each decode batch is measured runs // 3 times (more runs: "
                         "a steadier calibration, ~10 s more per 3 runs)")
@@ -379,13 +384,27 @@ def level_fitted(raw_sim, steps: list, t_start: float, t_end: float, trace: list
     Raises:
         ValueError: fewer than 3 server steps in the level.
     """
+    fit = fit_from_steps([s for s in steps if t_start <= s[0] <= t_end], raw_sim.step_time)
+    return fit, compare(real, replay(raw_sim, fit, trace, slos))
+
+
+def replay(raw_sim, cal: dict, trace: list, slos) -> dict:
+    """``trace`` through a ``Simulator`` like ``raw_sim`` whose cost model is ``raw_sim``'s seen through the
+    calibration ``cal`` (``offset_s``, ``scale``, ``prefill_scale``: ``ServerCalibrated``); its summary."""
     from kvserve.sim.cost_model import ServerCalibrated
     from kvserve.sim.simulator import Simulator
 
-    fit = fit_from_steps([s for s in steps if t_start <= s[0] <= t_end], raw_sim.step_time)
-    cost = ServerCalibrated(raw_sim.step_time, fit["offset_s"], fit["scale"], fit["prefill_scale"])
-    sim = Simulator(raw_sim.config, cost, raw_sim.num_blocks, raw_sim.max_model_len)
-    return fit, compare(real, sim.run(trace, slos).summary)
+    cost = ServerCalibrated(raw_sim.step_time, cal["offset_s"], cal["scale"], cal["prefill_scale"])
+    return Simulator(raw_sim.config, cost, raw_sim.num_blocks, raw_sim.max_model_len).run(trace, slos).summary
+
+
+def mean_calibration(before: dict, after: dict) -> dict:
+    """The calibration halfway between two (``--bracket``): the mean of each of ``offset_s``, ``scale`` and
+    ``prefill_scale`` (a step's calibrated time is linear in them, so this is the mean of the two predicted times of
+    every step); a ``prefill_scale`` of ``None`` (nothing measured) leaves the other one's."""
+    ps = [c["prefill_scale"] for c in (before, after) if c.get("prefill_scale") is not None]
+    return {"offset_s": (before["offset_s"] + after["offset_s"]) / 2, "scale": (before["scale"] + after["scale"]) / 2,
+            "prefill_scale": sum(ps) / len(ps) if ps else None}
 
 
 def format_step_comparison(name: str, c: dict) -> str:
@@ -449,6 +468,9 @@ def run(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     if args.calibration_runs < 1:
         raise ValueError(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
+    if args.bracket and not (args.save_calibration and args.calibrate_each_level):
+        raise ValueError("--bracket needs --save-calibration and --calibrate-each-level (it replays each level with "
+                         "the calibrations measured before and after it)")
     if args.fit_each_level and args.base_url is not None and args.step_trace is None:
         raise ValueError("--fit-each-level needs the server's step trace: with --base-url, pass --step-trace FILE "
                          "(the file that server writes)")
@@ -465,14 +487,24 @@ def run(args: argparse.Namespace) -> int:
                                       step_trace=trace_path)
     else:
         base_url = args.base_url
-    rows, report = [], []
+    rows, report, pending, bracketed = [], [], [], []  # pending: (name, trace, real) of levels still to bracket
     try:
         model = fetch_model(base_url)
         warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(4)]
         asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
+
         def recalibrate(level: int = 0):
             return calibrate_profile(base_url, model, eargs, args.profile, seed=args.seed * 1000 + level,
                                      runs=args.calibration_runs, step_trace_path=trace_path)
+
+        def bracket(after: dict) -> None:  # the level just run, between its calibration and ``after``
+            name, trace, real = pending.pop()
+            mean = mean_calibration(report[-1]["server_calibration"], after)
+            comp = compare(real, replay(raw_sim, mean, trace, slos))
+            bracketed.append((name, comp))
+            report[-1].update({"calibration_after": after, "calibration_bracketed": mean,
+                               "errors_bracketed": {k: v[2] for k, v in comp.items()}})
+            print(format_comparison([(name + " bracketed", comp)]), flush=True)
 
         cal = prof.get("server_calibration")
         if args.save_calibration:
@@ -480,6 +512,8 @@ def run(args: argparse.Namespace) -> int:
         for i, rate in enumerate(rates):
             if args.save_calibration and args.calibrate_each_level and i > 0:
                 sim, cal = recalibrate(i)
+                if args.bracket:
+                    bracket(cal)
             reqs = levels[i]
             offsets = [r.arrival_s for r in reqs]
             before = fetch_prefix_counters(base_url)
@@ -503,6 +537,8 @@ def run(args: argparse.Namespace) -> int:
                            "errors_uncalibrated": {k: v[2] for k, v in compare(real, raw).items()},
                            "requests": per_request(trace, records, sim_result.results)})
             print(format_comparison([(name, comp)]), flush=True)
+            if args.bracket:
+                pending.append((name, trace, real))
             if trace_path is not None:
                 steps = read_idle_trace(trace_path)
                 steps_cmp = step_comparison(steps, sim.step_time, t_start, t_end)
@@ -517,6 +553,8 @@ def run(args: argparse.Namespace) -> int:
                           f"{fit['prefill_scale'] if fit['prefill_scale'] is None else round(fit['prefill_scale'], 3)}"
                           f"; mean |step error| {100 * fit['mean_abs_rel_err']:.1f}%):", flush=True)
                     print(format_comparison([(name + " fitted", fitted_comp)]), flush=True)
+        if args.bracket:
+            bracket(recalibrate(len(rates))[1])
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -526,6 +564,9 @@ def run(args: argparse.Namespace) -> int:
                 proc.kill()
     print()
     print(format_comparison(rows))
+    if args.bracket:
+        print("\neach level replayed with the mean of the calibrations just before and just after it:")
+        print(format_comparison([(name + " bracketed", c) for name, c in bracketed]))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"profile": args.profile, "engine_args": eargs, "levels": report}, f, indent=1, default=str)

@@ -272,3 +272,75 @@ def test_per_request_rows_pair_each_real_request_with_its_simulated_replay():
     assert per_request(trace, records, sim) == [[0.0, 2, 3, 0.125, 0.1, 0.75, 0.7],
                                                 [0.5, 3, 2, 0.25, 0.2, 0.5, 0.4],
                                                 [1.0, 1, 1, None, None, None, None]]
+
+
+def test_bracket_replays_each_level_between_the_calibrations_around_it(tmp_path, monkeypatch):
+    """``kvserve sim validate --bracket``, the server being a simulator whose speed drifts: the calibrations
+    before the two levels and after the last one measured scale 1.1, 1.3 and 1.5, and the levels ran at 1.2 and
+    1.4. Each level's prediction (its calibration before) misses; the bracketed replay (the mean of the
+    calibrations around it) is the level's own speed, so it meets every metric exactly."""
+    import kvserve.sim.validate as V
+    from kvserve.bench.serve import LoadRequest, RequestResult
+    from kvserve.sim.cli import build_simulator
+    from kvserve.sim.simulator import Simulator
+
+    prof = {"format": PROFILE_FORMAT, "model": "m.gguf", "kv_bytes_per_token": 1, "max_position_embeddings": 4096,
+            "cost_model": {"intercept_s": 0.004, "coef_s": {**{f: 0.0 for f in FEATURES}, "prefill_tokens": 0.0015,
+                                                             "decode_tokens": 0.0018, "rows": 0.0002}}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    flags = ["--model", "m.gguf", "--profile", str(path), "--base-url", "http://fake", "--rates", "2,4",
+             "--save-calibration", "--calibrate-each-level", "--bracket", "--max-num-seqs", "4",
+             "--num-kv-blocks", "256", "--max-num-batched-tokens", "64", "--output-json", str(tmp_path / "v.json")]
+    p = argparse.ArgumentParser()
+    V.add_args(p)
+    args = p.parse_args(flags)
+    eargs = {k: v for k, v in V.engine_kwargs(args).items() if k != "device"}
+    raw_sim, _ = build_simulator(eargs, path, server_calibration=False)
+    calibrations = iter([1.1, 1.3, 1.5])
+    level_speed = iter([1.2, 1.4])
+
+    def fake_calibrate(base_url, model, engine_args, profile_path, seed=0, replicas=1, runs=3, step_trace_path=None):
+        cal = {"offset_s": 0.001, "scale": next(calibrations), "prefill_scale": None}
+        return Simulator(raw_sim.config, ServerCalibrated(raw_sim.step_time, 0.001, cal["scale"]), raw_sim.num_blocks,
+                         raw_sim.max_model_len), cal
+
+    async def fake_benchmark(base_url, model, reqs, offsets, max_duration=None):
+        if len(reqs) == 4 and offsets == [0.0] * 4:  # the warm-up
+            return [], 0.0
+        server = Simulator(raw_sim.config, ServerCalibrated(raw_sim.step_time, 0.001, next(level_speed)),
+                           raw_sim.num_blocks, raw_sim.max_model_len)
+        trace = V.trace_from_records([{"start_s": o, "prompt_token_ids": r.prompt, "output_len": r.output_len}
+                                      for r, o in zip(reqs, offsets)])
+        res = server.run(trace)
+        out = [RequestResult(success=x.success, prompt_tokens=x.prompt_tokens, output_tokens=x.output_tokens,
+                             ttft=x.ttft, e2el=x.e2el, itl=list(x.itl), start_s=o)
+               for x, o in zip(res.results, offsets)]
+        return out, res.summary["duration_s"]
+
+    monkeypatch.setattr(V, "level_requests", lambda a, rate, seed: [
+        LoadRequest([seed * 100 + 10 * k + j for j in range(20 + 9 * k)], 4 + k % 3, k / rate) for k in range(10)])
+    monkeypatch.setattr(V, "fetch_model", lambda url: "m")
+    monkeypatch.setattr(V, "fetch_prefix_counters", lambda url: None)
+    monkeypatch.setattr(V, "calibrate_profile", fake_calibrate)
+    monkeypatch.setattr(V, "run_benchmark", fake_benchmark)
+    assert V.run(args) == 0
+    levels = json.loads((tmp_path / "v.json").read_text())["levels"]
+    assert [lv["calibration_bracketed"]["scale"] for lv in levels] == pytest.approx([1.2, 1.4])
+    assert [lv["calibration_after"]["scale"] for lv in levels] == [1.3, 1.5]
+    for lv in levels:
+        assert lv["errors"]["median_ttft_ms"] < -0.01  # the calibration before ran faster than the level
+        for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_e2el_ms"):
+            assert lv["errors_bracketed"][k] == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="--bracket needs --save-calibration and --calibrate-each-level"):
+        V.run(p.parse_args([f for f in flags if f != "--calibrate-each-level"]))
+
+
+def test_mean_calibration_averages_each_number_and_keeps_a_lone_prefill_scale():
+    from kvserve.sim.validate import mean_calibration
+
+    a = {"offset_s": 0.002, "scale": 1.0, "prefill_scale": 1.5, "points": []}
+    b = {"offset_s": 0.004, "scale": 2.0, "prefill_scale": None}
+    assert mean_calibration(a, b) == {"offset_s": pytest.approx(0.003), "scale": 1.5, "prefill_scale": 1.5}
+    assert mean_calibration({**a, "prefill_scale": 1.0}, {**b, "prefill_scale": 2.0})["prefill_scale"] == 1.5
+    assert mean_calibration({**a, "prefill_scale": None}, b)["prefill_scale"] is None
