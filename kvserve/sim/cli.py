@@ -113,6 +113,9 @@ def load_trace(args) -> list:
     if not args.time_scale >= 0:
         raise ValueError(f"--time-scale must be >= 0, got {args.time_scale}")
     data = Path(args.data_dir) if args.data_dir else default_data_dir()
+    if args.dataset in ("azure", "mooncake", "sharegpt") and not args.trace_file and not data.is_dir():
+        raise ValueError(f"data folder not found: {str(data)!r} (the {args.dataset} trace is read from there); pass "
+                         f"--data-dir (the folder holding azure_llm_2023/, mooncake/, sharegpt/) or --trace-file")
     caps = dict(max_input_len=args.max_input_len, max_output_len=args.max_output_len)
     if args.dataset == "azure":
         path = args.trace_file or data / "azure_llm_2023" / f"AzureLLMInferenceTrace_{args.azure_kind}.csv"

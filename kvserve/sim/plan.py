@@ -185,6 +185,7 @@ def _plot(curves: dict, path: str, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, pts in curves.items():
@@ -193,6 +194,11 @@ def _plot(curves: dict, path: str, title: str) -> None:
     hi = max(p[0] for pts in curves.values() for p in pts)
     ax.plot([lo, hi], [lo, hi], ls=":", c="gray", label="offered rate")
     ax.set_xscale("log")
+    rates = sorted({p[0] for pts in curves.values() for p in pts})
+    if len(rates) <= 10:  # label the swept rates themselves; the log axis' minor labels (3x10^-1 ...) overlap
+        ax.set_xticks(rates)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("goodput (req/s)")
     ax.set_title(f"simulated goodput, SLOs {title}", fontsize=9)

@@ -73,9 +73,15 @@ def prompt_token_ids(req: TraceRequest, index: int) -> list[int]:
     return out
 
 
-def _int_field(value, name: str, where: str, low: int) -> int:
+def _int_field(value, name: str, where: str, low: int, text: bool = False) -> int:
+    """``value`` as an integer >= ``low``; a string only where the format is text (``text``: a CSV cell), so a
+    JSON ``"10"`` is refused as JSON's other mistyped values are.
+
+    Raises:
+        ValueError: naming ``where``, the field and the allowed range.
+    """
     try:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or (isinstance(value, str) and not text):
             raise ValueError
         if isinstance(value, float) and not value.is_integer():
             raise ValueError
@@ -88,8 +94,13 @@ def _int_field(value, name: str, where: str, low: int) -> int:
 
 
 def _float_field(value, name: str, where: str) -> float:
+    """``value`` (a JSON number, not a string) as a finite float >= 0.
+
+    Raises:
+        ValueError: naming ``where``, the field and the allowed range.
+    """
     try:
-        if isinstance(value, bool):
+        if isinstance(value, (bool, str)):
             raise ValueError
         x = float(value)
     except (TypeError, ValueError):
@@ -156,8 +167,8 @@ def read_azure(path, num_requests: Optional[int] = None, start: int = 0, length_
             raise ValueError(f"{where}: field 'TIMESTAMP' must look like '2023-11-16 18:15:46.68', "
                              f"got {row[col['TIMESTAMP']]!r}") from None
         t0 = ts if t0 is None else t0
-        n_in = _int_field(row[col["ContextTokens"]], "ContextTokens", where, 1)
-        n_out = _int_field(row[col["GeneratedTokens"]], "GeneratedTokens", where, 1)
+        n_in = _int_field(row[col["ContextTokens"]], "ContextTokens", where, 1, text=True)
+        n_out = _int_field(row[col["GeneratedTokens"]], "GeneratedTokens", where, 1, text=True)
         out.append(TraceRequest(max(0.0, ts - t0), _scaled(n_in, length_scale, max_input_len),
                                 _scaled(n_out, length_scale, max_output_len)))
     return out

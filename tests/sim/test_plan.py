@@ -37,14 +37,31 @@ def test_sim_cli_prints_the_bench_serve_table(files, capsys, tmp_path):
     assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
 
 
-def test_plan_picks_a_setting_and_reports_the_knee(files, capsys):
+def test_plan_picks_a_setting_and_reports_the_knee(files, capsys, tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    ticks = []
+    save = matplotlib.figure.Figure.savefig
+
+    def spy(fig, *a, **k):  # the goodput plot's x tick labels as drawn
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        ticks.append(([t.get_text() for t in ax.get_xticklabels()], [t.get_text() for t in
+                                                                      ax.get_xticklabels(minor=True)]))
+        return save(fig, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
     p, t = files
     rc = main(["plan", "--profile", str(p), "--dataset", "jsonl", "--trace-file", str(t), "--slo", "ttft:200",
                "tpot:100", "--max-num-seqs", "1,8", "--max-num-batched-tokens", "64", "--chunked-prefill", "on",
-               "--request-rate", "8", "--top", "1"])  # 1 at a time cannot keep up with 8 req/s
+               "--request-rate", "8", "--top", "1", "--plot", str(tmp_path / "plan.png")])  # 1 at a time: too slow
     assert rc == 0
     text = capsys.readouterr().out
     assert "best: max_num_seqs=8" in text and "knee:" in text
+    assert (tmp_path / "plan.png").stat().st_size > 0
+    (major, minor), = ticks
+    assert len(major) >= 2 and all(float(x) > 0 for x in major)  # the swept rates as plain numbers
+    assert not any(minor)  # no 3x10^-1-style minor labels crowding them
 
 
 def test_plan_says_when_no_setting_meets_the_slo(files, capsys):
@@ -77,6 +94,10 @@ def test_sim_names_the_line_of_a_malformed_trace(files, capsys, tmp_path):
     rc = main(["sim", "--profile", str(p), "--dataset", "azure", "--trace-file", str(csv)])
     assert rc == 2
     assert "a.csv: line 3: expected 3 fields, got 2" in capsys.readouterr().err
+    rc = main(["sim", "--profile", str(p), "--dataset", "azure", "--data-dir", str(tmp_path / "nowhere")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "data folder not found: " in err and "nowhere" in err and "pass --data-dir" in err
 
 
 def test_plan_does_not_pick_a_budget_that_cuts_requests_short(files, capsys, tmp_path):

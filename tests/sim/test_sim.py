@@ -151,6 +151,11 @@ def test_trace_errors_name_line_and_field(tmp_path):
     p = _write(tmp_path, "t3.jsonl", '{"arrival_s": 0, "prompt_tokens": 0, "output_tokens": 1}\n')
     with pytest.raises(ValueError, match="line 1: field 'prompt_tokens' must be an integer >= 1"):
         tr.read_jsonl(p)
+    for line, field in (('{"arrival_s": 0, "prompt_tokens": "10", "output_tokens": 1}', "prompt_tokens"),
+                        ('{"arrival_s": "0", "prompt_tokens": 10, "output_tokens": 1}', "arrival_s")):
+        p = _write(tmp_path, "q.jsonl", line + "\n")  # a quoted number is a JSON string, not a number
+        with pytest.raises(ValueError, match=f"line 1: field '{field}' must be an? (integer|number) >= "):
+            tr.read_jsonl(p)
     p = _write(tmp_path, "t4.jsonl", '{"arrival_s": 2, "prompt_tokens": 3, "output_tokens": 1}\n'
                                       '{"arrival_s": 1, "prompt_tokens": 3, "output_tokens": 1}\n')
     with pytest.raises(ValueError, match="line 2: field 'arrival_s' goes back in time"):
