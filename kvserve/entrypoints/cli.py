@@ -137,8 +137,18 @@ def main(argv=None) -> int:
     try:
         return runner(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_with_flag(str(e), args)}", file=sys.stderr)
         return 2
+
+
+def _with_flag(message: str, args: argparse.Namespace) -> str:
+    """``message`` led by the command-line flag it is about when it starts with a field's name that is also one of
+    the command's flags (``max_tokens must be ...`` -> ``--max-tokens: max_tokens must be ...``): the engine names
+    its fields, a user of the CLI typed the flag."""
+    field = message.split(" ", 1)[0].rstrip(":")
+    if field.isidentifier() and field in vars(args):
+        return f"--{field.replace('_', '-')}: {message}"
+    return message
 
 
 if __name__ == "__main__":

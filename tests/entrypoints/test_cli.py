@@ -31,7 +31,7 @@ def test_generate_text_summary_and_static(capsys):
 
 def test_generate_bad_arguments_exit_2(capsys, tmp_path):
     assert main(["generate", "--prompt", "x", "--max-tokens", "0", "--num-kv-blocks", "8"]) == 2
-    assert "max_tokens" in capsys.readouterr().err
+    assert "error: --max-tokens: max_tokens must be an integer >= 1, got 0" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"nope": 1}\n')
     assert main(["generate", "--prompts-file", str(bad), "--num-kv-blocks", "8"]) == 2
