@@ -55,7 +55,8 @@ import torch
 
 from kvserve.model.cpu_kernels import cache_root
 from kvserve.model.quant import pack as P
-from kvserve.model.quant.gguf_io import METADATA_VERSION, QuantTensor, gguf_metadata, gguf_tensors, open_gguf
+from kvserve.model.quant.gguf_io import (METADATA_VERSION, QuantTensor, check_gguf_magic, gguf_metadata, gguf_tensors,
+                                        open_gguf)
 from kvserve.model.quant.linear import ConcatLinear, QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -344,6 +345,7 @@ def read_gguf_cached(path: Path, source_hash: str, root: Optional[Path] = None) 
             return body, gguf_tensors(path, body)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             logger.warning("GGUF metadata cache %s unusable (%s); rebuilding it", entry_path, e)
+    check_gguf_magic(path)  # a file that is no GGUF fails here, before the log line promises a cache entry
     logger.info("first run: reading %s with gguf.GGUFReader into %s (one-off)", path, entry_path)
     body = gguf_metadata(open_gguf(path))
     tensors = gguf_tensors(path, body)

@@ -251,3 +251,14 @@ def test_kv_pool_is_zero_and_not_resident_until_written():
     assert lazy_zeros((0, 3), torch.float32).shape == (0, 3)
     with pytest.raises(ValueError, match="shape"):
         lazy_zeros((-1, 3), torch.float32)
+
+
+def test_a_file_that_is_no_gguf_fails_before_the_first_run_log_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model at all")
+    with caplog.at_level(logging.INFO, logger="kvserve.model.weight_cache"):
+        with pytest.raises(ValueError, match=r"cannot read GGUF file '.*bad.gguf': GGUF magic invalid \(the file "
+                                             r"starts with b'not ', not b'GGUF'\)"):
+            wc.read_gguf_cached(bad, wc.source_sha256(bad))
+    assert "first run" not in caplog.text and not wc.gguf_metadata_path(wc.source_sha256(bad)).exists()

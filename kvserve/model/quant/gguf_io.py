@@ -129,6 +129,19 @@ def rope_unpermute_index(n_rows: int, n_head: int) -> np.ndarray:
 METADATA_VERSION = 1
 
 
+def check_gguf_magic(path: Union[str, Path]) -> None:
+    """Raise ``ValueError`` naming ``path`` unless it starts with the GGUF magic ``b"GGUF"`` (the GGUF spec's first
+    4 bytes): a cheap check before the slow parse of ``open_gguf``."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ValueError(f"cannot read GGUF file {str(path)!r}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise ValueError(f"cannot read GGUF file {str(path)!r}: GGUF magic invalid (the file starts with {magic!r}, "
+                         f"not b'GGUF')")
+
+
 def open_gguf(path: Union[str, Path]) -> GGUFReader:
     """``gguf.GGUFReader`` over ``path`` (``ValueError`` naming the file when it cannot be parsed)."""
     try:
