@@ -419,10 +419,13 @@ def worked_numbers() -> dict:
             "used": frag.used, "paged_slots": frag.paged_slots, "paged_waste": frag.paged_waste,
             "paged_waste_fraction": round(frag.paged_waste_fraction, 4), "naive_slots": frag.naive_slots,
             "naive_waste": frag.naive_waste, "naive_waste_fraction": round(frag.naive_waste_fraction, 4)},
-        "static  [1,1,1,8,1,1,1,8] batch 4": (static.steps, static.useful_slot_steps, static.wasted_slot_steps),
-        "continuous [1,1,1,8,1,1,1,8] batch 4": (cont.steps, cont.useful_slot_steps, cont.wasted_slot_steps),
-        "continuous 4 x (4 in, 12 out), 8 blocks of 4": (starved.steps, starved.useful_slot_steps,
-                                                         starved.preemptions),
+        "static  [1,1,1,8,1,1,1,8] batch 4": {"steps": static.steps, "useful_slot_steps": static.useful_slot_steps,
+                                              "wasted_slot_steps": static.wasted_slot_steps},
+        "continuous [1,1,1,8,1,1,1,8] batch 4": {"steps": cont.steps, "useful_slot_steps": cont.useful_slot_steps,
+                                                 "wasted_slot_steps": cont.wasted_slot_steps},
+        "continuous 4 x (4 in, 12 out), 8 blocks of 4": {"steps": starved.steps,
+                                                         "useful_slot_steps": starved.useful_slot_steps,
+                                                         "preemptions": starved.preemptions},
         "speculative_accept p=[.1,.6,.3] q=[.5,.25,.25]: acceptance (expected sum min(p,q) = 0.6)":
             round(sum(a for a, _ in tokens) / trials, 3),
         "  emitted token frequencies (expected p)":

@@ -148,5 +148,6 @@ def test_speculative_accept_emits_p_chi_square():
 def test_worked_numbers_are_the_docs():
     w = lab.worked_numbers()
     assert w["blocks_needed(8, 4)"] == 2 and w["append 9th token -> new blocks"] == [2]
-    assert w["static  [1,1,1,8,1,1,1,8] batch 4"] == (16, 22, 42)
-    assert w["continuous [1,1,1,8,1,1,1,8] batch 4"] == (10, 22, 0)
+    assert w["static  [1,1,1,8,1,1,1,8] batch 4"] == {"steps": 16, "useful_slot_steps": 22, "wasted_slot_steps": 42}
+    assert w["continuous [1,1,1,8,1,1,1,8] batch 4"] == {"steps": 10, "useful_slot_steps": 22,
+                                                         "wasted_slot_steps": 0}
