@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +29,9 @@ from typing import Optional
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
+
 
 #: The issue's targets: step / bandwidth bound at batch 1, step / compute bound at the largest batch.
 TARGET_BATCH1_BW = 1.3
@@ -228,6 +232,7 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     report = {"cpu": info, "bandwidth_gbs": bw, "fp32_gflops": fp32, "int8_gops": int8, "quantizations": {}}
     for q in args.quantization:
         eargs = {**engine_args, "quantization": q}
+        logger.info("quantization %s: a one-block engine to read the model's bytes and operations", q)
         probe = LLM(**{**eargs, "num_kv_blocks": 1}).llm_engine
         cost = model_cost(probe.model, probe.kv_cache_dtype)
         peak = int8 if cost.int8 and int8 else fp32
