@@ -151,7 +151,10 @@ def load_trace(args) -> list:
 
 
 def build_simulator(engine_args: dict, profile_path, server_calibration: bool = True):
-    """A ``Simulator`` for these engine arguments and this profile.
+    """A ``Simulator`` for these engine arguments and this profile. Its KV pool: ``num_kv_blocks`` or
+    ``kv_cache_memory_bytes`` when given, else the profiled engine's pool (the profile's ``kv_cache_memory_bytes``,
+    re-cut into blocks of this ``block_size``), else (profiles made before that field) the engine's default share of
+    this machine's free RAM.
 
     Raises:
         ValueError: bad engine arguments, or a profile that is missing, malformed or of another model.
@@ -182,7 +185,11 @@ def build_simulator(engine_args: dict, profile_path, server_calibration: bool = 
         raise ValueError(f"{profile_path}: profile field {field!r} is {prof_kv!r} (the KV cache it was measured "
                          f"over), the run asks for kv_cache_dtype {run_kv!r}; make a profile with "
                          f"--kv-cache-dtype {run_kv}")
-    num_blocks = config.cache_config.resolve_num_blocks(bytes_per_block)
+    cc = config.cache_config
+    if cc.num_kv_blocks is None and cc.kv_cache_memory_bytes is None and prof.get("kv_cache_memory_bytes"):
+        num_blocks = max(1, prof["kv_cache_memory_bytes"] // bytes_per_block)  # the profiled machine's pool
+    else:
+        num_blocks = cc.resolve_num_blocks(bytes_per_block)
     return Simulator(config, cost, num_blocks, int(prof["max_position_embeddings"])), prof
 
 

@@ -115,6 +115,9 @@ def measure(engine_args: dict, quick: bool = False) -> dict:
         "torch_threads": __import__("torch").get_num_threads(),
         "kv_cache_dtype": engine.config.cache_config.resolve_kv_cache_dtype(mc.dtype),
         "kv_bytes_per_token": engine.model.bytes_per_block(1, engine.kv_cache_dtype),
+        # the pool `kvserve serve` with these flags gets on this machine (the plan's own engine has a fixed one): the
+        # simulator's default, so that a replay elsewhere does not size its pool from that other machine's free RAM
+        "kv_cache_memory_bytes": serve_pool_bytes(engine_args, engine),
         "max_position_embeddings": engine.arch.max_position_embeddings,
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
         "features": list(FEATURES),
@@ -123,6 +126,17 @@ def measure(engine_args: dict, quick: bool = False) -> dict:
         "samples": [{"features": list(f), "step_s": t} for f, t in samples],
     }
     return profile
+
+
+def serve_pool_bytes(engine_args: dict, engine) -> int:
+    """Bytes of the KV pool an engine with ``engine_args`` would get on this machine now (its ``num_kv_blocks`` or
+    ``kv_cache_memory_bytes``, else the default share of free RAM, measured with ``engine``'s model loaded, as a
+    server measures it), in whole blocks of ``engine``'s layout."""
+    from kvserve.config import EngineConfig
+
+    cc = EngineConfig.from_kwargs(**{k: v for k, v in engine_args.items() if k != "device"}).cache_config
+    per_block = engine.model.bytes_per_block(cc.block_size, engine.kv_cache_dtype)
+    return cc.resolve_num_blocks(per_block) * per_block
 
 
 def save(profile: dict, path) -> None:
@@ -154,6 +168,9 @@ def load(path, model_name: str | None = None, server_calibration: bool = True) -
     if model_name is not None and prof["model"] != model_name:
         raise ValueError(f"{p}: profile field 'model' is {prof['model']!r}, measured on another model than "
                          f"{model_name!r}; profile this model with `kvserve sim profile --model ...`")
+    kv_mem = prof.get("kv_cache_memory_bytes")
+    if kv_mem is not None and (isinstance(kv_mem, bool) or not isinstance(kv_mem, int) or kv_mem < 1):
+        raise ValueError(f"{p}: field 'kv_cache_memory_bytes' must be an integer >= 1, got {kv_mem!r}")
     cost = CostModel.from_dict(prof["cost_model"], str(p))
     cal = prof.get("server_calibration")
     if server_calibration and cal:

@@ -15,6 +15,12 @@ def test_quick_profile_then_simulate(tmp_path, capsys):
     assert prof["features"] == list(FEATURES) and prof["model"].endswith(".gguf")
     assert prof["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M fp32: 30 layers, 3 KV heads of 64
     assert prof["kv_cache_dtype"] == "float32"  # what the step costs were measured over (sim refuses another)
+    from kvserve.config import EngineConfig
+
+    per_block = prof["kv_bytes_per_token"] * 16  # the pool `serve` would get here, in whole blocks (block_size 16)
+    expect = EngineConfig.from_kwargs().cache_config.resolve_num_blocks(per_block) * per_block
+    assert prof["kv_cache_memory_bytes"] % per_block == 0
+    assert abs(prof["kv_cache_memory_bytes"] - expect) <= 0.25 * expect  # free RAM moves a little between the two
     assert len(prof["samples"]) >= 20
     f = {name: i for i, name in enumerate(FEATURES)}
     decodes = [s["step_s"] for s in prof["samples"]  # 4 single-token rows and no prompt chunk

@@ -344,3 +344,24 @@ def test_mean_calibration_averages_each_number_and_keeps_a_lone_prefill_scale():
     assert mean_calibration(a, b) == {"offset_s": pytest.approx(0.003), "scale": 1.5, "prefill_scale": 1.5}
     assert mean_calibration({**a, "prefill_scale": 1.0}, {**b, "prefill_scale": 2.0})["prefill_scale"] == 1.5
     assert mean_calibration({**a, "prefill_scale": None}, b)["prefill_scale"] is None
+
+
+def test_the_simulated_pool_defaults_to_the_profiled_machines(tmp_path):
+    """A profile carries the KV memory ``serve`` got where it was made; the simulator takes it (re-cut into this
+    run's blocks) unless the run names its pool, so the replay does not depend on the replaying machine's RAM."""
+    from kvserve.sim.cli import build_simulator
+
+    prof = {"format": PROFILE_FORMAT, "model": "m.gguf", "kv_bytes_per_token": 100, "max_position_embeddings": 64,
+            "cost_model": {"intercept_s": 0.1, "coef_s": {f: 0.0 for f in FEATURES}},
+            "kv_cache_memory_bytes": 100 * 16 * 50 + 99}
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(prof))
+    args = {"model": "m.gguf"}
+    assert build_simulator(args, p)[0].num_blocks == 50
+    assert build_simulator({**args, "block_size": 32}, p)[0].num_blocks == 25
+    assert build_simulator({**args, "num_kv_blocks": 7}, p)[0].num_blocks == 7
+    assert build_simulator({**args, "kv_cache_memory_bytes": 100 * 16 * 3}, p)[0].num_blocks == 3
+    prof["kv_cache_memory_bytes"] = "lots"
+    p.write_text(json.dumps(prof))
+    with pytest.raises(ValueError, match="field 'kv_cache_memory_bytes' must be an integer >= 1, got 'lots'"):
+        build_simulator(args, p)
