@@ -4,6 +4,7 @@ printing only; the work is in ``trace``, ``simulator``, ``profile``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -187,9 +188,8 @@ def build_simulator(engine_args: dict, profile_path, server_calibration: bool = 
                          f"--kv-cache-dtype {run_kv}")
     cc = config.cache_config
     if cc.num_kv_blocks is None and cc.kv_cache_memory_bytes is None and prof.get("kv_cache_memory_bytes"):
-        num_blocks = max(1, prof["kv_cache_memory_bytes"] // bytes_per_block)  # the profiled machine's pool
-    else:
-        num_blocks = cc.resolve_num_blocks(bytes_per_block)
+        cc = dataclasses.replace(cc, kv_cache_memory_bytes=prof["kv_cache_memory_bytes"])  # the profiled machine's
+    num_blocks = cc.resolve_num_blocks(bytes_per_block)
     return Simulator(config, cost, num_blocks, int(prof["max_position_embeddings"])), prof
 
 
