@@ -144,9 +144,10 @@ def main(argv=None) -> int:
 def _with_flag(message: str, args: argparse.Namespace) -> str:
     """``message`` led by the command-line flag it is about when it starts with a field's name that is also one of
     the command's flags (``max_tokens must be ...`` -> ``--max-tokens: max_tokens must be ...``): the engine names
-    its fields, a user of the CLI typed the flag."""
+    its fields, a user of the CLI typed the flag. A flag left unset (``None``) is not named: the value came from
+    elsewhere (a ``prompt`` read from ``--prompts-file`` is not ``--prompt``'s)."""
     field = message.split(" ", 1)[0].rstrip(":")
-    if field.isidentifier() and field in vars(args):
+    if field.isidentifier() and vars(args).get(field) is not None:
         return f"--{field.replace('_', '-')}: {message}"
     return message
 
