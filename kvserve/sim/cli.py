@@ -99,6 +99,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                              "enable_chunked_prefill", "scheduling", "scheduling_policy"))
     p.add_argument("--output", default="profile.json", help="where to write the profile")
     p.add_argument("--quick", action="store_true", help="a smaller plan (tests)")
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="seconds of unrecorded steps before the plan (default 10; 0 with --quick): a fresh "
+                        "process's first seconds can be much slower than the rest")
 
 
 def load_trace(args) -> list:
@@ -228,9 +231,12 @@ def run(args: argparse.Namespace) -> int:
 def run_profile(args: argparse.Namespace) -> int:
     """``kvserve sim profile``: measure, fit, save, print the fit."""
     from kvserve.sim.cost_model import FEATURE_UNITS
-    from kvserve.sim.profile import measure, save
+    from kvserve.sim.profile import WARMUP_S, measure, save
 
-    prof = measure(engine_kwargs(args), quick=args.quick)
+    warmup_s = args.warmup_s if args.warmup_s is not None else (0.0 if args.quick else WARMUP_S)
+    if not warmup_s >= 0:
+        raise ValueError(f"--warmup-s must be >= 0 seconds, got {args.warmup_s}")
+    prof = measure(engine_kwargs(args), quick=args.quick, warmup_s=warmup_s)
     save(prof, args.output)
     cm, fit = prof["cost_model"], prof["fit"]
     print(f"profile of {prof['model']} ({len(prof['samples'])} steps) written to {args.output}")

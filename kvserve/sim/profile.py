@@ -13,8 +13,9 @@ and the wall time of ``engine.step()`` (scheduler + model runner + output proces
   prompt, several times the attention pairs), alone and beside 8 decodes, so that the attention of long chunks is
   told apart from their matmuls.
 
-About 110 steps: one to two minutes on an idle 2-core CPU after the model has loaded (far longer when the cores
-are shared; ``--num-threads 1`` is steadier then, and the server being modelled should use the same setting). The fitted ``CostModel`` and the
+About 110 steps: one to two minutes on an idle 2-core CPU, after the model has loaded and after ``warm_up``'s
+throwaway steps (10 s by default). It takes far longer when the cores are shared; ``--num-threads 1`` is steadier
+then, and the server being modelled should use the same setting. The fitted ``CostModel`` and the
 raw samples are saved together with what identifies the measurement (model file, dtype, threads, KV bytes per
 token, machine), so ``kvserve sim`` can refuse a profile of another model and the fit can be redone.
 """
@@ -37,15 +38,17 @@ READABLE_FORMATS = ("kvserve-sim-profile/1", "kvserve-sim-profile/2", PROFILE_FO
 DECODE_BATCHES = (1, 4, 16, 32)
 DECODE_CONTEXTS = (32, 512)
 PREFILL_LENS = (128, 512)
+WARMUP_S = 10.0  # unrecorded steps before the plan (``warm_up``)
 
 
-def measure(engine_args: dict, quick: bool = False) -> dict:
+def measure(engine_args: dict, quick: bool = False, warmup_s: float = WARMUP_S) -> dict:
     """Run the profiling plan on a fresh engine; returns the profile dict (see ``save``).
 
     Args:
         engine_args: engine arguments (``model``, ``dtype``, ``num_threads``, ``block_size``, ...); the pool,
             ``max_num_seqs`` and the token budget are set by the plan.
         quick: a smaller plan (for tests): batches 1, 4, contexts 32, 256, one prefill length.
+        warmup_s: seconds of unrecorded steps before the plan (``warm_up``).
     """
     from kvserve import LLM, SamplingParams
 
@@ -82,9 +85,7 @@ def measure(engine_args: dict, quick: bool = False) -> dict:
             if captured and captured[-1].scheduled:
                 samples.append((step_features(captured[-1]), dt))
 
-    add(list(range(1000, 1016)), 2)  # warm-up (kernel build, first-call costs): not recorded
-    while engine.has_unfinished_requests():
-        engine.step()
+    warm_up(engine, add, warmup_s)
     base = [1000 + (i * 7919) % 28000 for i in range(max(contexts))]
     add(base, 1)
     drain()
@@ -126,6 +127,25 @@ def measure(engine_args: dict, quick: bool = False) -> dict:
         "samples": [{"features": list(f), "step_s": t} for f, t in samples],
     }
     return profile
+
+
+def warm_up(engine, add, seconds: float) -> int:
+    """Step ``engine`` on throwaway requests (4 fresh 64-token prompts, 16 tokens each, again and again) for at
+    least ``seconds`` (at least one round), recording nothing; returns the steps run. The first seconds of a fresh
+    process can run far slower than the rest: in one profile on a 2-vCPU Xeon its first 16 steps, batch-1 decodes
+    among them, took 16-62 ms where the same steps later took 18-19 ms, and fitted with the rest they raised the
+    intercept from 13.4 to 20.2 ms and the mean fit error from 7.6% to 17% (docs/simulator.md, "Without steal, the
+    host's speed still moves"). The prompts share no block with the plan's."""
+    steps, t_end, w = 0, time.monotonic() + seconds, 0
+    while True:
+        for _ in range(4):
+            add([1000 + (w * 104729 + k * 7) % 28000 for k in range(64)], 16)
+            w += 1
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        if time.monotonic() >= t_end:
+            return steps
 
 
 def serve_pool_bytes(engine_args: dict, engine) -> int:

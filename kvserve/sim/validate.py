@@ -77,6 +77,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "also replay each level with the mean of the calibrations just before and just after it (the "
                         "host's speed measured around the level, none of the level's own steps): tells the host's "
                         "drift apart from the simulator's error while staying a prediction of the level")
+    p.add_argument("--warmup-s", type=float, default=10.0,
+                   help="seconds of throwaway requests before the first calibration or level (default 10)")
     p.add_argument("--calibration-runs", type=int, default=3,
                    help="lone prefills per calibration; each decode batch is measured runs // 3 times (more runs: "
                         "a steadier calibration, ~10 s more per 3 runs)")
@@ -256,6 +258,20 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     asyncio.run(run_benchmark(base_url, model, burst, [r.arrival_s for r in burst]))
     steps = [st for st in read_idle_trace(step_trace_path) if st[0] >= t_start]
     return {**cal, **fit_from_steps(steps, cost), "fit": "server steps", "window": (t_start, time.monotonic())}
+
+
+def warm_up_server(base_url: str, model: str, seconds: float) -> int:
+    """Send rounds of 4 concurrent fresh 40-token prompts (16 output tokens each) to the server until ``seconds``
+    have passed (at least one round), before anything is measured: a fresh process's first seconds can run far
+    slower than the rest (``kvserve.sim.profile.warm_up``). Returns the requests sent. The prompts (ids 2000-5038,
+    none repeated) are not the calibration's (drawn at random) or the trace's."""
+    t_end, sent = time.monotonic() + seconds, 0
+    while True:
+        warm = [LoadRequest([2000 + (sent + i) * 41 % 3000 + k for k in range(40)], 16, 0.0) for i in range(4)]
+        asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
+        sent += 4
+        if time.monotonic() >= t_end:
+            return sent
 
 
 def read_idle_trace(path, timeout: float = 30.0) -> list:
@@ -468,6 +484,8 @@ def run(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     if args.calibration_runs < 1:
         raise ValueError(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
+    if not args.warmup_s >= 0:
+        raise ValueError(f"--warmup-s must be >= 0 seconds, got {args.warmup_s}")
     if args.bracket and not (args.save_calibration and args.calibrate_each_level):
         raise ValueError("--bracket needs --save-calibration and --calibrate-each-level (it replays each level with "
                          "the calibrations measured before and after it)")
@@ -490,8 +508,7 @@ def run(args: argparse.Namespace) -> int:
     rows, report, pending, bracketed = [], [], [], []  # pending: (name, trace, real) of levels still to bracket
     try:
         model = fetch_model(base_url)
-        warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(4)]
-        asyncio.run(run_benchmark(base_url, model, warm, [0.0] * 4))
+        warm_up_server(base_url, model, args.warmup_s)
 
         def recalibrate(level: int = 0):
             return calibrate_profile(base_url, model, eargs, args.profile, seed=args.seed * 1000 + level,

@@ -43,3 +43,41 @@ def test_quick_profile_then_simulate(tmp_path, capsys):
                  "--num-kv-blocks", "64"]) == 0
     text = capsys.readouterr().out
     assert re.search(r"successful requests\s+5\n", text) and re.search(r"failed requests\s+0\n", text)
+
+
+def test_warm_up_runs_rounds_of_fresh_throwaway_requests_until_its_time_is_up():
+    """``kvserve.sim.profile.warm_up``: rounds of 4 fresh 64-token prompts of 16 tokens, stepped to the end, until
+    ``seconds`` have passed (``0``: one round); no prompt repeats or shares a block with the plan's prefix."""
+    import time
+
+    from kvserve.sim.profile import warm_up
+
+    class Engine:  # each request takes ``max_tokens`` steps; a step sleeps 1 ms
+        def __init__(self):
+            self.left = []
+
+        def has_unfinished_requests(self):
+            return any(self.left)
+
+        def step(self):
+            time.sleep(0.001)
+            self.left = [n - 1 for n in self.left if n > 1]
+
+    engine, added = Engine(), []
+
+    def add(prompt, max_tokens):
+        added.append((tuple(prompt), max_tokens))
+        engine.left.append(max_tokens)
+
+    assert warm_up(engine, add, 0.0) == 16 and len(added) == 4
+    added.clear()
+    steps = warm_up(engine, add, 0.1)
+    assert steps == 16 * len(added) // 4 and len(added) >= 8
+    assert all(len(p) == 64 and n == 16 for p, n in added) and len({p for p, _ in added}) == len(added)
+    plan_prefix = tuple(1000 + (i * 7919) % 28000 for i in range(16))  # the plan's first block (``measure``)
+    assert all(p[:16] != plan_prefix for p, _ in added)
+
+
+def test_negative_warm_up_is_refused(capsys):
+    assert main(["sim", "profile", "--warmup-s", "-1", "--output", "/nonexistent/p.json"]) == 2
+    assert "error: --warmup-s must be >= 0 seconds, got -1.0" in capsys.readouterr().err

@@ -291,7 +291,8 @@ def test_bracket_replays_each_level_between_the_calibrations_around_it(tmp_path,
     path.write_text(json.dumps(prof))
     flags = ["--model", "m.gguf", "--profile", str(path), "--base-url", "http://fake", "--rates", "2,4",
              "--save-calibration", "--calibrate-each-level", "--bracket", "--max-num-seqs", "4",
-             "--num-kv-blocks", "256", "--max-num-batched-tokens", "64", "--output-json", str(tmp_path / "v.json")]
+             "--num-kv-blocks", "256", "--max-num-batched-tokens", "64", "--output-json", str(tmp_path / "v.json"),
+             "--warmup-s", "0"]
     p = argparse.ArgumentParser()
     V.add_args(p)
     args = p.parse_args(flags)
@@ -365,3 +366,33 @@ def test_the_simulated_pool_defaults_to_the_profiled_machines(tmp_path):
     p.write_text(json.dumps(prof))
     with pytest.raises(ValueError, match="field 'kv_cache_memory_bytes' must be an integer >= 1, got 'lots'"):
         build_simulator(args, p)
+
+
+def test_server_warm_up_sends_fresh_rounds_until_its_time_is_up(monkeypatch):
+    """``warm_up_server``: rounds of 4 concurrent 40-token prompts, 16 tokens each, none repeated (a repeat would be
+    a prefix-cache hit, not a warm step), ids in 2000-5038 (the calibration's random ids start at 1000 but are drawn
+    fresh, the trace's are the dataset's); ``seconds=0`` is one round; ``--warmup-s -1`` is refused."""
+    import time
+
+    import kvserve.sim.validate as V
+
+    rounds = []
+
+    async def fake_benchmark(base_url, model, reqs, offsets, max_duration=None):
+        rounds.append(reqs)
+        time.sleep(0.02)
+        return [], 0.0
+
+    monkeypatch.setattr(V, "run_benchmark", fake_benchmark)
+    assert V.warm_up_server("http://fake", "m", 0.0) == 4 and len(rounds) == 1
+    rounds.clear()
+    sent = V.warm_up_server("http://fake", "m", 0.1)
+    assert sent == 4 * len(rounds) and len(rounds) >= 3
+    prompts = [tuple(r.prompt) for reqs in rounds for r in reqs]
+    assert len(set(prompts)) == len(prompts)
+    assert all(len(p) == 40 and 2000 <= min(p) and max(p) <= 5038 for p in prompts)
+    assert all(r.output_len == 16 for reqs in rounds for r in reqs)
+    p = argparse.ArgumentParser()
+    V.add_args(p)
+    with pytest.raises(ValueError, match="--warmup-s must be >= 0 seconds, got -1.0"):
+        V.run(p.parse_args(["--warmup-s", "-1"]))
