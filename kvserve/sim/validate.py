@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,7 +67,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "machine whose load drifts, each level is then simulated at its own moment's speed)")
     p.add_argument("--step-trace", default=None, metavar="FILE",
                    help="the server's step trace (`kvserve serve --step-trace`; default: a temporary file when the "
-                        "server is started here): each level also compares the server's steps with the cost model, "
+                        "server is started here, removed at the end): each level also compares the server's steps with the cost model, "
                         "step by step")
     p.add_argument("--fit-each-level", action="store_true",
                    help="also replay each level with the calibration fitted afterwards on that level's own server "
@@ -496,11 +497,12 @@ def run(args: argparse.Namespace) -> int:
     levels = [level_requests(args, rate, args.seed + i) for i, rate in enumerate(rates)]  # bad data: before serving
     sim, prof = build_simulator(eargs, args.profile)
     raw_sim, _ = build_simulator(eargs, args.profile, server_calibration=False)
-    proc = None
+    proc, tmp_dir = None, None
     trace_path = args.step_trace
     if args.base_url is None:
-        if trace_path is None:
-            trace_path = os.path.join(tempfile.mkdtemp(prefix="kvserve-validate-"), "steps.jsonl")
+        if trace_path is None:  # removed at the end: pass --step-trace to keep it
+            tmp_dir = tempfile.mkdtemp(prefix="kvserve-validate-")
+            trace_path = os.path.join(tmp_dir, "steps.jsonl")
         proc, base_url = start_server({k: v for k, v in eargs.items() if k != "speculative_config"},
                                       step_trace=trace_path)
     else:
@@ -579,6 +581,8 @@ def run(args: argparse.Namespace) -> int:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
     print()
     print(format_comparison(rows))
     if args.bracket:

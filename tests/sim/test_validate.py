@@ -396,3 +396,53 @@ def test_server_warm_up_sends_fresh_rounds_until_its_time_is_up(monkeypatch):
     V.add_args(p)
     with pytest.raises(ValueError, match="--warmup-s must be >= 0 seconds, got -1.0"):
         V.run(p.parse_args(["--warmup-s", "-1"]))
+
+
+def test_the_temporary_step_trace_is_removed_at_the_end(tmp_path, monkeypatch):
+    """Without ``--step-trace``, the server started here writes its trace to a temporary folder, which is gone once
+    the validation ends (with ``--step-trace FILE`` the file is the user's and stays)."""
+    import os
+
+    import kvserve.sim.validate as V
+    from kvserve.bench.serve import LoadRequest, RequestResult
+
+    prof = {"format": PROFILE_FORMAT, "model": "m.gguf", "kv_bytes_per_token": 1, "max_position_embeddings": 4096,
+            "cost_model": {"intercept_s": 0.004, "coef_s": {**{f: 0.0 for f in FEATURES}, "prefill_tokens": 0.0015,
+                                                             "decode_tokens": 0.0018}}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    seen = {}
+
+    class Proc:
+        def send_signal(self, sig):
+            seen["exists_at_stop"] = os.path.isdir(os.path.dirname(seen["trace"]))
+
+        def wait(self, timeout=None):
+            return 0
+
+    def fake_start(engine_args, timeout=600.0, step_trace=None):
+        seen["trace"] = step_trace
+        with open(step_trace, "w") as f:  # one idle step, long before the level: read at once, compared with none
+            f.write(json.dumps({"t0": 0.0, "t1": 0.001, "more": 0, "rows": [[20, 0, 0, 1]]}) + "\n")
+        return Proc(), "http://fake"
+
+    async def fake_benchmark(base_url, model, reqs, offsets, max_duration=None):
+        return [RequestResult(success=True, prompt_tokens=len(r.prompt), output_tokens=r.output_len, ttft=0.1,
+                              e2el=0.1 + 0.01 * r.output_len, itl=[0.01] * (r.output_len - 1), start_s=o)
+                for r, o in zip(reqs, offsets)], 1.0
+
+    monkeypatch.setattr(V, "start_server", fake_start)
+    monkeypatch.setattr(V, "level_requests", lambda a, rate, seed: [LoadRequest(list(range(20)), 4, 0.0)])
+    monkeypatch.setattr(V, "fetch_model", lambda url: "m")
+    monkeypatch.setattr(V, "fetch_prefix_counters", lambda url: None)
+    monkeypatch.setattr(V, "run_benchmark", fake_benchmark)
+    p = argparse.ArgumentParser()
+    V.add_args(p)
+    assert V.run(p.parse_args(["--model", "m.gguf", "--profile", str(path), "--rates", "1", "--warmup-s", "0",
+                               "--num-kv-blocks", "64"])) == 0
+    assert seen["exists_at_stop"] and os.path.basename(os.path.dirname(seen["trace"])).startswith("kvserve-validate-")
+    assert not os.path.exists(os.path.dirname(seen["trace"]))
+    kept = tmp_path / "steps.jsonl"
+    assert V.run(p.parse_args(["--model", "m.gguf", "--profile", str(path), "--rates", "1", "--warmup-s", "0",
+                               "--num-kv-blocks", "64", "--step-trace", str(kept)])) == 0
+    assert seen["trace"] == str(kept) and kept.exists()
