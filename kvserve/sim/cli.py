@@ -234,8 +234,8 @@ def run_profile(args: argparse.Namespace) -> int:
     from kvserve.sim.profile import WARMUP_S, measure, save
 
     warmup_s = args.warmup_s if args.warmup_s is not None else (0.0 if args.quick else WARMUP_S)
-    if not warmup_s >= 0:
-        raise ValueError(f"--warmup-s must be >= 0 seconds, got {args.warmup_s}")
+    if not 0 <= warmup_s < float("inf"):
+        raise ValueError(f"--warmup-s must be a finite number of seconds >= 0, got {args.warmup_s}")
     prof = measure(engine_kwargs(args), quick=args.quick, warmup_s=warmup_s)
     save(prof, args.output)
     cm, fit = prof["cost_model"], prof["fit"]

@@ -485,8 +485,8 @@ def run(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     if args.calibration_runs < 1:
         raise ValueError(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
-    if not args.warmup_s >= 0:
-        raise ValueError(f"--warmup-s must be >= 0 seconds, got {args.warmup_s}")
+    if not 0 <= args.warmup_s < float("inf"):
+        raise ValueError(f"--warmup-s must be a finite number of seconds >= 0, got {args.warmup_s}")
     if args.bracket and not (args.save_calibration and args.calibrate_each_level):
         raise ValueError("--bracket needs --save-calibration and --calibrate-each-level (it replays each level with "
                          "the calibrations measured before and after it)")

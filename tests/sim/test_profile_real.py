@@ -78,6 +78,7 @@ def test_warm_up_runs_rounds_of_fresh_throwaway_requests_until_its_time_is_up():
     assert all(p[:16] != plan_prefix for p, _ in added)
 
 
-def test_negative_warm_up_is_refused(capsys):
-    assert main(["sim", "profile", "--warmup-s", "-1", "--output", "/nonexistent/p.json"]) == 2
-    assert "error: --warmup-s must be >= 0 seconds, got -1.0" in capsys.readouterr().err
+def test_negative_or_endless_warm_up_is_refused(capsys):
+    for bad, shown in (("-1", "-1.0"), ("inf", "inf"), ("nan", "nan")):  # inf would never end
+        assert main(["sim", "profile", "--warmup-s", bad, "--output", "/nonexistent/p.json"]) == 2
+        assert f"error: --warmup-s must be a finite number of seconds >= 0, got {shown}" in capsys.readouterr().err

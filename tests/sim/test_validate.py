@@ -394,8 +394,9 @@ def test_server_warm_up_sends_fresh_rounds_until_its_time_is_up(monkeypatch):
     assert all(r.output_len == 16 for reqs in rounds for r in reqs)
     p = argparse.ArgumentParser()
     V.add_args(p)
-    with pytest.raises(ValueError, match="--warmup-s must be >= 0 seconds, got -1.0"):
-        V.run(p.parse_args(["--warmup-s", "-1"]))
+    for bad in ("-1", "inf", "nan"):
+        with pytest.raises(ValueError, match=f"--warmup-s must be a finite number of seconds >= 0, got {float(bad)}"):
+            V.run(p.parse_args(["--warmup-s", bad]))
 
 
 def test_the_temporary_step_trace_is_removed_at_the_end(tmp_path, monkeypatch):
