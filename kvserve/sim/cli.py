@@ -231,11 +231,9 @@ def run(args: argparse.Namespace) -> int:
 def run_profile(args: argparse.Namespace) -> int:
     """``kvserve sim profile``: measure, fit, save, print the fit."""
     from kvserve.sim.cost_model import FEATURE_UNITS
-    from kvserve.sim.profile import WARMUP_S, measure, save
+    from kvserve.sim.profile import WARMUP_S, check_warmup_s, measure, save
 
-    warmup_s = args.warmup_s if args.warmup_s is not None else (0.0 if args.quick else WARMUP_S)
-    if not 0 <= warmup_s < float("inf"):
-        raise ValueError(f"--warmup-s must be a finite number of seconds >= 0, got {args.warmup_s}")
+    warmup_s = check_warmup_s(args.warmup_s if args.warmup_s is not None else (0.0 if args.quick else WARMUP_S))
     prof = measure(engine_kwargs(args), quick=args.quick, warmup_s=warmup_s)
     save(prof, args.output)
     cm, fit = prof["cost_model"], prof["fit"]

@@ -129,6 +129,17 @@ def measure(engine_args: dict, quick: bool = False, warmup_s: float = WARMUP_S) 
     return profile
 
 
+def check_warmup_s(seconds: float) -> float:
+    """``--warmup-s`` as given, checked (``kvserve sim profile`` and ``kvserve sim validate``).
+
+    Raises:
+        ValueError: not a finite number of seconds >= 0 (``inf`` would never end the warm-up).
+    """
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"--warmup-s must be a finite number of seconds >= 0, got {seconds}")
+    return seconds
+
+
 def warm_up(engine, add, seconds: float) -> int:
     """Step ``engine`` on throwaway requests (4 fresh 64-token prompts, 16 tokens each, again and again) for at
     least ``seconds`` (at least one round), recording nothing; returns the steps run. The first seconds of a fresh

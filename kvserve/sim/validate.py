@@ -31,6 +31,7 @@ from kvserve.bench.serve import (LoadRequest, fetch_model, fetch_prefix_counters
                                  request_records, run_benchmark, summarize)
 from kvserve.bench.workloads import azure_trace
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
+from kvserve.sim.profile import check_warmup_s
 from kvserve.sim.trace import TraceRequest, read_step_trace
 
 METRICS = (("output_throughput", "output tok/s"), ("request_throughput", "req/s"),
@@ -67,8 +68,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "machine whose load drifts, each level is then simulated at its own moment's speed)")
     p.add_argument("--step-trace", default=None, metavar="FILE",
                    help="the server's step trace (`kvserve serve --step-trace`; default: a temporary file when the "
-                        "server is started here, removed at the end): each level also compares the server's steps with the cost model, "
-                        "step by step")
+                        "server is started here, removed at the end): each level also compares the server's steps with the "
+                        "cost model, step by step")
     p.add_argument("--fit-each-level", action="store_true",
                    help="also replay each level with the calibration fitted afterwards on that level's own server "
                         "steps (needs the step trace): not a prediction, but it tells the simulator's error apart "
@@ -485,8 +486,7 @@ def run(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     if args.calibration_runs < 1:
         raise ValueError(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
-    if not 0 <= args.warmup_s < float("inf"):
-        raise ValueError(f"--warmup-s must be a finite number of seconds >= 0, got {args.warmup_s}")
+    check_warmup_s(args.warmup_s)
     if args.bracket and not (args.save_calibration and args.calibrate_each_level):
         raise ValueError("--bracket needs --save-calibration and --calibrate-each-level (it replays each level with "
                          "the calibrations measured before and after it)")
@@ -503,8 +503,13 @@ def run(args: argparse.Namespace) -> int:
         if trace_path is None:  # removed at the end: pass --step-trace to keep it
             tmp_dir = tempfile.mkdtemp(prefix="kvserve-validate-")
             trace_path = os.path.join(tmp_dir, "steps.jsonl")
-        proc, base_url = start_server({k: v for k, v in eargs.items() if k != "speculative_config"},
-                                      step_trace=trace_path)
+        try:
+            proc, base_url = start_server({k: v for k, v in eargs.items() if k != "speculative_config"},
+                                          step_trace=trace_path)
+        except BaseException:
+            if tmp_dir is not None:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
     else:
         base_url = args.base_url
     rows, report, pending, bracketed = [], [], [], []  # pending: (name, trace, real) of levels still to bracket

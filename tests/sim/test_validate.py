@@ -443,6 +443,15 @@ def test_the_temporary_step_trace_is_removed_at_the_end(tmp_path, monkeypatch):
                                "--num-kv-blocks", "64"])) == 0
     assert seen["exists_at_stop"] and os.path.basename(os.path.dirname(seen["trace"])).startswith("kvserve-validate-")
     assert not os.path.exists(os.path.dirname(seen["trace"]))
+    def failing_start(engine_args, timeout=600.0, step_trace=None):
+        seen["trace"] = step_trace
+        raise ValueError("kvserve serve exited with 2: ...")
+
+    monkeypatch.setattr(V, "start_server", failing_start)
+    with pytest.raises(ValueError, match="kvserve serve exited"):
+        V.run(p.parse_args(["--model", "m.gguf", "--profile", str(path), "--rates", "1", "--num-kv-blocks", "64"]))
+    assert not os.path.exists(os.path.dirname(seen["trace"]))  # a server that never started leaves nothing either
+    monkeypatch.setattr(V, "start_server", fake_start)
     kept = tmp_path / "steps.jsonl"
     assert V.run(p.parse_args(["--model", "m.gguf", "--profile", str(path), "--rates", "1", "--warmup-s", "0",
                                "--num-kv-blocks", "64", "--step-trace", str(kept)])) == 0
