@@ -214,7 +214,7 @@ def fit(samples: list[tuple[tuple, float]]) -> CostModel:
     return CostModel(full[0], dict(zip(FEATURES, full[1:])))
 
 
-def nnls_relative(x: list, y: list, iterations: int = 4) -> list:
+def nnls_relative(x: list, y: list, iterations: int = 4, sample_weight: list | None = None) -> list:
     """Non-negative least squares of ``y ≈ x @ c`` on relative error, by active set: a column whose unconstrained
     coefficient comes out negative is dropped and the rest refitted.
 
@@ -229,13 +229,15 @@ def nnls_relative(x: list, y: list, iterations: int = 4) -> list:
     Args:
         x: rows of regressors, ``n x k``; y: ``n`` positive targets.
         iterations: solves in all (``1``: plain relative error).
+        sample_weight: ``n`` weights >= 0 on each row's squared relative error (``None``: all 1).
 
     Returns:
         the ``k`` coefficients (0.0 for dropped columns).
     """
     xt = torch.tensor(x, dtype=torch.float64)
     yt = torch.tensor(y, dtype=torch.float64)
-    w = 1.0 / yt
+    sw = torch.ones_like(yt) if sample_weight is None else torch.tensor(sample_weight, dtype=torch.float64).sqrt()
+    w = sw / yt
     full = [0.0] * xt.shape[1]
     for _ in range(max(1, iterations)):
         active = list(range(xt.shape[1]))
@@ -253,7 +255,7 @@ def nnls_relative(x: list, y: list, iterations: int = 4) -> list:
         pred = xt @ torch.tensor(full, dtype=torch.float64)
         if not bool((pred > 0).all()):  # a prediction of 0 s cannot weigh a row: keep the last weights' answer
             break
-        w = 1.0 / pred
+        w = sw / pred
     return full
 
 

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from kvserve.bench.serve import (LoadRequest, fetch_model, fetch_prefix_counters, parse_goodput, prefix_hit_rate,
-                                 request_records, run_benchmark, summarize)
+                                 request_records, run_benchmark, run_sessions, summarize)
 from kvserve.bench.workloads import azure_trace
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
 from kvserve.sim.profile import check_warmup_s
@@ -84,6 +84,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration-runs", type=int, default=3,
                    help="lone prefills per calibration; each decode batch is measured runs // 3 times (more runs: "
                         "a steadier calibration, ~10 s more per 3 runs)")
+    p.add_argument("--calibration-loaded-rounds", type=int, default=3, metavar="N",
+                   help="with the server's step trace: end each calibration with max_num_seqs closed-loop streams of "
+                        "N fresh requests each, so that the fit also sees full batches beside prompt chunks, the "
+                        "steps of a loaded level (default 3, ~20-40 s; 0: none)")
+    p.add_argument("--match-mix", action="store_true",
+                   help="with the server's step trace: also replay each level with the calibration refitted on its "
+                        "steps reweighted to the mix of steps the simulator predicts for the level (by kind and "
+                        "rows); still a prediction, from the calibration's steps alone")
 
 
 def level_requests(args, rate: float, seed: int) -> list:
@@ -165,7 +173,8 @@ def start_server(engine_args: dict, timeout: float = 600.0, step_trace: str | No
 
 def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24,
               prefill_len: int = 192, prefill_runs: int = 3, seed: int = 0, replicas: int = 1,
-              decode_runs: int = 1, step_trace_path: str | None = None) -> dict:
+              decode_runs: int = 1, step_trace_path: str | None = None, loaded_streams: int = 0,
+              loaded_rounds: int = 3) -> dict:
     """Measure a live server's decode and prefill steps against the cost model's predictions.
 
     Decode: the median inter-token gap of 1 and of 8 concurrent streams (fresh ``context``-token prompts,
@@ -198,6 +207,14 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
     turns, each against the prediction for its very plan, rather than two medians seen through HTTP. The result
     then also has ``"fit": "server steps"``, ``"steps"`` and ``"window"`` (its start and end, monotonic seconds: the
     step trace's clock); ``points`` keep the client-side view.
+
+    ``loaded_streams`` (with ``step_trace_path``; the server's ``max_num_seqs``): last, a loaded phase, the steps of
+    an overloaded level. That many closed-loop streams each send ``loaded_rounds`` fresh prompts of
+    ``prefill_len // 4`` to ``prefill_len`` tokens one after the other, the streams' starts staggered over one
+    request's expected time, so that about ``loaded_streams`` rows decode beside prompt chunks step after step.
+    Without it the fit sees mostly 1- and 8-row decodes: on a 16-row level the profile's shape was off by 7-19%
+    there, and the calibration could not price it (docs/simulator.md). The result then has ``"loaded": [streams,
+    rounds]``.
     """
     import random
     import statistics
@@ -258,6 +275,12 @@ def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: in
         return cal
     burst = [LoadRequest(fresh(prefill_len), output_len, 0.0 if i < 4 else 0.1 * (i - 3)) for i in range(12)]
     asyncio.run(run_benchmark(base_url, model, burst, [r.arrival_s for r in burst]))
+    if loaded_streams > 0 and loaded_rounds > 0:
+        sessions = [[LoadRequest(fresh(rng.randint(prefill_len // 4, prefill_len)), output_len, 0.0)
+                     for _ in range(loaded_rounds)] for _ in range(loaded_streams)]
+        stagger = output_len * m8 / loaded_streams  # one request's time at 8 rows, spread over the streams
+        asyncio.run(run_sessions(base_url, model, sessions, [i * stagger for i in range(loaded_streams)]))
+        cal["loaded"] = [loaded_streams, loaded_rounds]
     steps = [st for st in read_idle_trace(step_trace_path) if st[0] >= t_start]
     return {**cal, **fit_from_steps(steps, cost), "fit": "server steps", "window": (t_start, time.monotonic())}
 
@@ -295,7 +318,7 @@ def loop_turns(steps: list) -> list:
             for k, (t0, t1, more, rows) in enumerate(steps)]
 
 
-def fit_from_steps(steps: list, cost) -> dict:
+def fit_from_steps(steps: list, cost, weights: list | None = None) -> dict:
     """``offset_s``, ``scale`` and ``prefill_scale`` of ``ServerCalibrated`` fitted to a server's loop turns: ``turn
     = offset + scale * (predicted - prefill part) + prefill_scale * prefill part`` per step, by non-negative least
     squares on relative error (``cost_model.nnls_relative``).
@@ -303,28 +326,33 @@ def fit_from_steps(steps: list, cost) -> dict:
     Args:
         steps: ``kvserve.sim.trace.read_step_trace`` tuples (at least 3 steps, some with prompt chunks).
         cost: the uncalibrated ``CostModel``.
+        weights: one per step, >= 0 (``kvserve.sim.step_mix.matched_weights``): how much its relative error counts;
+            steps of weight 0 are left out. ``None``: all alike.
 
     Returns:
         ``{"offset_s", "scale", "prefill_scale", "steps", "mean_abs_rel_err"}``; ``prefill_scale`` is ``None``
         when no step had a prefill part.
 
     Raises:
-        ValueError: fewer than 3 steps.
+        ValueError: fewer than 3 steps (of weight > 0).
     """
     from kvserve.sim.cost_model import nnls_relative, row_features
 
-    turns = [(t, row_features(rows)) for t, rows in loop_turns(steps) if t > 0]
+    if weights is None:
+        weights = [1.0] * len(steps)
+    turns = [(t, row_features(rows), w) for (t, rows), w in zip(loop_turns(steps), weights) if t > 0 and w > 0]
     if len(turns) < 3:
         raise ValueError(f"the server's step trace has {len(turns)} steps in the calibration; need at least 3")
     x = []
-    for _, f in turns:
+    for _, f, _ in turns:
         pre = cost.prefill_time(f)
         x.append([1.0, cost.step_time(f) - pre, pre])
-    y = [t for t, _ in turns]
+    y = [t for t, _, _ in turns]
+    w = [v for _, _, v in turns]
     has_prefill = any(r[2] > 0 for r in x)  # else the prefill column is all zeros and its coefficient 0
-    offset, scale, prefill_scale = nnls_relative(x, y)
+    offset, scale, prefill_scale = nnls_relative(x, y, sample_weight=w)
     pred = [offset + scale * a + prefill_scale * b for _, a, b in x]
-    err = sum(abs(p - t) / t for p, t in zip(pred, y)) / len(y)
+    err = sum(v * abs(p - t) / t for p, t, v in zip(pred, y, w)) / sum(w)
     if not scale > 0:
         raise ValueError("the server's calibration steps give no positive scale for the cost model; profile again")
     return {"offset_s": offset, "scale": scale, "prefill_scale": prefill_scale if has_prefill else None,
@@ -332,16 +360,20 @@ def fit_from_steps(steps: list, cost) -> dict:
 
 
 def calibrate_profile(base_url: str, model: str, engine_args: dict, profile_path, seed: int = 0,
-                      replicas: int = 1, runs: int = 3, step_trace_path: str | None = None) -> tuple:
+                      replicas: int = 1, runs: int = 3, step_trace_path: str | None = None,
+                      loaded_rounds: int = 0) -> tuple:
     """``calibrate`` the live server at ``base_url`` against the profile's uncalibrated cost model (``runs`` lone
-    prefills, each decode batch measured ``runs // 3`` times, at least once), print the result, store it as the
+    prefills, each decode batch measured ``runs // 3`` times, at least once; with ``step_trace_path`` and
+    ``loaded_rounds``, a loaded phase of ``max_num_seqs`` streams), print the result, store it as the
     profile's ``server_calibration`` (the file is rewritten) and return ``(Simulator with it, the calibration
     dict)``."""
     from kvserve.sim.cli import build_simulator
 
     raw_sim, prof = build_simulator(engine_args, profile_path, server_calibration=False)
     cal = calibrate(base_url, model, raw_sim.step_time, seed=seed, replicas=replicas, prefill_runs=runs,
-                    decode_runs=max(1, runs // 3), step_trace_path=step_trace_path)
+                    decode_runs=max(1, runs // 3), step_trace_path=step_trace_path,
+                    loaded_streams=raw_sim.config.scheduler_config.max_num_seqs * replicas,
+                    loaded_rounds=loaded_rounds)
     ps = cal["prefill_scale"]
     print(f"server calibration: step = {cal['offset_s'] * 1000:.1f} ms + {cal['scale']:.3f} x engine step "
           f"(prefill terms x {ps if ps is None else round(ps, 3)}; measured / predicted decode step: " +
@@ -351,8 +383,10 @@ def calibrate_profile(base_url: str, model: str, engine_args: dict, profile_path
            + ", ".join(f"{c:.2f}" for c in cal["contention"]) if cal.get("contention") else "") +
           "; lone prefill: " +
           ", ".join(f"{n} tokens {m * 1000:.0f} / {p * 1000:.0f} ms" for n, m, p in cal["prefill_points"]) +
-          ")" + (f"; fitted on the server's {cal['steps']} steps, mean |error| {100 * cal['mean_abs_rel_err']:.1f}%"
-                 if cal.get("fit") else ""), flush=True)
+          ")" + (f"; loaded phase: {cal['loaded'][0]} streams x {cal['loaded'][1]} requests" if cal.get("loaded")
+                 else "") +
+          (f"; fitted on the server's {cal['steps']} steps, mean |error| {100 * cal['mean_abs_rel_err']:.1f}%"
+           if cal.get("fit") else ""), flush=True)
     prof["server_calibration"] = {**cal, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with open(profile_path, "w") as f:
         json.dump(prof, f, indent=1)
@@ -370,13 +404,13 @@ def step_comparison(steps: list, cost, t_start: float, t_end: float) -> dict:
     rows; ``prefill``: prompt chunks only).
     """
     from kvserve.sim.cost_model import row_features
+    from kvserve.sim.step_mix import step_kind
 
     sel = [s for s in steps if t_start <= s[0] <= t_end]
     out = {"steps": len(sel), "step_s": 0.0, "turn_s": 0.0, "predicted_s": 0.0, "by_kind": {}}
     for (t0, t1, _, rows), (turn, _) in zip(sel, loop_turns(sel)):
         pred = cost.step_time(row_features(rows))
-        chunks = sum(1 for q, _, spec, _ in rows if q > 1 and not spec)
-        kind = "decode" if not chunks else ("prefill" if chunks == len(rows) else "mixed")
+        kind = step_kind(rows)
         agg = out["by_kind"].setdefault(kind, {"steps": 0, "step_s": 0.0, "turn_s": 0.0, "predicted_s": 0.0})
         for d in (out, agg):
             d["step_s"] += t1 - t0
@@ -404,6 +438,25 @@ def level_fitted(raw_sim, steps: list, t_start: float, t_end: float, trace: list
     """
     fit = fit_from_steps([s for s in steps if t_start <= s[0] <= t_end], raw_sim.step_time)
     return fit, compare(real, replay(raw_sim, fit, trace, slos))
+
+
+def match_mix(raw_sim, cal: dict, steps: list, trace: list, slos, real: dict, report: dict) -> dict:
+    """``--match-mix`` for one level: ``kvserve.sim.step_mix.predict_matched`` over the server's ``steps`` in the
+    calibration's window; prints the fit and the comparison, adds ``mix_fit``, ``mix_times_s`` and
+    ``errors_mix_matched`` to the level's ``report`` and returns ``compare(real, replay)``."""
+    from kvserve.sim.step_mix import predict_matched
+
+    w0, w1 = cal["window"]
+    fit, summary, times = predict_matched(raw_sim, cal, [s for s in steps if w0 <= s[0] <= w1], trace, slos)
+    comp = compare(real, summary)
+    report.update({"mix_fit": fit, "mix_times_s": times, "errors_mix_matched": {k: v[2] for k, v in comp.items()}})
+    total = sum(times.values())
+    print(f"{report['rate']:g} req/s, calibration refitted to the level's simulated step mix (" +
+          ", ".join(f"{k} {100 * t / total:.0f}%" for k, t in times.items() if t >= 0.02 * total) +
+          f"): offset {1e3 * fit['offset_s']:.1f} ms, scale {fit['scale']:.3f}, prefill scale "
+          f"{fit['prefill_scale'] if fit['prefill_scale'] is None else round(fit['prefill_scale'], 3)}", flush=True)
+    print(format_comparison([(f"{report['rate']:g} req/s mix-matched", comp)]), flush=True)
+    return comp
 
 
 def replay(raw_sim, cal: dict, trace: list, slos) -> dict:
@@ -486,13 +539,17 @@ def run(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     if args.calibration_runs < 1:
         raise ValueError(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
+    if args.calibration_loaded_rounds < 0:
+        raise ValueError(f"--calibration-loaded-rounds must be >= 0, got {args.calibration_loaded_rounds}")
     check_warmup_s(args.warmup_s)
     if args.bracket and not (args.save_calibration and args.calibrate_each_level):
         raise ValueError("--bracket needs --save-calibration and --calibrate-each-level (it replays each level with "
                          "the calibrations measured before and after it)")
-    if args.fit_each_level and args.base_url is not None and args.step_trace is None:
-        raise ValueError("--fit-each-level needs the server's step trace: with --base-url, pass --step-trace FILE "
-                         "(the file that server writes)")
+    if args.match_mix and not args.save_calibration:
+        raise ValueError("--match-mix needs --save-calibration (it refits the calibration's own server steps)")
+    if (args.fit_each_level or args.match_mix) and args.base_url is not None and args.step_trace is None:
+        raise ValueError(f"{'--fit-each-level' if args.fit_each_level else '--match-mix'} needs the server's step "
+                         "trace: with --base-url, pass --step-trace FILE (the file that server writes)")
     eargs = {k: v for k, v in engine_kwargs(args).items() if k != "device"}
     levels = [level_requests(args, rate, args.seed + i) for i, rate in enumerate(rates)]  # bad data: before serving
     sim, prof = build_simulator(eargs, args.profile)
@@ -512,14 +569,15 @@ def run(args: argparse.Namespace) -> int:
             raise
     else:
         base_url = args.base_url
-    rows, report, pending, bracketed = [], [], [], []  # pending: (name, trace, real) of levels still to bracket
+    rows, report, pending, bracketed, matched = [], [], [], [], []  # pending: (name, trace, real) still to bracket
     try:
         model = fetch_model(base_url)
         warm_up_server(base_url, model, args.warmup_s)
 
         def recalibrate(level: int = 0):
             return calibrate_profile(base_url, model, eargs, args.profile, seed=args.seed * 1000 + level,
-                                     runs=args.calibration_runs, step_trace_path=trace_path)
+                                     runs=args.calibration_runs, step_trace_path=trace_path,
+                                     loaded_rounds=args.calibration_loaded_rounds)
 
         def bracket(after: dict) -> None:  # the level just run, between its calibration and ``after``
             name, trace, real = pending.pop()
@@ -577,6 +635,9 @@ def run(args: argparse.Namespace) -> int:
                           f"{fit['prefill_scale'] if fit['prefill_scale'] is None else round(fit['prefill_scale'], 3)}"
                           f"; mean |step error| {100 * fit['mean_abs_rel_err']:.1f}%):", flush=True)
                     print(format_comparison([(name + " fitted", fitted_comp)]), flush=True)
+                if args.match_mix:
+                    matched.append((name + " mix-matched", match_mix(raw_sim, cal, steps, trace, slos, real,
+                                                                     report[-1])))
         if args.bracket:
             bracket(recalibrate(len(rates))[1])
     finally:
@@ -593,6 +654,9 @@ def run(args: argparse.Namespace) -> int:
     if args.bracket:
         print("\neach level replayed with the mean of the calibrations just before and just after it:")
         print(format_comparison([(name + " bracketed", c) for name, c in bracketed]))
+    if matched:
+        print("\neach level replayed with its calibration refitted to the step mix simulated for it:")
+        print(format_comparison(matched))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"profile": args.profile, "engine_args": eargs, "levels": report}, f, indent=1, default=str)

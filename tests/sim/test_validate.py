@@ -301,7 +301,8 @@ def test_bracket_replays_each_level_between_the_calibrations_around_it(tmp_path,
     calibrations = iter([1.1, 1.3, 1.5])
     level_speed = iter([1.2, 1.4])
 
-    def fake_calibrate(base_url, model, engine_args, profile_path, seed=0, replicas=1, runs=3, step_trace_path=None):
+    def fake_calibrate(base_url, model, engine_args, profile_path, seed=0, replicas=1, runs=3, step_trace_path=None,
+                       loaded_rounds=0):
         cal = {"offset_s": 0.001, "scale": next(calibrations), "prefill_scale": None}
         return Simulator(raw_sim.config, ServerCalibrated(raw_sim.step_time, 0.001, cal["scale"]), raw_sim.num_blocks,
                          raw_sim.max_model_len), cal
