@@ -87,7 +87,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration-loaded-rounds", type=int, default=3, metavar="N",
                    help="with the server's step trace: end each calibration with max_num_seqs closed-loop streams of "
                         "N fresh requests each, so that the fit also sees full batches beside prompt chunks, the "
-                        "steps of a loaded level (default 3, ~20-40 s; 0: none)")
+                        "steps of a loaded level (default 3, ~15-20 s per calibration; 0: none)")
     p.add_argument("--match-mix", action="store_true",
                    help="with the server's step trace: also replay each level with the calibration refitted on its "
                         "steps reweighted to the mix of steps the simulator predicts for the level (by kind and "
