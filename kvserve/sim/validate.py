@@ -25,11 +25,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import random
 import time
 
 from kvserve.bench.serve import (LoadRequest, fetch_model, fetch_prefix_counters, parse_goodput, prefix_hit_rate,
                                  request_records, run_benchmark, run_sessions, summarize)
-from kvserve.bench.workloads import azure_trace
+from kvserve.bench.workloads import SAFE_TOKEN_RANGE, azure_trace
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
 from kvserve.sim.profile import check_warmup_s
 from kvserve.sim.trace import TraceRequest, read_step_trace
@@ -92,6 +93,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="with the server's step trace: also replay each level with the calibration refitted on its "
                         "steps reweighted to the mix of steps the simulator predicts for the level (by kind and "
                         "rows); still a prediction, from the calibration's steps alone")
+    p.add_argument("--real-repeats", type=int, default=1, metavar="K",
+                   help="run each level's slice K times on the real server, back to back, with fresh prompt tokens "
+                        "of the same lengths at the same offsets: each repeat is compared with the first run (the "
+                        "host's own run-to-run spread, the floor under any prediction) and with its simulated replay "
+                        "(default 1: no repeat)")
 
 
 def level_requests(args, rate: float, seed: int) -> list:
@@ -102,6 +108,53 @@ def level_requests(args, rate: float, seed: int) -> list:
     natural = (len(reqs) - 1) / span if span > 0 else math.inf
     k = natural / rate if math.isfinite(natural) else 0.0
     return [LoadRequest(r.prompt_token_ids, r.output_len, r.arrival_s * k) for r in reqs]
+
+
+def fresh_prompts(reqs: list, seed: int) -> list:
+    """``reqs`` again with new random prompt token ids of the same lengths (same ``output_len`` and arrival offsets),
+    drawn from ``seed``: the same slice run once more without reading its first run's prefix cache."""
+    rng = random.Random(seed)
+    return [LoadRequest([rng.randrange(*SAFE_TOKEN_RANGE) for _ in r.prompt], r.output_len, r.arrival_s)
+            for r in reqs]
+
+
+def run_level(base_url: str, model: str, reqs: list, slos: dict, max_duration: float) -> tuple:
+    """Send one level's requests (``LoadRequest`` list, at their ``arrival_s`` offsets) to the server.
+
+    Returns:
+        ``(real, records, trace, t_start, t_end)``: ``summarize``'s metrics plus the server's prefix hit rate over
+        the run, ``request_records``, the requests as actually sent (``trace_from_records``), and the run's window
+        on ``time.monotonic()`` (seconds), to pick the level's steps out of the server's step trace.
+    """
+    before = fetch_prefix_counters(base_url)
+    t_start = time.monotonic()
+    results, duration = asyncio.run(run_benchmark(base_url, model, reqs, [r.arrival_s for r in reqs],
+                                                  max_duration=max_duration))
+    t_end = time.monotonic()
+    real = summarize(results, duration, slos)
+    real.update(prefix_hit_rate(before, fetch_prefix_counters(base_url)))
+    records = request_records([[r] for r in reqs], [[r] for r in results])
+    return real, records, trace_from_records(records), t_start, t_end
+
+
+def repeat_level(base_url: str, model: str, reqs: list, sim, slos: dict, real: dict, args, seed: int,
+                 name: str) -> list:
+    """``--real-repeats``: run the level ``args.real_repeats - 1`` more times (``fresh_prompts``, seeds ``seed``,
+    ``seed + 1``, ...) and compare each run with the first (``real``; error ``(repeat - first) / first``) and with
+    the simulator's replay of the requests it actually sent. Returns one dict per repeat: ``real``, ``sim``,
+    ``errors_vs_first``, ``errors``."""
+    out = []
+    for j in range(1, args.real_repeats):
+        again, _, trace, _, _ = run_level(base_url, model, fresh_prompts(reqs, seed + j - 1), slos, args.max_duration)
+        simulated = sim.run(trace, slos).summary
+        vs_first, vs_sim = compare(real, again), compare(again, simulated)
+        out.append({"real": again, "sim": simulated, "errors_vs_first": {k: v[2] for k, v in vs_first.items()},
+                    "errors": {k: v[2] for k, v in vs_sim.items()}})
+        print(f"{name}, run {j + 1} of the same slice (fresh prompt tokens), against the first run as 'sim':",
+              flush=True)
+        print(format_comparison([(f"{name} run {j + 1}", vs_first)]), flush=True)
+        print(format_comparison([(f"{name} run {j + 1} sim", vs_sim)]), flush=True)
+    return out
 
 
 def trace_from_records(records: list) -> list:
@@ -506,6 +559,15 @@ def per_request(trace: list, records: list, simulated: list) -> list:
             for t, a, b in zip(trace, real, simulated)]
 
 
+def mean_metrics(summaries: list) -> dict:
+    """The mean of each of ``METRICS`` over several runs' summaries (``None`` where any run lacks it)."""
+    out = {}
+    for key, _ in METRICS:
+        vals = [s.get(key) for s in summaries]
+        out[key] = None if any(v is None for v in vals) else sum(vals) / len(vals)
+    return out
+
+
 def compare(real: dict, sim: dict) -> dict:
     """``{metric: (real, sim, relative error)}`` for ``METRICS`` (error ``(sim - real) / real``)."""
     out = {}
@@ -539,6 +601,8 @@ def run(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     if args.calibration_runs < 1:
         raise ValueError(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
+    if args.real_repeats < 1:
+        raise ValueError(f"--real-repeats must be >= 1, got {args.real_repeats}")
     if args.calibration_loaded_rounds < 0:
         raise ValueError(f"--calibration-loaded-rounds must be >= 0, got {args.calibration_loaded_rounds}")
     check_warmup_s(args.warmup_s)
@@ -569,7 +633,7 @@ def run(args: argparse.Namespace) -> int:
             raise
     else:
         base_url = args.base_url
-    rows, report, pending, bracketed, matched = [], [], [], [], []  # pending: (name, trace, real) still to bracket
+    rows, report, pending, bracketed, matched, repeated, averaged = [], [], [], [], [], [], []  # pending: (name, trace, real) still to bracket
     try:
         model = fetch_model(base_url)
         warm_up_server(base_url, model, args.warmup_s)
@@ -596,17 +660,7 @@ def run(args: argparse.Namespace) -> int:
                 sim, cal = recalibrate(i)
                 if args.bracket:
                     bracket(cal)
-            reqs = levels[i]
-            offsets = [r.arrival_s for r in reqs]
-            before = fetch_prefix_counters(base_url)
-            t_start = time.monotonic()
-            results, duration = asyncio.run(run_benchmark(base_url, model, reqs, offsets,
-                                                          max_duration=args.max_duration))
-            t_end = time.monotonic()
-            real = summarize(results, duration, slos)
-            real.update(prefix_hit_rate(before, fetch_prefix_counters(base_url)))
-            records = request_records([[r] for r in reqs], [[r] for r in results])
-            trace = trace_from_records(records)
+            real, records, trace, t_start, t_end = run_level(base_url, model, levels[i], slos, args.max_duration)
             sim_result = sim.run(trace, slos)
             simulated = sim_result.summary
             raw = raw_sim.run(trace, slos).summary
@@ -638,6 +692,15 @@ def run(args: argparse.Namespace) -> int:
                 if args.match_mix:
                     matched.append((name + " mix-matched", match_mix(raw_sim, cal, steps, trace, slos, real,
                                                                      report[-1])))
+            if args.real_repeats > 1:
+                report[-1]["repeats"] = repeat_level(base_url, model, levels[i], sim, slos, real, args,
+                                                     seed=(args.seed + i) * 1000 + 7, name=name)
+                repeated.extend((f"{name} run {j + 2}", compare(real, rep["real"]))
+                                for j, rep in enumerate(report[-1]["repeats"]))
+                runs = [(real, simulated)] + [(rep["real"], rep["sim"]) for rep in report[-1]["repeats"]]
+                comp_mean = compare(mean_metrics([r for r, _ in runs]), mean_metrics([s for _, s in runs]))
+                report[-1]["errors_mean_of_runs"] = {k: v[2] for k, v in comp_mean.items()}
+                averaged.append((f"{name} x{len(runs)} mean", comp_mean))
         if args.bracket:
             bracket(recalibrate(len(rates))[1])
     finally:
@@ -657,6 +720,12 @@ def run(args: argparse.Namespace) -> int:
     if matched:
         print("\neach level replayed with its calibration refitted to the step mix simulated for it:")
         print(format_comparison(matched))
+    if repeated:
+        print("\neach level's slice run again on the real server ('real': its first run, 'sim': the repeat):")
+        print(format_comparison(repeated))
+        print(f"\neach metric averaged over the level's {args.real_repeats} real runs, against its average over their "
+              "simulated replays:")
+        print(format_comparison(averaged))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"profile": args.profile, "engine_args": eargs, "levels": report}, f, indent=1, default=str)

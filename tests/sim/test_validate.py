@@ -457,3 +457,71 @@ def test_the_temporary_step_trace_is_removed_at_the_end(tmp_path, monkeypatch):
     assert V.run(p.parse_args(["--model", "m.gguf", "--profile", str(path), "--rates", "1", "--warmup-s", "0",
                                "--num-kv-blocks", "64", "--step-trace", str(kept)])) == 0
     assert seen["trace"] == str(kept) and kept.exists()
+
+
+def test_real_repeats_run_the_slice_again_with_fresh_prompts_and_compare_with_the_first_run(tmp_path, monkeypatch):
+    """``--real-repeats 3``: the level is sent three times, each repeat with new prompt token ids of the same
+    lengths at the same offsets. The server is a simulator that runs the first run and the first repeat at scale
+    1.2 and the second repeat at 1.5: the first repeat equals the first run exactly (error 0 on every metric), the
+    second is slower (throughput down, TTFT up), and each repeat's simulated replay is the calibrated prediction
+    for the requests it sent."""
+    import kvserve.sim.validate as V
+    from kvserve.bench.serve import LoadRequest, RequestResult
+    from kvserve.sim.cli import build_simulator
+    from kvserve.sim.simulator import Simulator
+
+    prof = {"format": PROFILE_FORMAT, "model": "m.gguf", "kv_bytes_per_token": 1, "max_position_embeddings": 4096,
+            "cost_model": {"intercept_s": 0.004, "coef_s": {**{f: 0.0 for f in FEATURES}, "prefill_tokens": 0.0015,
+                                                             "decode_tokens": 0.0018, "rows": 0.0002}},
+            "server_calibration": {"offset_s": 0.001, "scale": 1.2, "prefill_scale": None}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    flags = ["--model", "m.gguf", "--profile", str(path), "--base-url", "http://fake", "--rates", "3",
+             "--real-repeats", "3", "--max-num-seqs", "4", "--num-kv-blocks", "256", "--max-num-batched-tokens", "64",
+             "--output-json", str(tmp_path / "v.json"), "--warmup-s", "0"]
+    p = argparse.ArgumentParser()
+    V.add_args(p)
+    args = p.parse_args(flags)
+    eargs = {k: v for k, v in V.engine_kwargs(args).items() if k != "device"}
+    raw_sim, _ = build_simulator(eargs, path, server_calibration=False)
+    speeds, sent = iter([1.2, 1.2, 1.5]), []
+
+    async def fake_benchmark(base_url, model, reqs, offsets, max_duration=None):
+        sent.append(reqs)
+        server = Simulator(raw_sim.config, ServerCalibrated(raw_sim.step_time, 0.001, next(speeds)),
+                           raw_sim.num_blocks, raw_sim.max_model_len)
+        trace = V.trace_from_records([{"start_s": o, "prompt_token_ids": r.prompt, "output_len": r.output_len}
+                                      for r, o in zip(reqs, offsets)])
+        res = server.run(trace)
+        return [RequestResult(success=x.success, prompt_tokens=x.prompt_tokens, output_tokens=x.output_tokens,
+                              ttft=x.ttft, e2el=x.e2el, itl=list(x.itl), start_s=o)
+                for x, o in zip(res.results, offsets)], res.summary["duration_s"]
+
+    monkeypatch.setattr(V, "level_requests", lambda a, rate, seed: [
+        LoadRequest([1000 + 10 * k + j for j in range(20 + 9 * k)], 4 + k % 3, k / rate) for k in range(10)])
+    monkeypatch.setattr(V, "fetch_model", lambda url: "m")
+    monkeypatch.setattr(V, "fetch_prefix_counters", lambda url: None)
+    monkeypatch.setattr(V, "warm_up_server", lambda url, model, seconds: 0)
+    monkeypatch.setattr(V, "run_benchmark", fake_benchmark)
+    assert V.run(args) == 0
+    assert len(sent) == 3
+    first, *again = sent
+    for reqs in again:
+        assert [len(r.prompt) for r in reqs] == [len(r.prompt) for r in first]
+        assert [(r.output_len, r.arrival_s) for r in reqs] == [(r.output_len, r.arrival_s) for r in first]
+        assert all(a.prompt != b.prompt for a, b in zip(reqs, first))  # fresh tokens: no prefix cache hit
+    assert sent[1][0].prompt != sent[2][0].prompt
+    (level,) = json.loads((tmp_path / "v.json").read_text())["levels"]
+    rep1, rep2 = level["repeats"]
+    assert all(e == pytest.approx(0.0, abs=1e-12) for e in rep1["errors_vs_first"].values() if e is not None)
+    assert all(e == pytest.approx(0.0, abs=1e-12) for e in rep1["errors"].values() if e is not None)
+    assert rep2["errors_vs_first"]["output_throughput"] < -0.01
+    assert rep2["errors_vs_first"]["median_tpot_ms"] > 0.1
+    assert rep2["errors"]["median_tpot_ms"] < -0.1  # the calibration (1.2) predicts the first run's speed
+    for k, e in level["errors_mean_of_runs"].items():  # the mean of the runs against the mean of their replays
+        real = [level["real"][k], rep1["real"][k], rep2["real"][k]]
+        sim = [level["sim"][k], rep1["sim"][k], rep2["sim"][k]]
+        assert e == pytest.approx((sum(sim) - sum(real)) / sum(real), rel=1e-9)
+    assert 0 > level["errors_mean_of_runs"]["median_tpot_ms"] > rep2["errors"]["median_tpot_ms"]
+    with pytest.raises(ValueError, match="--real-repeats must be >= 1, got 0"):
+        V.run(p.parse_args(flags + ["--real-repeats", "0"]))
