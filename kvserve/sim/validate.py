@@ -19,13 +19,13 @@ import json
 import logging
 import math
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import random
 import time
 
 from kvserve.bench.serve import (LoadRequest, fetch_model, fetch_prefix_counters, parse_goodput, prefix_hit_rate,
@@ -633,7 +633,8 @@ def run(args: argparse.Namespace) -> int:
             raise
     else:
         base_url = args.base_url
-    rows, report, pending, bracketed, matched, repeated, averaged = [], [], [], [], [], [], []  # pending: (name, trace, real) still to bracket
+    rows, report, bracketed, matched, repeated, averaged = [], [], [], [], [], []
+    pending = []  # (name, trace, real) of the level still to bracket
     try:
         model = fetch_model(base_url)
         warm_up_server(base_url, model, args.warmup_s)
