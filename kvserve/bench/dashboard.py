@@ -22,6 +22,8 @@ import time
 
 import httpx
 
+from kvserve.bench.server_process import popen_tied, sigterm_as_exit
+
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -51,9 +53,8 @@ def main(argv=None) -> int:
     from playwright.sync_api import sync_playwright
 
     base = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(args.port),
-                               "--no-access-log", "--uvicorn-log-level", "warning",
-                               "--max-num-seqs", str(args.max_num_seqs)])
+    server = popen_tied([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(args.port),
+                         "--no-access-log", "--uvicorn-log-level", "warning", "--max-num-seqs", str(args.max_num_seqs)])
     runs = []
     try:
         deadline = time.monotonic() + 300
@@ -120,4 +121,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_exit():  # a SIGTERM stops the server through main's finally block
+        sys.exit(main())

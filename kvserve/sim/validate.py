@@ -30,6 +30,7 @@ import time
 
 from kvserve.bench.serve import (LoadRequest, fetch_model, fetch_prefix_counters, parse_goodput, prefix_hit_rate,
                                  request_records, run_benchmark, run_sessions, summarize)
+from kvserve.bench.server_process import popen_tied, sigterm_as_exit
 from kvserve.bench.workloads import SAFE_TOKEN_RANGE, azure_trace
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
 from kvserve.sim.profile import check_warmup_s
@@ -208,7 +209,7 @@ def start_server(engine_args: dict, timeout: float = 600.0, step_trace: str | No
     port = _free_port()
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(port), "--no-access-log",
            *_engine_flags(engine_args), *(["--step-trace", step_trace] if step_trace else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = popen_tied(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # ends with this command
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -591,6 +592,14 @@ def format_comparison(rows: list) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``kvserve sim validate``: see the module docstring. A SIGTERM ends it through its ``finally`` blocks (the
+    server it started is stopped, its temporary step trace removed); the server also gets SIGTERM if this process
+    dies some other way (``kvserve.bench.server_process``)."""
+    with sigterm_as_exit():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     """``kvserve sim validate``."""
     from kvserve.sim.cli import build_simulator
 
