@@ -33,6 +33,7 @@ from kvserve.bench.serve import (LoadRequest, fetch_model, fetch_prefix_counters
 from kvserve.bench.server_process import popen_tied, sigterm_as_exit
 from kvserve.bench.workloads import SAFE_TOKEN_RANGE, azure_trace
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
+from kvserve.sim.cluster import parse_list
 from kvserve.sim.profile import check_warmup_s
 from kvserve.sim.trace import TraceRequest, read_step_trace
 
@@ -591,6 +592,29 @@ def format_comparison(rows: list) -> str:
     return "\n".join(lines)
 
 
+def progress(message: str) -> None:
+    """One line on stderr about what the command is doing now (the tables go to stdout)."""
+    print(f"sim validate: {message}", file=sys.stderr, flush=True)
+
+
+def warn_thread_mismatch(prof: dict, engine_args: dict) -> bool:
+    """Print a warning (stderr) when the server this command starts would run its kernels on another number of
+    threads than the profile's engine did: the cost model's step times then differ from the server's by about that
+    ratio (a profile made on 2 threads against a 1-thread server: prefill steps ~48% off). Returns whether it
+    warned. Profiles without ``torch_threads`` are not checked."""
+    import torch
+
+    made = prof.get("torch_threads")
+    serving = engine_args.get("num_threads") or torch.get_num_threads()  # the server's default is this process's
+    if not made or made == serving:
+        return False
+    print(f"warning: the profile was made with {made} threads ({prof.get('created', '?')}), and the server started "
+          f"here runs with {serving} (--num-threads): the cost model's steps will be off by about that ratio. Make "
+          f"the profile with `kvserve sim profile --num-threads {serving}`, or pass --num-threads {made}.",
+          file=sys.stderr, flush=True)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     """``kvserve sim validate``: see the module docstring. A SIGTERM ends it through its ``finally`` blocks (the
     server it started is stopped, its temporary step trace removed); the server also gets SIGTERM if this process
@@ -604,8 +628,8 @@ def _run(args: argparse.Namespace) -> int:
     from kvserve.sim.cli import build_simulator
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    rates = [float(x) for x in args.rates.split(",") if x.strip()]
-    if not rates or any(not r > 0 for r in rates):
+    rates = parse_list(args.rates, "rates", float)  # an empty or non-numeric entry: an error naming --rates
+    if any(not r > 0 for r in rates):
         raise ValueError(f"--rates must be positive numbers, got {args.rates!r}")
     slos = parse_goodput(args.goodput)
     if args.calibration_runs < 1:
@@ -626,6 +650,8 @@ def _run(args: argparse.Namespace) -> int:
     eargs = {k: v for k, v in engine_kwargs(args).items() if k != "device"}
     levels = [level_requests(args, rate, args.seed + i) for i, rate in enumerate(rates)]  # bad data: before serving
     sim, prof = build_simulator(eargs, args.profile)
+    if args.base_url is None:
+        warn_thread_mismatch(prof, eargs)
     raw_sim, _ = build_simulator(eargs, args.profile, server_calibration=False)
     proc, tmp_dir = None, None
     trace_path = args.step_trace
@@ -634,6 +660,7 @@ def _run(args: argparse.Namespace) -> int:
             tmp_dir = tempfile.mkdtemp(prefix="kvserve-validate-")
             trace_path = os.path.join(tmp_dir, "steps.jsonl")
         try:
+            progress("starting kvserve serve (loading the model)")
             proc, base_url = start_server({k: v for k, v in eargs.items() if k != "speculative_config"},
                                           step_trace=trace_path)
         except BaseException:
@@ -646,6 +673,7 @@ def _run(args: argparse.Namespace) -> int:
     pending = []  # (name, trace, real) of the level still to bracket
     try:
         model = fetch_model(base_url)
+        progress(f"server ready at {base_url}; warming it up for {args.warmup_s:g} s")
         warm_up_server(base_url, model, args.warmup_s)
 
         def recalibrate(level: int = 0):
@@ -664,12 +692,15 @@ def _run(args: argparse.Namespace) -> int:
 
         cal = prof.get("server_calibration")
         if args.save_calibration:
+            progress("calibrating the cost model against the server")
             sim, cal = recalibrate()
         for i, rate in enumerate(rates):
             if args.save_calibration and args.calibrate_each_level and i > 0:
+                progress("calibrating the cost model against the server")
                 sim, cal = recalibrate(i)
                 if args.bracket:
                     bracket(cal)
+            progress(f"level {i + 1} of {len(rates)}: {len(levels[i])} requests at {rate:g} req/s")
             real, records, trace, t_start, t_end = run_level(base_url, model, levels[i], slos, args.max_duration)
             sim_result = sim.run(trace, slos)
             simulated = sim_result.summary
@@ -722,7 +753,7 @@ def _run(args: argparse.Namespace) -> int:
                 proc.kill()
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-    print()
+    print("\nevery level, predicted (the rows printed with each level above, together):")
     print(format_comparison(rows))
     if args.bracket:
         print("\neach level replayed with the mean of the calibrations just before and just after it:")

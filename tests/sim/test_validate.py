@@ -525,3 +525,41 @@ def test_real_repeats_run_the_slice_again_with_fresh_prompts_and_compare_with_th
     assert 0 > level["errors_mean_of_runs"]["median_tpot_ms"] > rep2["errors"]["median_tpot_ms"]
     with pytest.raises(ValueError, match="--real-repeats must be >= 1, got 0"):
         V.run(p.parse_args(flags + ["--real-repeats", "0"]))
+
+
+@pytest.mark.parametrize("rates", ["1,,2", "abc", "1,x", ""])
+def test_a_bad_rates_entry_is_an_error_naming_the_flag(rates, tmp_path):
+    """An empty or non-numeric entry is refused before anything starts (``1,,2`` used to skip the empty one and
+    run; ``abc`` gave float()'s message, naming no flag)."""
+    import kvserve.sim.validate as V
+
+    p = argparse.ArgumentParser()
+    V.add_args(p)
+    with pytest.raises(ValueError, match=r"^--rates must be a comma list of float, got"):
+        V.run(p.parse_args(["--profile", str(tmp_path / "none.json"), "--rates", rates]))
+
+
+@pytest.mark.parametrize("rates", ["0", "1,-2", "nan"])
+def test_rates_must_be_positive(rates, tmp_path):
+    import kvserve.sim.validate as V
+
+    p = argparse.ArgumentParser()
+    V.add_args(p)
+    with pytest.raises(ValueError, match=r"^--rates must be positive numbers"):
+        V.run(p.parse_args(["--profile", str(tmp_path / "none.json"), "--rates", rates]))
+
+
+def test_a_profile_made_on_other_threads_than_the_server_warns(capsys):
+    """A profile made on 2 threads replayed against a 1-thread server prices every step about 2x off; the command
+    says so, with both numbers and the two ways out, on stderr."""
+    from kvserve.sim.validate import warn_thread_mismatch
+
+    prof = {"torch_threads": 2, "created": "2026-12-04T16:03:09"}
+    assert warn_thread_mismatch(prof, {"num_threads": 1})
+    err = capsys.readouterr().err
+    assert "the profile was made with 2 threads (2026-12-04T16:03:09)" in err
+    assert "runs with 1 (--num-threads)" in err
+    assert "kvserve sim profile --num-threads 1" in err and "pass --num-threads 2" in err
+    assert not warn_thread_mismatch(prof, {"num_threads": 2})
+    assert not warn_thread_mismatch({"created": "old"}, {"num_threads": 1})  # a profile without the field
+    assert capsys.readouterr().err == ""
