@@ -24,15 +24,18 @@ import threading
 from typing import Iterator
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# looked up here, in the parent: the child between fork and exec calls it without touching the dynamic loader (whose
+# lock another thread of the parent may have held at the fork)
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 def tie_to_parent(parent_pid: int) -> None:
     """``preexec_fn`` for ``subprocess.Popen`` (bound to the parent's pid): runs in the child between fork and exec,
     and asks the kernel to send it SIGTERM when the parent thread ends. If the parent ended before this ran (the
     child was re-parented already), the child sends itself SIGTERM. Does nothing off Linux."""
-    if not sys.platform.startswith("linux"):
+    if _prctl is None:
         return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), signal.SIGTERM)
 
