@@ -33,11 +33,13 @@ def tie_to_parent(parent_pid: int) -> None:
     """``preexec_fn`` for ``subprocess.Popen`` (bound to the parent's pid): runs in the child between fork and exec,
     and asks the kernel to send it SIGTERM when the parent thread ends. If the parent ended before this ran (the
     child was re-parented already), the child sends itself SIGTERM. Does nothing off Linux."""
+    # the fork inherited the parent's Python handler (``sigterm_as_exit``): a SIGTERM caught here before the exec
+    # would be dropped by it, so the default action (end the process) comes back first
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if _prctl is None:
         return
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGTERM)
+    if _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0 or os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGTERM)  # untied, or the parent is gone already: do not start at all
 
 
 def popen_tied(cmd: list, **kwargs) -> subprocess.Popen:
@@ -51,19 +53,20 @@ def popen_tied(cmd: list, **kwargs) -> subprocess.Popen:
 
 
 def _raise_exit(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
     raise SystemExit(128 + signum)
 
 
 @contextlib.contextmanager
 def sigterm_as_exit() -> Iterator[None]:
     """While the block runs, SIGTERM raises ``SystemExit(143)`` in the main thread instead of ending the process
-    at once, so ``finally`` blocks and context managers run; the previous handler is put back after. Off the main
-    thread (where Python cannot set handlers) it does nothing."""
+    at once, so ``finally`` blocks and context managers run (further SIGTERMs are ignored while they do); the
+    previous handler is put back after. Off the main thread (where Python cannot set handlers) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_exit)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # a handler installed outside Python reads as None: the default then
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

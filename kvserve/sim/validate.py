@@ -213,17 +213,32 @@ def start_server(engine_args: dict, timeout: float = 600.0, step_trace: str | No
     proc = popen_tied(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # ends with this command
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise ValueError(f"kvserve serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
+    try:
+        while time.monotonic() - t0 < timeout:
+            if proc.poll() is not None:
+                raise ValueError(f"kvserve serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise ValueError(f"kvserve serve not healthy after {timeout} s")
+    except BaseException:  # not healthy, or interrupted while it loads (SIGTERM, Ctrl-C): stop it before leaving
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc, timeout: float = 60.0) -> None:
+    """SIGTERM ``proc`` and wait up to ``timeout`` seconds for it to end, then SIGKILL it (and reap it either way)."""
+    if proc.poll() is not None:
+        return
     proc.send_signal(signal.SIGTERM)
-    raise ValueError(f"kvserve serve not healthy after {timeout} s")
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def calibrate(base_url: str, model: str, cost, context: int = 64, output_len: int = 24,
@@ -746,11 +761,7 @@ def _run(args: argparse.Namespace) -> int:
             bracket(recalibrate(len(rates))[1])
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
     print("\nevery level, predicted (the rows printed with each level above, together):")

@@ -416,6 +416,9 @@ def test_the_temporary_step_trace_is_removed_at_the_end(tmp_path, monkeypatch):
     seen = {}
 
     class Proc:
+        def poll(self):
+            return None  # running until stopped
+
         def send_signal(self, sig):
             seen["exists_at_stop"] = os.path.isdir(os.path.dirname(seen["trace"]))
 
