@@ -38,8 +38,10 @@ def tie_to_parent(parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if _prctl is None:
         return
-    if _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0 or os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGTERM)  # untied, or the parent is gone already: do not start at all
+    # a refused prctl (a sandbox that filters it) leaves the child untied: the parent's clean-up still stops it
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent is gone already: do not start at all
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def popen_tied(cmd: list, **kwargs) -> subprocess.Popen:
