@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from kvserve.core.sched_output import SamplingState
+from kvserve.sample.state import SamplingState
 from kvserve.sampling_params import SamplingParams
 
 

@@ -39,7 +39,7 @@ def flat_batch(requests, block_size, logits_rows=None):
     import torch
 
     from kvserve.core.sched_output import ScheduledRequest
-    from kvserve.worker.input_batch import build_input_batch
+    from kvserve.batch import build_input_batch
 
     plan = [ScheduledRequest(str(i), list(ids), start, list(table), samples=True)
             for i, (ids, start, table) in enumerate(requests)]

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from kvserve.layers.rotary import apply_rotary
-from kvserve.worker.input_batch import InputBatch
+from kvserve.batch import InputBatch
 
 
 class AttentionBackend(abc.ABC):

@@ -1,6 +1,6 @@
 """The CPU-kernel backend: decode tokens and short queries read K/V in place through the block table.
 
-``csrc/paged_attention.c`` (through ``kvserve.model.cpu_kernels``) runs one task per request serving all its GQA
+``csrc/paged_attention.c`` (through ``kvserve.kernels.cpu``) runs one task per request serving all its GQA
 query heads (with fewer than two requests per thread and enough work, ``SPREAD_MIN_MACS``, each request's scores,
 softmaxes and weighted sums are split over the threads instead, with the same arithmetic), reading each block
 where it lies; the gather of the reference backend copies every key and value of the group once more per layer
@@ -29,8 +29,8 @@ import torch
 
 from kvserve.attention.torch_sdpa import (SHORT_QUERY_TOKENS, AttentionMetadata, TorchSDPABackend, build_group,
                                           sdpa_group)
-from kvserve.model import cpu_kernels
-from kvserve.worker.input_batch import InputBatch
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.batch import InputBatch
 
 
 @dataclass

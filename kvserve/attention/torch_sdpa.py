@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.base import AttentionBackend
-from kvserve.worker.input_batch import InputBatch
+from kvserve.batch import InputBatch
 
 # Queries of at most this many tokens (speculative verification spans: last token + drafts, short prompt tails)
 # form their own group, so they are not padded to the length of a long prompt chunk in the same step.

@@ -46,7 +46,7 @@ def _all_logits(model, ids: list[int], kv_cache_dtype=None) -> torch.Tensor:
     """``[len(ids), V]`` float32 logits of every position of ``ids``, one prefill in a private cache of
     ``kv_cache_dtype`` (default: the model's dtype)."""
     from kvserve.core.sched_output import ScheduledRequest
-    from kvserve.worker.input_batch import build_input_batch
+    from kvserve.batch import build_input_batch
 
     bs = 16
     n_blocks = -(-len(ids) // bs)

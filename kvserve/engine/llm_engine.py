@@ -22,7 +22,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor
-from kvserve.metrics import EngineStats
+from kvserve.engine.stats import EngineStats
 from kvserve.model.backends import select_backends
 from kvserve.model.loader import load_model
 from kvserve.model.registry import build_model

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import cpu_kernels
+from kvserve.kernels import cpu as cpu_kernels
 
 
 class TorchOps:

@@ -20,7 +20,7 @@ import torch
 
 from typing import Protocol
 
-from kvserve.model import cpu_kernels
+from kvserve.kernels import cpu as cpu_kernels
 
 
 class LinearMethod(Protocol):
@@ -120,7 +120,7 @@ class ParallelGroup(Protocol):
 
 
 def _quant_tensor_type():
-    from kvserve.model.quant.gguf_io import QuantTensor  # here: kvserve.model.quant imports this module
+    from kvserve.quant.gguf_io import QuantTensor  # here: kvserve.layers.quant_linear imports this module
 
     return QuantTensor
 
@@ -158,7 +158,7 @@ def shard_cols(weight, rank: int, world_size: int, what: str = "weight"):
     QuantTensor = _quant_tensor_type()
     if not isinstance(weight, QuantTensor):
         return weight[:, cols].contiguous()
-    from kvserve.model.quant.formats import block_size
+    from kvserve.quant.formats import block_size
 
     values, nbytes = block_size(weight.qtype)
     if cols.start % values or cols.stop % values:

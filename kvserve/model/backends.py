@@ -17,9 +17,10 @@ from kvserve.attention import AttentionBackend, select_attention_backend
 from kvserve.layers.elementwise import CPUKernelOps, TorchOps
 from kvserve.layers.linear import (ColumnParallelLinear, Linear, LinearMethod, ParallelGroup, RowParallelLinear,
                                    shard_rows)
-from kvserve.model import cpu_kernels
-from kvserve.model.quant import QuantEmbedding, QuantTensor, make_linear_method
-from kvserve.model.quant import kernels as quant_kernels
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.layers.quant_linear import QuantEmbedding, make_linear_method
+from kvserve.quant import QuantTensor
+from kvserve.kernels import qgemm as quant_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def select_backends(device: str, dtype: torch.dtype, quantization: str = "auto",
 
     kvserve's CPU kernels are used for float32 on a CPU when they build and load here (AVX2, a C compiler,
     ``KVSERVE_CPU_KERNELS`` not ``0``); otherwise PyTorch's ops, with the same results to float32 rounding.
-    Quantized weights (``QuantTensor``, or any weight under ``"int8"``) go to ``kvserve.model.quant``'s int8
+    Quantized weights (``QuantTensor``, or any weight under ``"int8"``) go to ``kvserve.layers.quant_linear``'s int8
     dot-product kernels (ISA chosen at run time), float weights to ``Linear``.
 
     Raises:

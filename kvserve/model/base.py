@@ -1,6 +1,6 @@
 """What every model family implements, and the hyperparameters the loaders read.
 
-A model is a forward over the flat batch (``kvserve.worker.input_batch.InputBatch``) and the paged KV cache,
+A model is a forward over the flat batch (``kvserve.batch.InputBatch``) and the paged KV cache,
 built through ``kvserve.model.registry.build_model`` with the backends chosen at start-up; it returns logits only
 for the rows that sample. Adding a family is one module implementing ``CausalLM`` plus one registry line.
 """
@@ -12,7 +12,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from kvserve.worker.input_batch import InputBatch
+from kvserve.batch import InputBatch
 
 
 @dataclass(frozen=True)

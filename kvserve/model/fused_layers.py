@@ -26,9 +26,9 @@ import torch
 
 from kvserve.attention.cpu import CPUAttentionMetadata, CPUKernelAttentionBackend
 from kvserve.layers.elementwise import CPUKernelOps
-from kvserve.model import cpu_kernels
-from kvserve.model.quant import QuantLinear
-from kvserve.model.quant import kernels as qkernels
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.layers.quant_linear import QuantLinear
+from kvserve.kernels import qgemm as qkernels
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from kvserve.model.backends import ModelBackends
 from kvserve.layers.rotary import RopeTable, rope_inv_freq
 from kvserve.model.base import ModelArch
 from kvserve.model.fused_layers import FusedLayerLoop
-from kvserve.worker.input_batch import InputBatch
+from kvserve.batch import InputBatch
 
 
 class LlamaModel:

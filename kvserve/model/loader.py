@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from kvserve.model.base import ModelArch
-from kvserve.model.cpu_kernels import cache_root
-from kvserve.model.quant.formats import QUANTIZED_TYPES
-from kvserve.model.quant.gguf_io import QuantTensor, rope_unpermute_index
+from kvserve.kernels.build import cache_root
+from kvserve.quant.formats import QUANTIZED_TYPES
+from kvserve.quant.gguf_io import QuantTensor, rope_unpermute_index
 from kvserve.model.registry import SUPPORTED_ARCHITECTURES
 from kvserve.model.weight_cache import WeightCache, atomic_write, read_gguf_cached, return_free_heap, source_sha256
 

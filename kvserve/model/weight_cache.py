@@ -53,11 +53,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from kvserve.model.cpu_kernels import cache_root
-from kvserve.model.quant import pack as P
-from kvserve.model.quant.gguf_io import (METADATA_VERSION, QuantTensor, check_gguf_magic, gguf_metadata, gguf_tensors,
+from kvserve.kernels.build import cache_root
+from kvserve.quant import pack as P
+from kvserve.quant.gguf_io import (METADATA_VERSION, QuantTensor, check_gguf_magic, gguf_metadata, gguf_tensors,
                                         open_gguf)
-from kvserve.model.quant.linear import ConcatLinear, QuantLinear
+from kvserve.layers.quant_linear import ConcatLinear, QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,9 @@ PACK_VERSION = 1
 _MAGIC = b"KVSPACK1"
 _PREAMBLE = struct.Struct("<8sQI")
 _ALIGN = 64
-_QUANT_DIR = Path(__file__).resolve().parent / "quant"
-_VERSIONED_SOURCES = [_QUANT_DIR / "pack.py", _QUANT_DIR / "formats.py", _QUANT_DIR / "linear.py",
-                      Path(__file__).resolve().parent / "csrc" / "qgemm.c"]
+_PKG = Path(__file__).resolve().parents[1]
+_VERSIONED_SOURCES = [_PKG / "quant" / "pack.py", _PKG / "quant" / "formats.py", _PKG / "layers" / "quant_linear.py",
+                      _PKG / "kernels" / "csrc" / "qgemm.c"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from kvserve.core.sched_output import SamplingState
+from kvserve.sample.state import SamplingState
 from kvserve.sample import nucleus
 from kvserve.sample.argmax import argmax
 from kvserve.structured.backend import apply_bitmask, bitmask_for

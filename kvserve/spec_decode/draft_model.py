@@ -45,7 +45,7 @@ from kvserve.sample import nucleus
 from kvserve.sample.argmax import argmax
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.proposer import DraftProposal, Proposer, check_budgets
-from kvserve.worker.input_batch import build_input_batch
+from kvserve.batch import build_input_batch
 from kvserve.worker.kv_pool import lazy_zeros
 
 

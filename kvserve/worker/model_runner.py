@@ -13,7 +13,7 @@ from kvserve.model.base import CausalLM
 from kvserve.sample.rejection_sampler import RejectionSampler
 from kvserve.sample.sampler import Sampler
 from kvserve.structured.backend import apply_bitmask
-from kvserve.worker.input_batch import StepBuffers, build_step_batch
+from kvserve.batch import StepBuffers, build_step_batch
 from kvserve.worker.kv_pool import lazy_zeros
 from kvserve.worker.prompt_logprobs import score_prompt_rows
 

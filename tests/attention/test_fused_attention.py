@@ -11,7 +11,7 @@ from kvserve.attention.base import AttentionBackend
 from kvserve.attention.cpu import CPUKernelAttentionBackend
 from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
-from kvserve.model import cpu_kernels
+from kvserve.kernels import cpu as cpu_kernels
 from tests.conftest import flat_batch, scattered_block_tables
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=str(cpu_kernels.unavailable_reason()))

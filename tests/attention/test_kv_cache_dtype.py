@@ -12,7 +12,7 @@ import torch
 from kvserve.attention.base import AttentionBackend
 from kvserve.attention.cpu import CPUKernelAttentionBackend
 from kvserve.attention.torch_sdpa import TorchSDPABackend
-from kvserve.model import cpu_kernels
+from kvserve.kernels import cpu as cpu_kernels
 from tests.attention.test_fused_attention import BATCHES, _setup
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=str(cpu_kernels.unavailable_reason()))

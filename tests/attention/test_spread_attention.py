@@ -8,7 +8,7 @@ scattered pool."""
 import pytest
 import torch
 
-from kvserve.model import cpu_kernels
+from kvserve.kernels import cpu as cpu_kernels
 from tests.conftest import scattered_block_tables
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=str(cpu_kernels.unavailable_reason()))

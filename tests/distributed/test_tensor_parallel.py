@@ -196,7 +196,7 @@ def test_gguf_blocks_split_exactly():
     import gguf
     from gguf import GGMLQuantizationType as Q
 
-    from kvserve.model.quant.gguf_io import QuantTensor
+    from kvserve.quant.gguf_io import QuantTensor
 
     w = np.random.default_rng(0).standard_normal((6, 192)).astype(np.float32)
     t = QuantTensor("w", Q.Q4_1, gguf.quants.quantize(w, Q.Q4_1), (6, 192))  # 6 blocks of 32 per row

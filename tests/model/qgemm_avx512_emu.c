@@ -29,4 +29,4 @@ static inline __attribute__((always_inline)) simde__m512 emu_mm512_cvtepi32_ps(s
 }
 #define _mm512_cvtepi32_ps(a) emu_mm512_cvtepi32_ps(a)
 #define KVSERVE_Q_EMULATE_AVX512 1
-#include "../../kvserve/model/csrc/qgemm.c"
+#include "../../kvserve/kernels/csrc/qgemm.c"

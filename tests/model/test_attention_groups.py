@@ -7,7 +7,7 @@ import torch
 
 from kvserve.attention.cpu import CPUKernelAttentionBackend
 from kvserve.attention.torch_sdpa import SHORT_QUERY_TOKENS, TorchSDPABackend
-from kvserve.model import cpu_kernels
+from kvserve.kernels import cpu as cpu_kernels
 from tests.conftest import flat_batch, scattered_block_tables
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import cpu_kernels
+from kvserve.kernels import build
+from kvserve.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=str(cpu_kernels.unavailable_reason()))
 
@@ -79,6 +80,6 @@ def test_build_falls_back_to_the_temp_folder_when_the_cache_dir_is_unusable(monk
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(blocker / "cache"))  # under a file: cannot be created
-    monkeypatch.setattr(cpu_kernels.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(build.tempfile, "gettempdir", lambda: str(tmp_path))
     path = cpu_kernels._build()
     assert path.parent == tmp_path / f"kvserve-{__import__('os').getuid()}" and path.stat().st_size > 0

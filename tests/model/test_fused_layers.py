@@ -7,7 +7,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.fused_layers import FusedLayerLoop
-from kvserve.model.quant import kernels as qkernels
+from kvserve.kernels import qgemm as qkernels
 from tests.conftest import flat_batch, scattered_block_tables
 
 pytestmark = pytest.mark.skipif(qkernels.load() is None or qkernels.isa() is None,
@@ -70,7 +70,7 @@ def test_a_decode_step_returns_the_final_norm_of_every_row(qllm):
     """A step of one sampled token per request (the forward skips the gather): the normed rows the loop returns are
     the final RMSNorm of the residual stream it leaves, and the logits equal the Python loop's, bit for bit."""
     from kvserve.core.sched_output import ScheduledRequest
-    from kvserve.worker.input_batch import build_input_batch
+    from kvserve.batch import build_input_batch
 
     model = qllm.llm_engine.model
     plan = [ScheduledRequest(f"r{i}", [100 + i], pos, blocks, samples=True)

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from kvserve.model import cpu_kernels
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.linear import Linear
 
 

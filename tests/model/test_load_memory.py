@@ -10,8 +10,8 @@ import pytest
 
 from kvserve.model import loader
 from kvserve.model.loader import load_model
-from kvserve.model.quant import gguf_io
-from kvserve.model.quant.gguf_io import QuantTensor, rope_unpermute_index
+from kvserve.quant import gguf_io
+from kvserve.quant.gguf_io import QuantTensor, rope_unpermute_index
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ def test_mixed_prefill_and_decode_batch_matches_separate_runs(llm):
 _FALLBACK_SCRIPT = """
 import json, sys
 from kvserve import LLM, SamplingParams
-from kvserve.model import cpu_kernels
+from kvserve.kernels import cpu as cpu_kernels
 llm = LLM(num_kv_blocks=64, quantization="fp32")
 assert cpu_kernels.load() is None and llm.llm_engine.model.lm_head.path != "kvserve"
 outs = llm.generate(json.loads(sys.argv[1]), SamplingParams(temperature=0.0, max_tokens=int(sys.argv[2])))

@@ -10,8 +10,10 @@ import torch
 
 import gguf
 from kvserve.model.loader import _unpermute_rope_rows
-from kvserve.model.quant import QuantEmbedding, formats, kernels, make_linear_method, read_gguf_tensors
-from kvserve.model.quant import rope_unpermute_index
+from kvserve.kernels import qgemm as kernels
+from kvserve.layers.quant_linear import QuantEmbedding, make_linear_method
+from kvserve.quant import formats, read_gguf_tensors
+from kvserve.quant import rope_unpermute_index
 
 
 def _same_bits(a, b):

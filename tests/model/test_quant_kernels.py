@@ -1,4 +1,4 @@
-"""kvserve's quantized matmul (csrc/qgemm.c through kvserve.model.quant): every weight format on every ISA path the
+"""kvserve's quantized matmul (csrc/qgemm.c through kvserve.layers.quant_linear): every weight format on every ISA path the
 CPU has (forced with KVSERVE_CPU_ISA), at partial row tiles and output groups, against float64 references.
 
 Two references per case:
@@ -19,9 +19,11 @@ import pytest
 import torch
 
 import gguf
-from kvserve.model.quant import QuantTensor, formats, kernels, make_linear_method
-from kvserve.model.quant import pack as P
-from kvserve.model.quant.linear import ConcatLinear, QuantLinear, unpack, unpack_rows
+from kvserve.kernels import qgemm as kernels
+from kvserve.layers.quant_linear import make_linear_method
+from kvserve.quant import QuantTensor, formats
+from kvserve.quant import pack as P
+from kvserve.layers.quant_linear import ConcatLinear, QuantLinear, unpack, unpack_rows
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason=str(kernels.unavailable_reason()))
 

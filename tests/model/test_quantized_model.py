@@ -8,7 +8,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.bench.accuracy import compare_all, gsm8k_texts
 from kvserve.bench.workloads import default_data_dir
-from kvserve.model.quant import kernels as quant_kernels
+from kvserve.kernels import qgemm as quant_kernels
 from tests.conftest import assert_pool_clean
 
 

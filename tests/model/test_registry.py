@@ -69,7 +69,7 @@ def test_qwen2_int8_runs_its_biases_through_the_fused_layer_loop(tiny_qwen2, tok
     """With int8 weights the layer loop runs in one C call (kvserve/model/fused_layers.py), Q/K/V biases included:
     the same logits, bit for bit, as the Python loop, and within int8 rounding of transformers."""
     from kvserve.model.fused_layers import FusedLayerLoop
-    from kvserve.model.quant import kernels as qkernels
+    from kvserve.kernels import qgemm as qkernels
 
     if qkernels.isa() is None:
         pytest.skip(str(qkernels.unavailable_reason()))

@@ -14,8 +14,8 @@ from kvserve.model import weight_cache as wc
 from kvserve.model.backends import select_backends
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model
-from kvserve.model.quant import QuantLinear
-from kvserve.model.quant.gguf_io import QuantTensor
+from kvserve.layers.quant_linear import QuantLinear
+from kvserve.quant.gguf_io import QuantTensor
 from kvserve.worker.kv_pool import lazy_zeros
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]  # any ids: the test compares two loads
@@ -168,7 +168,7 @@ def test_gguf_metadata_cache_miss_hit_corrupt_and_changed(tmp_path, monkeypatch,
     import gguf
 
     from kvserve.model.loader import _load_gguf
-    from kvserve.model.quant import gguf_io
+    from kvserve.quant import gguf_io
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"

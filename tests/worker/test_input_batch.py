@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from kvserve.core.sched_output import SamplingState, ScheduledRequest
+from kvserve.core.sched_output import ScheduledRequest
+from kvserve.sample.state import SamplingState
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.input_batch import build_input_batch
+from kvserve.batch import build_input_batch
 
 
 def state(rid):
@@ -72,7 +73,7 @@ def test_bad_plans_are_refused():
 def test_persistent_step_buffers_are_reused_and_equal_fresh_tensors():
     """The runner's StepBuffers: the same storage step after step (grown only for a larger step), same values as
     freshly built tensors, contiguous views of the step's shapes."""
-    from kvserve.worker.input_batch import StepBuffers
+    from kvserve.batch import StepBuffers
 
     bufs = StepBuffers()
     big = [ScheduledRequest(f"r{i}", [i, i + 1], 3 * i, [i, i + 1, 9], samples=True, sampling_states=[state(f"r{i}")])

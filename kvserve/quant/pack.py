@@ -1,4 +1,4 @@
-"""Weights -> the packed layouts of ``kvserve/model/csrc/qgemm.c`` (described at the top of that file).
+"""Weights -> the packed layouts of ``kvserve/kernels/csrc/qgemm.c`` (described at the top of that file).
 
 ``PackedWeight.data`` is ``uint8 [ceil(N / 16), K / 32, block_bytes]``: output features in groups of 16 (the last
 group padded with zero weights, zero scales), each group's 32-value blocks contiguous. Q4 blocks (320 bytes):

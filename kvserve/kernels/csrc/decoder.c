@@ -16,7 +16,7 @@
  * weights are small enough that a batch-1 step takes a few milliseconds (measured in the README, "Quantized
  * weights", and docs/benchmarks.md).
  *
- * The float32 element-wise and attention kernels live in the other library (kvserve/model/cpu_kernels.py, built
+ * The float32 element-wise and attention kernels live in the other library (kvserve/kernels/cpu.py, built
  * with AVX2 flags); the caller passes their addresses, so each library keeps its build flags and no kernel exists
  * twice.
  */
@@ -37,7 +37,7 @@ typedef void (*add_rms_norm_fn)(float *h, const float *delta, const float *w, fl
                                 float eps);
 typedef void (*silu_mul_fn)(const float *gu, float *y, int64_t T, int64_t I);
 
-/* One packed quantized weight (kvserve/model/quant/pack.py): fmt, the bytes, per-output scales or NULL, N x K
+/* One packed quantized weight (kvserve/quant/pack.py): fmt, the bytes, per-output scales or NULL, N x K
  * (N a multiple of 16: no padded outputs). */
 typedef struct {
     int64_t fmt;

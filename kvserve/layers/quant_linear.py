@@ -38,10 +38,11 @@ from typing import Optional
 import numpy as np
 import torch
 
+from kvserve.kernels import qgemm as kernels
 from kvserve.layers.linear import Linear
-from kvserve.model.quant import formats, kernels
-from kvserve.model.quant import pack as P
-from kvserve.model.quant.gguf_io import QuantTensor
+from kvserve.quant import formats
+from kvserve.quant import pack as P
+from kvserve.quant.gguf_io import QuantTensor
 
 #: Allowed values of ``quantization`` (``None`` means ``"auto"``: the weight's own format).
 QUANTIZATION_METHODS = ("auto", "fp32", "int8")

@@ -8,8 +8,8 @@ use and loaded with ``ctypes`` (which releases the GIL during a call):
 - ``elementwise.c``: one-pass RMSNorm (optionally after the residual add) and SwiGLU's silu(gate) * up
   (``kvserve.layers.elementwise``).
 
-The library is compiled once per source version into ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``),
-atomically, so concurrent processes share it; the first build takes ~2 s. Nothing is built where it cannot run:
+The library is compiled once per source version by ``kvserve.kernels.build`` (into ``$KVSERVE_CACHE_DIR``,
+default ``~/.cache/kvserve``), so concurrent processes share it; the first build takes ~2 s. Nothing is built where it cannot run:
 the CPU must report AVX2 (PyTorch's ``get_cpu_capability``) and a C compiler with OpenMP must exist (``$CC``,
 default ``cc``). ``KVSERVE_CPU_KERNELS=0`` turns it off. Without it every caller falls back to PyTorch ops
 (oneDNN/MKL matmuls, gather + SDPA attention), with the same results to float32 rounding;
@@ -19,22 +19,22 @@ default ``cc``). ``KVSERVE_CPU_KERNELS=0`` turns it off. Without it every caller
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from kvserve.kernels.build import build_library
+
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / n for n in ("gemm_avx2.c", "paged_attention.c", "elementwise.c")]
-_HEADERS = [_CSRC / "simd.h", _CSRC / "paged_attention_kv.h"]
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+#: The library's sources and the headers they include (``kvserve.kernels.build``).
+_SOURCES = ("gemm_avx2.c", "paged_attention.c", "elementwise.c")
+_HEADERS = ("simd.h", "paged_attention_kv.h")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: Output features per packed panel (``NR`` in gemm_avx2.c).
 PANEL = 16
 #: KV-cache dtypes the attention kernels read and write -> the suffix of their C functions.
@@ -45,48 +45,9 @@ _reason: Optional[str] = None
 _loaded = False
 
 
-def cache_root() -> Path:
-    """kvserve's cache folder: ``$KVSERVE_CACHE_DIR``, default ``~/.cache/kvserve``. It holds the compiled
-    kernels, the packed-weight cache (``weights/``, ``kvserve.model.weight_cache``), the model-file hash memos
-    (``hashes/``) and the converted tokenizers (``tokenizers/``); deleting it is always safe."""
-    return Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
-
-
-def _cache_dirs() -> list:
-    """Where the library may be built: ``cache_root()``, then the temp folder."""
-    return [cache_root(), Path(tempfile.gettempdir()) / f"kvserve-{os.getuid()}"]
-
-
 def _build() -> Path:
-    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)  # a header change rebuilds too
-    cc = os.environ.get("CC", "cc")
-    tag = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
-    errors = []
-    for folder in _cache_dirs():  # a read-only home falls back to the temp folder
-        try:
-            return _build_into(folder / f"libkvserve_cpu_{tag}.so", cc)
-        except OSError as e:
-            errors.append(f"{folder}: {e}")
-    raise OSError("; ".join(errors))
-
-
-def _build_into(out: Path, cc: str) -> Path:
-    if out.exists():
-        return out
-    logger.info("first run: compiling kvserve's float32 CPU kernels into %s (one-off)", out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise OSError(f"{cc} failed: {proc.stderr.strip()[:500]}")
-        os.replace(tmp, out)  # atomic: another process sees either nothing or the whole library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    """The library's path, compiled on first use (``build_library``)."""
+    return build_library("kvserve_cpu", _SOURCES, _HEADERS, _FLAGS)
 
 
 def load():
@@ -118,7 +79,7 @@ def load():
             lib.kvserve_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
             lib.kvserve_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
             if lib.kvserve_gemm_panel() != PANEL:
-                raise OSError("panel width mismatch between gemm_avx2.c and cpu_kernels.py")
+                raise OSError("panel width mismatch between gemm_avx2.c and kernels/cpu.py")
             _lib = lib
         except (OSError, subprocess.SubprocessError) as e:
             _reason = f"build or load failed: {e}"

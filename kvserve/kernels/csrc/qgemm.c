@@ -13,7 +13,7 @@
  *   per-output float scale applied at the end):
  *       sum_k w_k x_k ~= d_w d_x * sum_k q_w q_x
  *
- * Packed weight layout (built in kvserve/model/quant/pack.py): output features in groups of G = 16, each group's
+ * Packed weight layout (built in kvserve/quant/pack.py): output features in groups of G = 16, each group's
  * blocks contiguous, group-major: block (g, b) at byte (g * nb + b) * BLOCK_BYTES, nb = K / 32.
  *   Q4 block (320 bytes): fp16 d[16], fp16 m[16], then 256 bytes: byte j*64 + o*4 + i (j 0..3, o 0..15, i 0..3)
  *       holds w[16g + o][32b + 4j + i] in its low nibble and w[16g + o][32b + 16 + 4j + i] in its high nibble.
@@ -26,7 +26,7 @@
  * weight scales of 8/16 outputs are applied with one vector FMA per block.
  *
  * Two instruction-set paths, both compiled into the library with per-function target attributes (never
- * -march=native) and chosen at run time by the caller (kvserve/model/quant/kernels.py: CPUID, then a numerical
+ * -march=native) and chosen at run time by the caller (kvserve/kernels/qgemm.py: CPUID, then a numerical
  * self-check, KVSERVE_CPU_ISA to force one):
  *   AVX2:         _mm256_maddubs_epi16 (u8 x s8 pairs -> s16) + _mm256_madd_epi16 (-> s32), 8 outputs x MR2 rows.
  *                 4-bit: eight u4 x s8 products of one lane pair sum at most 8 * 2 * 15 * 127 = 30480 < 2^15, so a
@@ -467,7 +467,7 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
 }
 
 /* out[t, K] = row rows[t] of a packed weight (fmt, K as for kvserve_qgemm), decoded to float32 as
- * kvserve/model/quant/linear.py's unpack does: d q + m (FMT_Q4, FMT_Q4F), d q times oscale[row] when given (FMT_Q8),
+ * kvserve/layers/quant_linear.py's unpack does: d q + m (FMT_Q4, FMT_Q4F), d q times oscale[row] when given (FMT_Q8),
  * each product and sum rounded on its own (no fused multiply-add), so the bits equal numpy's. An embedding lookup
  * from a tied LM head. Returns 0; -1 for a bad fmt or K, -2 for a row outside [0, N) (nothing written). */
 T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(int fmt, const uint8_t *w, int64_t N,

@@ -1,9 +1,7 @@
-"""The quantized matmul library (``kvserve/model/csrc/qgemm.c``, with ``decoder.c``: the layer loop over it): built,
+"""The quantized matmul library (``kvserve/kernels/csrc/qgemm.c``, with ``decoder.c``: the layer loop over it): built,
 loaded, and its instruction-set path chosen at run time.
 
-The library is compiled with the system C compiler (``$CC``, default ``cc``) on first use into the same cache
-folder as ``kvserve.model.cpu_kernels`` (``$KVSERVE_CACHE_DIR``, default ``~/.cache/kvserve``, else the temp
-folder), atomically, keyed by a hash of the source and flags. It is built without any ``-m`` ISA flag: each path
+The library is compiled on first use by ``kvserve.kernels.build``, like ``kvserve.kernels.cpu``'s. It is built without any ``-m`` ISA flag: each path
 carries its own ``__attribute__((target(...)))``, so one binary runs on every x86-64 CPU and the path is picked
 here:
 
@@ -26,28 +24,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-from kvserve.model.quant import pack as P
+from kvserve.kernels.build import build_library
+from kvserve.quant import pack as P
 
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).resolve().parents[1] / "csrc"
 #: The library's sources: the matmul, and the whole-layer-loop entry point that calls it
-#: (``kvserve.model.fused_layers``).
-_SOURCES = [_CSRC / "qgemm.c", _CSRC / "decoder.c"]
-#: Headers they include: part of the cache key, not of the command line.
-_HEADERS = [_CSRC / "qgemm_amx.h"]
-_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+#: (``kvserve.model.fused_layers``); the header they include; the flags (no ``-m`` ISA flag: see above).
+_SOURCES = ("qgemm.c", "decoder.c")
+_HEADERS = ("qgemm_amx.h",)
+_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 #: Instruction-set paths, best first, with qgemm.c's ids.
 ISAS = {"amx_int8": 3, "avx512_vnni": 2, "avx2": 1}
 ISA_ENV = "KVSERVE_CPU_ISA"
@@ -60,38 +55,9 @@ ACT_ENV = "KVSERVE_QUANT_ACTIVATIONS"
 DEFAULT_ACTIVATIONS = {"amx_int8": "int8x2", "avx512_vnni": "int8x2", "avx2": "int8"}
 
 
-def _cache_dirs() -> list:
-    first = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
-    return [first, Path(tempfile.gettempdir()) / f"kvserve-{os.getuid()}"]
-
-
 def _build() -> Path:
-    cc = os.environ.get("CC", "cc")
-    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    tag = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
-    errors = []
-    for folder in _cache_dirs():
-        out = folder / f"libkvserve_qgemm_{tag}.so"
-        if out.exists():
-            return out
-        logger.info("first run: compiling kvserve's quantized kernels into %s (one-off)", out)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-            os.close(fd)
-            try:
-                proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
-                                      timeout=120)
-                if proc.returncode != 0:
-                    raise OSError(f"{cc} failed: {proc.stderr.strip()[:500]}")
-                os.replace(tmp, out)  # atomic: other processes see nothing or the whole library
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-            return out
-        except (OSError, subprocess.SubprocessError) as e:
-            errors.append(f"{folder}: {e}")
-    raise OSError("; ".join(errors))
+    """The library's path, compiled on first use (``build_library``)."""
+    return build_library("kvserve_qgemm", _SOURCES, _HEADERS, _FLAGS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,7 @@ import numpy as np
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from kvserve.model.quant import formats
+from kvserve.quant import formats
 
 
 @dataclass(frozen=True)
