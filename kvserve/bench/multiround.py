@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvserve.bench.workloads import default_data_dir
+from kvserve.bench.workloads import LoadRequest, default_data_dir
 
 DATASET_DIR = "sharegpt_multiround"
 
@@ -163,8 +163,6 @@ def build_sessions(tokenize: Callable[[dict], list], num_users: int, data_dir=No
     Raises:
         ValueError: bad counts, or fewer such users than ``num_users`` (the message names the flags).
     """
-    from kvserve.bench.serve import LoadRequest
-
     names = {"users": "--num-prompts", "rounds": "--max-rounds", "input": "--multiround-max-input-len",
              "output": "--multiround-output-len", **(flags or {})}
     if num_users < 1:

@@ -15,7 +15,7 @@ It reports mean / p50 / p90 / p99 of each (ms), request and output-token through
 met every ``--goodput`` SLO), and the server's prefix-cache hit rate over the run (its ``/metrics`` counters read
 before and after: a run that repeats an earlier run's prompts — the same ``--seed`` — starts on a warm cache, and
 this shows it), prints a table and writes JSON (with every request's actual send offset, prompt token ids and
-``max_tokens``, which ``kvserve.sim.validate.trace_from_records`` replays in the simulator). It only talks to
+``max_tokens``, which ``kvserve sim --dataset bench`` replays in the simulator). It only talks to
 loopback addresses, and is bounded in count (``--num-prompts`` <= 10000) and time (``--request-timeout`` per
 request, ``--max-duration`` for the run).
 Against a server started with ``--api-key``, pass the same key (``--api-key``, or ``$KVSERVE_API_KEY``): every
@@ -41,43 +41,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 from urllib.parse import urlparse
 
-from kvserve.bench.throughput import percentile
-from kvserve.bench.workloads import azure_trace, random_lengths, sharegpt_prompts
+from kvserve.bench.workloads import LoadRequest, azure_trace, random_lengths, sharegpt_prompts
+from kvserve.metrics import RequestResult, format_table, parse_goodput, summarize
 
 MAX_PROMPTS = 10_000
-SLO_METRICS = ("ttft", "tpot", "e2el")
-
-
-@dataclass
-class LoadRequest:
-    """One request to send: ``prompt`` (text or token ids), ``output_len`` (``max_tokens``), ``arrival_s`` after
-    the start (``None``: from ``--request-rate``)."""
-
-    prompt: Union[str, list]
-    output_len: int
-    arrival_s: Optional[float] = None
-
-
-@dataclass
-class RequestResult:
-    """What one request measured (seconds; ``itl`` one entry per gap between text chunks; ``start_s`` when it was
-    actually sent, after the start of the run, ``None`` if never sent; ``response_id`` the stream's ``id``)."""
-
-    success: bool = False
-    error: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    e2el: float = 0.0
-    itl: list = field(default_factory=list)
-    start_s: Optional[float] = 0.0
-    response_id: str = ""
-
-    @property
-    def tpot(self) -> Optional[float]:
-        if self.output_tokens < 2:
-            return None
-        return (self.e2el - self.ttft) / (self.output_tokens - 1)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -157,26 +124,6 @@ def check_loopback(base_url: str) -> None:
         raise ValueError(f"kvserve bench serve only targets loopback servers; {parsed.hostname!r} is {sorted(addrs)}")
 
 
-def parse_goodput(items, flag: str = "--goodput") -> dict:
-    """``["ttft:2000", "tpot:300"]`` -> ``{"ttft": 2.0, "tpot": 0.3}`` (seconds); ``flag`` is the option the
-    message names.
-
-    Raises:
-        ValueError: an unknown metric or a bad number.
-    """
-    slos = {}
-    for item in items or []:
-        name, _, ms = item.partition(":")
-        try:
-            value = float(ms)
-        except ValueError:
-            value = float("nan")
-        if name not in SLO_METRICS or not value > 0 or math.isinf(value):
-            raise ValueError(f"{flag} takes METRIC:MS with METRIC in {SLO_METRICS} and MS > 0, got {item!r}")
-        slos[name] = value / 1000
-    return slos
-
-
 # ------------------------------------------------------------------------------------------------ workload
 def build_requests(args) -> list:
     """The ``LoadRequest`` list for ``args.dataset``.
@@ -228,7 +175,7 @@ def request_records(sessions: list, results: list, multiround: bool = False) -> 
     """One JSON-ready dict per request, in session order: what it measured (``RequestResult`` without ``itl``,
     ``start_s`` its actual send offset in s), ``tpot``, what was sent (``prompt_token_ids``, or ``prompt`` for
     text, and ``output_len`` = ``max_tokens``), and with ``multiround`` its ``conversation`` and ``round`` (0-based).
-    ``kvserve.sim.validate.trace_from_records`` replays them."""
+    ``kvserve.sim.trace.read_bench_records`` replays them."""
     out = []
     for i, (session, res) in enumerate(zip(sessions, results)):
         for k, (req, r) in enumerate(zip(session, res)):
@@ -391,72 +338,6 @@ async def run_sessions(base_url: str, model: str, sessions: list, offsets: list,
 
 
 # ------------------------------------------------------------------------------------------------ report
-def _dist(values: list, prefix: str) -> dict:
-    ms = [v * 1000 for v in values]
-    return {
-        f"mean_{prefix}_ms": statistics.fmean(ms) if ms else None,
-        f"median_{prefix}_ms": percentile(ms, 50) if ms else None,
-        f"p90_{prefix}_ms": percentile(ms, 90) if ms else None,
-        f"p99_{prefix}_ms": percentile(ms, 99) if ms else None,
-    }
-
-
-def summarize(results: list, duration: float, slos: dict) -> dict:
-    """Aggregate metrics (latencies in ms, throughputs per second) of one run."""
-    ok = [r for r in results if r.success]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-
-    def meets(r: RequestResult) -> bool:
-        values = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.e2el}
-        return all(values[k] <= v for k, v in slos.items())
-
-    summary = {
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.success})[:5],
-        "duration_s": duration,
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
-        "output_throughput": out_tokens / duration if duration > 0 else 0.0,
-        "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,
-        "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()},
-        "goodput": (sum(meets(r) for r in ok) / duration if duration > 0 else 0.0) if slos else None,
-    }
-    summary.update(_dist([r.ttft for r in ok], "ttft"))
-    summary.update(_dist([r.tpot for r in ok if r.tpot is not None], "tpot"))
-    summary.update(_dist([x for r in ok for x in r.itl], "itl"))
-    summary.update(_dist([r.e2el for r in ok], "e2el"))
-    return summary
-
-
-def format_table(s: dict) -> str:
-    """The summary as an aligned text table."""
-    def f(v, unit=""):
-        return "n/a" if v is None else (f"{v:.2f}{unit}" if isinstance(v, float) else f"{v}{unit}")
-
-    rows = [
-        ("successful requests", f(s["completed"])),
-        ("failed requests", f(s["failed"])),
-        ("benchmark duration", f(s["duration_s"], " s")),
-        ("input / output tokens", f"{s['total_input_tokens']} / {s['total_output_tokens']}"),
-        ("request throughput", f(s["request_throughput"], " req/s")),
-        ("output token throughput", f(s["output_throughput"], " tok/s")),
-    ]
-    if s["goodput"] is not None:
-        slo = " ".join(f"{k}<={v:g}ms" for k, v in s["goodput_slos_ms"].items())
-        rows.append((f"goodput ({slo})", f(s["goodput"], " req/s")))
-    for key, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
-        rows.append((f"{name} mean / p50 / p90 / p99",
-                     " / ".join(f(s[f"{q}_{key}_ms"]) for q in ("mean", "median", "p90", "p99")) + " ms"))
-    if s.get("prefix_cache_hit_rate") is not None:
-        rows.append(("server prefix cache hit rate",
-                     f"{100 * s['prefix_cache_hit_rate']:.1f}% of {s['prefix_cache_queries']:.0f} prompt tokens"))
-    width = max(len(r[0]) for r in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
 _PREFIX_COUNTER = re.compile(r"^kvserve:prefix_cache_(queries|hits)_total(?:\{[^}]*\})?\s+(\S+)\s*$")
 
 

@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Optional, Union
 
 #: Token ids used for synthetic prompts: ordinary vocabulary, away from special tokens.
 SAFE_TOKEN_RANGE = (1000, 30000)
@@ -26,6 +27,16 @@ class BenchRequest:
     prompt_token_ids: list
     output_len: int
     arrival_s: float = 0.0
+
+
+@dataclass
+class LoadRequest:
+    """One request to send: ``prompt`` (text or token ids), ``output_len`` (``max_tokens``), ``arrival_s`` after
+    the start (``None``: from ``--request-rate``)."""
+
+    prompt: Union[str, list]
+    output_len: int
+    arrival_s: Optional[float] = None
 
 
 def default_data_dir() -> Path:

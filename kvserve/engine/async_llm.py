@@ -98,7 +98,6 @@ class AsyncLLM:
         self.engine = engine
         self.stat_logger = stat_logger
         self.state_observer = None
-        self.step_trace = None  # a kvserve.engine.step_trace.StepTrace, or None
         self._streams: dict = {}
         self._pending_aborts: set = set()
         self._ids = itertools.count()
@@ -154,8 +153,6 @@ class AsyncLLM:
             await self._task
         if self._executor is not None:
             self._executor.shutdown(wait=False)  # the loop has ended: nothing runs on it any more
-        if self.step_trace is not None:
-            self.step_trace.close()
 
     def abort_all(self) -> None:
         """Abort every in-flight request; their streams raise ``EngineShutdownError``."""
@@ -247,11 +244,7 @@ class AsyncLLM:
                             self.state_observer.forget(ids)
                     outputs = None
                     if engine.has_unfinished_requests():
-                        t0 = time.monotonic()
                         outputs = await self._in_engine_thread(engine.step)
-                        if self.step_trace is not None:
-                            self.step_trace.record(engine.last_scheduler_output, t0, time.monotonic(),
-                                                   engine.has_unfinished_requests())
                     if self.stat_logger is not None:
                         self.stat_logger.record(outputs or [], engine, time.monotonic())
                     if self.state_observer is not None:
@@ -260,8 +253,6 @@ class AsyncLLM:
                     if self._stopping and not self._pending_aborts:
                         return
                     if not self._pending_aborts:
-                        if self.step_trace is not None:
-                            self.step_trace.flush()  # idle: the lines so far can be read
                         self._wake.clear()
                         await self._wake.wait()
                     continue

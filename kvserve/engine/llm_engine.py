@@ -116,7 +116,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_backend = GrammarBackend(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
-        self.last_scheduler_output = None  # the plan of the latest step
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -298,7 +297,6 @@ class LLMEngine:
             torch.set_num_threads(self._num_threads)
             _thread.num_threads = self._num_threads
         scheduler_output = self.scheduler.schedule()
-        self.last_scheduler_output = scheduler_output  # read by AsyncLLM's step trace (kvserve.engine.step_trace)
         model_output = self.model_runner.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, model_output)
         for req in updated:

@@ -1,6 +1,7 @@
-"""``kvserve`` command line (dispatch only; engine flags come from ``kvserve.engine.arg_utils``): ``kvserve generate`` (the main job), ``kvserve serve`` (the HTTP server), and
-``kvserve bench throughput`` / ``kvserve bench serve`` / ``kvserve bench roofline``, ``kvserve sim`` (``profile``, ``validate``) and ``kvserve plan``.
-Only the command named on the command line imports its modules (``_COMMANDS``, ``_BENCH``)."""
+"""``kvserve`` command line (dispatch only; engine flags come from ``kvserve.engine.arg_utils``): ``kvserve generate``
+(the main job), ``kvserve serve`` (the HTTP server), ``kvserve bench throughput`` / ``kvserve bench serve``,
+``kvserve sim`` (and ``sim profile``) and ``kvserve plan``. Only the command named on the command line imports its
+modules (``_COMMANDS``, ``_BENCH``). Experiments live outside the package, in ``benchmarks/``."""
 
 from __future__ import annotations
 
@@ -41,33 +42,28 @@ def _serve(p):
     return run
 
 
-def _bench(module: str, engine: bool = True, skip: tuple = (), engine_kwargs_arg: bool = False):
+def _bench(module: str, engine: bool = True):
     """The set-up of ``kvserve bench <name>`` from ``kvserve.bench.<module>`` (``add_args``, ``run``), with the
-    engine flags (less ``skip``) when ``engine``; ``engine_kwargs_arg``: ``run(args, engine_kwargs(args))``."""
+    engine flags when ``engine``."""
     def setup(p):
         mod = importlib.import_module(f"kvserve.bench.{module}")
         if engine:
-            add_engine_args(p, skip=skip)
+            add_engine_args(p)
         mod.add_args(p)
-        return (lambda args: mod.run(args, engine_kwargs(args))) if engine_kwargs_arg else mod.run
+        return mod.run
     return setup
 
 
 def _sim(p):
     from kvserve.sim import cli as sim_cli
-    from kvserve.sim import validate as sim_validate
 
     sim_cli.add_args(p)
     sim_sub = p.add_subparsers(dest="sim_command")
     sim_cli.add_profile_args(sim_sub.add_parser("profile", help="time real engine steps and save the cost-model "
                                                                 "profile (JSON)"))
-    sim_validate.add_args(sim_sub.add_parser("validate", help="the same Azure slice on a real server and "
-                                                              "simulated, at several rates"))
 
     def run(args):
-        if args.sim_command == "profile":
-            return sim_cli.run_profile(args)
-        return sim_validate.run(args) if args.sim_command == "validate" else sim_cli.run(args)
+        return sim_cli.run_profile(args) if args.sim_command == "profile" else sim_cli.run(args)
     return run
 
 
@@ -87,15 +83,6 @@ _COMMANDS = {  # name -> (help, set-up); "bench" groups _BENCH
 }
 _BENCH = {  # kvserve bench <name> -> (help, set-up)
     "throughput": ("offline throughput: static vs continuous (vs transformers)", _bench("throughput")),
-    "prefix": ("prefix caching on vs off: few-shot, multi-round, Mooncake, no sharing", _bench("prefix")),
-    "spec": ("speculative decoding on Spec-Bench: none vs ngram vs draft_model at batch 1 and 8", _bench("spec")),
-    "accuracy": ("teacher-forced top-1 agreement and perplexity of a quantization vs fp32 (GSM8K texts)",
-                 _bench("accuracy", skip=("quantization",), engine_kwargs_arg=True)),
-    "roofline": ("machine bandwidth and int8/fp32 peaks; decode steps at batch 1-64 and prefill against their "
-                 "roofline bounds, per quantization",
-                 _bench("roofline", skip=("quantization",), engine_kwargs_arg=True)),
-    "report": ("serving-behaviour report: PNG plots and report.md from fixed workloads",
-               _bench("report", engine=False)),
     "serve": ("load-test a running kvserve server over HTTP (TTFT, TPOT, ITL, goodput)", _bench("serve", engine=False)),
 }
 
@@ -108,18 +95,11 @@ def _add_bench(bench: argparse.ArgumentParser, chosen):
         p = bench_sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
             runner = setup(p)
-    bench_sub.add_parser("quant-kernels", add_help=False,
-                         help="quantized matmul kernels vs fp32 and PyTorch's quantized ops on the model's shapes "
-                              "(flags: kvserve bench quant-kernels --help)")
     return runner
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:2] == ["bench", "quant-kernels"]:  # its own parser (kvserve.bench.quant_kernels.main)
-        from kvserve.bench import quant_kernels
-
-        return quant_kernels.main(argv[2:])
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: a paged-KV, continuously batched LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
     command = argv[0] if argv else None

@@ -29,7 +29,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--report-memory", action="store_true",
                    help="print the peak RSS of each stage (imports, start-up, generation) and where the resident "
-                        "memory is at the end: anonymous / file-backed / KV pool touched (kvserve.bench.memory)")
+                        "memory is at the end: anonymous / file-backed / KV pool touched (kvserve.entrypoints.memory_report)")
 
 
 def load_prompts_file(path: str) -> list:
@@ -107,7 +107,7 @@ def format_summary(s: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
-    from kvserve.bench.memory import MemoryProbe, format_memory, memory_report
+    from kvserve.entrypoints.memory_report import MemoryProbe, format_memory, memory_report
     from kvserve.engine.arg_utils import engine_kwargs
 
     probe = MemoryProbe() if args.report_memory else None

@@ -24,14 +24,11 @@ def wants_ray(args: argparse.Namespace) -> bool:
     """Whether ``kvserve serve`` should run replicas on Ray Serve.
 
     Raises:
-        ValueError: ``--data-parallel-size`` < 1, or ``--step-trace`` with replicas.
+        ValueError: ``--data-parallel-size`` < 1.
     """
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     ray = args.data_parallel_size > 1 or args.ray_address is not None
-    if ray and getattr(args, "step_trace", None):
-        raise ValueError("--step-trace records one engine's steps: it needs --data-parallel-size 1 without "
-                         "--ray-address")
     return ray
 
 

@@ -10,10 +10,10 @@ import math
 import sys
 from pathlib import Path
 
-from kvserve.bench.serve import format_table, parse_goodput
 from kvserve.bench.workloads import default_data_dir
 from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
+from kvserve.metrics import format_table, parse_goodput
 from kvserve.sim import trace as tr
 
 DATASETS = ("azure", "mooncake", "sharegpt", "jsonl", "bench")
@@ -45,8 +45,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, skip=("device", "speculative_config"))
     add_trace_args(p)
     p.add_argument("--profile", default="profile.json", help="cost-model profile from `kvserve sim profile`")
-    p.add_argument("--server-calibration", action=argparse.BooleanOptionalAction, default=True,
-                   help="apply the profile's server calibration, if any (default on)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:100 (metrics: ttft, tpot, e2el; ms)")
     p.add_argument("--output-json", default=None, help="write the summary (and KV usage over time) here")
@@ -59,11 +57,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def plot(res, out_dir) -> list:
-    """Two figures of a simulated run (with ``kvserve.bench.plots``' style): KV usage with running / waiting
+    """Two figures of a simulated run (``kvserve.sim.plots``): KV usage with running / waiting
     requests over simulated time, and the CDFs of TTFT and TPOT. Returns the paths written."""
-    from kvserve.bench.plots import _pyplot, _save, _style
+    from kvserve.sim.plots import pyplot, save, style
 
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t = [x[0] for x in res.kv_usage]
@@ -74,13 +72,13 @@ def plot(res, out_dir) -> list:
     ax2.plot(t, [x[3] for x in res.kv_usage], color="tab:red", lw=0.8, label="waiting")
     ax2.set_ylabel("requests")
     ax2.legend(fontsize=8, loc="upper right")
-    _style(ax, "simulated time (s)", "KV usage (%)")
+    style(ax, "simulated time (s)", "KV usage (%)")
     ax.legend(fontsize=8, loc="upper left")
     s = res.summary
     ax.set_title(f"simulated KV usage: mean {100 * s['kv_usage_mean']:.1f}%, max {100 * s['kv_usage_max']:.1f}% of "
                  f"{s['num_blocks']} blocks; {s['preemptions']} preemptions", fontsize=10)
     paths = [out / "kv_usage.png", out / "latency_cdf.png"]
-    _save(plt, fig, paths[0])
+    save(plt, fig, paths[0])
     fig, ax = plt.subplots(figsize=(8, 4.2))
     ok = [r for r in res.results if r.success]
     for name, vals in (("TTFT", [r.ttft for r in ok]), ("TPOT", [r.tpot for r in ok if r.tpot is not None])):
@@ -88,9 +86,9 @@ def plot(res, out_dir) -> list:
         if v:
             ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name)
     ax.set_xscale("log")
-    _style(ax, "latency (ms)", "fraction of requests")
+    style(ax, "latency (ms)", "fraction of requests")
     ax.set_title("simulated latency CDFs", fontsize=10)
-    _save(plt, fig, paths[1])
+    save(plt, fig, paths[1])
     return paths
 
 
@@ -134,14 +132,12 @@ def load_trace(args) -> list:
     elif args.dataset == "bench":
         if not args.trace_file:
             raise ValueError("--dataset bench needs --trace-file (a `kvserve bench serve --output-json` report)")
-        from kvserve.sim.validate import trace_from_records
-
         try:
             records = json.loads(Path(args.trace_file).read_text())["requests"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"--trace-file {args.trace_file}: not a bench serve report with 'requests' "
                              f"({e})") from None
-        trace = trace_from_records(records)[args.start:args.start + args.num_requests]
+        trace = tr.read_bench_records(records)[args.start:args.start + args.num_requests]
     else:
         if not args.trace_file:
             raise ValueError("--dataset jsonl needs --trace-file")
@@ -154,7 +150,7 @@ def load_trace(args) -> list:
     return trace
 
 
-def build_simulator(engine_args: dict, profile_path, server_calibration: bool = True):
+def build_simulator(engine_args: dict, profile_path):
     """A ``Simulator`` for these engine arguments and this profile. Its KV pool: ``num_kv_blocks`` or
     ``kv_cache_memory_bytes`` when given, else the profiled engine's pool (the profile's ``kv_cache_memory_bytes``,
     re-cut into blocks of this ``block_size``), else (profiles made before that field) the engine's default share of
@@ -177,7 +173,7 @@ def build_simulator(engine_args: dict, profile_path, server_calibration: bool = 
             model_name = default_model_path().name
         except ValueError:
             model_name = None
-    prof, cost = load(profile_path, model_name, server_calibration)
+    prof, cost = load(profile_path, model_name)
     bytes_per_block = int(prof["kv_bytes_per_token"]) * config.cache_config.block_size
     if config.model_config.dtype != prof.get("dtype", config.model_config.dtype):
         raise ValueError(f"{profile_path}: profile field 'dtype' is {prof['dtype']!r}, the run asks for "
@@ -199,7 +195,7 @@ def build_simulator(engine_args: dict, profile_path, server_calibration: bool = 
 def run(args: argparse.Namespace) -> int:
     """``kvserve sim``: returns 0 (1 when some requests were rejected)."""
     slos = parse_goodput(args.goodput)
-    sim, prof = build_simulator(engine_kwargs(args), args.profile, args.server_calibration)
+    sim, prof = build_simulator(engine_kwargs(args), args.profile)
     trace = load_trace(args)
     from kvserve.sim import cluster
 

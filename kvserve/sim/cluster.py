@@ -16,9 +16,9 @@ Replicas that share a host's CPUs (``contention``): ``contention[k - 1]`` is how
 done at rate ``1 / factor`` for the ``k`` busy at each moment (processor sharing), so a step is re-timed whenever
 another replica of its host starts or ends one. A step's factor mixes ``contention[k - 1]`` for its decode and
 per-step part with ``prefill_contention[k - 1]`` (default 1) for its prompt chunks' part, weighted by their
-cost-model times. ``contention`` is measured by ``kvserve.sim.validate.calibrate`` with ``replicas > 1``; prompt
-chunks are left unslowed by default because replays with a measured prompt factor predicted TTFT worse
-(docs/scale_out.md). Without ``contention``, replicas are independent machines.
+cost-model times. ``contention`` is measured by running replicas side by side (docs/scale_out.md); prompt chunks are
+left unslowed by default because replays with a measured prompt factor predicted TTFT worse (docs/scale_out.md).
+Without ``contention``, replicas are independent machines.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvserve.bench.serve import RequestResult, summarize
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
 from kvserve.distributed.router import (PrefixAwareRouter, ReplicaLoad, Router, add_bound_args, block_hash_chain,
                                         bound_kwargs, imbalance)
+from kvserve.metrics import RequestResult, summarize
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.sim.simulator import Simulator, _fake_run
+from kvserve.core.fake_runner import fake_run
+from kvserve.sim.simulator import SIM_TOKEN_ID, Simulator
 from kvserve.sim.trace import TraceRequest, prompt_token_ids
 
 
@@ -45,7 +46,7 @@ class ClusterResult:
     """One simulated cluster run.
 
     Attributes:
-        summary: ``kvserve.bench.serve.summarize``'s dict over all requests plus ``replicas``, ``router``,
+        summary: ``kvserve.metrics.summarize``'s dict over all requests plus ``replicas``, ``router``,
             ``goodput_per_replica`` (req/s), ``prefix_cache_hit_rate`` / ``prefix_cache_queries`` (summed over
             replicas), ``requests_per_replica`` (list), ``request_imbalance`` (max / mean requests per replica),
             ``busy_imbalance`` (max / mean busy time), ``steps``, ``preemptions``, ``rejected``, and for the prefix
@@ -144,7 +145,7 @@ class ClusterSimulator:
                     continue
                 so, rep.step = rep.step, None
                 rep.busy_s += t - rep.start_s
-                out = _fake_run(so)
+                out = fake_run(so, SIM_TOKEN_ID)
                 rep.sched.update_from_output(so, out)
                 for rid in out.sampled_token_ids:
                     k = int(rid)
@@ -298,28 +299,19 @@ def add_args(p) -> None:
     g.add_argument("--scale-plot", default=None, help="sweep: write goodput per replica and hit rate vs N here")
     g.add_argument("--contention", default=None,
                    help="step-time factors while 1, 2, ... replicas of one host compute a step (e.g. 1,1.8: hosts "
-                        "of two replicas, each step 1.8x slower while both compute); default: the profile's server "
-                        "calibration when it was measured on replicas (else none); 'none': every replica on a "
-                        "machine of its own")
+                        "of two replicas, each step 1.8x slower while both compute); default: none, every replica on "
+                        "a machine of its own")
     add_bound_args(g)
 
 
-def calibrated_contention(sim: Simulator) -> tuple:
-    """``(contention, prefill_contention)`` of ``sim``'s server calibration (``ServerCalibrated``), ``None`` where
-    it has none."""
-    return getattr(sim.step_time, "contention", None), getattr(sim.step_time, "prefill_contention", None)
-
-
-def contention_arg(text: Optional[str], sim: Simulator) -> tuple:
-    """``--contention`` as ``(contention, prefill_contention)``: ``None`` -> the profile's
-    (``calibrated_contention``), ``"none"`` -> ``(None, None)``, else the comma list as floats, for both parts.
+def contention_arg(text: Optional[str]) -> tuple:
+    """``--contention`` as ``(contention, prefill_contention)``: ``None`` or ``"none"`` -> ``(None, None)``, else
+    the comma list as floats for the decode part (prompt chunks unslowed).
 
     Raises:
         ValueError: a bad list (the message names the flag).
     """
-    if text is None:
-        return calibrated_contention(sim)
-    if text.strip().lower() == "none":
+    if text is None or text.strip().lower() == "none":
         return None, None
     try:
         factors = [float(x) for x in text.split(",")]
@@ -405,9 +397,9 @@ def format_sweep(rows: list) -> str:
 
 def plot_sweep(rows: list, path) -> None:
     """Goodput per replica and prefix hit rate against the replica count, one line per router."""
-    from kvserve.bench.plots import _pyplot, _save, _style
+    from kvserve.sim.plots import pyplot, save, style
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for name in dict.fromkeys(s["router"] for s in rows):
         mine = [s for s in rows if s["router"] == name]
@@ -417,9 +409,9 @@ def plot_sweep(rows: list, path) -> None:
         b.plot(xs, [100 * s["prefix_cache_hit_rate"] for s in mine], marker="o", label=name)
     for ax, y in ((a, "goodput per replica (req/s)"), (b, "prefix cache hit rate (%)")):
         ax.set_xscale("log", base=2)
-        _style(ax, "replicas", y)
+        style(ax, "replicas", y)
         ax.legend(fontsize=8)
-    _save(plt, fig, path)
+    save(plt, fig, path)
 
 
 def run_cli(args, sim: Simulator, trace: list, slos: dict) -> int:
@@ -434,7 +426,7 @@ def run_cli(args, sim: Simulator, trace: list, slos: dict) -> int:
 
     replicas = parse_list(args.replicas, "replicas", int)
     routers = parse_list(args.router, "router", str, ROUTERS)
-    contention, prefill_contention = contention_arg(getattr(args, "contention", None), sim)
+    contention, prefill_contention = contention_arg(getattr(args, "contention", None))
     rows = sweep(sim, trace, replicas, routers, slos, scale_load=len(replicas) > 1, router_kwargs=bound_kwargs(args),
                  contention=contention, prefill_contention=prefill_contention)
     hosts = (f"hosts of {len(contention)} replica{'s' if len(contention) > 1 else ''}, step-time factors {contention}"

@@ -13,8 +13,7 @@ A step's plan (``SchedulerOutput``) is reduced to six features (``step_features`
 
 and ``step_s = intercept + sum(coef[f] * feature[f])`` (intercept: reading the weights once per step, Python
 overhead). Prefill and decode tokens get their own coefficients because they run at different efficiency (a
-512-token chunk is one large matmul; 32 decode rows are 32 rows with a paged-attention read each), and so that a
-server calibration can scale the two parts apart (``ServerCalibrated``). The coefficients are fitted by
+512-token chunk is one large matmul; 32 decode rows are 32 rows with a paged-attention read each). The coefficients are fitted by
 non-negative least squares on relative error (every measured step counts alike, a 40 ms decode as much as a 2 s
 prefill; reweighted by the prediction so that noisy measurements do not bias totals low: ``nnls_relative``), so the
 model can be replayed anywhere. The same shape is used by Vidur (Agrawal et al., MLSys 2024),
@@ -32,17 +31,26 @@ unchanged (their fit put about the same price on both terms, the kernel's).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from kvserve.attention.torch_sdpa import SHORT_QUERY_TOKENS
 from kvserve.core.sched_output import SchedulerOutput
-from kvserve.engine.step_trace import plan_rows
 
 FEATURES = ("prefill_tokens", "decode_tokens", "logit_rows", "decode_ctx", "prefill_attn", "rows")
 FEATURE_UNITS = {"decode_ctx": " (thousands of pairs)", "prefill_attn": " (millions of pairs)"}  # printed after a name
-PREFILL_FEATURES = ("prefill_tokens", "prefill_attn")  # the part of a step a prefill calibration scales
+PREFILL_FEATURES = ("prefill_tokens", "prefill_attn")  # a step's prompt-chunk terms (``CostModel.prefill_time``)
+
+
+def plan_rows(so: SchedulerOutput) -> list:
+    """``[[q, start_pos, spec, logits], ...]`` of a plan, one per scheduled request: its query tokens, the position
+    of the first, whether it verifies drafts (0/1) and how many rows it samples (0 for a prompt chunk that does not
+    end its prompt)."""
+    rows = []
+    for s in so.scheduled:
+        logits = len(s.sampling_states) + len(s.spec_token_ids) if s.samples else 0
+        rows.append([len(s.token_ids), s.start_pos, 1 if s.spec_token_ids else 0, logits])
+    return rows
 
 
 def step_features(so: SchedulerOutput) -> tuple:
@@ -52,8 +60,8 @@ def step_features(so: SchedulerOutput) -> tuple:
 
 
 def row_features(rows) -> tuple:
-    """``step_features`` of a step given as ``kvserve.engine.step_trace.plan_rows``: ``(q, start_pos, spec,
-    logits)`` per scheduled request (tokens, position, 0/1, sampled rows) — the form a server's step trace keeps."""
+    """``step_features`` of a step given as ``plan_rows``: ``(q, start_pos, spec, logits)`` per scheduled request
+    (tokens, position, 0/1, sampled rows)."""
     prefill_tokens = decode_tokens = n = logit_rows = 0
     decode_ctx = prefill_attn = 0.0
     for q, start, spec, logits in rows:
@@ -128,54 +136,6 @@ class CostModel:
         if bad:
             raise ValueError(f"{where}: cost model values must be >= 0: {bad}")
         return cls(intercept, coef)
-
-
-@dataclass
-class ServerCalibrated:
-    """A ``CostModel`` seen through a server: ``step_s = offset_s + scale * (base - prefill part) + prefill_scale *
-    prefill part``, where the prefill part is ``base.prefill_time`` (the prompt-chunk terms).
-
-    ``kvserve serve`` runs each step in a worker thread beside an event loop that streams every token to its client,
-    and on a shared CPU at another moment than the profile run; the numbers absorb both differences (on this
-    project's 2-core machine mostly the second: docs/simulator.md). ``kvserve sim validate --save-calibration``
-    measures ``offset_s`` and ``scale`` from decode steps of a live server (the inter-token gaps of 1 and of 8
-    concurrent streams) and ``prefill_scale`` from the time to first token of lone prompts, and stores them in the
-    profile. Decode and prefill are calibrated apart because they need not drift alike: a prefill chunk is one
-    large matmul, a decode step many small rows plus Python per row.
-
-    Attributes:
-        base: the engine-step cost model.
-        offset_s: seconds added per step.
-        scale: multiplier on the engine step's decode and per-step terms, > 0.
-        prefill_scale: multiplier on its prefill terms, > 0; ``None``: ``scale`` (one factor for the whole step).
-        contention: measured on a data-parallel deployment (``calibrate`` with ``replicas > 1``): the factors by
-            which a step's decode and per-step part slows while 1, 2, ... of its replicas compute a step at once
-            (``kvserve.sim.cluster``); ``None`` when calibrated on one engine. The other numbers are those of one
-            replica computing alone.
-        prefill_contention: the same for the prompt-chunk part; ``None``: 1 (prompt chunks are not slowed; the
-            calibration does not measure it, docs/scale_out.md says why). Set in the profile by hand.
-    """
-
-    base: CostModel
-    offset_s: float = 0.0
-    scale: float = 1.0
-    prefill_scale: Optional[float] = None
-    contention: Optional[list] = None
-    prefill_contention: Optional[list] = None
-
-    def step_time(self, features: tuple) -> float:
-        t = self.offset_s + self.scale * self.base.step_time(features)
-        if self.prefill_scale is not None:
-            t += (self.prefill_scale - self.scale) * self.base.prefill_time(features)
-        return t
-
-    def __call__(self, so: SchedulerOutput) -> float:
-        return self.step_time(step_features(so))
-
-    def split(self, so: SchedulerOutput) -> tuple:
-        """``(step seconds, of which its prompt chunks' terms)`` for this plan, both calibrated."""
-        f = step_features(so)
-        return self.step_time(f), (self.prefill_scale or self.scale) * self.base.prefill_time(f)
 
 
 def decode_features(batch: int, context: int) -> tuple:

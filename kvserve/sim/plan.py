@@ -19,8 +19,8 @@ import itertools
 import json
 import math
 
-from kvserve.bench.serve import parse_goodput, summarize
 from kvserve.engine.arg_utils import engine_kwargs
+from kvserve.metrics import parse_goodput, summarize
 from kvserve.sim import trace as tr
 
 

@@ -29,7 +29,7 @@ import platform
 import time
 from pathlib import Path
 
-from kvserve.sim.cost_model import FEATURES, CostModel, ServerCalibrated, fit, fit_errors, step_features
+from kvserve.sim.cost_model import FEATURES, CostModel, fit, fit_errors, step_features
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def measure(engine_args: dict, quick: bool = False, warmup_s: float = WARMUP_S) 
 
 
 def check_warmup_s(seconds: float) -> float:
-    """``--warmup-s`` as given, checked (``kvserve sim profile`` and ``kvserve sim validate``).
+    """``--warmup-s`` as given, checked (``kvserve sim profile``).
 
     Raises:
         ValueError: not a finite number of seconds >= 0 (``inf`` would never end the warm-up).
@@ -175,11 +175,10 @@ def save(profile: dict, path) -> None:
         json.dump(profile, f, indent=1)
 
 
-def load(path, model_name: str | None = None, server_calibration: bool = True) -> tuple[dict, CostModel]:
+def load(path, model_name: str | None = None) -> tuple[dict, CostModel]:
     """Read a profile; with ``model_name``, check it was measured on that model file.
 
-    Returns ``(profile dict, cost model)``; the cost model is a ``ServerCalibrated`` one when the profile carries
-    ``server_calibration`` and ``server_calibration`` is true.
+    Returns ``(profile dict, cost model)``.
 
     Raises:
         ValueError: missing file, not a profile, a malformed cost model, or a profile of another model.
@@ -203,28 +202,9 @@ def load(path, model_name: str | None = None, server_calibration: bool = True) -
     if kv_mem is not None and (isinstance(kv_mem, bool) or not isinstance(kv_mem, int) or kv_mem < 1):
         raise ValueError(f"{p}: field 'kv_cache_memory_bytes' must be an integer >= 1, got {kv_mem!r}")
     cost = CostModel.from_dict(prof["cost_model"], str(p))
-    cal = prof.get("server_calibration")
-    if server_calibration and cal:
-        try:
-            offset, scale = float(cal["offset_s"]), float(cal["scale"])
-            prefill_scale = None if cal.get("prefill_scale") is None else float(cal["prefill_scale"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{p}: field 'server_calibration' needs numbers 'offset_s' and 'scale' (and optionally "
-                             f"'prefill_scale')") from None
-        for name, v in (("scale", scale), ("prefill_scale", prefill_scale)):
-            if v is not None and not v > 0:
-                raise ValueError(f"{p}: field 'server_calibration.{name}' must be > 0, got {v}")
-        from kvserve.sim.cluster import check_contention
-
-        try:
-            contention = check_contention(cal.get("contention"))
-            prefill_contention = check_contention(cal.get("prefill_contention"), "prefill_contention")
-        except ValueError as e:
-            raise ValueError(f"{p}: field 'server_calibration': {e}") from None
-        if prefill_contention is not None and len(prefill_contention) != len(contention or []):
-            raise ValueError(f"{p}: field 'server_calibration': prefill_contention needs as many factors as "
-                             f"contention ({len(contention or [])}), got {len(prefill_contention)}")
-        return prof, ServerCalibrated(cost, offset, scale, prefill_scale, contention, prefill_contention)
+    if "server_calibration" in prof:
+        logger.warning("%s: field 'server_calibration' is no longer applied (the simulator replays the profiled "
+                       "engine's step costs); the field is ignored", p)
     return prof, cost
 
 

@@ -2,7 +2,7 @@
 
 Nothing of the scheduling is modelled: the engine's own scheduler (continuous or static, fcfs or priority, chunked
 prefill, preemption by recompute) and KV cache manager (paging, prefix caching with real block hashes) run
-unchanged. Only the model is replaced: a model-free runner gives each sampling request a fixed token (requests
+unchanged. Only the model is replaced: a model-free runner (``kvserve.core.fake_runner``) gives each sampling request a fixed token (requests
 ignore EOS, so each generates exactly its trace output length), and the clock advances by the cost model's
 prediction for the step's plan (``kvserve.sim.cost_model``), measured on the real engine (``kvserve sim profile``).
 
@@ -11,8 +11,8 @@ waits for the next arrival; tokens of a step are delivered when the step ends. R
 reject (longer than ``max_model_len``, than the pool, or, unchunked, than the token budget; prompt + output beyond
 ``max_model_len``, the server's 400) are counted as failed, as ``kvserve bench serve`` counts them.
 
-The per-request results are ``kvserve.bench.serve.RequestResult`` objects and the summary is
-``kvserve.bench.serve.summarize``'s, so a simulated run and a real load test print the same table.
+The per-request results are ``kvserve.metrics.RequestResult`` objects and the summary is
+``kvserve.metrics.summarize``'s, so a simulated run and a real load test print the same table.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from kvserve.bench.serve import RequestResult, summarize
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
-from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.fake_runner import fake_run
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
+from kvserve.metrics import RequestResult, summarize
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.sim.trace import TraceRequest, prompt_token_ids
@@ -41,7 +42,7 @@ class SimResult:
     """One simulated run.
 
     Attributes:
-        summary: ``kvserve.bench.serve.summarize``'s dict (latencies in ms, throughputs per s, goodput) plus
+        summary: ``kvserve.metrics.summarize``'s dict (latencies in ms, throughputs per s, goodput) plus
             ``steps``, ``preemptions``, ``prefix_cache_hit_rate`` / ``prefix_cache_queries`` (as ``bench serve`` reads
             them from the server), ``kv_usage_mean`` / ``kv_usage_max`` (fraction of
             blocks), ``rejected``, ``num_blocks``, ``sim_wall_s``.
@@ -52,16 +53,6 @@ class SimResult:
     summary: dict
     results: list
     kv_usage: list = field(default_factory=list)
-
-
-_ONE_TOKEN = (SIM_TOKEN_ID,)  # shared by every sampled row: the scheduler only reads it
-
-
-def _fake_run(so: SchedulerOutput) -> ModelRunnerOutput:
-    """The model-free runner: ``SIM_TOKEN_ID`` for every sample the plan draws (forked samples included)."""
-    out = ModelRunnerOutput()
-    out.sampled_token_ids = {st.request_id: _ONE_TOKEN for s in so.scheduled if s.samples for st in s.sampling_states}
-    return out
 
 
 class Simulator:
@@ -171,7 +162,7 @@ class Simulator:
                 dt = self.step_time(so)
                 t += dt
                 running_time += dt
-                out = _fake_run(so)
+                out = fake_run(so, SIM_TOKEN_ID)
                 sched.update_from_output(so, out)
                 steps += 1
                 delivered = out.sampled_token_ids

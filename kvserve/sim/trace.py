@@ -190,21 +190,23 @@ def _read_json_lines(path: Path, lo_hi=None):
             yield lineno, obj
 
 
-def read_step_trace(path) -> list:
-    """A server's step trace (``kvserve serve --step-trace``, ``kvserve.engine.step_trace``) as ``(t0, t1, more,
-    rows)`` tuples in step order: monotonic seconds, seconds, bool, ``[(q, start_pos, spec, logits), ...]``.
+def read_bench_records(records: list) -> list:
+    """The requests a load test actually sent (the ``requests`` of a ``kvserve bench serve --output-json``
+    report) as a trace: each at its actual send offset (``start_s``), with its prompt token ids and ``output_len``
+    tokens (forced, as ``ignore_eos`` does), in send order; requests never sent (``start_s`` null) are left out.
 
     Raises:
-        ValueError: a missing file, or a line that is not a step record (with its line number).
+        ValueError: a record without ``prompt_token_ids`` (a text prompt: the client never saw its tokens) or
+            without ``output_len``.
     """
-    steps = []
-    for lineno, d in _read_json_lines(Path(path)):
-        try:
-            steps.append((float(d["t0"]), float(d["t1"]), bool(d["more"]),
-                          [tuple(int(v) for v in r) for r in d["rows"]]))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: line {lineno}: not a step-trace record ({type(e).__name__}: {e})") from None
-    return steps
+    sent = [r for r in records if r.get("start_s") is not None]
+    for i, r in enumerate(sent):
+        if not isinstance(r.get("prompt_token_ids"), list) or not isinstance(r.get("output_len"), int):
+            raise ValueError(f"request record {i} has no prompt_token_ids / output_len (text prompts cannot be "
+                             f"replayed; use a dataset that sends token ids)")
+    sent.sort(key=lambda r: r["start_s"])
+    return [TraceRequest(float(r["start_s"]), len(r["prompt_token_ids"]), r["output_len"],
+                         token_ids=list(r["prompt_token_ids"])) for r in sent]
 
 
 def _records(path: Path, start: int, num_requests: Optional[int], required: tuple, optional: tuple = ()):

@@ -1,6 +1,7 @@
 """``bench serve`` reads the server's prefix-cache counters before and after a run and prints the hit rate."""
 
-from kvserve.bench.serve import format_table, parse_prefix_counters, prefix_hit_rate, summarize
+from kvserve.bench.serve import parse_prefix_counters, prefix_hit_rate
+from kvserve.metrics import format_table, summarize
 
 PAGE = """# HELP kvserve:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.
 # TYPE kvserve:prefix_cache_queries_total counter

@@ -1,29 +1,13 @@
 """Shared helpers of the model-free core tests: a scheduler over a small pool and a fake model runner."""
 
 from kvserve.config import SchedulerConfig
+from kvserve.core.fake_runner import fake_run  # noqa: F401 (the tests' runner)
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.sched_output import ModelRunnerOutput
 from kvserve.core.scheduler import Scheduler
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 
 EOS = 2
-
-
-def fake_run(sched_out, drafts_accepted=None):
-    """Sample token 100 + (number of outputs so far) for every sample drawn this step. For a request verifying
-    drafts, ``drafts_accepted[request_id]`` (default: all) of them are accepted, then the bonus token follows."""
-    out = ModelRunnerOutput()
-    for s in sched_out.scheduled:
-        for st in s.sampling_states:
-            n = len(st.output_token_ids)
-            if s.spec_token_ids:
-                a = (drafts_accepted or {}).get(s.request_id, len(s.spec_token_ids))
-                out.sampled_token_ids[st.request_id] = list(s.spec_token_ids[:a]) + [100 + n + a]
-                out.num_accepted[st.request_id] = a
-            else:
-                out.sampled_token_ids[st.request_id] = [100 + n]
-    return out
 
 
 def make_sched(num_blocks=64, block_size=4, enable_prefix_caching=False, **cfg):

@@ -9,7 +9,7 @@ from tests.core.conftest import add, fake_run, make_sched
 
 def step(sched, kv, accepted=None):
     so = sched.schedule()
-    sched.update_from_output(so, fake_run(so, accepted))
+    sched.update_from_output(so, fake_run(so, drafts_accepted=accepted))
     kv.check_integrity()
     return so
 
@@ -27,7 +27,7 @@ def test_drafts_are_verified_then_rejected_ones_rolled_back():
     assert (s.token_ids, s.start_pos, s.block_ids, s.spec_token_ids, s.samples) == ([100, 50, 51, 52], 6, [0, 1, 2],
                                                                                   [50, 51, 52], True)
     assert [st.request_id for st in s.sampling_states] == ["a"] and a.spec_token_ids == []
-    sched.update_from_output(so, fake_run(so, {"a": 1}))  # draft 50 accepted, then the bonus 100 + 1 + 1
+    sched.update_from_output(so, fake_run(so, drafts_accepted={"a": 1}))  # draft 50 accepted, then the bonus 100 + 1 + 1
     kv.check_integrity()
     # 10 computed - 2 rejected = 8 (the bonus token 102 is not computed yet); block 2 held only rejected drafts
     assert (a.num_computed_tokens, a.output_token_ids, kv.get_block_ids(a)) == (8, [100, 50, 102], [0, 1])
@@ -47,7 +47,7 @@ def test_drafts_are_truncated_at_the_token_budget_and_dropped_on_preemption():
     a.spec_token_ids = [7, 8, 9, 10]
     so = sched.schedule()
     assert so.scheduled[0].token_ids == [100, 7, 8] and so.scheduled[0].spec_token_ids == [7, 8]
-    sched.update_from_output(so, fake_run(so, {"a": 0}))  # nothing accepted: one recovered token
+    sched.update_from_output(so, fake_run(so, drafts_accepted={"a": 0}))  # nothing accepted: one recovered token
     assert (a.num_computed_tokens, a.output_token_ids, kv.get_block_ids(a)) == (4, [100, 101], [0])  # 4 fit in one
     kv.check_integrity()
 
@@ -69,7 +69,7 @@ def test_stop_inside_accepted_drafts_drops_the_rest():
     step(sched, kv)
     a.spec_token_ids = [40, 41, 42]
     so = sched.schedule()
-    sched.update_from_output(so, fake_run(so, {"a": 3}))  # 4 tokens offered, max_tokens=3 keeps 2 more
+    sched.update_from_output(so, fake_run(so, drafts_accepted={"a": 3}))  # 4 tokens offered, max_tokens=3 keeps 2 more
     assert a.output_token_ids == [100, 40, 41] and a.status is RequestStatus.FINISHED_LENGTH
     assert kv.block_pool.num_free_blocks == 16
     kv.check_integrity()

@@ -15,8 +15,9 @@ pytest.importorskip("ray.serve", reason="needs the optional Ray extra: pip insta
 
 import ray  # noqa: E402
 
-from kvserve.bench.prefix import multiround_waves  # noqa: E402
-from kvserve.bench.serve import LoadRequest, parse_prefix_counters, run_benchmark  # noqa: E402
+from benchmarks.prefix import multiround_waves  # noqa: E402
+from kvserve.bench.serve import parse_prefix_counters, run_benchmark
+from kvserve.bench.workloads import LoadRequest  # noqa: E402
 from kvserve.bench.workloads import default_data_dir  # noqa: E402
 from kvserve.distributed.router import make_router, prompt_block_hashes  # noqa: E402
 from kvserve.entrypoints import ray_serve_ingress as ingress  # noqa: E402

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.accuracy import compare_all, gsm8k_texts
-from kvserve.bench.roofline import model_cost
+from benchmarks.accuracy import compare_all, gsm8k_texts
+from benchmarks.roofline import model_cost
 from kvserve.bench.workloads import default_data_dir
 from kvserve.sim.cli import build_simulator
 from kvserve.sim.cost_model import FEATURES, CostModel

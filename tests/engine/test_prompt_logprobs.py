@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.accuracy import _all_logits
+from benchmarks.accuracy import all_logits
 from tests.conftest import assert_pool_clean
 
 TOL = 1e-4
@@ -22,7 +22,7 @@ def reference(llm):
 
     def ref(ids):
         with torch.inference_mode():
-            return _all_logits(model, ids).log_softmax(-1)
+            return all_logits(model, ids).log_softmax(-1)
     return ref
 
 

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from kvserve.bench.serve import arrival_times, check_loopback, parse_goodput, LoadRequest
+from kvserve.bench.serve import arrival_times, check_loopback
+from kvserve.bench.workloads import LoadRequest
+from kvserve.metrics import parse_goodput
 from kvserve.bench.workloads import default_data_dir
 from kvserve.entrypoints.cli import main
 

@@ -36,26 +36,3 @@ def test_generate_bad_arguments_exit_2(capsys, tmp_path):
     bad.write_text('{"nope": 1}\n')
     assert main(["generate", "--prompts-file", str(bad), "--num-kv-blocks", "8"]) == 2
     assert "line 1" in capsys.readouterr().err
-
-
-def test_serve_step_trace_unwritable_exits_2_before_the_model_loads(capsys, tmp_path, monkeypatch):
-    from kvserve.entrypoints.openai import api_server
-
-    def no_load(*a, **kw):
-        raise AssertionError("the model was loaded before the --step-trace path was checked")
-
-    monkeypatch.setattr(api_server, "build_server", no_load)
-    bad = tmp_path / "no" / "such" / "steps.jsonl"
-    assert main(["serve", "--port", "0", "--step-trace", str(bad)]) == 2
-    assert f"--step-trace: cannot write '{bad}'" in capsys.readouterr().err
-
-
-def test_sim_validate_missing_data_exits_2_before_starting_a_server(capsys, tmp_path, monkeypatch):
-    from kvserve.sim import validate
-
-    def no_server(*a, **kw):
-        raise AssertionError("a server was started before the trace data was read")
-
-    monkeypatch.setattr(validate, "start_server", no_server)
-    assert main(["sim", "validate", "--profile", str(tmp_path / "p.json"), "--data-dir", str(tmp_path)]) == 2
-    assert "Azure trace not found" in capsys.readouterr().err

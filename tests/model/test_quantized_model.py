@@ -1,12 +1,12 @@
 """The default path keeps the GGUF's Q4_1 / Q8_0 weights quantized: the engine uses the int8 dot-product kernels,
 and its next-token predictions stay within the accuracy thresholds of the ``"fp32"`` path (issue 12) on a small
-fixed set: the first GSM8K test rows up to 1,000 positions (``kvserve bench accuracy`` runs 20,000 by default),
+fixed set: the first GSM8K test rows up to 1,000 positions (``python -m benchmarks.accuracy`` runs 20,000 by default),
 with each activation quantization (``KVSERVE_QUANT_ACTIVATIONS``)."""
 
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.accuracy import compare_all, gsm8k_texts
+from benchmarks.accuracy import compare_all, gsm8k_texts
 from kvserve.bench.workloads import default_data_dir
 from kvserve.kernels import qgemm as quant_kernels
 from tests.conftest import assert_pool_clean

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.bench.accuracy import _all_logits
+from benchmarks.accuracy import all_logits
 from kvserve.model import weight_cache as wc
 from kvserve.model.backends import select_backends
 from kvserve.model.llama import LlamaModel
@@ -44,7 +44,7 @@ def setup(tmp_path_factory):
 def _greedy(model, n=4):
     ids = list(PROMPT)
     for _ in range(n):
-        ids.append(int(_all_logits(model, ids)[-1].argmax()))
+        ids.append(int(all_logits(model, ids)[-1].argmax()))
     return ids[len(PROMPT):]
 
 

@@ -11,7 +11,7 @@ from kvserve.entrypoints.cli import main
 from kvserve.sim.cluster import ClusterSimulator
 from kvserve.sim.cost_model import FEATURES, CostModel
 from kvserve.sim.simulator import Simulator
-from kvserve.sim.validate import trace_from_records
+from kvserve.sim.trace import read_bench_records as trace_from_records
 
 SUFFIX = [7]  # a one-token "generation prompt" after each round's head
 
@@ -32,7 +32,7 @@ def records(users: int = 3, rounds: int = 3) -> list:
     return out
 
 
-def test_trace_from_records_in_send_order():
+def test_bench_records_replay_in_send_order():
     recs = records()
     trace = trace_from_records(recs + [{"start_s": None, "error": "not sent"}])
     assert [t.arrival_s for t in trace] == [0.0, 1.0, 2.0, 10.0, 11.0, 12.0, 20.0, 21.0, 22.0]

@@ -1,6 +1,6 @@
 """``replay_passes``: target passes greedy n-gram speculation needs for a known output (no model)."""
 
-from kvserve.bench.spec import replay_passes
+from benchmarks.spec import replay_passes
 from kvserve.spec_decode.ngram import NgramProposer
 
 

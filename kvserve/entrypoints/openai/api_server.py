@@ -45,7 +45,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
 from kvserve.engine.async_llm import AsyncLLM
-from kvserve.engine.step_trace import StepTrace
 from kvserve.entrypoints.openai import dashboard as dash
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
@@ -363,14 +362,13 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: Optional[str] = None, log_level: str = "info",
                  access_log: bool = True, api_key: Optional[str] = None, metrics_auth: bool = True,
                  sock: Optional[socket.socket] = None, dashboard: Optional[bool] = None,
-                 dashboard_show_prompts: bool = False, step_trace: Optional[StepTrace] = None) -> KVServeServer:
+                 dashboard_show_prompts: bool = False) -> KVServeServer:
     """Load the model and build the server (not started). ``served_model_name`` defaults to the model file's stem;
     ``dashboard`` (``/dashboard`` and ``/v1/engine/state``) defaults to on iff ``host`` is a loopback address.
 
     Args:
         api_key, metrics_auth: see ``build_app``.
         sock: an already bound socket (``bind_socket``) to serve on; ``host`` and ``port`` then only name it.
-        step_trace: record one JSON line per engine step there (``kvserve.engine.step_trace``).
 
     Raises:
         ValueError: bad engine arguments or an unloadable model.
@@ -378,9 +376,6 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
     llm = AsyncLLM.from_engine_args(**engine_args)
     name = served_model_name or Path(llm.engine.model_path).stem
     llm.stat_logger = PrometheusStatLogger(name)
-    if step_trace is not None:
-        llm.step_trace = step_trace
-        logger.info("step trace: one line per engine step in %s", step_trace.path)
     if dashboard is None:
         dashboard = dash.is_loopback(host)
     app = build_app(llm, name, api_key=api_key, metrics_auth=metrics_auth, dashboard=dashboard,
@@ -442,9 +437,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              f"${API_KEY_ENV} if set, else no authentication)")
     parser.add_argument("--no-metrics-auth", action="store_true",
                         help="with an API key, serve /metrics without it (for a Prometheus scraper)")
-    parser.add_argument("--step-trace", default=None, metavar="FILE",
-                        help="write one JSON line per engine step (start and end time, each request's tokens and "
-                             "position) to FILE, for `kvserve sim validate` (single-engine server only)")
     dash.add_args(parser)
 
 
@@ -452,22 +444,18 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     """Serve until SIGINT / SIGTERM; returns 0 after a clean shutdown.
 
     Raises:
-        ValueError: the address cannot be bound or the ``--step-trace`` file cannot be written (both checked before
-            the model loads), an empty ``--api-key``, bad engine arguments.
+        ValueError: the address cannot be bound (checked before the model loads), an empty ``--api-key``, bad engine
+            arguments.
     """
     api_key = api_key_from(args)
     sock = bind_socket(args.host, args.port)
-    trace = None
     try:
-        trace = StepTrace(args.step_trace) if args.step_trace else None  # an unwritable path: before the model loads
         server = build_server(engine_args, host=args.host, port=args.port, served_model_name=args.served_model_name,
                               log_level=args.uvicorn_log_level, access_log=not args.no_access_log, api_key=api_key,
                               metrics_auth=not args.no_metrics_auth, sock=sock, dashboard=args.dashboard,
-                              dashboard_show_prompts=args.dashboard_show_prompts, step_trace=trace)
+                              dashboard_show_prompts=args.dashboard_show_prompts)
     except BaseException:
         sock.close()
-        if trace is not None:
-            trace.close()
         raise
     asyncio.run(server.serve())
     return 0

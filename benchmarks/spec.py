@@ -1,4 +1,4 @@
-"""``kvserve bench spec``: speculative decoding on Spec-Bench (``../shared/data/spec_bench``), no speculation vs the
+"""``python -m benchmarks.spec``: speculative decoding on Spec-Bench (``../shared/data/spec_bench``), no speculation vs the
 n-gram proposer vs the draft-model proposer (``--methods``, default all three), at batch 1 and batch 8, in one run.
 
 Per category (summarization, rag, translation, qa, math_reasoning, mt_bench): the first turn of ``--per-category``
@@ -208,3 +208,9 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    from benchmarks import engine_main
+
+    raise SystemExit(engine_main("spec", __doc__, add_args, run))

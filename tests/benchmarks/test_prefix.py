@@ -1,9 +1,9 @@
-"""``kvserve bench prefix`` building blocks on real data: the Mooncake slice's measured hit rate equals the hit rate
+"""``benchmarks.prefix`` building blocks on real data: the Mooncake slice's measured hit rate equals the hit rate
 computed from its hash ids, and the few-shot prefix is long enough."""
 
 import pytest
 
-from kvserve.bench.prefix import fewshot_waves, mooncake_waves, run_case
+from benchmarks.prefix import fewshot_waves, mooncake_waves, run_case
 from kvserve.bench.workloads import default_data_dir
 
 DATA = default_data_dir()

@@ -1,12 +1,12 @@
-"""``python -m kvserve.entrypoints.ray_serve_bench``'s pieces that need no Ray cluster: per-replica counts from the
+"""``python -m benchmarks.ray_serve``'s pieces that need no Ray cluster: per-replica counts from the
 router's decisions, the replay of a run's records on the simulated cluster, the real-vs-simulated table."""
 
 import pytest
 
 pytest.importorskip("ray.serve", reason="needs the optional Ray extra: pip install -e '.[ray]'")
 
-from kvserve.bench.serve import LoadRequest  # noqa: E402
-from kvserve.entrypoints import ray_serve_bench as rsb  # noqa: E402
+from benchmarks import ray_serve as rsb  # noqa: E402
+from kvserve.bench.workloads import LoadRequest  # noqa: E402
 from tests.sim.test_replay import records, sim_for  # noqa: E402
 
 
@@ -37,16 +37,12 @@ def test_simulate_and_the_validation_table():
     assert "requests per replica: real [5, 4], prefix [6, 3], recorded placement [5, 4]" in table
 
 
-def test_simulate_applies_the_calibrations_contention():
-    """A calibration measured on the deployment's replicas (``contention``) slows the replay's overlapping steps."""
-    from kvserve.sim.cost_model import ServerCalibrated
-
+def test_simulate_applies_the_contention():
+    """Step-time factors of replicas sharing a host (``contention``) slow the replay's overlapping steps."""
     recs = [{"conversation": u, "round": 0, "start_s": 0.0, "output_len": 2, "replica": "ab"[u],
              "prompt_token_ids": [100 * (u + 1) + j for j in range(8)]} for u in range(2)]
     plain = rsb.simulate(sim_for(), recs, 2, "round-robin")["recorded placement"]
-    sim = sim_for()
-    sim.step_time = ServerCalibrated(sim.step_time, contention=[1.0, 1.5])
-    shared = rsb.simulate(sim, recs, 2, "round-robin")["recorded placement"]
+    shared = rsb.simulate(sim_for(), recs, 2, "round-robin", ([1.0, 1.5], None))["recorded placement"]
     assert plain["median_ttft_ms"] == 1000.0 and plain["median_e2el_ms"] == 2000.0  # 1 s steps, side by side
     assert shared["median_ttft_ms"] == 1500.0 and shared["median_e2el_ms"] == 3000.0  # both steps at 1.5 s
 

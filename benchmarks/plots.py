@@ -4,28 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvserve.bench.driver import Timeline, rate_key
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _style(ax, xlabel: str, ylabel: str) -> None:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-
-
-def _save(plt, fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+from benchmarks.driver import Timeline, rate_key
+from kvserve.sim.plots import pyplot as _pyplot
+from kvserve.sim.plots import save as _save
+from kvserve.sim.plots import style as _style
 
 
 def plot_kv_memory(tl: Timeline, summary: dict, path: Path) -> None:

@@ -1,6 +1,6 @@
 """Drive an ``LLMEngine`` from outside and record a per-step timeline: wall clock around each ``step()``,
-``kv_cache_stats()`` after it, which requests received a token. Used by ``kvserve bench report`` and
-``kvserve bench prefix``; times are ``time.monotonic()`` seconds, lengths tokens."""
+``kv_cache_stats()`` after it, which requests received a token. Used by ``benchmarks.report`` and
+``benchmarks.prefix``; times are ``time.monotonic()`` seconds, lengths tokens."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from kvserve.bench.throughput import percentile
 from kvserve.bench.workloads import BenchRequest
+from kvserve.metrics import percentile
 
 # ------------------------------------------------------------------------------------------------ timelines
 @dataclass

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kvserve import lab
+from examples import lab
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.lab import (BlockManager, blocks_needed, continuous_batching_steps, kv_cache_blocks_fragmentation,
+from examples.lab import (BlockManager, blocks_needed, continuous_batching_steps, kv_cache_blocks_fragmentation,
                          speculative_accept, static_batching_steps)
 from tests.spec_decode.stats import chi_square
 

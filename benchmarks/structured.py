@@ -1,4 +1,4 @@
-"""Per-step cost of grammar masks: ``python -m kvserve.structured.bench [--batch 16] [--steps 40]``.
+"""Per-step cost of grammar masks: ``python -m benchmarks.structured [--batch 16] [--steps 40]``.
 
 Drives ``batch`` JSON-schema matchers along a real JSON text (one token per step, as decoding does) and times,
 per step: xgrammar's bitmask fill of every row plus applying it to ``[batch, V]`` logits (what

@@ -1,4 +1,4 @@
-"""``python -m kvserve.entrypoints.ray_serve_bench``: ShareGPT multi-round conversations against a Ray Serve
+"""``python -m benchmarks.ray_serve``: ShareGPT multi-round conversations against a Ray Serve
 deployment (``kvserve serve --data-parallel-size N``), once per router, on the same replicas; with ``--simulate``
 the same requests replayed on the simulated cluster, real vs simulated.
 
@@ -13,7 +13,7 @@ use the same warm replicas.
 ``--simulate PROFILE`` replays each run's requests — their actual send offsets, prompt token ids and output lengths
 — on ``--replicas`` simulated engines (``kvserve.sim.cluster``) twice: behind a fresh router of the same class, and
 with every request on the replica the real run put it on (``RecordedPlacement``: routing taken out of the
-comparison); it prints ``kvserve sim validate``'s table (real, simulated, relative error) for both, plus hit rates
+comparison); it prints ``benchmarks.sim_validate``'s table (real, simulated, relative error) for both, plus hit rates
 and requests per replica.
 """
 
@@ -29,8 +29,11 @@ import time
 from collections import Counter
 
 from kvserve.bench.multiround import build_sessions, server_tokenizer
-from kvserve.bench.serve import (LoadRequest, arrival_times, fetch_prefix_counters, format_table, prefix_hit_rate,
-                                 request_records, run_benchmark, run_sessions, summarize)
+from benchmarks.sim_validate import compare, format_comparison
+from kvserve.bench.serve import (arrival_times, fetch_prefix_counters, prefix_hit_rate, request_records,
+                                 run_sessions)
+from kvserve.bench.workloads import LoadRequest
+from kvserve.metrics import format_table, summarize
 from kvserve.distributed.router import ROUTERS, Router, least_loaded, make_router
 from kvserve.entrypoints import ray_serve_ingress as ingress
 from kvserve.entrypoints.ray_serve import get_router
@@ -78,19 +81,18 @@ class RecordedPlacement(Router):
         return pick if pick in loads else least_loaded(loads)
 
 
-def simulate(sim, records: list, replicas: int, router: str) -> dict:
+def simulate(sim, records: list, replicas: int, router: str, contention=(None, None)) -> dict:
     """The recorded requests (actual send offsets, token ids, output lengths) on ``replicas`` simulated engines
     (``kvserve.sim.cluster``), behind a fresh ``router`` and behind ``RecordedPlacement`` (each request on the
     replica the real run chose: the router in the ingress sees concurrent requests in its own order, and Serve may
     send a request to another replica than the one chosen). Returns ``{router: summary, "recorded placement":
-    summary}`` (``requests_per_replica`` descending). The replicas share one host as the calibration measured
-    (``calibrated_contention``: its step-time factors with 1 .. N replicas busy, for decode and for prompt chunks),
-    or none when it has none."""
-    from kvserve.sim.cluster import ClusterSimulator, calibrated_contention
-    from kvserve.sim.validate import trace_from_records
+    summary}`` (``requests_per_replica`` descending). ``contention``: ``(decode factors, prompt factors)`` with 1 ..
+    N replicas of a host busy (``kvserve.sim.cluster``); ``(None, None)``: independent machines."""
+    from kvserve.sim.cluster import ClusterSimulator
+    from kvserve.sim.trace import read_bench_records
 
     sent = sorted((r for r in records if r.get("start_s") is not None), key=lambda r: r["start_s"])
-    trace = trace_from_records(sent)  # the same order: already sorted
+    trace = read_bench_records(sent)  # the same order: already sorted
     ids = sorted({r["replica"] for r in sent if r.get("replica") is not None})
     placements = [ids.index(r["replica"]) if r.get("replica") in ids else None for r in sent]
     out = {}
@@ -98,17 +100,15 @@ def simulate(sim, records: list, replicas: int, router: str) -> dict:
     if router == "prefix":
         fresh.cache_blocks = sim.num_blocks  # as the Ray router sizes it: each replica's pool
     for name, policy in ((router, fresh), ("recorded placement", RecordedPlacement(placements))):
-        s = ClusterSimulator(sim, replicas, policy, *calibrated_contention(sim)).run(trace).summary
+        s = ClusterSimulator(sim, replicas, policy, *contention).run(trace).summary
         s["requests_per_replica"] = sorted(s["requests_per_replica"], reverse=True)
         out[name] = s
     return out
 
 
 def format_validation(real: dict, sims: dict) -> str:
-    """``kvserve sim validate``'s table (real, simulated, error) for each simulated run in ``sims`` (name ->
+    """``benchmarks.sim_validate``'s table (real, simulated, error) for each simulated run in ``sims`` (name ->
     summary), then hit rates and requests per replica."""
-    from kvserve.sim.validate import compare, format_comparison
-
     lines = [format_comparison([(name, compare(real, s)) for name, s in sims.items()])]
     hr = 100 * (real.get("prefix_cache_hit_rate") or 0.0)
     for name, s in sims.items():
@@ -120,7 +120,7 @@ def format_validation(real: dict, sims: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvserve.entrypoints.ray_serve_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ray_serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--routers", default="prefix,round-robin")
@@ -136,27 +136,27 @@ def main(argv=None) -> int:
     p.add_argument("--output-json", default=None, help="summaries and every request (send offset, token ids ...)")
     p.add_argument("--simulate", default=None, metavar="PROFILE",
                    help="also replay each run's requests on as many simulated replicas with this cost-model profile")
-    p.add_argument("--calibrate", action="store_true",
-                   help="with --simulate: calibrate the profile against this Ray deployment first (kvserve sim "
-                        "validate's server calibration, streams spread over the replicas; the profile file is "
-                        "rewritten with it): a replica behind Ray Serve adds per-token costs a lone server lacks")
-    p.add_argument("--calibration-runs", type=int, default=3,
-                   help="with --calibrate: lone prefills measured; each decode batch runs // 3 times")
+    p.add_argument("--contention", default=None,
+                   help="with --simulate: step-time factors while 1, 2, ... replicas compute at once (kvserve sim "
+                        "--contention; default: independent machines)")
     args = p.parse_args(argv)
     routers = args.routers.split(",")
     bad = [r for r in routers if r not in ROUTERS]
     if bad:
         raise SystemExit(f"--routers must be from {', '.join(ROUTERS)}, got {bad}")
-    if args.calibration_runs < 1:
-        raise SystemExit(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
     if not args.think_time >= 0:
         raise SystemExit(f"--think-time must be >= 0, got {args.think_time}")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    sim = None
+    sim, contention = None, (None, None)
     if args.simulate:  # a bad profile fails before Ray starts
         from kvserve.sim.cli import build_simulator
+        from kvserve.sim.cluster import contention_arg
 
         sim, _ = build_simulator({"max_model_len": args.max_model_len, "num_threads": 1}, args.simulate)
+        try:
+            contention = contention_arg(args.contention)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     server = ingress.build_server({"max_model_len": args.max_model_len}, args.replicas, routers[0], port=0,
                                   log_level="warning", access_log=False)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
@@ -173,13 +173,6 @@ def main(argv=None) -> int:
                                       shown_cap=args.max_input_tokens)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
-        if sim is not None and args.calibrate:
-            from kvserve.sim.validate import calibrate_profile
-
-            warm = [LoadRequest(list(range(2000 + 50 * i, 2040 + 50 * i)), 4, 0.0) for i in range(2 * args.replicas)]
-            asyncio.run(run_benchmark(url, model, warm, [0.0] * len(warm)))
-            sim, _ = calibrate_profile(url, model, {"max_model_len": args.max_model_len, "num_threads": 1},
-                                       args.simulate, seed=7, replicas=args.replicas, runs=args.calibration_runs)
         offsets = arrival_times([s[0] for s in sessions], args.request_rate, args.seed)
         print(f"{args.replicas} replicas; {len(sessions)} users, rounds {[len(s) for s in sessions]}; "
               f"{sum(len(r.prompt) + 1 for s in sessions for r in s)} prompt tokens per router", flush=True)
@@ -190,7 +183,7 @@ def main(argv=None) -> int:
             print(f"--- {router}\n{format_table(s)}\nrequests per replica: {s['requests_per_replica']}", flush=True)
         if sim is not None:
             for real, router in zip(rows, routers):
-                sims.append(simulate(sim, records[router], args.replicas, router))
+                sims.append(simulate(sim, records[router], args.replicas, router, contention))
             print("\nreal vs simulated (the same requests at their actual send offsets):")
             for real, s in zip(rows, sims):
                 print(f"--- {real['router']}\n{format_validation(real, s)}", flush=True)

@@ -1,8 +1,8 @@
-"""``kvserve bench roofline``'s arithmetic (the measurements themselves are a benchmark, not a test)."""
+"""``benchmarks.roofline``'s arithmetic (the measurements themselves are a benchmark, not a test)."""
 
 import pytest
 
-from kvserve.bench.roofline import (Bound, ModelCost, bandwidth_drift, bounds, cpu_info, format_rows,
+from benchmarks.roofline import (Bound, ModelCost, bandwidth_drift, bounds, cpu_info, format_rows,
                                     prefill_bound_tokens_per_s)
 
 COST = ModelCost(weight_bytes=100_000_000, macs_per_token=125_000_000, kv_bytes_per_token=50_000, int8=True)

@@ -1,4 +1,4 @@
-"""Step time of one engine configuration (``python -m kvserve.distributed.bench --tensor-parallel-size T ...``):
+"""Step time of one engine configuration (``python -m benchmarks.tensor_parallel --tensor-parallel-size T ...``):
 ``--batch`` requests of ``--prompt-len`` random token ids, each decoding ``--max-tokens`` tokens (EOS ignored via
 ``min_tokens``). Prints the prefill time (the steps until every request has its first token) and the median
 decode step time. Run it once per ``T`` side by side to compare; numbers: README "Tensor parallelism"."""

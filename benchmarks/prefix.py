@@ -1,4 +1,4 @@
-"""``kvserve bench prefix``: prefix caching on vs off, in one run, on four workloads.
+"""``python -m benchmarks.prefix``: prefix caching on vs off, in one run, on four workloads.
 
 (a) ``fewshot``: one shared few-shot prefix of >= 1,000 tokens (GSM8K train exemplars) + short test questions; a
     first request warms the cache, then the questions arrive together.
@@ -21,9 +21,9 @@ import random
 import statistics
 from pathlib import Path
 
-from kvserve.bench.driver import TimedRequest, drive
-from kvserve.bench.throughput import percentile
+from benchmarks.driver import TimedRequest, drive
 from kvserve.bench.workloads import SAFE_TOKEN_RANGE, default_data_dir
+from kvserve.metrics import percentile
 
 
 def _read_jsonl(path: Path) -> list:
@@ -199,3 +199,9 @@ def format_result(name: str, r: dict) -> str:
         lines.append(f"hit rate measured {r['on']['hit_rate'] * 100:.1f}% vs expected "
                      f"{r['expected_hit_rate'] * 100:.1f}%")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from benchmarks import engine_main
+
+    raise SystemExit(engine_main("prefix", __doc__, add_args, run))

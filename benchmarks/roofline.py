@@ -1,4 +1,4 @@
-"""``kvserve bench roofline``: this machine's limits, and the engine's decode step and prefill against them.
+"""``python -m benchmarks.roofline``: this machine's limits, and the engine's decode step and prefill against them.
 
 Measured here, in one run (never taken from a table: the machines differ):
 
@@ -216,8 +216,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, engine_args: dict) -> int:
     """Measure the machine, then each quantization's steps and prefill; print tables (and JSON)."""
     from kvserve import LLM
-    from kvserve.bench.quant_kernels import read_bandwidth_gbs
-    from kvserve.bench.throughput import step_costs
+    from benchmarks.quant_kernels import read_bandwidth_gbs
+    from benchmarks.step_profile import step_costs
 
     batches = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
     if not batches or batches[0] < 1:
@@ -272,3 +272,9 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    from benchmarks import engine_main
+
+    raise SystemExit(engine_main("roofline", __doc__, add_args, run, skip=("quantization",), pass_engine_kwargs=True))

@@ -1,4 +1,4 @@
-"""``kvserve bench accuracy``: how close a quantization's next-token predictions are to the ``"fp32"`` path.
+"""``python -m benchmarks.accuracy``: how close a quantization's next-token predictions are to the ``"fp32"`` path.
 
 Teacher forcing: each text is run once through both models as one prefill, and at every position the two
 next-token distributions are compared: top-1 agreement (the argmaxes are equal) and the perplexity of the text
@@ -42,7 +42,7 @@ class AccuracyResult:
         return self.ppl_candidate / self.ppl_reference - 1
 
 
-def _all_logits(model, ids: list[int], kv_cache_dtype=None) -> torch.Tensor:
+def all_logits(model, ids: list[int], kv_cache_dtype=None) -> torch.Tensor:
     """``[len(ids), V]`` float32 logits of every position of ``ids``, one prefill in a private cache of
     ``kv_cache_dtype`` (default: the model's dtype)."""
     from kvserve.core.sched_output import ScheduledRequest
@@ -79,12 +79,12 @@ def compare_all(reference, candidates: dict, texts: list[list[int]], progress_ev
     n, nll_ref = 0, 0.0
     for i, ids in enumerate(texts):
         targets = torch.tensor(ids[1:])[:, None]
-        ref = _all_logits(reference, ids)[:-1]
+        ref = all_logits(reference, ids)[:-1]
         top_ref = ref.argmax(-1)
         nll_ref -= float(ref.log_softmax(-1).gather(1, targets).sum())
         n += len(ids) - 1
         for name, model in candidates.items():
-            cand = _all_logits(model, ids, (kv_cache_dtypes or {}).get(name))[:-1]
+            cand = all_logits(model, ids, (kv_cache_dtypes or {}).get(name))[:-1]
             agree[name] += int((top_ref == cand.argmax(-1)).sum())
             nll[name] -= float(cand.log_softmax(-1).gather(1, targets).sum())
         if progress_every and (i + 1) % progress_every == 0:
@@ -147,3 +147,9 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    from benchmarks import engine_main
+
+    raise SystemExit(engine_main("accuracy", __doc__, add_args, run, skip=("quantization",), pass_engine_kwargs=True))

@@ -1,8 +1,8 @@
-"""``kvserve bench report --out DIR``: the serving-behaviour report — fixed workloads on the real model, PNG plots
+"""``python -m benchmarks.report --out DIR``: the serving-behaviour report — fixed workloads on the real model, PNG plots
 and a markdown summary (``DIR/report.md``, numbers also in ``DIR/report.json``).
 
-The report (experiments, ``report.md``, ``report.json``); the driver is ``kvserve.bench.driver``, the figures
-``kvserve.bench.plots``. Every run drives an ``LLMEngine`` directly and records a per-step timeline from outside the engine: wall-clock
+The report (experiments, ``report.md``, ``report.json``); the driver is ``benchmarks.driver``, the figures
+``benchmarks.plots``. Every run drives an ``LLMEngine`` directly and records a per-step timeline from outside the engine: wall-clock
 time around each ``step()``, ``kv_cache_stats()`` after it, how many requests and tokens it scheduled (from
 ``engine.stats``) and which requests received a token. Four experiments:
 
@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from kvserve.bench.driver import TimedRequest, drive, latency_summary, poisson_arrivals, rate_key
-from kvserve.bench.plots import plot_batch_occupancy, plot_itl, plot_kv_memory, plot_throughput_latency
-from kvserve.bench.throughput import percentile
+from benchmarks.driver import TimedRequest, drive, latency_summary, poisson_arrivals, rate_key
+from benchmarks.plots import plot_batch_occupancy, plot_itl, plot_kv_memory, plot_throughput_latency
 from kvserve.bench.workloads import SAFE_TOKEN_RANGE, synthetic_skewed
+from kvserve.metrics import percentile
 
 
 # ------------------------------------------------------------------------------------------------ configuration
@@ -316,7 +316,7 @@ def render_markdown(summary: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------ entry points
 def run_report(out_dir, quick: bool = False, model: Optional[str] = None, dtype: str = "float32",
-               num_threads: Optional[int] = None, seed: int = 0, command: str = "kvserve bench report") -> dict:
+               num_threads: Optional[int] = None, seed: int = 0, command: str = "python -m benchmarks.report") -> dict:
     """Run the four experiments and write ``kv_memory.png``, ``batch_occupancy.png``, ``itl_chunked_prefill.png``,
     ``throughput_latency.png``, ``report.md`` and ``report.json`` into ``out_dir`` (created if missing).
 
@@ -352,7 +352,7 @@ def run_report(out_dir, quick: bool = False, model: Optional[str] = None, dtype:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvserve bench report``."""
+    """Arguments of ``python -m benchmarks.report``."""
     p.add_argument("--out", required=True, help="directory for the PNGs, report.md and report.json")
     p.add_argument("--quick", action="store_true", help="tiny workloads (seconds, for tests), not the ~10-15 min run")
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: SmolLM2-135M)")
@@ -362,8 +362,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``kvserve bench report``: run, print the headline numbers and where the files are."""
-    command = "kvserve bench report --out " + str(args.out) + (" --quick" if args.quick else "")
+    """``python -m benchmarks.report``: run, print the headline numbers and where the files are."""
+    command = "python -m benchmarks.report --out " + str(args.out) + (" --quick" if args.quick else "")
     if args.num_threads:
         command += f" --num-threads {args.num_threads}"
     s = run_report(args.out, args.quick, args.model, args.dtype, args.num_threads, args.seed, command)
@@ -375,3 +375,14 @@ def run(args: argparse.Namespace) -> int:
           f"{itl['throughput_ratio']:.2f}")
     print(f"wrote {Path(args.out) / 'report.md'} ({s['total_s']:.0f} s)")
     return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_args(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Throughput with the dashboard open vs closed, in one run: ``python -m kvserve.bench.dashboard``.
+"""Throughput with the dashboard open vs closed, in one run: ``python -m benchmarks.dashboard``.
 
 One ``kvserve serve`` (loopback, so the dashboard is on) is loaded once; then ``kvserve bench serve`` runs the same
 workload ``--rounds`` times with the page closed and with the page open (headless Chromium on ``/dashboard``,
@@ -22,7 +22,6 @@ import time
 
 import httpx
 
-from kvserve.bench.server_process import popen_tied, sigterm_as_exit
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -39,7 +38,7 @@ def _bench(base_url: str, args: argparse.Namespace, out: str, num_prompts: int) 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvserve.bench.dashboard", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.dashboard", description=__doc__.split("\n\n")[0])
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--rounds", type=int, default=3, help="closed + open pairs")
     p.add_argument("--num-prompts", type=int, default=32)
@@ -53,7 +52,7 @@ def main(argv=None) -> int:
     from playwright.sync_api import sync_playwright
 
     base = f"http://127.0.0.1:{args.port}"
-    server = popen_tied([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(args.port),
+    server = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(args.port),
                          "--no-access-log", "--uvicorn-log-level", "warning", "--max-num-seqs", str(args.max_num_seqs)])
     runs = []
     try:
@@ -121,5 +120,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    with sigterm_as_exit():  # a SIGTERM stops the server through main's finally block
-        sys.exit(main())
+    sys.exit(main())

@@ -1,15 +1,15 @@
-"""The decode-step measurements (``kvserve bench throughput --step-costs / --profile-step``, ``bench roofline``) time
+"""The decode-step measurements (``benchmarks.step_profile``, ``benchmarks.roofline``) time
 the batch they name: under chunked prefill the first requests decode while later prompts are still computed, and
 before the fix they finished inside the measured steps (a "batch 64" profile ran at batch 41)."""
 
 from kvserve import LLM
-from kvserve.bench.throughput import _prefill_batch, step_profile
+from benchmarks.step_profile import prefill_batch, step_profile
 
 
 def test_the_batch_stays_whole_through_the_measured_steps():
     llm = LLM(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
     engine = llm.llm_engine
-    _prefill_batch(engine, 8, 64, 3, "t")  # 512 prompt tokens: eight steps of 64 tokens, the first ones decoding
+    prefill_batch(engine, 8, 64, 3, "t")  # 512 prompt tokens: eight steps of 64 tokens, the first ones decoding
     for _ in range(3):
         assert len(engine.scheduler.running) == 8
         outs = engine.step()

@@ -1,4 +1,4 @@
-"""``kvserve.bench.memory``: the smaps parser, the breakdown of this process (KV pool pages counted exactly), the
+"""``kvserve.entrypoints.memory_report``: the smaps parser, the breakdown of this process (KV pool pages counted exactly), the
 stage probe, ``kvserve generate --report-memory`` on the real model, and the CLI's lazy imports. No memory
 thresholds of the machine are asserted: only that the breakdown is computed and adds up."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kvserve.bench.memory import MemoryProbe, format_memory, memory_report, parse_smaps, rss_breakdown
+from kvserve.entrypoints.memory_report import MemoryProbe, format_memory, memory_report, parse_smaps, rss_breakdown
 from kvserve.worker.kv_pool import lazy_zeros
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")

@@ -1,12 +1,12 @@
-"""``kvserve bench report --quick`` end to end on the real model: files written, numbers sane."""
+"""``python -m benchmarks.report --quick`` end to end on the real model: files written, numbers sane."""
 
 import json
 
 import pytest
 import torch
 
-from kvserve.bench.report import QUICK
-from kvserve.entrypoints.cli import main
+from benchmarks.report import QUICK
+from benchmarks.report import main
 
 PNGS = ("kv_memory.png", "batch_occupancy.png", "itl_chunked_prefill.png", "throughput_latency.png")
 
@@ -20,7 +20,7 @@ def restore_threads():
 
 def test_quick_report_writes_plots_markdown_and_sane_json(tmp_path, capsys, restore_threads):
     out = tmp_path / "report"
-    assert main(["bench", "report", "--quick", "--num-threads", "1", "--out", str(out)]) == 0
+    assert main(["--quick", "--num-threads", "1", "--out", str(out)]) == 0
     assert "p99 ITL" in capsys.readouterr().out
 
     for name in PNGS:

@@ -1,4 +1,4 @@
-"""``kvserve bench quant-kernels``: the quantized matmuls side by side on the default model's own weights.
+"""``python -m benchmarks.quant_kernels``: the quantized matmuls side by side on the default model's own weights.
 
 For each weight shape of SmolLM2-135M (out x in: 576x576 q/o, 192x576 k/v, 1536x576 gate/up, 576x1536 down,
 49152x576 the tied embedding / LM head) and each row count, in one run, interleaved (absolute times on a shared
@@ -261,7 +261,7 @@ def format_tables(res: dict) -> str:
 def main(argv: Optional[list] = None) -> int:
     """CLI: ``--rows 1,8,32,64 --repeats 3 --min-seconds 0.05 --threads N --model PATH --shapes LABEL,...
     --methods PREFIX,... --no-cold --model-step --output-json FILE``; prints markdown tables."""
-    p = argparse.ArgumentParser(prog="kvserve bench quant-kernels", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quant_kernels", description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,8,32,64", help="comma-separated row counts")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is kept")
     p.add_argument("--min-seconds", type=float, default=0.05, help="time per method per round")

@@ -1,4 +1,4 @@
-"""``kvserve.lab``: the textbook mechanisms of LLM serving as small functions, each one a thin layer over the real
+"""``examples/lab.py``: the textbook mechanisms of LLM serving as small functions, each one a thin layer over the real
 engine code (never a second implementation of it).
 
 | function | what it answers | real component underneath |
@@ -12,7 +12,7 @@ engine code (never a second implementation of it).
 
 The batching functions drive the real ``Scheduler`` and ``KVCacheManager`` with a model-free runner (every request
 samples a fixed token and ignores EOS, so it generates exactly its output length), the way
-``tests/core/conftest.py`` does. ``python -m kvserve.lab`` prints the worked numbers of ``docs/lab.md``.
+the simulator and ``tests/core/conftest.py`` do (``kvserve.core.fake_runner``). ``python examples/lab.py`` prints the worked numbers of ``docs/lab.md``.
 
 Sources: Kwon et al., SOSP 2023 (PagedAttention: blocks, fragmentation); Yu et al., OSDI 2022 (Orca:
 iteration-level scheduling); Leviathan, Kalman, Matias, ICML 2023, Alg. 1 (speculative sampling).
@@ -27,7 +27,7 @@ import torch
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
-from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.fake_runner import fake_run
 from kvserve.core.scheduler import Scheduler
 from kvserve.request import Request
 from kvserve.sample.rejection_sampler import RejectionSampler
@@ -248,17 +248,6 @@ def _lab_requests(requests: Sequence[RequestSpec]) -> list[tuple[int, int]]:
     return out
 
 
-def lab_fake_run(sched_out: SchedulerOutput, token_id: int = LAB_TOKEN_ID) -> ModelRunnerOutput:
-    """A model-free runner: every sample drawn this step gets ``token_id`` (drafts, if any, are all rejected)."""
-    out = ModelRunnerOutput()
-    for s in sched_out.scheduled:
-        for st in s.sampling_states:
-            out.sampled_token_ids[st.request_id] = [token_id]
-            if s.spec_token_ids:
-                out.num_accepted[st.request_id] = 0
-    return out
-
-
 def _run_batching(requests, scheduling: str, max_batch: int, num_blocks: int, block_size: int) -> BatchingResult:
     reqs = _lab_requests(requests)
     check_int("max_batch", max_batch, 1)
@@ -287,7 +276,7 @@ def _run_batching(requests, scheduling: str, max_batch: int, num_blocks: int, bl
             held = batch_slots
         else:
             held = len(so.scheduled)
-        out = lab_fake_run(so)
+        out = fake_run(so, LAB_TOKEN_ID)
         sched.update_from_output(so, out)
         tokens = sum(len(t) for t in out.sampled_token_ids.values())
         steps += 1
