@@ -1,8 +1,10 @@
-"""The one flat-batch builder: a step plan -> the tensors a forward pass over the paged cache reads.
+"""The one flat-batch builder: a step plan -> the tensors a forward pass over the paged cache reads, and the
+layout of the logits rows it returns.
 
 Flat batch of ``T`` tokens over ``B`` requests (request ``b`` owns rows ``query_start_loc[b] : query_start_loc[b+1]``,
-the layout of vLLM's ``InputBatch`` / FlashAttention's varlen API). Used by the model runner for the target model and
-by the draft-model proposer for its own cache, so there is one copy of the slot arithmetic.
+the layout of vLLM's ``InputBatch`` / FlashAttention's varlen API). Used by the model runner for the target model,
+by tensor-parallel workers and by the draft-model proposer for its own cache, so there is one copy of the slot
+arithmetic and one owner of the logits-row layout (``LogitsLayout``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,29 @@ class BatchEntry(Protocol):
     sampling_states: list  # samples drawn from the last row (n > 1 forks: several), when ``samples``
 
 
+@dataclass(frozen=True)
+class LogitsLayout:
+    """Which logits row belongs to what, the one definition the batch builder, the model runner and the prompt
+    scorer share. The model returns ``[S, V]`` logits, one row per ``logits_indices`` entry:
+
+    - rows ``[0, num_sampling_rows)``: per sampling entry in plan order, one row per sample drawn from its last
+      position (``sample_rows``; an ``n > 1`` fork repeats the row once per sample), or ``k + 1`` rows of the
+      positions of a request verifying ``k`` drafts (``verify_rows``);
+    - rows ``[num_sampling_rows, S)``: the scored prompt rows (``prompt_logprobs``), in entry order.
+
+    Attributes:
+        sample_rows: ``(entry, sample, row)``: plan entry ``entry``'s sample ``sample`` (an index into its
+            ``sampling_states``) samples from logits row ``row``.
+        verify_rows: ``(entry, first_row)``: plan entry ``entry`` verifies its ``k`` drafts on rows
+            ``first_row .. first_row + k``.
+        num_sampling_rows: rows of both kinds.
+    """
+
+    sample_rows: tuple[tuple[int, int, int], ...] = ()
+    verify_rows: tuple[tuple[int, int], ...] = ()
+    num_sampling_rows: int = 0
+
+
 @dataclass
 class InputBatch:
     """The step's flat batch, on ``device``.
@@ -42,6 +67,7 @@ class InputBatch:
             verifying ``k`` drafts.
         block_size: tokens per block.
         query_lens, context_lens: ``B`` ints on the host (query tokens, and ``seq_lens``), for metadata builders.
+        logits_layout: what each logits row is (``LogitsLayout``).
     """
 
     input_ids: torch.Tensor
@@ -54,6 +80,7 @@ class InputBatch:
     block_size: int
     query_lens: list[int]
     context_lens: list[int]
+    logits_layout: LogitsLayout = field(default_factory=LogitsLayout)
     #: ``logits_indices`` when, as built, it was every row in order (``0 .. T-1``: a step of one token per sampling
     #: entry); ``logits_rows_are_all`` compares by identity, so a replaced ``logits_indices`` is never mistaken.
     all_rows_indices: Optional[torch.Tensor] = field(default=None, repr=False)
@@ -141,13 +168,19 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
         slot_mapping = [e.block_ids[p // block_size] * block_size + p % block_size for e, p in zip(entries, positions)]
     else:
         slot_mapping = tables[req_index, positions // block_size] * block_size + positions % block_size
-    logits_indices = []
+    logits_indices, sample_rows, verify_rows = [], [], []
     for b, e in enumerate(entries):
         if not e.samples:
             continue
         end = int(qsl[b + 1])
         k = len(e.spec_token_ids)
-        logits_indices.extend(range(end - 1 - k, end) if k else [end - 1] * max(1, len(e.sampling_states)))
+        if k:
+            verify_rows.append((b, len(logits_indices)))
+            logits_indices.extend(range(end - 1 - k, end))
+        else:
+            for j in range(max(1, len(e.sampling_states))):
+                sample_rows.append((b, j, len(logits_indices)))
+                logits_indices.append(end - 1)
 
     def tensor(name: str, a) -> torch.Tensor:
         if buffers is not None and device == "cpu":
@@ -169,6 +202,7 @@ def build_input_batch(entries: Sequence[BatchEntry], block_size: int, device: st
         query_lens=query_lens,
         context_lens=seq_lens,
         all_rows_indices=logits if every_row else None,
+        logits_layout=LogitsLayout(tuple(sample_rows), tuple(verify_rows), len(logits_indices)),
     )
 
 
@@ -185,16 +219,11 @@ def prompt_logprob_rows(entries: Sequence, batch: InputBatch) -> torch.Tensor:
 
 
 def build_step_batch(entries: Sequence, block_size: int, device: str = "cpu",
-                     buffers: StepBuffers | None = None) -> tuple[InputBatch, int]:
+                     buffers: StepBuffers | None = None) -> InputBatch:
     """The batch one step's forward runs on, on every rank alike: ``build_input_batch`` plus, after the sampling
-    rows, the rows whose next prompt token is scored (``prompt_logprob_rows``) in ``logits_indices``.
-
-    Returns ``(batch, num_sampling_rows)``: logits rows ``[0, num_sampling_rows)`` are the sampling rows (per entry,
-    one per sample, or k + 1 when verifying drafts), the rest the scored prompt rows in entry order. ``buffers``:
-    as ``build_input_batch``.
-    """
+    rows, the rows whose next prompt token is scored (``prompt_logprob_rows``) in ``logits_indices``
+    (``LogitsLayout``). ``buffers``: as ``build_input_batch``."""
     batch = build_input_batch(entries, block_size, device, buffers)
-    num_sampling_rows = int(batch.logits_indices.shape[0])
     if any(getattr(e, "prompt_logprob_targets", None) for e in entries):
         batch.logits_indices = torch.cat([batch.logits_indices, prompt_logprob_rows(entries, batch)])
-    return batch, num_sampling_rows
+    return batch

@@ -48,8 +48,8 @@ class Request:
         max_total_tokens: the sequence may not grow past this (``max_model_len``), tokens.
         generator: a seeded ``torch.Generator`` when ``sampling_params.seed`` is set.
         sampling_state: the ``SamplingState`` the samplers see (params, token lists by reference, generator).
-        spec_token_ids: draft tokens to verify in the next step (set by the ``Speculator``, read by the scheduler).
-        spec_draft_probs: ``[len(spec_token_ids), V]`` float32 draft distributions ``q``, or ``None``.
+        grammar: its ``GrammarState`` when ``sampling_params.structured_outputs`` is set (one per sample, attached
+            by the engine, advanced only by the scheduler), else ``None``.
         arrival_time, first_scheduled_time, first_token_time, finish_time: ``time.monotonic()`` seconds.
         num_preemptions: how often this request was preempted.
         priority: lower is more urgent (``scheduling_policy="priority"`` only).
@@ -86,6 +86,7 @@ class Request:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.sampling_state = SamplingState(request_id, sampling_params, self.prompt_token_ids,
                                             self.output_token_ids, self.generator)
+        self.grammar = None  # a kvserve.structured.backend.GrammarState
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
@@ -96,8 +97,6 @@ class Request:
         self.parent_id: Optional[str] = None  # the user's request id when this is one sample of several
         self.sample_index = 0
         self.block_hashes: list = []  # chained BlockHash of each full block (KVCacheManager.block_hashes)
-        self.spec_token_ids: list[int] = []
-        self.spec_draft_probs: Optional[torch.Tensor] = None
         self.queue_seq = 0  # set by the scheduler: arrival order, the FCFS tie-break
 
     @property

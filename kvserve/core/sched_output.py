@@ -32,6 +32,9 @@ class ScheduledRequest:
         samples: this step computes the request's last known token, so a next token is sampled.
         sampling_states: when ``samples``: the request's ``SamplingState``, then one per forked sample of an
             ``n > 1`` request whose prompt completes now (they all draw from the prompt's last logits); else ``[]``.
+        grammar_bitmask: ``[R, ceil(V/32)]`` int32 token masks of the rows sampled this step (structured outputs:
+            one per entry of ``sampling_states``, or ``k + 1`` when verifying ``k`` drafts, row ``j`` the grammar's
+            state after drafts ``0 .. j-1``); ``None`` when the request has no grammar or does not sample.
         prompt_logprobs: top logprobs per scored prompt position (``SamplingParams.prompt_logprobs``), when this
             step scores prompt positions; else ``None``.
         prompt_logprob_start: index in ``token_ids`` of the first scored row.
@@ -47,6 +50,7 @@ class ScheduledRequest:
     spec_draft_probs: Optional[torch.Tensor] = None
     samples: bool = False
     sampling_states: list[SamplingState] = field(default_factory=list)
+    grammar_bitmask: Optional[torch.Tensor] = None
     prompt_logprobs: Optional[int] = None
     prompt_logprob_start: int = 0
     prompt_logprob_targets: list[int] = field(default_factory=list)

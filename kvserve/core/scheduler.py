@@ -19,10 +19,13 @@ import itertools
 import time
 from typing import Optional
 
+import torch
+
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.request import Request, RequestStatus
+from kvserve.structured.backend import plan_bitmask
 
 
 def _priority_key(req: Request) -> tuple:
@@ -66,6 +69,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        #: request id -> ``(draft token ids, their draft distributions [k, V] or None)`` to verify next step
+        #: (``update_draft_token_ids``); taken by ``schedule``.
+        self._drafts: dict[str, tuple[list[int], Optional[torch.Tensor]]] = {}
 
     # ------------------------------------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
@@ -94,6 +100,17 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def update_draft_token_ids(self, drafts: dict[str, tuple[list[int], Optional[torch.Tensor]]]) -> None:
+        """Drafts to verify in the next step (speculative decoding; vLLM's ``update_draft_token_ids``): request id
+        -> ``(draft token ids, their distributions q [k, V] float32 or None for deterministic drafts)``. Drafts of
+        a request that is not running when the next step is planned, or that has not caught up with its tokens
+        then, are dropped; an empty list clears a request's drafts."""
+        for rid, (token_ids, probs) in drafts.items():
+            if token_ids:
+                self._drafts[rid] = (list(token_ids), probs)
+            else:
+                self._drafts.pop(rid, None)
 
     # ------------------------------------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -126,12 +143,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop (a running request's count is unchanged)
             n = self._num_new_tokens(uncomputed, budget)
-            drafts = req.spec_token_ids
-            if drafts:
-                req.spec_token_ids = []
-            draft_probs = req.spec_draft_probs
-            if draft_probs is not None:
-                req.spec_draft_probs = None
+            drafts, draft_probs = self._drafts.pop(req.request_id, ([], None))
             if n == 0:
                 continue
             if drafts and n == uncomputed:  # caught up: verify the drafts in the same pass
@@ -198,14 +210,12 @@ class Scheduler:
             drafts = []
             samples = end == req.num_tokens
             token_ids = req.token_slice(start, end)
-        if not samples:
-            states = []
-        elif req.fork_children:
-            states = [req.sampling_state] + [c.sampling_state for c in req.fork_children]
-        else:
-            states = [req.sampling_state]
+        samples_of = ([req] + req.fork_children) if samples else []
         plan = ScheduledRequest(req.request_id, token_ids, start, self.kv_cache_manager.get_block_ids(req), drafts,
-                                draft_probs, samples, states)
+                                draft_probs, samples, [r.sampling_state for r in samples_of])
+        if samples and req.grammar is not None:  # structured outputs: the masks of the rows sampled this step
+            plan.grammar_bitmask = plan_bitmask([r.grammar for r in samples_of],
+                                                [r.output_token_ids for r in samples_of], drafts)
         _plan_prompt_logprobs(req, plan)
         return plan
 
@@ -225,7 +235,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv_cache_manager.free(req)
         req.num_computed_tokens = 0
-        req.spec_token_ids, req.spec_draft_probs = [], None  # drafts for a position it may not reach as planned
+        self._drafts.pop(req.request_id, None)  # drafts for a position it may not reach as planned
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -316,7 +326,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if not sp.ignore_eos and token in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        grammar = req.sampling_state.grammar
+        grammar = req.grammar
         if grammar is not None:  # structured outputs: the matcher takes the appended token
             grammar.sync(req.output_token_ids)
             if grammar.finished:  # the grammar allows nothing more
@@ -363,3 +373,4 @@ class Scheduler:
             self.running.remove(req)
         self.kv_cache_manager.free(req)
         self.requests.pop(req.request_id, None)
+        self._drafts.pop(req.request_id, None)

@@ -72,10 +72,11 @@ def build_shard(spec: ShardSpec, group: TensorParallelGroup) -> CausalLM:
 
 def worker_plan(plan: SchedulerOutput) -> SchedulerOutput:
     """What a worker needs of a step plan: token ids, positions, block tables, drafts and copy-on-write pairs.
-    Sampling state (token histories, generators, draft distributions) stays on rank 0; only the number of samples
+    Sampling state (token histories, generators, draft distributions, grammar masks) stays on rank 0; only the number of samples
     per request is kept (it sets the logits rows), as ``None`` placeholders."""
     return SchedulerOutput(
-        scheduled=[dataclasses.replace(s, spec_draft_probs=None, sampling_states=[None] * len(s.sampling_states))
+        scheduled=[dataclasses.replace(s, spec_draft_probs=None, grammar_bitmask=None,
+                                       sampling_states=[None] * len(s.sampling_states))
                    for s in plan.scheduled],
         block_copies=list(plan.block_copies),
     )
@@ -87,7 +88,7 @@ def forward_plan(model: CausalLM, kv_cache: torch.Tensor, plan: SchedulerOutput,
     does before sampling. Returns the model's logits (full ``[S, V]`` on rank 0, the rank's slice elsewhere)."""
     for src, dst in plan.block_copies:
         kv_cache[:, :, dst].copy_(kv_cache[:, :, src])
-    return model.forward(build_step_batch(plan.scheduled, block_size, device)[0], kv_cache)
+    return model.forward(build_step_batch(plan.scheduled, block_size, device), kv_cache)
 
 
 def worker_main(rank: int, spec: ShardSpec, conn) -> None:

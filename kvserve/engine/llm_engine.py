@@ -262,7 +262,7 @@ class LLMEngine:
         ]
         if grammar is not None:  # one matcher per sample
             for s in samples:
-                s.sampling_state.grammar = self.grammar_backend.new_state(grammar)
+                s.grammar = self.grammar_backend.new_state(grammar)
         if sp.n > 1:
             for i, s in enumerate(samples):
                 s.parent_id, s.sample_index = rid, i
@@ -305,7 +305,8 @@ class LLMEngine:
                 self.scheduler.stop_at(req, *match)
         outputs = self.output_processor.make_outputs(updated)
         if self.speculator is not None:
-            self.speculator.step(scheduler_output, model_output, updated, self.scheduler.running)
+            drafts = self.speculator.step(scheduler_output, model_output, updated, self.scheduler.running)
+            self.scheduler.update_draft_token_ids(drafts)
         if scheduler_output.scheduled:
             self.stats.num_preemptions = self.scheduler.num_preemptions
             self.stats.prefix_cache_queries = self.kv_cache_manager.prefix_cache_queries

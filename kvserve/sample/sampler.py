@@ -1,7 +1,8 @@
 """Batched sampling from next-token logits, with per-request parameters and generators.
 
 Order of operations, as in vLLM: raw logprobs (for ``logprobs``) -> min_tokens suppression of stop tokens ->
-grammar masks (structured outputs: one ``[B, ceil(V/32)]`` bitmask, a row per request with a grammar) ->
+grammar masks (structured outputs: one ``[B, ceil(V/32)]`` bitmask from the plan, a row per request with a
+grammar) ->
 repetition / presence / frequency penalties -> greedy rows take the argmax; sampled rows: temperature -> top-k ->
 top-p (nucleus, Holtzman et al. 2020) -> min-p -> one draw per row.
 
@@ -20,7 +21,7 @@ import torch
 from kvserve.sample.state import SamplingState
 from kvserve.sample import nucleus
 from kvserve.sample.argmax import argmax
-from kvserve.structured.backend import apply_bitmask, bitmask_for
+from kvserve.structured.backend import apply_bitmask
 
 
 class Sampler:
@@ -36,12 +37,15 @@ class Sampler:
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], list]:
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState],
+                 grammar_masks: Optional[tuple[torch.Tensor, list[int]]] = None) -> tuple[list[int], list]:
         """Sample a token for each row.
 
         Args:
             logits: ``[B, V]`` float32, row b belongs to ``states[b]``.
             states: ``B`` ``SamplingState`` views (params, token history, generator).
+            grammar_masks: structured outputs: ``([B, ceil(V/32)] int32 bitmask, rows that have a grammar)``
+                (``kvserve.structured.backend.stack_bitmasks`` of the plan's masks), or ``None``.
 
         Returns:
             ``(token_ids, logprobs)``: ``token_ids`` a list of B ints; ``logprobs`` a list of B entries, each
@@ -55,11 +59,12 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         raw = logits
-        if any(len(r.output_token_ids) < r.params.min_tokens or _has_penalty(r.params) or r.grammar is not None
-               for r in states):
+        if grammar_masks is not None or any(len(r.output_token_ids) < r.params.min_tokens or _has_penalty(r.params)
+                                            for r in states):
             logits = logits.clone()
             self._suppress_stop_tokens(logits, states)
-            self._apply_grammar_masks(logits, raw, states)
+            if grammar_masks is not None:
+                self._apply_grammar_masks(logits, raw, *grammar_masks)
             self._apply_penalties(logits, states)
 
         rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -102,14 +107,10 @@ class Sampler:
                     logits[i, banned] = float("-inf")
 
     @staticmethod
-    def _apply_grammar_masks(logits: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> None:
-        """Structured outputs: disallowed tokens -> -inf, per row, from each request's grammar state. Where
-        ``min_tokens`` suppressed every token the grammar allows (its text can only end now), the grammar wins:
-        the row is ``raw`` under the grammar mask alone."""
-        masks = bitmask_for([r.grammar for r in states], logits.shape[1])
-        if masks is None:
-            return
-        bitmask, rows = masks
+    def _apply_grammar_masks(logits: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Structured outputs: disallowed tokens -> -inf in ``rows``. Where ``min_tokens`` suppressed every token
+        the grammar allows (its text can only end now), the grammar wins: the row is ``raw`` under the grammar mask
+        alone."""
         apply_bitmask(logits, bitmask, rows)
         for i in [i for i in rows if not torch.isfinite(logits[i]).any()]:
             logits[i] = raw[i]

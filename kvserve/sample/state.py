@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from kvserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from kvserve.structured.backend import GrammarState
 
 
 @dataclass
@@ -26,8 +23,6 @@ class SamplingState:
         params: its ``SamplingParams``.
         prompt_token_ids, output_token_ids: token ids (ints).
         generator: a seeded ``torch.Generator`` (``params.seed`` set), or ``None`` (the sampler's shared one).
-        grammar: the sample's ``GrammarState`` when ``params.structured_outputs`` is set (attached by the engine,
-            one per sample; advanced by the scheduler as tokens are appended), else ``None``.
     """
 
     request_id: str
@@ -35,4 +30,3 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: Optional[torch.Generator] = None
-    grammar: Optional["GrammarState"] = None

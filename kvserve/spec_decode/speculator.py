@@ -2,14 +2,16 @@
 
 After each step it (1) folds the step's verification outcomes (``ModelRunnerOutput.num_accepted``) into the
 policy and the counters, then (2) asks the proposer for drafts for every eligible running request in one call,
-and (3) sets each request's ``spec_token_ids`` (what the policy admits) for the scheduler to verify next step.
-The scheduler only rolls back rejected drafts; it knows nothing of the policy.
+and (3) returns what the policy admits, which the engine hands to ``Scheduler.update_draft_token_ids`` for the
+next step. The scheduler only rolls back rejected drafts; it knows nothing of the policy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
+
+import torch
 
 from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvserve.request import Request, RequestStatus
@@ -85,13 +87,17 @@ class Speculator:
         self.num_steps = 0  # the shared step counter the back-off's probes align on
 
     def step(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput, updated: list[Request],
-             running: list[Request]) -> None:
+             running: list[Request]) -> dict[str, tuple[list[int], Optional[torch.Tensor]]]:
         """Observe this step's verifications, then draft for the next one.
 
         Args:
             scheduler_output, model_output: the step just run.
             updated: requests that received tokens this step (finished ones included).
             running: the scheduler's running requests after the step (their count is the batch size).
+
+        Returns:
+            request id -> ``(admitted draft token ids, their distributions [k, V] float32 or None)`` for every
+            request drafted for (an empty list: none admitted), for ``Scheduler.update_draft_token_ids``.
         """
         self.num_steps += 1
         batch_size = max(1, len(running))
@@ -115,12 +121,13 @@ class Speculator:
             eligible.append(req)
             budgets.append(max(0, min(self.policy.budget(state, self.num_steps), room - 1)))
             states.append(state)
+        drafts = {}
         if eligible:
             for req, state, proposal in zip(eligible, states, self.proposer.propose(eligible, budgets)):
-                req.spec_token_ids = self.policy.admit(state, proposal.token_ids, len(req.output_token_ids),
-                                                       batch_size)
-                req.spec_draft_probs = proposal.probs if req.spec_token_ids else None
+                admitted = self.policy.admit(state, proposal.token_ids, len(req.output_token_ids), batch_size)
+                drafts[req.request_id] = (admitted, proposal.probs if admitted else None)
         self.proposer.release_all_but(r.request_id for r in running)
+        return drafts
 
     def abort(self, request_ids: Iterable[str], running: list[Request]) -> None:
         """Forget aborted requests and free the proposer's state of everything no longer running."""

@@ -81,7 +81,7 @@ class GrammarBackend:
         """A fresh matcher over ``compiled`` (one per sample)."""
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(compiled))
+        return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
 
 
 def _compile(compiler, params: StructuredOutputsParams):
@@ -102,19 +102,21 @@ class GrammarState:
     """One sample's position in its grammar: an xgrammar ``GrammarMatcher`` plus how many of the sample's output
     tokens it has consumed.
 
-    The matcher follows the sample's output token list (``sync``), so it advances exactly once per token the
-    scheduler appends — a preemption (recompute) appends nothing and so advances nothing — and it is rolled back
-    if that list is cut. Speculative verification advances it through drafts (``advance_drafts``) and rolls them
-    back before the step ends.
+    Only the scheduler touches it: the matcher follows the sample's output token list (``sync``), so it advances
+    exactly once per token the scheduler appends — a preemption (recompute) appends nothing and so advances nothing
+    — and it is rolled back if that list is cut; when a step is planned, ``plan_bitmask`` writes the masks of the
+    rows the step samples into the plan, and the samplers only apply them.
 
     Attributes:
         matcher: the ``xgrammar.GrammarMatcher``.
+        vocab_size: the logits width ``V`` its masks cover.
         num_consumed: output tokens the matcher has accepted.
         failed: a token the grammar did not allow was appended (never expected; the request is then stopped).
     """
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher
+        self.vocab_size = vocab_size
         self.num_consumed = 0
         self.failed = False
 
@@ -163,16 +165,44 @@ class GrammarState:
             self.matcher.rollback(advanced)
 
 
-def bitmask_for(states: list[Optional[GrammarState]], vocab_size: int) -> Optional[tuple[torch.Tensor, list[int]]]:
-    """``([B, ceil(V/32)] int32 bitmask, rows)``: row b filled from ``states[b]`` for the ``rows`` that have a
-    grammar (the others stay all-allowed and are skipped when applying), or ``None`` when no row has one."""
-    rows = [i for i, s in enumerate(states) if s is not None]
-    if not rows:
+def plan_bitmask(states: list[GrammarState], output_token_ids: list[list[int]],
+                 drafts: list[int]) -> torch.Tensor:
+    """The token masks of the rows a step samples for one request, ``[R, ceil(V/32)]`` int32 (bit ``t % 32`` of
+    word ``t // 32`` set iff token ``t`` is allowed).
+
+    Args:
+        states: the grammar of each sample drawn from the request's last row (one, or ``n`` for a fork), each
+            synced first with its sample's ``output_token_ids``.
+        drafts: with one state, drafts verified this step: rows ``0 .. k`` are then the masks after drafts
+            ``0 .. j-1`` (``GrammarState.fill_drafts``; the matcher ends where it started).
+
+    Returns:
+        ``R = len(states)`` rows, or ``k + 1`` when verifying drafts.
+    """
+    for st, out in zip(states, output_token_ids):
+        st.sync(out)
+    width = (states[0].vocab_size + 31) // 32
+    if drafts:
+        bitmask = torch.empty((len(drafts) + 1, width), dtype=torch.int32)
+        states[0].fill_drafts(bitmask, drafts)
+        return bitmask
+    bitmask = torch.empty((len(states), width), dtype=torch.int32)
+    for i, st in enumerate(states):
+        st.fill(bitmask, i)
+    return bitmask
+
+
+def stack_bitmasks(rows: list[Optional[torch.Tensor]]) -> Optional[tuple[torch.Tensor, list[int]]]:
+    """One ``[B, ceil(V/32)]`` int32 bitmask of ``B`` logits rows from each row's own mask (``[W]``, or ``None``
+    for a row without a grammar, left all-allowed), and the indices of the rows that have one; ``None`` when no
+    row has one."""
+    masked = [i for i, r in enumerate(rows) if r is not None]
+    if not masked:
         return None
-    bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for i in rows:
-        states[i].fill(bitmask, i)
-    return bitmask, rows
+    bitmask = torch.full((len(rows), rows[masked[0]].shape[0]), -1, dtype=torch.int32)
+    for i in masked:
+        bitmask[i] = rows[i]
+    return bitmask, masked
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None) -> None:

@@ -12,7 +12,7 @@ from kvserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, Sched
 from kvserve.model.base import CausalLM
 from kvserve.sample.rejection_sampler import RejectionSampler
 from kvserve.sample.sampler import Sampler
-from kvserve.structured.backend import apply_bitmask
+from kvserve.structured.backend import apply_bitmask, stack_bitmasks
 from kvserve.batch import StepBuffers, build_step_batch
 from kvserve.worker.kv_pool import lazy_zeros
 from kvserve.worker.prompt_logprobs import score_prompt_rows
@@ -50,52 +50,47 @@ class ModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the tokens (and logprobs) of every request that samples this step, and the
-        prompt logprobs of the prompt rows the plan marks (``prompt_logprob_targets``)."""
+        prompt logprobs of the prompt rows the plan marks (``prompt_logprob_targets``). The logits rows are read
+        as the batch's ``LogitsLayout`` says; grammar masks come with the plan (``grammar_bitmask``)."""
         out = ModelRunnerOutput()
-        if not scheduler_output.scheduled:
+        entries = scheduler_output.scheduled
+        if not entries:
             return out
         for src, dst in scheduler_output.block_copies:  # copy-on-write, before this step writes into dst
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        batch, num_sampling_rows = build_step_batch(scheduler_output.scheduled, self.block_size, self.device,
-                                                    self.step_buffers)
+        batch = build_step_batch(entries, self.block_size, self.device, self.step_buffers)
+        layout = batch.logits_layout
         logits = self.model.forward(batch, self.kv_cache)
-        scoring = [s for s in scheduler_output.scheduled if s.prompt_logprob_targets]
+        scoring = [s for s in entries if s.prompt_logprob_targets]
         if scoring:
-            out.prompt_logprobs, out.prompt_logprob_ranks = score_prompt_rows(logits[num_sampling_rows:], scoring)
-            logits = logits[:num_sampling_rows]
-
-        # logits rows follow batch.logits_indices: per sampling entry, one row per sample, or k + 1 when verifying
-        plain_rows, plain_states, verifying, row = [], [], [], 0
-        for s in scheduler_output.scheduled:
-            if not s.samples:
-                continue
-            if s.spec_token_ids:
-                verifying.append((s, row))
-                row += len(s.spec_token_ids) + 1
-            else:
-                for state in s.sampling_states:
-                    plain_rows.append(row)
-                    plain_states.append(state)
-                    row += 1
-        if plain_states:
-            rows = logits if len(plain_rows) == logits.shape[0] else logits[torch.tensor(plain_rows)]
-            tokens, logprobs = self.sampler(rows, plain_states)
-            for state, tok, lp in zip(plain_states, tokens, logprobs):
+            out.prompt_logprobs, out.prompt_logprob_ranks = score_prompt_rows(logits[layout.num_sampling_rows:],
+                                                                              scoring)
+            logits = logits[: layout.num_sampling_rows]
+        if layout.sample_rows:
+            rows = [r for _, _, r in layout.sample_rows]
+            states = [entries[b].sampling_states[j] for b, j, _ in layout.sample_rows]
+            masks = stack_bitmasks([None if entries[b].grammar_bitmask is None else entries[b].grammar_bitmask[j]
+                                    for b, j, _ in layout.sample_rows])
+            sample_logits = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows)]
+            tokens, logprobs = self.sampler(sample_logits, states, masks)
+            for state, tok, lp in zip(states, tokens, logprobs):
                 out.sampled_token_ids[state.request_id] = [tok]
                 if lp is not None:
                     out.logprobs[state.request_id] = lp
-        if verifying:
-            self._verify(logits, verifying, out)
+        if layout.verify_rows:
+            self._verify(logits, [(entries[b], row) for b, row in layout.verify_rows], out)
         return out
 
     def _verify(self, logits: torch.Tensor, verifying: list[tuple[ScheduledRequest, int]],
                 out: ModelRunnerOutput) -> None:
         """Speculative verification: target distributions of every draft position (processed exactly like normal
-        sampling) -> the rejection sampler -> accepted drafts + recovered/bonus token per request.
+        sampling, under the plan's grammar masks) -> the rejection sampler -> accepted drafts + recovered/bonus
+        token per request.
 
-        Draft distributions: when any row carries ``spec_draft_probs`` (a draft model's ``q``), a ``[B, k, V]``
-        ``draft_probs`` is built, one-hot on the drafted token for rows without one (deterministic drafts, or
-        greedy rows, which ignore ``q``); otherwise ``draft_probs=None``."""
+        A draft the grammar refuses has target probability 0, so it is rejected and the recovered token is drawn
+        from the masked distribution. Draft distributions: when any row carries ``spec_draft_probs`` (a draft
+        model's ``q``), a ``[B, k, V]`` ``draft_probs`` is built, one-hot on the drafted token for rows without one
+        (deterministic drafts, or greedy rows, which ignore ``q``); otherwise ``draft_probs=None``."""
         k_max = max(len(s.spec_token_ids) for s, _ in verifying)
         b, v = len(verifying), logits.shape[1]
         target = torch.zeros(b, k_max + 1, v, device=logits.device)
@@ -105,8 +100,11 @@ class ModelRunner:
         states = [s.sampling_states[0] for s, _ in verifying]
         for i, (s, row) in enumerate(verifying):
             k = len(s.spec_token_ids)
-            target[i, : k + 1] = self.sampler.target_probs(
-                self._grammar_masked(logits[row : row + k + 1], states[i], s.spec_token_ids), states[i])
+            rows = logits[row : row + k + 1]
+            if s.grammar_bitmask is not None:
+                rows = rows.float().clone()
+                apply_bitmask(rows, s.grammar_bitmask)
+            target[i, : k + 1] = self.sampler.target_probs(rows, states[i])
             drafts[i, :k] = torch.tensor(s.spec_token_ids)
             if with_q and s.spec_draft_probs is not None:
                 draft_probs[i, :k] = s.spec_draft_probs[:k]
@@ -120,19 +118,3 @@ class ModelRunner:
             emitted = [t for t in row if t >= 0]
             out.sampled_token_ids[s.request_id] = emitted
             out.num_accepted[s.request_id] = len(emitted) - 1
-
-    @staticmethod
-    def _grammar_masked(rows: torch.Tensor, state, drafts: list[int]) -> torch.Tensor:
-        """Structured outputs under speculation: the ``[k + 1, V]`` logits of a request's draft positions, row
-        ``j`` masked by its grammar advanced through drafts ``0 .. j-1`` (then rolled back: the scheduler advances
-        it through the tokens actually kept). A draft the grammar refuses has target probability 0, so it is
-        rejected and the recovered token is drawn from the masked distribution. Rows of requests without a
-        grammar are returned as they are."""
-        if state.grammar is None:
-            return rows
-        bitmask = torch.empty((rows.shape[0], (rows.shape[1] + 31) // 32), dtype=torch.int32)
-        state.grammar.sync(state.output_token_ids)
-        state.grammar.fill_drafts(bitmask, drafts)
-        rows = rows.float().clone()
-        apply_bitmask(rows, bitmask)
-        return rows

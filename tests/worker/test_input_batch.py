@@ -32,6 +32,9 @@ def test_mixed_plan_gives_exact_tensors():
     assert b.block_tables.tolist() == [[3, 7], [1, 2], [5, 6], [9, 0]]
     # decode: its row; chunk: none; 2 drafts: 3 rows (k + 1); the fork's 2 samples both read row 7
     assert b.logits_indices.tolist() == [0, 4, 5, 6, 7, 7]
+    # the layout the runner reads: "dec" sample 0 on row 0, "spec" verifies on rows 1..3, the fork's samples rows 4, 5
+    lay = b.logits_layout
+    assert (lay.sample_rows, lay.verify_rows, lay.num_sampling_rows) == (((0, 0, 0), (3, 0, 4), (3, 1, 5)), ((2, 1),), 6)
     assert (b.query_lens, b.context_lens, b.num_tokens, b.num_reqs) == ([1, 3, 3, 1], [6, 7, 5, 1], 8, 4)
     assert all(t.dtype == torch.long for t in (b.input_ids, b.positions, b.slot_mapping, b.block_tables))
 
