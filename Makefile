@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install bench clean
+.PHONY: run test test-fast install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# The fast lane: model-free core, kernels and contract tests (no model file, server, browser or Ray; ~1 minute).
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not real_model and not server and not browser and not ray and not slow"
 
 clean:
 	rm -rf $(VENV)

@@ -15,6 +15,46 @@ from kvserve import LLM, SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 
+#: Markers (registered in pyproject.toml). ``make test-fast`` deselects all of them: what is left needs no model
+#: file, no server, no browser and no Ray, and runs in about a minute.
+GROUPS = ("real_model", "server", "browser", "ray", "slow")
+
+
+#: Fixtures that hold the real model: a test that uses one is marked ``real_model`` at collection.
+MODEL_FIXTURES = ("llm", "tokenizer")
+_current = {"item": None}
+
+
+def pytest_configure(config):
+    """Every load of the default model goes through a check: the test being set up or run must be marked
+    ``real_model``, or the load fails at once naming the marker (so the fast lane stays fast)."""
+    from kvserve.model import loader
+
+    original = loader.default_model_path
+
+    def guarded():
+        item = _current["item"]
+        if item is not None and item.get_closest_marker("real_model") is None:
+            raise AssertionError(f"{item.nodeid} loads the real model: mark it @pytest.mark.real_model")
+        return original()
+
+    loader.default_model_path = guarded
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in MODEL_FIXTURES):
+            item.add_marker(pytest.mark.real_model)
+
+
+def pytest_runtest_setup(item):
+    _current["item"] = item  # its fixtures are set up next: module and session ones included
+
+
+def pytest_runtest_teardown(item):
+    _current["item"] = None
+
+
 @pytest.fixture(scope="session")
 def llm():
     """The SmolLM2-135M-Instruct engine on the reference float32 path with a roomy pool (512 blocks of 16 tokens)."""

@@ -28,7 +28,7 @@ LAYERS = [
     ["model"],
     ["attention", "layers"],
     ["kernels", "quant", "batch"],
-    ["structured", "config", "sampling_params", "outputs", "validation", "metrics"],
+    ["structured", "config", "sampling_params", "outputs", "validation", "metrics", "extras"],
 ]
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from kvserve.bench.workloads import LoadRequest, default_data_dir
+from kvserve.extras import require
 
 DATASET_DIR = "sharegpt_multiround"
 
@@ -90,7 +91,7 @@ def server_tokenizer(base_url: str, model: Optional[str] = None, headers: Option
     Raises (from the returned function):
         ValueError: the server refuses the body or cannot be reached.
     """
-    import httpx
+    httpx = require("httpx", "bench", "kvserve bench serve")
 
     client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
 

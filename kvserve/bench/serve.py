@@ -34,14 +34,14 @@ import os
 import random
 import re
 import socket
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Optional, Union
+from dataclasses import asdict
+from typing import Optional
 from urllib.parse import urlparse
 
 from kvserve.bench.workloads import LoadRequest, azure_trace, random_lengths, sharegpt_prompts
+from kvserve.extras import require
 from kvserve.metrics import RequestResult, format_table, parse_goodput, summarize
 
 MAX_PROMPTS = 10_000
@@ -288,7 +288,7 @@ async def run_sessions(base_url: str, model: str, sessions: list, offsets: list,
     (``start_s``: its actual send offset). Requests unsent or running after ``max_duration`` are cancelled and count
     as failed, as do those never sent because an earlier one of their session failed.
     """
-    import httpx
+    httpx = require("httpx", "bench", "kvserve bench serve")
 
     url = base_url.rstrip("/") + "/v1/completions"
     limit = max_concurrency or max(1, len(sessions))
@@ -357,7 +357,7 @@ def parse_prefix_counters(metrics_text: str) -> Optional[tuple]:
 def fetch_prefix_counters(base_url: str, timeout: float = 10.0, headers: Optional[dict] = None) -> Optional[tuple]:
     """The server's prefix-cache counters from ``GET /metrics`` (``parse_prefix_counters``, sent with
     ``headers``); ``None`` if the server does not expose them or cannot be read (a wrong key included)."""
-    import httpx
+    httpx = require("httpx", "bench", "kvserve bench serve")
 
     try:
         r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout, headers=headers)
@@ -383,7 +383,7 @@ def fetch_model(base_url: str, timeout: float = 10.0, headers: Optional[dict] = 
     Raises:
         ValueError: the server cannot be reached, refuses the key (401) or lists no model.
     """
-    import httpx
+    httpx = require("httpx", "bench", "kvserve bench serve")
 
     try:
         r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout, headers=headers)

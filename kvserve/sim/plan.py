@@ -181,11 +181,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(curves: dict, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
+
+    from kvserve.sim.plots import pyplot
+
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, pts in curves.items():

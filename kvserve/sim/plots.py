@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvserve.extras import require
+
 
 def pyplot():
     """``matplotlib.pyplot`` on the Agg backend (no display).
 
     Raises:
-        ImportError: matplotlib is missing (the message names the extra to install).
+        MissingExtraError: matplotlib is missing (the message names the extra to install).
     """
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("plots need matplotlib: pip install 'kvserve[bench]'") from None
+    matplotlib = require("matplotlib", "bench", "plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

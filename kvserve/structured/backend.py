@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvserve.extras import MissingExtraError, require
 from kvserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class GrammarBackend:
 
     def _get_compiler(self):
         if self._compiler is None:  # reading the vocabulary takes ~1 s: only engines that get a structured request
-            import xgrammar as xgr
+            xgr = require("xgrammar", "structured", "structured outputs")
 
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids or None)
@@ -61,7 +62,10 @@ class GrammarBackend:
         """
         key = params.key()
         with self._lock:
-            compiler = self._get_compiler()
+            try:
+                compiler = self._get_compiler()
+            except MissingExtraError as e:
+                raise ValueError(f"structured_outputs are not available here: {e}") from None
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]

@@ -8,6 +8,8 @@ import pytest
 from kvserve import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
 
+pytestmark = pytest.mark.real_model
+
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4 + "Once upon a time, in a land far away, there lived a"
 OTHERS = ["Write a haiku about the sea.", "List three prime numbers: 2, 3,"]
 

@@ -11,8 +11,11 @@ from kvserve.bench.multiround import read_conversations
 from kvserve.bench.workloads import default_data_dir
 from kvserve.entrypoints.cli import main
 
-pytestmark = pytest.mark.skipif(not (default_data_dir() / "sharegpt_multiround").is_dir(),
-                                reason="../shared/data/sharegpt_multiround not present")
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(not (default_data_dir() / "sharegpt_multiround").is_dir(),
+                       reason="../shared/data/sharegpt_multiround not present"),
+]
 
 CAP = 400  # prompt tokens
 

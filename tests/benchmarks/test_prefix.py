@@ -7,7 +7,10 @@ from benchmarks.prefix import fewshot_waves, mooncake_waves, run_case
 from kvserve.bench.workloads import default_data_dir
 
 DATA = default_data_dir()
-pytestmark = pytest.mark.skipif(not (DATA / "mooncake").exists(), reason="../shared/data not present")
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(not (DATA / "mooncake").exists(), reason="../shared/data not present"),
+]
 
 
 def test_mooncake_measured_hit_rate_equals_expected():

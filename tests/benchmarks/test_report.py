@@ -8,6 +8,8 @@ import torch
 from benchmarks.report import QUICK
 from benchmarks.report import main
 
+pytestmark = pytest.mark.real_model
+
 PNGS = ("kv_memory.png", "batch_occupancy.png", "itl_chunked_prefill.png", "throughput_latency.png")
 
 

@@ -2,8 +2,12 @@
 the batch they name: under chunked prefill the first requests decode while later prompts are still computed, and
 before the fix they finished inside the measured steps (a "batch 64" profile ran at batch 41)."""
 
+import pytest
+
 from kvserve import LLM
 from benchmarks.step_profile import prefill_batch, step_profile
+
+pytestmark = pytest.mark.real_model
 
 
 def test_the_batch_stays_whole_through_the_measured_steps():

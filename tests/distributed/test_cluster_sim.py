@@ -124,6 +124,7 @@ def test_sweep_scales_the_load_and_bad_lists():
         ClusterSimulator(sim_for(), 0, RoundRobinRouter())
 
 
+@pytest.mark.real_model
 def test_cli_sweep_and_bad_flags(tmp_path, capsys):
     from kvserve.entrypoints.cli import main
 

@@ -9,6 +9,8 @@ from kvserve.engine.async_llm import AsyncLLM, EngineShutdownError
 from kvserve.engine.llm_engine import LLMEngine
 from tests.conftest import assert_pool_clean
 
+pytestmark = pytest.mark.real_model
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 LONG = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 

@@ -5,6 +5,8 @@ import pytest
 from kvserve import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
 
+pytestmark = pytest.mark.real_model
+
 
 @pytest.fixture(scope="module")
 def small_llm():

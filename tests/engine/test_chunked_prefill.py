@@ -1,7 +1,11 @@
 """Chunked prefill on the real model: greedy outputs identical to unchunked, with decodes and preemption mixed in."""
 
+import pytest
+
 from kvserve import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
+
+pytestmark = pytest.mark.real_model
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
         "metal type, oil-based ink and a wooden press adapted from wine making. Books became cheaper, literacy "

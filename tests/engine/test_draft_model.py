@@ -14,6 +14,8 @@ from kvserve.model.loader import load_model
 from tests.conftest import assert_pool_clean
 from tests.engine.spec_common import TEXT, greedy_reference_and_single, prompts
 
+pytestmark = pytest.mark.real_model
+
 # The early exit at 29 of 30 layers agrees with the target on about half the tokens, so drafts are both accepted
 # and rejected; the back-off is switched off (break-even acceptance 0) so that every eligible step drafts.
 SPEC = {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 29}

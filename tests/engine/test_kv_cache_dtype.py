@@ -17,6 +17,8 @@ from kvserve.sim.cost_model import FEATURES, CostModel
 from kvserve.sim.profile import PROFILE_FORMAT
 from tests.conftest import assert_pool_clean
 
+pytestmark = pytest.mark.real_model
+
 BF16 = torch.bfloat16
 
 

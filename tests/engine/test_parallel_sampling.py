@@ -1,7 +1,11 @@
 """n > 1 parallel sampling on the real model: one prefill, shared prompt blocks, copy-on-write."""
 
+import pytest
+
 from kvserve import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
+
+pytestmark = pytest.mark.real_model
 
 
 def test_greedy_samples_all_equal_greedy_output(llm):

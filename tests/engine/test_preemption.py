@@ -1,7 +1,11 @@
 """Preemption by recompute on the real model: a starved pool gives the same greedy outputs as a roomy one."""
 
+import pytest
+
 from kvserve import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
+
+pytestmark = pytest.mark.real_model
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -15,6 +19,7 @@ QUESTIONS = [
 ]
 
 
+@pytest.mark.slow
 def test_starved_pool_preempts_and_outputs_are_unchanged(llm):
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]

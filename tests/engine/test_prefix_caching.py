@@ -1,7 +1,11 @@
 """Prefix caching on the real model: outputs identical with caching on and off."""
 
+import pytest
+
 from kvserve import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
+
+pytestmark = pytest.mark.real_model
 
 SYSTEM = ("You are a careful assistant. Answer in one short sentence. Use plain words. Prefer facts over opinions. "
           "If you do not know, say so. Keep names and numbers exact. Never invent sources. ") * 3
@@ -51,6 +55,7 @@ def test_hits_after_eviction_pressure_and_after_a_stop_string(llm):
     small.llm_engine.kv_cache_manager.check_integrity()
 
 
+@pytest.mark.slow
 def test_preempted_requests_hit_and_outputs_match(llm):
     prompts = build_prompts(llm.get_tokenizer())[:3]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

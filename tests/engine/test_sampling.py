@@ -16,6 +16,7 @@ def chat(llm, text):
     return llm.apply_chat_template([{"role": "user", "content": text}])
 
 
+@pytest.mark.slow
 def test_seeded_request_is_reproducible_across_batch_compositions(llm):
     sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=24, seed=1234)
     target = chat(llm, "Write a sentence about rivers.")

@@ -7,6 +7,8 @@ from kvserve.spec_decode.policy import VERIFY_COST_PER_TOKEN
 from tests.conftest import assert_pool_clean
 from tests.engine.spec_common import greedy_reference_and_single, prompts
 
+pytestmark = pytest.mark.real_model
+
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
@@ -50,6 +52,7 @@ def test_seeded_sampling_reproducible_with_speculation(spec_llm):
     assert a == b
 
 
+@pytest.mark.slow
 def test_starved_pool_with_speculation(llm):
     ps = prompts(llm)
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -69,6 +72,7 @@ def test_bad_speculative_config():
             LLM(num_kv_blocks=8, speculative_config=cfg)
 
 
+@pytest.mark.slow
 def test_held_back_drafts_do_not_change_output(llm, spec_llm):
     # A step cost model where a verified token costs as much as the whole step (c = 1: break-even acceptance
     # 0.89 at batch 8): drafts are mostly held back and shadow-checked instead of verified; output unchanged.

@@ -10,6 +10,8 @@ import torch
 from kvserve import SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 
+pytestmark = pytest.mark.real_model
+
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenMP's default count is 1 here: nothing to tell apart")
 def test_a_fresh_thread_steps_with_the_engines_thread_count():

@@ -10,8 +10,10 @@ from kvserve.model.fused_layers import FusedLayerLoop
 from kvserve.kernels import qgemm as qkernels
 from tests.conftest import flat_batch, scattered_block_tables
 
-pytestmark = pytest.mark.skipif(qkernels.load() is None or qkernels.isa() is None,
-                                reason="quantized kernels unavailable")
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(qkernels.load() is None or qkernels.isa() is None, reason="quantized kernels unavailable"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ from kvserve.model.loader import load_model
 from kvserve.quant import gguf_io
 from kvserve.quant.gguf_io import QuantTensor, rope_unpermute_index
 
+pytestmark = pytest.mark.real_model
+
 
 @pytest.fixture(scope="module")
 def loaded():

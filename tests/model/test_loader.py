@@ -1,5 +1,6 @@
 """Loading: metadata read from the model itself, and a Hugging Face directory giving the same tokens as the GGUF."""
 
+import pytest
 import json
 from dataclasses import asdict
 
@@ -7,6 +8,8 @@ from safetensors.torch import save_file
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.loader import default_model_path, load_model
+
+pytestmark = pytest.mark.real_model
 
 
 def test_default_model_comes_from_the_wheel_and_metadata_is_read():

@@ -11,6 +11,8 @@ from kvserve.bench.workloads import default_data_dir
 from kvserve.kernels import qgemm as quant_kernels
 from tests.conftest import assert_pool_clean
 
+pytestmark = pytest.mark.real_model
+
 
 @pytest.fixture(scope="module")
 def qllm():

@@ -18,6 +18,8 @@ from kvserve.layers.quant_linear import QuantLinear
 from kvserve.quant.gguf_io import QuantTensor
 from kvserve.worker.kv_pool import lazy_zeros
 
+pytestmark = pytest.mark.real_model
+
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]  # any ids: the test compares two loads
 
 

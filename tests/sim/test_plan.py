@@ -9,6 +9,8 @@ from kvserve.entrypoints.cli import main
 from kvserve.sim.cost_model import FEATURES
 from kvserve.sim.profile import PROFILE_FORMAT
 
+pytestmark = pytest.mark.real_model
+
 
 @pytest.fixture
 def files(tmp_path):

@@ -1,11 +1,14 @@
 """``kvserve sim profile --quick`` on the real model: every recorded step carries the features of the plan it ran,
 the fit is non-negative, and ``kvserve sim`` replays with the profile."""
 
+import pytest
 import json
 import re
 
 from kvserve.entrypoints.cli import main
 from kvserve.sim.cost_model import FEATURES
+
+pytestmark = pytest.mark.real_model
 
 
 def test_quick_profile_then_simulate(tmp_path, capsys):

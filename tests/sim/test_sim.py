@@ -205,6 +205,7 @@ def test_real_traces_read():
     assert 0 < tr.prefix_share(mc) < 1
 
 
+@pytest.mark.real_model
 def test_unchunked_budget_caps_the_output_as_the_engine_does():
     """Without chunked prefill no sequence outgrows the token budget: the real engine ends a 12-token prompt with
     ``max_tokens=10`` after 4 tokens (``finish_reason`` "length") under a 16-token budget, the server's client

@@ -17,6 +17,8 @@ from kvserve.sample.rejection_sampler import RejectionSampler
 from tests.conftest import flat_batch
 from tests.spec_decode.stats import chi_square
 
+pytestmark = pytest.mark.real_model
+
 PROMPT = "My favourite colour is"
 N = 20_000
 TOP_P_TOKENS, TOP_Q_TOKENS = 20, 64

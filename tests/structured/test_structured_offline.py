@@ -13,6 +13,8 @@ from kvserve.structured import StructuredOutputsParams as SO
 from tests.conftest import assert_pool_clean
 from tests.structured.common import assert_valid, bfcl_tools
 
+pytestmark = pytest.mark.real_model
+
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 #: one request per BFCL function in ``common.BFCL_FUNCTIONS``

@@ -15,6 +15,8 @@ from kvserve.entrypoints.openai import tool_parsers as tp
 from tests.entrypoints.conftest import LiveServer
 from tests.structured.common import assert_valid, bfcl_tools
 
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
+
 
 @pytest.fixture(scope="module")
 def tool_server():
