@@ -131,7 +131,7 @@ def cold_one_row(t, isas: list, total_mib: int = 96, repeats: int = 3) -> dict:
     for _ in range(own_copies):
         p = own.packed
         packs.append(type(p)(p.fmt, p.data.clone(), p.out_features, p.in_features, p.oscale))
-    act = kernels.activations()  # the engine's activation quantization
+    act = kernels.default_path().activations  # the engine's activation quantization
     tag = "+a16" if act == "int8x2" else ""
     for name in isas:
         cases[f"kvserve {own.path.split('/')[0]}/{name}{tag}"] = (

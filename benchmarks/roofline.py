@@ -140,7 +140,7 @@ def fp32_peak_gflops(n: int = 1024, repeats: int = 5) -> float:
 def int8_peak_gops(m: int = 256, n: int = 1024, k: int = 1024, repeats: int = 5) -> Optional[float]:
     """Best-of-``repeats`` GOP/s (``2 m n k`` operations) of kvserve's quantized matmul on an ``m x k`` activation
     and an ``n x k`` Q8 weight (1 MiB: stays in cache; compute-bound), with the process's activation quantization
-    (``kernels.activations()``); ``None`` without the kernels."""
+    (``kernels.default_path()``); ``None`` without the kernels."""
     from kvserve.kernels import qgemm as kernels
     from kvserve.quant import pack as P
 
@@ -149,14 +149,14 @@ def int8_peak_gops(m: int = 256, n: int = 1024, k: int = 1024, repeats: int = 5)
     rng = np.random.default_rng(0)
     w = P.pack_q8(rng.integers(-127, 128, (n, k), dtype=np.int8), np.full((n, k // P.QK), 0.01, np.float16))
     x = torch.randn(m, k)
-    act = kernels.activations()
+    act = kernels.default_path().activations
     return 2 * m * n * k / _best(lambda: kernels.qgemm(x, w, activations=act), repeats) / 1e9
 
 
 def _activations() -> str:
     from kvserve.kernels import qgemm as kernels
 
-    return kernels.activations()
+    return kernels.default_path().activations
 
 
 def prefill_tokens_per_s(engine_args: dict, n_tokens: int, repeats: int = 3) -> float:

@@ -1,17 +1,19 @@
-"""Engine configuration: ``EngineConfig = ModelConfig + CacheConfig + SchedulerConfig + ParallelConfig``.
+"""Engine configuration: ``EngineConfig = ModelConfig + CacheConfig + SchedulerConfig + ParallelConfig +
+KernelConfig`` (+ ``SpeculativeConfig``).
 
 Every value is validated once, in ``__post_init__``, with a ``ValueError`` that names the field and the allowed
-range (``kvserve.validation``). Values that need the model (the effective ``max_model_len``, the pool size from
-``CacheConfig.resolve_num_blocks``) are derived once, when ``LLMEngine`` has loaded it. Field names follow vLLM's
-engine arguments; each field's ``metadata["help"]`` is the help text of its command-line flag
-(``kvserve.engine.arg_utils``).
+range (``kvserve.validation``). Every behaviour switch is a field; where an environment variable exists it is only
+the documented default of its field, read here and nowhere in the engine. Values that need the model (the
+effective ``max_model_len``, the pool size) are derived once, by ``derive_limits``, when the model is loaded.
+Field names follow vLLM's engine arguments; each field's ``metadata["help"]`` is the help text of its command-line
+flag (``kvserve.engine.arg_utils``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Callable, Optional
 
 from kvserve.validation import check_bool, check_choice, check_int, check_number
 
@@ -66,6 +68,12 @@ class ModelConfig:
     quantization: Optional[str] = _field(None, "weights: the file's own format (auto), dequantized (fp32), or int8 "
                                                "per 32-weight block (default: $KVSERVE_QUANTIZATION, else auto)",
                                          SUPPORTED_QUANTIZATION)
+
+    @property
+    def effective_quantization(self) -> str:
+        """The quantization the engine runs: ``quantization``, except that ``"auto"`` under ``dtype="bfloat16"``
+        means ``"fp32"`` (dequantized, then cast)."""
+        return "fp32" if self.dtype == "bfloat16" and self.quantization == "auto" else self.quantization
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, SUPPORTED_DTYPES)
@@ -202,6 +210,71 @@ class ParallelConfig:
                      low_open=True)
 
 
+SUPPORTED_CPU_ISAS = ("auto", "amx_int8", "avx512_vnni", "avx2")
+SUPPORTED_QUANT_ACTIVATIONS = ("auto", "int8", "int8x2")
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """``$name`` as a boolean (``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``), else ``default``.
+
+    Raises:
+        ValueError: another value (naming the variable).
+    """
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"${name} must be 1 or 0 (true/false), got {raw!r}")
+
+
+@dataclass
+class KernelConfig:
+    """How the CPU computes: kvserve's kernels and their options. Each field's default is its environment
+    variable when set (documented here, read only here), else the built-in default.
+
+    Attributes:
+        cpu_kernels: use kvserve's C kernels (matmuls, paged attention, norms, the quantized matmul); off, every
+            op runs in PyTorch with the same results to float32 rounding (``$KVSERVE_CPU_KERNELS``, default on).
+        cpu_isa: the quantized matmul's instruction-set path: ``"auto"`` (the best this CPU supports that passes
+            its self-check) or one of ``amx_int8``, ``avx512_vnni``, ``avx2`` (a path this CPU lacks is an error,
+            never a silent substitute). It is chosen once per process (``$KVSERVE_CPU_ISA``, default auto).
+        quant_activations: how quantized matmuls quantize their inputs: ``"int8"`` (one int8 per value),
+            ``"int8x2"`` (two, 15 bits) or ``"auto"`` (the path's default: docs/quantization.md)
+            (``$KVSERVE_QUANT_ACTIVATIONS``, default auto).
+        fused_layers: run a step's whole layer loop in one C call when every op of it runs in the kernels
+            (``$KVSERVE_FUSED_LAYERS``, default on).
+        batch_invariant: send every query through the paged-attention kernel, so a token's logits do not depend
+            on how its prompt was chunked or what else is in the batch (``$KVSERVE_BATCH_INVARIANT``, default off).
+    """
+
+    cpu_kernels: Optional[bool] = _field(None, "use kvserve's C kernels (default: $KVSERVE_CPU_KERNELS, else on)")
+    cpu_isa: Optional[str] = _field(None, "quantized matmul instruction set (default: $KVSERVE_CPU_ISA, else auto)",
+                                    SUPPORTED_CPU_ISAS)
+    quant_activations: Optional[str] = _field(None, "activation quantization of quantized matmuls (default: "
+                                                    "$KVSERVE_QUANT_ACTIVATIONS, else auto)",
+                                              SUPPORTED_QUANT_ACTIVATIONS)
+    fused_layers: Optional[bool] = _field(None, "run a step's layer loop in one C call when it can (default: "
+                                                "$KVSERVE_FUSED_LAYERS, else on)")
+    batch_invariant: Optional[bool] = _field(None, "every query through the paged-attention kernel: logits "
+                                                   "independent of chunking and batch (default: "
+                                                   "$KVSERVE_BATCH_INVARIANT, else off)")
+
+    def __post_init__(self) -> None:
+        for name, default in (("cpu_kernels", True), ("fused_layers", True), ("batch_invariant", False)):
+            if getattr(self, name) is None:
+                setattr(self, name, _env_flag(f"KVSERVE_{name.upper()}", default))
+            check_bool(name, getattr(self, name))
+        for name, env, choices in (("cpu_isa", "KVSERVE_CPU_ISA", SUPPORTED_CPU_ISAS),
+                                   ("quant_activations", "KVSERVE_QUANT_ACTIVATIONS", SUPPORTED_QUANT_ACTIVATIONS)):
+            if getattr(self, name) is None:
+                setattr(self, name, os.environ.get(env) or "auto")
+                check_choice(f"{name} (from ${env})", getattr(self, name), choices)
+            check_choice(name, getattr(self, name), choices)
+
+
 SUPPORTED_SPEC_METHODS = ("ngram", "draft_model")
 #: Layers of the self-speculative early-exit draft when ``draft_num_layers`` is not given (a measured choice:
 #: docs/benchmarks.md, "Speculative decoding").
@@ -265,6 +338,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: Optional[SpeculativeConfig] = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         spec, tp = self.speculative_config, self.parallel_config.tensor_parallel_size
@@ -289,12 +363,11 @@ class EngineConfig:
         elif spec is not None and not isinstance(spec, SpeculativeConfig):
             raise ValueError(f"speculative_config must be a dict or None, got {type(spec).__name__}")
         parts = {}
-        for part_cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+        for part_cls in ENGINE_CONFIGS:
             names = {f.name for f in fields(part_cls)}
             parts[part_cls] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         if kwargs:
-            known = sorted(f.name for c in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
-                           for f in fields(c))
+            known = sorted(f.name for c in ENGINE_CONFIGS for f in fields(c))
             raise ValueError(f"unknown engine argument(s) {sorted(kwargs)}; known: {known}")
         return cls(
             model_config=ModelConfig(**parts[ModelConfig]),
@@ -302,7 +375,52 @@ class EngineConfig:
             scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
             speculative_config=spec,
             parallel_config=ParallelConfig(**parts[ParallelConfig]),
+            kernel_config=KernelConfig(**parts[KernelConfig]),
         )
+
+
+#: The configs whose fields are flat engine arguments (and command-line flags), in flag order.
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, KernelConfig)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the configuration means once the model is known, derived once (``derive_limits``).
+
+    Attributes:
+        max_model_len: longest sequence (tokens): the configured value or the model's context length.
+        num_blocks: blocks in the KV pool; ``block_size`` tokens each; ``pool_tokens`` = their product.
+        max_total_tokens: the longest a sequence may grow (tokens): ``max_model_len``, never more than the pool
+            holds, and (without chunked prefill) never more than the token budget, or its recompute after a
+            preemption could never be scheduled again.
+        kv_cache_dtype: the pool's element type by name (``"float32"`` or ``"bfloat16"``).
+    """
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    pool_tokens: int
+    max_total_tokens: int
+    kv_cache_dtype: str
+
+
+def derive_limits(config: EngineConfig, max_position_embeddings: int,
+                  bytes_per_block: Callable[[str], int]) -> EngineLimits:
+    """``EngineLimits`` of ``config`` for a model of ``max_position_embeddings`` tokens whose KV block takes
+    ``bytes_per_block(kv_cache_dtype name)`` bytes over all layers.
+
+    Raises:
+        ValueError: the memory budget holds no block.
+    """
+    mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+    kv_dtype = cc.resolve_kv_cache_dtype(mc.dtype)
+    num_blocks = cc.resolve_num_blocks(bytes_per_block(kv_dtype))
+    pool_tokens = num_blocks * cc.block_size
+    max_model_len = mc.max_model_len or max_position_embeddings
+    max_total = min(max_model_len, pool_tokens)
+    if not sc.enable_chunked_prefill:
+        max_total = min(max_total, sc.max_num_batched_tokens)
+    return EngineLimits(max_model_len, num_blocks, cc.block_size, pool_tokens, max_total, kv_dtype)
 
 
 def available_memory_bytes() -> int:

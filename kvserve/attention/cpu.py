@@ -9,7 +9,7 @@ K/V write and the in-place attention of every query of at most ``SHORT_QUERY_TOK
 runs about a dozen PyTorch ops for the same: docs/quant_kernels.md, "The rest of the decode step"). Long prompt
 chunks keep the gather + SDPA path, on the queries the kernel rotated.
 
-Batch invariance (``KVSERVE_BATCH_INVARIANT=1``, after vLLM's ``VLLM_BATCH_INVARIANT``): every query, however long
+Batch invariance (the engine argument ``batch_invariant``, after vLLM's ``VLLM_BATCH_INVARIANT``): every query, however long
 its chunk, goes through the kernel, whose arithmetic for one query row does not depend on the other rows of the
 step (keys summed in position order, however the work is split over threads). With the row-wise quantized matmuls,
 norms and RoPE, a token's logits are then bit-identical whether its prompt ran in one step or in chunks, after a
@@ -20,7 +20,6 @@ rounding can amplify to a different greedy token on the quantized path.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -69,11 +68,8 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
 
     name = "cpu-kernels"
 
-    def __init__(self, batch_invariant: Optional[bool] = None):
-        """``batch_invariant``: every query through the kernel (see the module docstring); ``None`` reads
-        ``KVSERVE_BATCH_INVARIANT`` (``1`` / ``true`` = on)."""
-        if batch_invariant is None:
-            batch_invariant = os.environ.get("KVSERVE_BATCH_INVARIANT", "").strip().lower() in ("1", "true")
+    def __init__(self, batch_invariant: bool = False):
+        """``batch_invariant``: every query through the kernel (see the module docstring)."""
         self.batch_invariant = batch_invariant
         self.kernel_query_tokens = sys.maxsize if batch_invariant else SHORT_QUERY_TOKENS
 
@@ -90,7 +86,7 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
             kernel = (batch.block_tables[idx], batch.query_start_loc[idx],
                       torch.tensor([q_lens[b] for b in short]), batch.seq_lens[idx])
         return CPUAttentionMetadata(groups=[build_group(prefill, batch)] if prefill else [], kernel=kernel,
-                                    kernel_members=tuple(short), batch=batch)
+                                    kernel_members=tuple(short), batch=batch, whole_step_in_kernel=not prefill)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CPUAttentionMetadata,
                 scale: float) -> torch.Tensor:

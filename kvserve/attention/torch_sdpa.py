@@ -59,9 +59,12 @@ class AttentionMetadata:
 
     Attributes:
         groups: up to three ``AttentionGroup`` objects (decode, short, prefill), the ones with members.
+        whole_step_in_kernel: every request of the step is attended by kvserve's paged-attention kernel (decided
+            by the CPU backend's ``build_metadata``): a fused layer loop may then run the step.
     """
 
     groups: list[AttentionGroup]
+    whole_step_in_kernel: bool = False
 
 
 def split_requests(query_lens: list[int]) -> tuple[list[int], list[int], list[int]]:

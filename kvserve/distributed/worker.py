@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from kvserve.config import KernelConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel_state import TensorParallelGroup
 from kvserve.model.base import CausalLM
@@ -39,6 +40,7 @@ class ShardSpec:
         timeout_s: bound on start-up and on every collective, seconds.
         port: the rendezvous port on 127.0.0.1.
         kv_cache_dtype: the pool's element type, ``"float32"`` / ``"bfloat16"`` (resolved: never ``"auto"``).
+        kernel_config: the engine's ``KernelConfig`` (every rank computes as rank 0 does).
     """
 
     model: str
@@ -52,6 +54,7 @@ class ShardSpec:
     timeout_s: float
     port: int
     kv_cache_dtype: str = "float32"
+    kernel_config: Optional[KernelConfig] = None
 
     def group(self, rank: int) -> TensorParallelGroup:
         """Rank ``rank``'s (not yet joined) ``TensorParallelGroup``."""
@@ -66,7 +69,7 @@ def build_shard(spec: ShardSpec, group: TensorParallelGroup) -> CausalLM:
 
     loaded = load_model(spec.model, spec.dtype, keep_quantized=spec.quantization != "fp32", weights_only=True)
     backends = select_backends(spec.device, loaded.weights["model.norm.weight"].dtype, spec.quantization,
-                               parallel=group)
+                               spec.kernel_config, parallel=group)
     return build_model(loaded, backends)
 
 

@@ -1,6 +1,6 @@
 """Engine arguments on the command line, generated from the config dataclasses' fields.
 
-Each field of ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig`` and ``ParallelConfig`` becomes a flag
+Each field of ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig`` and ``KernelConfig`` becomes a flag
 (``max_num_seqs`` -> ``--max-num-seqs``; bools get ``--x`` / ``--no-x``) whose default, type, choices and help come
 from the field itself, so they are written once (vLLM's ``EngineArgs`` plays the same role). ``--speculative-config`` takes a
 JSON object (``SpeculativeConfig``'s keys). Every subcommand and benchmark imports this module, never the CLI.
@@ -13,9 +13,7 @@ import json
 import typing
 from dataclasses import MISSING, fields
 
-from kvserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-
-ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+from kvserve.config import ENGINE_CONFIGS
 _TYPES = {"int": int, "str": str, "float": float}
 
 

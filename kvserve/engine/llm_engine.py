@@ -18,7 +18,7 @@ from typing import Optional, Union
 
 import torch
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, derive_limits
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor
@@ -47,8 +47,9 @@ class LLMEngine:
         config: ``EngineConfig``. Use ``LLMEngine.from_engine_args(model=..., block_size=..., ...)``.
 
     Attributes:
+        limits: the configuration's values once the model is known (``kvserve.config.EngineLimits``).
         max_model_len: longest sequence (tokens) a request may reach: the configured value or the model's
-            context length, and never more than the pool holds.
+            context length.
         num_blocks, block_size: the pool geometry.
 
     Raises:
@@ -57,11 +58,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        mc, sc = config.model_config, config.scheduler_config
         if mc.num_threads:
             torch.set_num_threads(mc.num_threads)
         self._num_threads = torch.get_num_threads()  # what every thread that steps this engine must use
-        quantization = "fp32" if mc.dtype == "bfloat16" and mc.quantization == "auto" else mc.quantization
+        quantization = mc.effective_quantization
         loaded = load_model(mc.model, mc.dtype, keep_quantized=quantization != "fp32")
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
@@ -74,29 +75,26 @@ class LLMEngine:
             loaded.arch.check_tensor_parallel_size(tp)
             tp_group = TensorParallelGroup(0, tp, timedelta(seconds=pc.distributed_timeout_seconds))
         self.backends = select_backends(mc.device, loaded.weights["model.norm.weight"].dtype, quantization,
-                                        parallel=tp_group)
+                                        config.kernel_config, parallel=tp_group)
         self.model = build_model(loaded, self.backends)
         logger.info("%s: %s", self.arch.architecture,
                     self.backends.describe(self.model.layers[0]["qkv"], self.model.lm_head))
-        self.block_size = cc.block_size
-        kv_dtype_name = cc.resolve_kv_cache_dtype(mc.dtype)  # the model's dtype is mc.dtype (load_model casts)
+        lim = self.limits = derive_limits(  # the model's dtype is mc.dtype (load_model casts)
+            config, loaded.arch.max_position_embeddings,
+            lambda kv_dtype: self.model.bytes_per_block(config.cache_config.block_size, getattr(torch, kv_dtype)))
+        kv_dtype_name = lim.kv_cache_dtype
         self.kv_cache_dtype = getattr(torch, kv_dtype_name)
-        self.num_blocks = cc.resolve_num_blocks(self.model.bytes_per_block(cc.block_size, self.kv_cache_dtype))
-        self.pool_tokens = self.num_blocks * self.block_size
-        self.max_model_len = mc.max_model_len or loaded.arch.max_position_embeddings
+        self.block_size, self.num_blocks, self.pool_tokens = lim.block_size, lim.num_blocks, lim.pool_tokens
+        self.max_model_len, self.max_total_tokens = lim.max_model_len, lim.max_total_tokens
         self.eos_token_ids = loaded.eos_token_ids
-        # No sequence may outgrow the pool, nor (unchunked) the budget, or its recompute after a preemption could
-        # never be scheduled again.
-        self.max_total_tokens = min(self.max_model_len, self.pool_tokens)
-        if not sc.enable_chunked_prefill:
-            self.max_total_tokens = min(self.max_total_tokens, sc.max_num_batched_tokens)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
             self.num_blocks, self.block_size, self.pool_tokens,
             self.num_blocks * self.model.bytes_per_block(self.block_size, self.kv_cache_dtype) / 2**20,
             kv_dtype_name, self.max_model_len,
         )
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cc.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size,
+                                               config.cache_config.enable_prefix_caching)
         sampler = Sampler(self.eos_token_ids)
         spec = config.speculative_config
         self.speculator = self._make_speculator(spec, mc, sc, sampler) if spec is not None else None
@@ -108,7 +106,7 @@ class LLMEngine:
 
             shard_spec = ShardSpec(str(loaded.path), mc.dtype, quantization, mc.device, mc.num_threads,
                                    self.num_blocks, self.block_size, tp, pc.distributed_timeout_seconds, free_port(),
-                                   kv_dtype_name)
+                                   kv_dtype_name, config.kernel_config)
             self.model_runner = TensorParallelExecutor(self.model, sampler, shard_spec, tp_group)
         else:
             self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, device=mc.device,

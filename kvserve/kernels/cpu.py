@@ -11,7 +11,8 @@ use and loaded with ``ctypes`` (which releases the GIL during a call):
 The library is compiled once per source version by ``kvserve.kernels.build`` (into ``$KVSERVE_CACHE_DIR``,
 default ``~/.cache/kvserve``), so concurrent processes share it; the first build takes ~2 s. Nothing is built where it cannot run:
 the CPU must report AVX2 (PyTorch's ``get_cpu_capability``) and a C compiler with OpenMP must exist (``$CC``,
-default ``cc``). ``KVSERVE_CPU_KERNELS=0`` turns it off. Without it every caller falls back to PyTorch ops
+default ``cc``). The engine argument ``cpu_kernels=False`` (``KernelConfig``) leaves it unused. Without it every caller falls back to
+PyTorch ops
 (oneDNN/MKL matmuls, gather + SDPA attention), with the same results to float32 rounding;
 ``unavailable_reason()`` says why.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import subprocess
 from pathlib import Path
 from typing import Optional
@@ -56,9 +56,7 @@ def load():
     if _loaded:
         return _lib
     _loaded = True
-    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
-        _reason = "KVSERVE_CPU_KERNELS=0"
-    elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         _reason = f"CPU capability {torch.backends.cpu.get_cpu_capability()} (needs AVX2)"
     else:
         try:

@@ -12,12 +12,13 @@ here:
    Documentation/arch/x86/xstate.rst). ``amx_int8`` computes 16 rows of a group with AMX tiles (``TDPBSUD`` /
    ``TDPBSSD``, Intel SDM vol. 2, and the Intel AMX chapter of the optimization manual) and gives results equal,
    bit for bit, to ``avx512_vnni``'s (the same integer sums, the same float epilogue).
-2. ``KVSERVE_CPU_ISA`` (``amx_int8``, ``avx512_vnni`` or ``avx2``) forces one path, e.g. to test AVX2 on an AVX-512
-   machine; a forced path the CPU lacks is an error (``select_isa`` raises), never a silent substitute.
+2. The engine argument ``cpu_isa`` (``KernelConfig``; ``amx_int8``, ``avx512_vnni`` or ``avx2``) forces one path,
+   e.g. to test AVX2 on an AVX-512 machine; a forced path the CPU lacks is an error (``select_isa`` raises), never a
+   silent substitute.
 3. Each candidate, best first, must pass a numerical self-check (``self_check``: every weight format, 1-53 rows,
    against an exact-activation float64 reference) before it is used; one that fails is skipped.
 
-``KVSERVE_CPU_KERNELS=0`` turns the library off, as for the float32 kernels; ``isa()`` is then ``None``.
+With ``cpu_kernels=False`` the engine does not use the library (``choose_path`` gives no path).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -45,13 +46,11 @@ _HEADERS = ("qgemm_amx.h",)
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 #: Instruction-set paths, best first, with qgemm.c's ids.
 ISAS = {"amx_int8": 3, "avx512_vnni": 2, "avx2": 1}
-ISA_ENV = "KVSERVE_CPU_ISA"
 #: Activation precisions, with qgemm.c's ids: ``"int8"`` one int8 per value and float scale per 32-block
 #: (llama.cpp's Q8 activations: "W4A8"); ``"int8x2"`` a pair of int8 per value, ``x ~= d (254 q1 + q2)`` (15 bits,
 #: twice the integer multiply-adds).
 ACTIVATIONS = {"int8": 0, "int8x2": 1}
-ACT_ENV = "KVSERVE_QUANT_ACTIVATIONS"
-#: The activation quantization used by default on each path (``activations()``); measured in docs/quant_kernels.md.
+#: The activation quantization used by default on each path; measured in docs/quantization.md.
 DEFAULT_ACTIVATIONS = {"amx_int8": "int8x2", "avx512_vnni": "int8x2", "avx2": "int8"}
 
 
@@ -62,11 +61,8 @@ def _build() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def load():
-    """The loaded library, or ``None`` (turned off, not x86-64, no compiler): see ``unavailable_reason``."""
+    """The loaded library, or ``None`` (not x86-64, no compiler): see ``unavailable_reason``."""
     global _reason
-    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
-        _reason = "KVSERVE_CPU_KERNELS=0"
-        return None
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.SubprocessError) as e:
@@ -105,24 +101,24 @@ def cpu_supports(name: str) -> bool:
     return lib is not None and bool(lib.kvserve_q_isa_supported(ISAS[name]))
 
 
+@functools.lru_cache(maxsize=None)
 def select_isa(forced: Optional[str] = None) -> Optional[str]:
-    """The path to use: ``forced`` (default ``$KVSERVE_CPU_ISA``) if given, else the best CPU-supported path that
-    passes ``self_check``; ``None`` if none does (callers then fall back to float32).
+    """The path to use: ``forced`` if given, else the best CPU-supported path that passes ``self_check``; ``None``
+    if none does (callers then fall back to float32). Cached per argument.
 
     Raises:
         ValueError: a forced name that is not one of ``ISAS``, or that this CPU does not support, or that fails
-            its self-check.
+            its self-check (the message names the ``cpu_isa`` field).
     """
-    forced = forced if forced is not None else (os.environ.get(ISA_ENV) or None)
     if load() is None:
         return None
     if forced is not None:
         if forced not in ISAS:
-            raise ValueError(f"{ISA_ENV} must be one of {sorted(ISAS)}, got {forced!r}")
+            raise ValueError(f"cpu_isa must be one of {sorted(ISAS)} or 'auto', got {forced!r}")
         if not cpu_supports(forced):
-            raise ValueError(f"{ISA_ENV}={forced}: this CPU does not support it")
+            raise ValueError(f"cpu_isa={forced}: this CPU does not support it")
         if not self_check(forced):
-            raise ValueError(f"{ISA_ENV}={forced}: failed its numerical self-check")
+            raise ValueError(f"cpu_isa={forced}: failed its numerical self-check")
         return forced
     for name in ISAS:
         if cpu_supports(name):
@@ -132,24 +128,41 @@ def select_isa(forced: Optional[str] = None) -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
 def isa() -> Optional[str]:
-    """The process-wide path (``select_isa()``, computed once)."""
+    """The best path of this CPU (``select_isa()``, computed once), or ``None``."""
     return select_isa()
 
 
-@functools.lru_cache(maxsize=None)
-def activations() -> str:
-    """The process-wide activation quantization (a key of ``ACTIVATIONS``, computed once): ``$KVSERVE_QUANT_ACTIVATIONS``
-    if set, else ``DEFAULT_ACTIVATIONS`` of the path in use (``isa()``).
+@dataclass(frozen=True)
+class QuantPath:
+    """How quantized projections compute, chosen once per engine (``choose_path``).
+
+    Attributes:
+        isa: a key of ``ISAS``, or ``None``: no kernel (quantized layers compute in float32 on their dequantized
+            weights, ``fp32_fallback``).
+        activations: a key of ``ACTIVATIONS``.
+    """
+
+    isa: Optional[str]
+    activations: str = "int8"
+
+
+def choose_path(enabled: bool = True, cpu_isa: str = "auto", activations: str = "auto") -> QuantPath:
+    """The ``QuantPath`` of ``KernelConfig``'s ``cpu_kernels``, ``cpu_isa`` and ``quant_activations``: no kernel
+    when disabled or unavailable; ``"auto"`` picks the best path (``isa()``) and its ``DEFAULT_ACTIVATIONS``.
 
     Raises:
-        ValueError: ``KVSERVE_QUANT_ACTIVATIONS`` is not one of ``ACTIVATIONS``.
+        ValueError: a forced path this CPU lacks or that fails its self-check; an unknown activations name.
     """
-    forced = os.environ.get(ACT_ENV) or None
-    if forced is not None:
-        return check_activations(forced, ACT_ENV)
-    return DEFAULT_ACTIVATIONS.get(isa(), "int8")
+    name = None if not enabled else select_isa(None if cpu_isa == "auto" else cpu_isa)
+    if activations == "auto":
+        return QuantPath(name, DEFAULT_ACTIVATIONS.get(name, "int8"))
+    return QuantPath(name, check_activations(activations, "quant_activations"))
+
+
+def default_path() -> QuantPath:
+    """``choose_path()``: the best path of this CPU with its default activations."""
+    return choose_path()
 
 
 def check_activations(activations: str, field: str = "activations") -> str:

@@ -25,9 +25,10 @@ Activations are quantized per 32-block to int8 inside the kernel (``kernels.qgem
 float64 product with the dequantized weight by the activation rounding: at most ``sum_k |w_k| d_x(k) / 2`` per
 output (``d_x`` = the block's ``max|x| / 127``), plus float32 rounding.
 
-When the quantized kernels cannot run here (no usable ISA path, ``KVSERVE_CPU_KERNELS=0``), a ``QuantLinear``
-computes with the float32 ``Linear`` on the weight it represents (``path`` ``fp32_fallback``), same values up to
-the activation rounding.
+Which kernel path runs, and how activations are quantized, is the engine's ``kernels.QuantPath`` (chosen once
+from ``KernelConfig``). When no quantized kernel can run here (no usable ISA path, ``cpu_kernels=False``), a
+``QuantLinear`` computes with the float32 ``Linear`` on the weight it represents (``path`` ``fp32_fallback``), same
+values up to the activation rounding.
 """
 
 from __future__ import annotations
@@ -112,46 +113,58 @@ class QuantLinear:
         in_features: the true input width (default ``packed.in_features``); inputs are zero-padded to the packed
             width.
         activations: how the kernel quantizes each input row, a key of ``kernels.ACTIVATIONS`` (``"int8"``,
-            ``"int8x2"``); default ``kernels.activations()``, the process-wide choice.
+            ``"int8x2"``); default: the path's ``kernels.DEFAULT_ACTIVATIONS``.
+        isa: the kernel path, a key of ``kernels.ISAS`` (chosen and self-checked by ``kernels.choose_path``),
+            ``None`` for none (the float32 fallback), or ``"auto"`` (default): the best of this CPU.
+        use_kernels: the fallback may use kvserve's float32 matmul kernel (``cpu_kernels``).
 
     Attributes:
         path: ``"<kind>/<isa>"`` (isa a key of ``kernels.ISAS``: ``amx_int8``, ``avx512_vnni`` or ``avx2``), with
             ``"+a16"`` when activations are ``"int8x2"`` (``q4/amx_int8+a16``), or ``"<kind>/fp32_fallback"`` when
             no quantized kernel can run here.
         activations: the activation quantization in use.
+        isa: the kernel path in use, or ``None`` (the float32 fallback).
         packed: the ``PackedWeight``.
 
     Call with ``x [T, in_features]`` float32 -> ``[T, out_features]`` float32.
 
     Raises:
-        ValueError: at construction, when ``KVSERVE_CPU_ISA`` forces a path this CPU lacks or that fails its
-            self-check (``kernels.select_isa``).
+        ValueError: an unknown ``activations``.
     """
 
     def __init__(self, packed: P.PackedWeight, kind: str, in_features: Optional[int] = None,
-                 activations: Optional[str] = None):
+                 activations: Optional[str] = None, isa: Optional[str] = "auto", use_kernels: bool = True):
         self.packed = packed
-        self.activations = kernels.check_activations(activations or kernels.activations())
+        self.isa = kernels.isa() if isa == "auto" else isa
+        self.activations = kernels.check_activations(activations or kernels.DEFAULT_ACTIVATIONS.get(self.isa, "int8"))
         self.out_features = packed.out_features
         self.in_features = packed.in_features if in_features is None else in_features
-        self._isa = kernels.isa()
         self._fallback = None
-        if self._isa is None:
+        if self.isa is None:
             w = unpack(packed)[:, : self.in_features]
-            self._fallback = Linear(torch.from_numpy(np.ascontiguousarray(w)))
-        self.path = (f"{kind}/{self._isa}{'+a16' if self.activations == 'int8x2' else ''}" if self._isa
+            self._fallback = Linear(torch.from_numpy(np.ascontiguousarray(w)), use_kernels=use_kernels)
+        self.path = (f"{kind}/{self.isa}{'+a16' if self.activations == 'int8x2' else ''}" if self.isa
                      else f"{kind}/fp32_fallback")
         # Everything a call needs, resolved once (a decode step makes ~120 small calls: per-call Python counts).
         self._n_pad = packed.data.shape[0] * P.G
-        if self._isa is not None:
+        if self.isa is not None:
             self._call = functools.partial(
-                kernels.load().kvserve_qgemm, packed.fmt, kernels.ISAS[self._isa], kernels.ACTIVATIONS[self.activations])
+                kernels.load().kvserve_qgemm, packed.fmt, kernels.ISAS[self.isa], kernels.ACTIVATIONS[self.activations])
             self._wptr = packed.data.data_ptr()
             self._optr = None if packed.oscale is None else packed.oscale.data_ptr()
 
     def numel(self) -> int:
         """Weights (= multiply-adds per row): ``out_features * in_features``."""
         return self.out_features * self.in_features
+
+    @property
+    def kernel_weight(self) -> Optional[P.PackedWeight]:
+        """The packed weight as the C kernels read it, when this layer runs on a kernel path with no padded inputs
+        or outputs (what the fused layer loop can take); else ``None``."""
+        pw = self.packed
+        if self.isa is None or self.in_features != pw.in_features or pw.data.shape[0] * P.G != pw.out_features:
+            return None
+        return pw
 
     def weight_bytes(self) -> int:
         """Bytes of packed weights and scales read per call."""
@@ -176,12 +189,12 @@ class QuantLinear:
         return y if n_pad == self.out_features else y[:, : self.out_features]
 
 
-def _int8_from_float(w: np.ndarray) -> QuantLinear:
+def _int8_from_float(w: np.ndarray, path: kernels.QuantPath) -> QuantLinear:
     n, k = w.shape
     k_pad = -(-k // P.QK) * P.QK
     if k_pad != k:
         w = np.concatenate([w, np.zeros((n, k_pad - k), np.float32)], axis=1)
-    return QuantLinear(P.pack_q8(*P.quantize_q8_blocks(w)), "int8", in_features=k)
+    return QuantLinear(P.pack_q8(*P.quantize_q8_blocks(w)), "int8", in_features=k, **_path_args(path))
 
 
 def _chunked(t: QuantTensor, fn) -> tuple:
@@ -225,7 +238,8 @@ class ConcatLinear:
         return torch.cat([p(x) for p in self.parts], dim=1)
 
 
-def make_linear_method(weight, quantization: Optional[str] = None):
+def make_linear_method(weight, quantization: Optional[str] = None, path: Optional[kernels.QuantPath] = None,
+                       use_kernels: bool = True):
     """Build the linear layer for one weight (table in the module docstring), or for a fused projection.
 
     Args:
@@ -236,6 +250,8 @@ def make_linear_method(weight, quantization: Optional[str] = None):
             and Q4_1; Q8_0, Q5_K and Q6_K; anything under "int8") is packed as one weight; otherwise the parts
             become a ``ConcatLinear``.
         quantization: ``None`` / ``"auto"`` (the weight's own format), ``"fp32"``, or ``"int8"``.
+        path: the quantized kernels' ``QuantPath`` (default ``kernels.default_path()``).
+        use_kernels: float layers may use kvserve's float32 matmul kernel (``cpu_kernels``).
 
     Returns:
         An object with ``__call__(x [T, in] float32) -> [T, out] float32``, ``numel()``, ``path``,
@@ -246,6 +262,7 @@ def make_linear_method(weight, quantization: Optional[str] = None):
             2-D, parts with different ``in_features``, or a GGUF type that is not one of ``formats.QUANTIZED_TYPES``.
     """
     quantization = check_quantization(quantization)
+    path = kernels.default_path() if path is None else path
     parts = list(weight) if isinstance(weight, (list, tuple)) else [weight]
     if not parts:
         raise ValueError("make_linear_method needs at least one weight")
@@ -255,31 +272,36 @@ def make_linear_method(weight, quantization: Optional[str] = None):
         if len({p.in_features for p in parts}) != 1:
             raise ValueError(f"fused parts differ in in_features: {[p.shape for p in parts]}")
         if quantization == "fp32":
-            return Linear(torch.from_numpy(np.concatenate([p.dequantize() for p in parts])))
+            return Linear(torch.from_numpy(np.concatenate([p.dequantize() for p in parts])), use_kernels=use_kernels)
         canon = [_canonical(p, quantization) for p in parts]
         kinds = {(c[1], c[0] == "int8") for c in canon}
         if len(kinds) > 1:
-            return ConcatLinear([_pack(c) for c in canon])
+            return ConcatLinear([_pack(c, path, use_kernels) for c in canon])
         kind = "+".join(dict.fromkeys(c[0] for c in canon))
         extra = None if canon[0][4] is None else np.concatenate([c[4] for c in canon])  # m, or int8 scales
         return _pack((kind, canon[0][1], np.concatenate([c[2] for c in canon]),
-                      np.concatenate([c[3] for c in canon]), extra))
+                      np.concatenate([c[3] for c in canon]), extra), path, use_kernels)
     ws = [p if isinstance(p, np.ndarray) else p.detach().cpu().float().numpy() for p in parts]
     if any(w.ndim != 2 for w in ws) or len({w.shape[1] for w in ws}) != 1:
         raise ValueError(f"linear weights must be 2-D [out_features, in_features] with one in_features, got "
                          f"shapes {[list(w.shape) for w in ws]}")
     w = np.ascontiguousarray(np.concatenate(ws) if len(ws) > 1 else ws[0], np.float32)
     if quantization == "int8":
-        return _int8_from_float(w)
+        return _int8_from_float(w, path)
     return Linear(torch.from_numpy(w) if len(ws) > 1 or isinstance(weight, np.ndarray)
-                  else weight.float().contiguous())
+                  else weight.float().contiguous(), use_kernels=use_kernels)
 
 
-def _pack(c: tuple) -> QuantLinear:
+def _path_args(path: kernels.QuantPath, use_kernels: bool = True) -> dict:
+    """``QuantLinear``'s keyword arguments for ``path``."""
+    return dict(isa=path.isa, activations=path.activations, use_kernels=use_kernels)
+
+
+def _pack(c: tuple, path: kernels.QuantPath, use_kernels: bool = True) -> QuantLinear:
     kind, fmt, q, d, extra = c
     if fmt in (P.FMT_Q4, P.FMT_Q4F):
-        return QuantLinear(P.pack_q4(q, d, extra), kind)
-    return QuantLinear(P.pack_q8(q, d, extra), kind)
+        return QuantLinear(P.pack_q4(q, d, extra), kind, **_path_args(path, use_kernels))
+    return QuantLinear(P.pack_q8(q, d, extra), kind, **_path_args(path, use_kernels))
 
 
 class QuantEmbedding:
@@ -308,7 +330,7 @@ class QuantEmbedding:
         self.table = table
         self.head = tied_head.packed if _holds_table(tied_head, table) else None
         self._kernel = None  # qgemm.c's kvserve_q_unpack_rows (one C call per lookup), else unpack_rows (numpy)
-        if self.head is not None and kernels.isa() is not None:
+        if self.head is not None and tied_head.isa is not None:
             self._kernel = functools.partial(kernels.load().kvserve_q_unpack_rows, self.head.fmt,
                                              self.head.data.data_ptr(), self.head.out_features, self.head.in_features,
                                              None if self.head.oscale is None else self.head.oscale.data_ptr())

@@ -1,7 +1,8 @@
-"""The backends a model computes with, chosen once at start-up for a device and dtype.
+"""The backends a model computes with, chosen once at start-up for a device, a dtype and the ``KernelConfig``.
 
-``select_backends`` is the one place that asks whether kvserve's CPU kernels can run here
-(``cpu_kernels.load()``); the model, the attention layers and the draft proposer receive the choice.
+``select_backends`` is the one place that asks whether kvserve's CPU kernels can run here (``cpu_kernels.load()``,
+``qgemm.choose_path``) and decides which layer loop runs (``fused_layers``); the model, the attention layers and
+the draft proposer receive the choice.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from kvserve.attention import AttentionBackend, select_attention_backend
+from kvserve.config import KernelConfig
 from kvserve.layers.elementwise import CPUKernelOps, TorchOps
 from kvserve.layers.linear import (ColumnParallelLinear, Linear, LinearMethod, ParallelGroup, RowParallelLinear,
                                    shard_rows)
@@ -34,6 +36,11 @@ class ModelBackends:
         make_linear: the parts of one projection (``[out_i, in]`` float tensors or GGUF ``QuantTensor`` blocks,
             stacked in order: q/k/v, gate/up) -> a ``LinearMethod``.
         quantization: ``"auto"``, ``"fp32"`` or ``"int8"`` (``ModelConfig.quantization``).
+        quant_path: how quantized projections compute (``qgemm.QuantPath``: kernel path and activations).
+        use_kernels: kvserve's float32 CPU kernels are in use (attention, norms, matmuls).
+        fused_layers: the model runs its layer loop in one C call (``kvserve.model.fused_layers``) whenever the
+            attention metadata says the whole step runs in the kernels: decided here, once, from the
+            ``KernelConfig`` and what can run here (float32, one process, the CPU kernels and a quantized path).
         parallel: the tensor-parallel group this model is a shard of (``kvserve.distributed``), or ``None`` (the
             whole model in this process). ``column_linear`` / ``row_linear`` / ``column_bias`` apply the sharding
             spec when the model is built; with ``None`` they are ``make_linear`` / concatenation.
@@ -44,6 +51,9 @@ class ModelBackends:
     ops: TorchOps
     make_linear: Callable[[list], LinearMethod]
     quantization: str = "auto"
+    quant_path: quant_kernels.QuantPath = quant_kernels.QuantPath(None)
+    use_kernels: bool = False
+    fused_layers: bool = False
     parallel: Optional[ParallelGroup] = None
 
     @property
@@ -87,41 +97,49 @@ class ModelBackends:
 
 
 def select_backends(device: str, dtype: torch.dtype, quantization: str = "auto",
+                    kernel_config: Optional[KernelConfig] = None,
                     parallel: Optional[ParallelGroup] = None) -> ModelBackends:
-    """Pick the attention backend, element-wise ops and linear methods for ``device`` / ``dtype`` /
-    ``quantization``; ``parallel``: the tensor-parallel group when the model is built as one rank's shard.
+    """Pick the attention backend, element-wise ops, linear methods and layer loop for ``device`` / ``dtype`` /
+    ``quantization`` / ``kernel_config`` (default: ``KernelConfig()``); ``parallel``: the tensor-parallel group
+    when the model is built as one rank's shard.
 
-    kvserve's CPU kernels are used for float32 on a CPU when they build and load here (AVX2, a C compiler,
-    ``KVSERVE_CPU_KERNELS`` not ``0``); otherwise PyTorch's ops, with the same results to float32 rounding.
-    Quantized weights (``QuantTensor``, or any weight under ``"int8"``) go to ``kvserve.layers.quant_linear``'s int8
-    dot-product kernels (ISA chosen at run time), float weights to ``Linear``.
+    kvserve's CPU kernels are used for float32 on a CPU when ``cpu_kernels`` is on and they build and load here
+    (AVX2, a C compiler); otherwise PyTorch's ops, with the same results to float32 rounding. Quantized weights
+    (``QuantTensor``, or any weight under ``"int8"``) go to ``kvserve.layers.quant_linear``'s int8 dot-product
+    kernels on the ``QuantPath`` chosen here, float weights to ``Linear``.
 
     Raises:
-        ValueError: a device other than ``"cpu"``; a ``KVSERVE_QUANT_ACTIVATIONS`` that is not one of the
-            activation quantizations (checked here, before any weight is packed or read from the cache).
+        ValueError: a device other than ``"cpu"``; a ``cpu_isa`` this CPU lacks or that fails its self-check
+            (checked here, before any weight is packed or read from the cache).
     """
     if device != "cpu":
         raise ValueError(f"device must be 'cpu' (no other backend is built yet), got {device!r}")
-    if quantization != "fp32":
-        quant_kernels.activations()
-    kernels = cpu_kernels.load() is not None
-    reason = cpu_kernels.unavailable_reason()
+    kc = kernel_config if kernel_config is not None else KernelConfig()
+    kernels = kc.cpu_kernels and cpu_kernels.load() is not None
+    reason = cpu_kernels.unavailable_reason() if kc.cpu_kernels else "cpu_kernels=False"
     if reason:
-        logger.info("kvserve CPU kernels unavailable: %s", reason)
+        logger.info("kvserve CPU kernels not used: %s", reason)
+    quant_path = quant_kernels.QuantPath(None)
+    if quantization != "fp32":
+        quant_path = quant_kernels.choose_path(kc.cpu_kernels, kc.cpu_isa, kc.quant_activations)
     fast = kernels and dtype == torch.float32
     return ModelBackends(
         device=device,
-        attention=select_attention_backend(device, dtype, kernels),
+        attention=select_attention_backend(device, dtype, kernels, kc.batch_invariant),
         ops=CPUKernelOps() if fast else TorchOps(),
-        make_linear=partial(_make_linear, quantization=quantization, use_kernels=kernels),
+        make_linear=partial(_make_linear, quantization=quantization, path=quant_path, use_kernels=kernels),
         quantization=quantization,
+        quant_path=quant_path,
+        use_kernels=kernels,
+        fused_layers=(kc.fused_layers and fast and parallel is None and quant_path.isa is not None
+                      and quant_kernels.load() is not None),
         parallel=parallel,
     )
 
 
-def _make_linear(parts: list, quantization: str, use_kernels: bool) -> LinearMethod:
+def _make_linear(parts: list, quantization: str, path: quant_kernels.QuantPath, use_kernels: bool) -> LinearMethod:
     """Float parts (any dtype) under ``"auto"`` / ``"fp32"``: one dense ``Linear`` on their concatenation; else
-    ``make_linear_method`` (quantized blocks kept, or int8 quantized at load)."""
+    ``make_linear_method`` (quantized blocks kept, or int8 quantized at load, on ``path``)."""
     if quantization != "int8" and not any(isinstance(p, QuantTensor) for p in parts):
         return Linear(torch.cat(parts) if len(parts) > 1 else parts[0], use_kernels=use_kernels)
-    return make_linear_method(parts if len(parts) > 1 else parts[0], quantization)
+    return make_linear_method(parts if len(parts) > 1 else parts[0], quantization, path, use_kernels)

@@ -8,26 +8,26 @@ output projection, residual add + RMSNorm, gate/up, silu * up, down, residual ad
 last layer, the model's final RMSNorm), so the residual stream it leaves and the normed rows it returns equal the
 Python loop's and ``rms_norm`` of its rows bit for bit (``tests/model/test_fused_layers.py``).
 
-It takes a step when everything runs in kvserve's CPU kernels: float32, one process (no tensor parallelism), every
-projection a ``QuantLinear`` on a kernel path with no padded outputs, and every request of the step in the
-paged-attention kernel (decode tokens, verification spans and prompt chunks of at most ``SHORT_QUERY_TOKENS``; all
-of them under ``KVSERVE_BATCH_INVARIANT=1``). Other steps (long prompt chunks, which go through SDPA) run the Python
-loop, where the interpreter's cost is small beside the work. ``KVSERVE_FUSED_LAYERS=0`` turns it off.
+Chosen once, at start-up: ``select_backends`` decides from the ``KernelConfig`` (``fused_layers``) and what can run
+here (float32, one process, the CPU kernels and a quantized path) whether models get a loop
+(``ModelBackends.fused_layers``), and ``FusedLayerLoop.build`` builds it when every projection runs on a kernel
+path with no padding (``QuantLinear.kernel_weight``). Per step, the attention backend's ``build_metadata`` decides:
+when every request of the step is attended by the paged-attention kernel (``whole_step_in_kernel``: decode tokens,
+verification spans and prompt chunks of at most ``SHORT_QUERY_TOKENS``, all of them under ``batch_invariant``) the
+model calls this loop; other steps (long prompt chunks, which go through SDPA) run the Python loop, where the
+interpreter's cost is small beside the work. ``torch.compile`` of the Python loop is no substitute: it breaks its
+graph at every kernel call and measured 3-4x slower than either loop (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import Optional
 
 import torch
 
-from kvserve.attention.cpu import CPUAttentionMetadata, CPUKernelAttentionBackend
-from kvserve.layers.elementwise import CPUKernelOps
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.layers.quant_linear import QuantLinear
 from kvserve.kernels import qgemm as qkernels
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,10 @@ _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _qweight(layer) -> Optional[_QWeight]:
-    """The C view of a projection, or ``None`` when it is not a kernel-path ``QuantLinear`` without padding."""
-    if not isinstance(layer, QuantLinear) or layer._fallback is not None:
-        return None
-    pw = layer.packed
-    if layer.in_features != pw.in_features or pw.data.shape[0] * 16 != pw.out_features:
+    """The C view of a projection, or ``None`` when it has no ``kernel_weight`` (not a kernel-path quantized layer
+    without padding)."""
+    pw = getattr(layer, "kernel_weight", None)
+    if pw is None:
         return None
     return _QWeight(pw.fmt, pw.data.data_ptr(), None if pw.oscale is None else pw.oscale.data_ptr(),
                     pw.out_features, pw.in_features)
@@ -82,15 +81,16 @@ class FusedLayerLoop:
     Call with ``(h, batch, meta, rope, kv_cache)``: ``h [T, hidden]`` float32 contiguous, the residual stream
     (the embeddings; updated in place to the last layer's output, before the final norm); ``batch`` the step's
     ``InputBatch``; ``meta`` its attention metadata; ``rope`` ``(cos, sin)`` ``[T, 1, D]`` float32;
-    ``kv_cache`` ``[layers, 2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16 contiguous. Returns, when the
-    step ran (``h`` holds the last layer's output, this step's K/V are written), the final RMSNorm of every row,
-    ``[T, hidden]`` float32 (a view of the loop's scratch, valid until its next call: the LM head's input);
-    ``None`` when the caller must run the Python loop instead: a step this loop does not take (nothing done), or a
-    kernel that ran out of scratch memory mid-way (``h`` is restored to the embeddings; the Python loop then
-    rewrites the same cache slots with the same values).
+    ``kv_cache`` ``[layers, 2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16 contiguous; ``meta`` must
+    have ``whole_step_in_kernel``. Returns the final RMSNorm of every row, ``[T, hidden]`` float32 (a view of the
+    loop's scratch, valid until its next call: the LM head's input); ``h`` then holds the last layer's output and
+    this step's K/V are written.
 
     Raises:
-        ValueError: the model's shapes do not match its weights (a bug, not an input error).
+        ValueError: a step the loop does not take (its attention not all in the kernel, a cache of another layer
+            count or layout, tensors of another dtype), or the model's shapes do not match its weights: bugs of
+            the caller, not input errors.
+        MemoryError: a kernel could not allocate its scratch memory.
 
     Attributes:
         timings: ``None``, or an int64 ``[3]`` tensor to which every call adds the nanoseconds spent in the matmuls,
@@ -114,21 +114,17 @@ class FusedLayerLoop:
 
     @classmethod
     def build(cls, model) -> Optional["FusedLayerLoop"]:
-        """The fused loop for ``model`` (a ``LlamaModel``), or ``None`` when it cannot run it (the reason is logged
-        at debug level): see the module docstring."""
+        """The fused loop for ``model`` (a ``LlamaModel``), or ``None`` when its backends run no fused loop
+        (``ModelBackends.fused_layers``) or a projection has no ``kernel_weight`` (the reason is logged at debug
+        level): see the module docstring."""
         def no(reason: str) -> None:
             logger.debug("fused layer loop off: %s", reason)
             return None
 
-        if os.environ.get("KVSERVE_FUSED_LAYERS", "1") == "0":
-            return no("KVSERVE_FUSED_LAYERS=0")
-        b, a = model.backends, model.arch
+        if not model.backends.fused_layers:
+            return no("the backends run the Python layer loop")
+        a = model.arch
         lib, cpu = qkernels.load(), cpu_kernels.load()
-        if lib is None or cpu is None or qkernels.isa() is None:
-            return no("kernels unavailable")
-        if (b.tp_size != 1 or model.dtype != torch.float32 or type(b.attention) is not CPUKernelAttentionBackend
-                or not isinstance(b.ops, CPUKernelOps)):
-            return no("not a single-process float32 model on the CPU kernels")
         d, hidden, inter = a.head_dim, a.hidden_size, model.intermediate_size
         if d % 8 or hidden % 8 or inter % 8 or model.num_heads % model.num_kv_heads:
             return no("shapes the kernels do not take")
@@ -137,8 +133,8 @@ class FusedLayerLoop:
         for i, w in enumerate(model.layers):
             parts = [_qweight(w[k]) for k in ("qkv", "o", "gate_up", "down")]
             if any(p is None for p in parts):
-                return no(f"layer {i}: a projection that is not an unpadded kernel QuantLinear")
-            acts.update(w[k].activations for k in ("qkv", "o", "gate_up", "down"))
+                return no(f"layer {i}: a projection without a kernel_weight")
+            acts.update((w[k].isa, w[k].activations) for k in ("qkv", "o", "gate_up", "down"))
             # the next layer's input norm; after the last layer, the final norm (its rows are the LM head's input)
             nxt = model.layers[i + 1]["attn_norm"] if i + 1 < len(model.layers) else model.final_norm
             norms = [w["mlp_norm"], nxt]
@@ -148,12 +144,13 @@ class FusedLayerLoop:
             layers[i] = _Layer(w["mlp_norm"].data_ptr(), nxt.data_ptr(),
                                None if bias is None else bias.data_ptr(), *parts)
         if len(acts) != 1:
-            return no(f"mixed activation quantizations {sorted(acts)}")
+            return no(f"mixed kernel paths or activation quantizations {sorted(acts)}")
+        isa, act = acts.pop()
         norm0 = model.layers[0]["attn_norm"]
         if norm0.dtype != torch.float32 or not norm0.is_contiguous():
             return no("layer 0's norm not float32 contiguous")
         stack = _Stack(len(model.layers), hidden, model.num_heads, model.num_kv_heads, d, inter, a.rms_norm_eps,
-                       d**-0.5, qkernels.ISAS[qkernels.isa()], qkernels.ACTIVATIONS[acts.pop()], norm0.data_ptr(),
+                       d**-0.5, qkernels.ISAS[isa], qkernels.ACTIVATIONS[act], norm0.data_ptr(),
                        ctypes.addressof(layers), _address(cpu.kvserve_rms_norm_f32),
                        (_ptr * 2)(*(_address(getattr(cpu, "kvserve_rope_write_attend_" + cpu_kernels.KV_SUFFIX[dt]))
                                     for dt in _KV_DTYPES)),
@@ -162,15 +159,16 @@ class FusedLayerLoop:
         lib.kvserve_decoder_stack.restype = ctypes.c_int
         return cls(model, stack, layers, lib)
 
-    def __call__(self, h: torch.Tensor, batch, meta, rope, kv_cache: torch.Tensor) -> Optional[torch.Tensor]:
+    def __call__(self, h: torch.Tensor, batch, meta, rope, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run every layer on ``h [T, hidden]`` float32 (the embeddings; left holding the last layer's output, before
         the final norm, as the Python loop leaves it). Returns the final RMSNorm of every row, ``[T, hidden]``
-        float32 (a view of this loop's scratch: valid until its next call), or ``None`` when this step is not one
-        it takes (nothing done; ``h`` as it was)."""
-        if not (isinstance(meta, CPUAttentionMetadata) and not meta.groups and meta.kernel is not None
-                and kv_cache.dtype in _KV_DTYPES and kv_cache.is_contiguous() and kv_cache.shape[:2] == self._kv_lead
+        float32 (a view of this loop's scratch: valid until its next call)."""
+        if not (meta.whole_step_in_kernel and meta.kernel is not None and kv_cache.dtype in _KV_DTYPES
+                and kv_cache.is_contiguous() and kv_cache.shape[:2] == self._kv_lead
                 and kv_cache.shape[4:] == self._kv_tail and h.shape[1] == self._stack.hidden):
-            return None
+            raise ValueError(f"the fused layer loop does not take this step (attention all in the kernel: "
+                             f"{meta.whole_step_in_kernel}; cache {list(kv_cache.shape)} {kv_cache.dtype}, expected "
+                             f"{list(self._kv_lead)} x blocks x block_size x {list(self._kv_tail)})")
         cos, sin = rope
         t = batch.num_tokens
         tables, q_start, q_len, seq_len = meta.kernel
@@ -178,7 +176,7 @@ class FusedLayerLoop:
         if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
                 and all(v.dtype == torch.int64 and v.is_contiguous() for v in ints)
                 and h.dtype == torch.float32 and h.is_contiguous()):
-            return None
+            raise ValueError("the fused layer loop takes float32 rows and rope, int64 tables, all contiguous")
         need = t * sum(self._widths)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.float32)
@@ -196,10 +194,7 @@ class FusedLayerLoop:
         if rc == -1:
             raise ValueError("kvserve_decoder_stack: the model's shapes do not match its weights")
         if rc:
-            logger.warning("kvserve_decoder_stack could not allocate scratch memory (code %d); running the step "
-                           "layer by layer", rc)
-            h.copy_(self._model.embed(batch.input_ids))  # h as it was (the embeddings), rather than a copy each step
-            return None
+            raise MemoryError(f"kvserve_decoder_stack could not allocate its scratch memory (code {rc})")
         x = self._x_views.get(t)  # x, which the last layer's add_rms_norm wrote; a view made once per row count
         if x is None:  # (slicing a tensor is a torch call: ~60 us with the caches cold from the weights)
             x = self._x_views[t] = self._scratch[: t * self._widths[0]].view(t, -1)

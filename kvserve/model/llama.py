@@ -85,7 +85,8 @@ class LlamaModel:
             )
         self.inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta)
         self.rope_table = RopeTable(self.inv_freq, self.dtype)
-        # The whole layer loop in one C call for steps the CPU kernels take whole (None: always the Python loop).
+        # The whole layer loop in one C call for steps the CPU kernels take whole (None: the backends run the Python
+        # loop, decided once in select_backends).
         self.fused_layers = FusedLayerLoop.build(self)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -125,7 +126,9 @@ class LlamaModel:
         meta = self.attn.build_metadata(batch)
         rope = self._rope(batch)
         h = self.embed(batch.input_ids)  # the residual stream: a fresh tensor, updated in place by add_rms_norm
-        x = None if self.fused_layers is None else self.fused_layers(h, batch, meta, rope, kv_cache)  # normed rows
+        x = None  # the final norm of every row, when the fused loop ran the step
+        if self.fused_layers is not None and meta.whole_step_in_kernel:  # the attention backend's decision
+            x = self.fused_layers(h, batch, meta, rope, kv_cache)
         every_row = batch.logits_rows_are_all()  # a decode step: no gather (each torch call costs here)
         if x is None:
             h = self._layer_loop(h, batch, meta, rope, kv_cache)

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from kvserve.kernels.build import cache_root
+from kvserve.kernels.qgemm import QuantPath, default_path
 from kvserve.quant import pack as P
 from kvserve.quant.gguf_io import (METADATA_VERSION, QuantTensor, check_gguf_magic, gguf_metadata, gguf_tensors,
                                         open_gguf)
@@ -160,7 +161,7 @@ class WeightCache:
         entry is written afterwards. Returns what ``build`` returns."""
         quantization = backends.quantization
         path = self.entry_path(quantization)
-        entry = self.read(quantization)
+        entry = self.read(quantization, backends.quant_path, backends.use_kernels)
         if entry is None:
             logger.info("first run: packing weights into %s (one-off)", path)
         built: dict = {}
@@ -237,20 +238,21 @@ class WeightCache:
         return path
 
     # ------------------------------------------------------------------------------------------------- read
-    def read(self, quantization: str) -> Optional[dict]:
-        """The entry of ``quantization`` as key -> built layer (``QuantLinear`` or ``ConcatLinear``) over
-        memory-mapped packed weights, or ``None`` when it is absent, corrupt or stale (logged; it is then
-        rebuilt by ``build_model``)."""
-        path = self.entry_path(quantization)
-        if not path.exists():
+    def read(self, quantization: str, path: Optional[QuantPath] = None, use_kernels: bool = True) -> Optional[dict]:
+        """The entry of ``quantization`` as key -> built layer (``QuantLinear`` or ``ConcatLinear``, computing on
+        the kernel ``path``, default ``default_path()``) over memory-mapped packed weights, or ``None`` when it is
+        absent, corrupt or stale (logged; it is then rebuilt by ``build_model``)."""
+        quant_path = default_path() if path is None else path
+        entry = self.entry_path(quantization)
+        if not entry.exists():
             return None
         try:
-            return self._read(path, quantization)
+            return self._read(entry, quantization, quant_path, use_kernels)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
-            logger.warning("packed-weight cache %s unusable (%s); rebuilding it", path, e)
+            logger.warning("packed-weight cache %s unusable (%s); rebuilding it", entry, e)
             return None
 
-    def _read(self, path: Path, quantization: str) -> dict:
+    def _read(self, path: Path, quantization: str, quant_path: QuantPath, use_kernels: bool) -> dict:
         mm = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: writable views, pages never copied
         if len(mm) < _PREAMBLE.size:
             raise ValueError("truncated")
@@ -282,7 +284,8 @@ class WeightCache:
         layers = {}
         for key, specs in header["layers"].items():
             parts = [QuantLinear(P.PackedWeight(s["fmt"], array(s["data"]), s["out_features"], s["in_features"],
-                                                array(s["oscale"])), s["kind"], in_features=s["layer_in_features"])
+                                                array(s["oscale"])), s["kind"], in_features=s["layer_in_features"],
+                                 isa=quant_path.isa, activations=quant_path.activations, use_kernels=use_kernels)
                      for s in specs]
             layers[key] = parts[0] if len(parts) == 1 else ConcatLinear(parts)
         return layers

@@ -1,4 +1,4 @@
-"""``KVSERVE_BATCH_INVARIANT=1`` on the default quantized model: a token's logprobs are bit-identical whether its
+"""``batch_invariant=True`` on the default quantized model: a token's logprobs are bit-identical whether its
 prompt ran in one step or in chunks, after a prefix-cache hit, or beside other requests (the kernel reads every
 query; quantized matmuls, norms and RoPE are row-wise). Without it long chunks use SDPA, whose float order differs
 by ~1e-7, which int8 activation rounding can amplify (see kvserve/attention/cpu.py)."""
@@ -15,8 +15,7 @@ OTHERS = ["Write a haiku about the sea.", "List three prime numbers: 2, 3,"]
 
 
 def _llm(monkeypatch, **kw):
-    monkeypatch.setenv("KVSERVE_BATCH_INVARIANT", "1")
-    llm = LLM(quantization="auto", num_kv_blocks=96, **kw)
+    llm = LLM(quantization="auto", num_kv_blocks=96, batch_invariant=True, **kw)
     assert llm.llm_engine.model_runner.model.attn.batch_invariant
     return llm
 
@@ -43,8 +42,17 @@ def test_chunking_prefix_hits_and_batch_mates_change_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("0", False), ("", False)])
-def test_the_variable_sets_the_backend(monkeypatch, value, expected):
-    from kvserve.attention.cpu import CPUKernelAttentionBackend
+def test_the_variable_is_the_fields_default(monkeypatch, value, expected):
+    from kvserve.config import KernelConfig
 
     monkeypatch.setenv("KVSERVE_BATCH_INVARIANT", value)
-    assert CPUKernelAttentionBackend().batch_invariant is expected
+    assert KernelConfig().batch_invariant is expected
+    assert KernelConfig(batch_invariant=not expected).batch_invariant is (not expected)  # the argument wins
+
+
+def test_a_bad_variable_names_itself(monkeypatch):
+    from kvserve.config import KernelConfig
+
+    monkeypatch.setenv("KVSERVE_BATCH_INVARIANT", "maybe")
+    with pytest.raises(ValueError, match=r"\$KVSERVE_BATCH_INVARIANT must be 1 or 0"):
+        KernelConfig()

@@ -1,6 +1,6 @@
 """The whole layer loop in one C call (kvserve/model/fused_layers.py, csrc/decoder.c) on the default quantized model:
 the same logits and the same KV cache contents as the Python loop, bit for bit, for the steps it takes; the Python
-loop for the steps it does not; and a clean fallback when the kernel fails mid-way."""
+loop for the steps the attention metadata gives it; a clear error, not a silent fallback, when the kernel fails."""
 
 import pytest
 import torch
@@ -102,33 +102,31 @@ def test_a_long_prompt_chunk_runs_the_python_loop(qllm):
     reqs = [(list(range(200, 240)), 0, [3, 1, 2]), ([5], 20, [0, 4])]  # 40 tokens: past SHORT_QUERY_TOKENS (SDPA)
     batch = flat_batch(reqs, 16)
     meta = model.attn.build_metadata(batch)
+    assert not meta.whole_step_in_kernel  # decided when the step's metadata is built: the model runs the Python loop
     h = model.embed(batch.input_ids)
     before = h.clone()
     cache = torch.zeros(model.kv_cache_shape(8, 16))
-    assert model.fused_layers(h, batch, meta, model._rope(batch), cache) is None
+    with pytest.raises(ValueError, match="does not take this step"):
+        model.fused_layers(h, batch, meta, model._rope(batch), cache)
     assert torch.equal(h, before) and not cache.any()  # nothing done
     (lf, _), (lp, _) = _forward_both(model, reqs, num_blocks=8)
     _assert_bitwise(lf, lp)
 
 
-def test_a_failure_mid_way_falls_back_with_the_same_result(qllm, monkeypatch):
+def test_a_scratch_failure_is_an_error_not_a_fallback(qllm, monkeypatch):
     model = qllm.llm_engine.model
     fused = model.fused_layers
-    real_lib = fused._lib
 
     class FailingLib:
-        """Runs the real kernel, then reports a scratch failure (h and the cache are written by then)."""
+        """Reports a scratch allocation failure."""
 
         def kvserve_decoder_stack(self, *args):
-            assert real_lib.kvserve_decoder_stack(*args) == 0
             return -3
 
-    reqs = [([11, 12, 13], 0, [2]), ([14], 30, [0, 1])]
-    (expected, _), _ = _forward_both(model, reqs, num_blocks=4)
     monkeypatch.setattr(fused, "_lib", FailingLib())
-    batch = flat_batch(reqs, 16)
-    got = model.forward(batch, torch.zeros(model.kv_cache_shape(4, 16)))  # fused fails, the Python loop reruns
-    _assert_bitwise(got, expected)
+    batch = flat_batch([([11, 12, 13], 0, [2]), ([14], 30, [0, 1])], 16)
+    with pytest.raises(MemoryError, match="scratch memory"):
+        model.forward(batch, torch.zeros(model.kv_cache_shape(4, 16)))
 
 
 def test_generation_is_unchanged_and_the_switch_turns_it_off(qllm, monkeypatch):
@@ -142,8 +140,8 @@ def test_generation_is_unchanged_and_the_switch_turns_it_off(qllm, monkeypatch):
     finally:
         model.fused_layers = keep
     assert fused == python
-    monkeypatch.setenv("KVSERVE_FUSED_LAYERS", "0")
-    assert FusedLayerLoop.build(model) is None
+    off = LLM(num_kv_blocks=32, quantization="auto", fused_layers=False)  # the engine argument turns it off
+    assert not off.llm_engine.backends.fused_layers and off.llm_engine.model.fused_layers is None
 
 
 def test_an_early_exit_draft_gets_its_own_loop_and_a_foreign_cache_is_refused(qllm):
@@ -162,7 +160,10 @@ def test_an_early_exit_draft_gets_its_own_loop_and_a_foreign_cache_is_refused(ql
     meta = target.attn.build_metadata(batch)
     h = target.embed(batch.input_ids)
     # the target's loop is handed the draft's 2-layer cache: refused, nothing written
-    assert target.fused_layers(h, batch, meta, target._rope(batch), torch.zeros(draft.kv_cache_shape(4, 16))) is None
+    foreign = torch.zeros(draft.kv_cache_shape(4, 16))
+    with pytest.raises(ValueError, match="does not take this step"):
+        target.fused_layers(h, batch, meta, target._rope(batch), foreign)
+    assert not foreign.any()
 
 
 def test_speculative_decoding_with_a_draft_on_the_quantized_path(qllm):

@@ -1,5 +1,6 @@
 """kvserve's quantized matmul (csrc/qgemm.c through kvserve.layers.quant_linear): every weight format on every ISA path the
-CPU has (forced with KVSERVE_CPU_ISA), at partial row tiles and output groups, against float64 references.
+CPU has (forced as the engine's cpu_isa forces it), at partial row tiles and output groups, against float64
+references.
 
 Two references per case:
 - exact-activation: the activations quantized exactly as the kernel does (the numpy quantizer equals the C one bit
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import gguf
+from kvserve.config import KernelConfig
 from kvserve.kernels import qgemm as kernels
 from kvserve.layers.quant_linear import make_linear_method
 from kvserve.quant import QuantTensor, formats
@@ -36,24 +38,25 @@ def _isa_params():
             for name in kernels.ISAS for act in kernels.ACTIVATIONS]
 
 
+_CURRENT = {"activations": "int8"}
+
+
 @pytest.fixture(params=_isa_params())
 def isa(request, monkeypatch):
-    """Each ISA path with each activation quantization, forced through the environment variables the way a user
-    would."""
+    """Each ISA path with each activation quantization, chosen as the engine's ``KernelConfig`` (``cpu_isa``,
+    ``quant_activations``) chooses them: the layers built without an explicit path get this one."""
     name, act = request.param
-    monkeypatch.setenv(kernels.ISA_ENV, name)
-    monkeypatch.setenv(kernels.ACT_ENV, act)
-    assert kernels.select_isa() == name
-    kernels.activations.cache_clear()
-    assert kernels.activations() == act
+    path = kernels.choose_path(True, name, act)
+    assert path == kernels.QuantPath(name, act)
+    monkeypatch.setattr(kernels, "default_path", lambda: path)
     monkeypatch.setattr(kernels, "isa", lambda: name)
+    monkeypatch.setitem(_CURRENT, "activations", act)
     yield name
-    kernels.activations.cache_clear()
 
 
 def _path(kind, isa):
     """``QuantLinear.path`` of a ``kind`` layer on path ``isa`` with the current activations."""
-    return f"{kind}/{isa}{'+a16' if kernels.activations() == 'int8x2' else ''}"
+    return f"{kind}/{isa}{'+a16' if _CURRENT['activations'] == 'int8x2' else ''}"
 
 
 def _gguf_tensor(qtype, n, k, seed):
@@ -238,15 +241,16 @@ def test_bad_quantization_is_a_value_error_naming_field_and_values():
         make_linear_method(torch.randn(4), "int8")
 
 
-def test_isa_env_var_rejects_unknown_and_unsupported(monkeypatch):
-    monkeypatch.setenv(kernels.ISA_ENV, "sse2")
-    with pytest.raises(ValueError, match=r"KVSERVE_CPU_ISA must be one of"):
-        kernels.select_isa()
+def test_cpu_isa_rejects_unknown_and_unsupported(monkeypatch):
+    with pytest.raises(ValueError, match=r"cpu_isa must be one of"):
+        kernels.choose_path(True, "sse2")
+    monkeypatch.setenv("KVSERVE_CPU_ISA", "sse2")  # the variable is the field's default, checked the same way
+    with pytest.raises(ValueError, match=r"cpu_isa \(from \$KVSERVE_CPU_ISA\) must be one of"):
+        KernelConfig()
     missing = [n for n in kernels.ISAS if not kernels.cpu_supports(n)]
     if missing:
-        monkeypatch.setenv(kernels.ISA_ENV, missing[0])
         with pytest.raises(ValueError, match="does not support"):
-            kernels.select_isa()
+            kernels.choose_path(True, missing[0])
 
 
 def test_kernel_refuses_bad_arguments():
@@ -260,33 +264,26 @@ def test_kernel_refuses_bad_arguments():
         assert rc == -1
 
 
-def test_bad_activations_are_a_value_error_naming_the_variable(monkeypatch):
-    monkeypatch.setenv(kernels.ACT_ENV, "int4")
-    kernels.activations.cache_clear()
-    try:
-        with pytest.raises(ValueError, match=r"KVSERVE_QUANT_ACTIVATIONS must be one of 'int8', 'int8x2', got 'int4'"):
-            kernels.activations()
-    finally:
-        kernels.activations.cache_clear()
+def test_bad_activations_are_a_value_error_naming_the_field(monkeypatch):
+    with pytest.raises(ValueError, match=r"quant_activations must be one of 'int8', 'int8x2', got 'int4'"):
+        kernels.choose_path(True, "auto", "int4")
+    monkeypatch.setenv("KVSERVE_QUANT_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match=r"quant_activations \(from \$KVSERVE_QUANT_ACTIVATIONS\) must be one of"):
+        KernelConfig()
     with pytest.raises(ValueError, match=r"activations must be one of 'int8', 'int8x2'"):
         QuantLinear(P.pack_q4(np.zeros((16, 32), np.uint8), np.ones((16, 1), np.float16),
                               np.zeros((16, 1), np.float16)), "q4", activations="fp16")
 
 
-def test_default_activations_follow_the_path(monkeypatch):
-    monkeypatch.delenv(kernels.ACT_ENV, raising=False)
-    kernels.activations.cache_clear()
-    try:
-        assert kernels.activations() == kernels.DEFAULT_ACTIVATIONS.get(kernels.isa(), "int8")
-    finally:
-        kernels.activations.cache_clear()
+def test_default_activations_follow_the_path():
+    assert kernels.choose_path().activations == kernels.DEFAULT_ACTIVATIONS.get(kernels.isa(), "int8")
+    assert kernels.choose_path(False) == kernels.QuantPath(None, "int8")  # cpu_kernels=False: no kernel path
     assert kernels.DEFAULT_ACTIVATIONS == {"amx_int8": "int8x2", "avx512_vnni": "int8x2", "avx2": "int8"}
 
 
 def test_fallback_without_kernels_computes_the_same(monkeypatch):
     t = _gguf_tensor(formats.Q4_1, 32, 64, seed=5)
-    monkeypatch.setattr(kernels, "isa", lambda: None)
-    layer = make_linear_method(t)
+    layer = make_linear_method(t, path=kernels.QuantPath(None))
     assert isinstance(layer, QuantLinear) and layer.path == "q4/fp32_fallback"
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
     ref = x.double() @ torch.from_numpy(t.dequantize()).double().T

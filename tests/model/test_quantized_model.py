@@ -1,7 +1,7 @@
 """The default path keeps the GGUF's Q4_1 / Q8_0 weights quantized: the engine uses the int8 dot-product kernels,
 and its next-token predictions stay within the accuracy thresholds of the ``"fp32"`` path (issue 12) on a small
 fixed set: the first GSM8K test rows up to 1,000 positions (``python -m benchmarks.accuracy`` runs 20,000 by default),
-with each activation quantization (``KVSERVE_QUANT_ACTIVATIONS``)."""
+with each activation quantization (the engine argument ``quant_activations``)."""
 
 import pytest
 
@@ -31,7 +31,7 @@ def test_default_engine_keeps_the_file_quantized(qllm, llm, monkeypatch):
         assert layer.endswith("fp32_fallback"), layer
     else:
         isa = quant_kernels.isa()
-        suffix = "+a16" if quant_kernels.activations() == "int8x2" else ""
+        suffix = "+a16" if quant_kernels.default_path().activations == "int8x2" else ""
         assert (layer, head) == (f"q4/{isa}{suffix}", f"q8/{isa}{suffix}")  # the file's Q4_1 layers, Q8_0 embedding
     assert qllm.llm_engine.backends.quantization == "auto"
     assert model.embed.head is model.lm_head.packed  # tied: lookups decode the head's bytes, no file reads
@@ -44,12 +44,8 @@ def test_accuracy_thresholds_against_fp32(llm, tokenizer, monkeypatch, activatio
         pytest.skip("../shared/data/gsm8k is not next to this clone")
     if quant_kernels.isa() is None:
         pytest.skip(str(quant_kernels.unavailable_reason()))
-    monkeypatch.setenv(quant_kernels.ACT_ENV, activations)
-    quant_kernels.activations.cache_clear()
-    try:
-        models = {q: LLM(num_kv_blocks=64, max_num_seqs=4, quantization=q).llm_engine.model for q in ("auto", "int8")}
-    finally:
-        quant_kernels.activations.cache_clear()
+    models = {q: LLM(num_kv_blocks=64, max_num_seqs=4, quantization=q, quant_activations=activations).llm_engine.model
+              for q in ("auto", "int8")}
     assert models["auto"].lm_head.activations == activations
     texts = gsm8k_texts(tokenizer, 1000)
     got = compare_all(llm.llm_engine.model, models, texts)
@@ -84,14 +80,11 @@ def test_bad_quantization_is_a_clear_error(bad):
 
 
 def test_bad_activations_variable_fails_before_any_weight_is_packed(monkeypatch, caplog):
-    """A bad ``KVSERVE_QUANT_ACTIVATIONS`` is a clear error at start-up, before the packed-weight cache is touched
-    (found by a fresh-user run: it was first taken for a corrupt cache entry and the weights repacked)."""
-    monkeypatch.setenv(quant_kernels.ACT_ENV, "bogus")
-    quant_kernels.activations.cache_clear()
-    try:
-        with caplog.at_level("INFO"), pytest.raises(ValueError, match="KVSERVE_QUANT_ACTIVATIONS must be one of"):
-            LLM(num_kv_blocks=8, quantization="auto")
-    finally:
-        quant_kernels.activations.cache_clear()
+    """A bad ``KVSERVE_QUANT_ACTIVATIONS`` (the default of ``quant_activations``) is a clear error at start-up,
+    before the packed-weight cache is touched (found by a fresh-user run: it was first taken for a corrupt cache
+    entry and the weights repacked)."""
+    monkeypatch.setenv("KVSERVE_QUANT_ACTIVATIONS", "bogus")
+    with caplog.at_level("INFO"), pytest.raises(ValueError, match=r"\$KVSERVE_QUANT_ACTIVATIONS\) must be one of"):
+        LLM(num_kv_blocks=8, quantization="auto")
     assert not any("packed-weight cache" in r.getMessage() or "packing weights" in r.getMessage()
                    for r in caplog.records)

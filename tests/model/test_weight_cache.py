@@ -1,6 +1,7 @@
 """The on-disk packed-weight cache (``kvserve.model.weight_cache``), the model-file hash memo, the GGUF
 metadata cache and the lazily zeroed KV pool, on the real default model where it matters."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ def setup(tmp_path_factory):
         calls.append(len(parts))
         return backends.make_linear(parts)
 
-    counted = type(backends)(backends.device, backends.attention, backends.ops, counting, backends.quantization)
+    counted = dataclasses.replace(backends, make_linear=counting)
 
     def build():
         calls.clear()
