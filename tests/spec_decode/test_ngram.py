@@ -1,7 +1,6 @@
 """N-gram (prompt lookup) proposer: exact proposals on hand-made sequences, a brute-force reference, validation."""
 
 import random
-import time
 
 import pytest
 
@@ -67,16 +66,13 @@ def test_matches_brute_force_on_random_sequences():
     assert hits > 500  # the random sequences exercise matches, not only misses
 
 
-def test_long_context_is_fast():
+def test_long_context_lookup():
+    """A match far back in a 4,000-token context (its speed is a benchmark's business: benchmarks/spec.py)."""
     rng = random.Random(1)
     tokens = [rng.randrange(50_000) for _ in range(4000)]
     tokens += tokens[1000:1010]  # the last 3 tokens occurred at 1007..1009
     proposer = NgramProposer(1, 3)
     assert proposer.lookup(tokens, 5) == tokens[1010:1015]
-    start = time.perf_counter()
-    for _ in range(50):
-        proposer.lookup(tokens, 5)
-    assert (time.perf_counter() - start) / 50 < 0.02  # measured ~0.5 ms per call
 
 
 def test_is_a_proposer():
