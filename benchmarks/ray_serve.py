@@ -35,8 +35,8 @@ from kvserve.bench.serve import (arrival_times, fetch_prefix_counters, prefix_hi
 from kvserve.bench.workloads import LoadRequest
 from kvserve.metrics import format_table, summarize
 from kvserve.distributed.router import ROUTERS, Router, least_loaded, make_router
-from kvserve.entrypoints import ray_serve_ingress as ingress
-from kvserve.entrypoints.ray_serve import get_router
+from kvserve.entrypoints.ray import ingress
+from kvserve.entrypoints.ray.router import get_router
 
 
 def salted(sessions: list, marker: int) -> list:

@@ -28,7 +28,7 @@ def _generate(p):
 
 
 def _serve(p):
-    from kvserve.entrypoints import ray_serve_args
+    from kvserve.entrypoints.ray import args as ray_serve_args
     from kvserve.entrypoints.openai import api_server
 
     add_engine_args(p)

@@ -61,7 +61,7 @@ def test_shutdown_ray_is_bounded_when_serve_hangs(monkeypatch):
     import threading
     import time
 
-    from kvserve.entrypoints import ray_serve_ingress as ingress
+    from kvserve.entrypoints.ray import ingress
 
     release, calls = threading.Event(), []
     monkeypatch.setattr(ingress.serve, "shutdown", lambda: release.wait(30))

@@ -20,8 +20,9 @@ from kvserve.bench.serve import parse_prefix_counters, run_benchmark
 from kvserve.bench.workloads import LoadRequest  # noqa: E402
 from kvserve.bench.workloads import default_data_dir  # noqa: E402
 from kvserve.distributed.router import make_router, prompt_block_hashes  # noqa: E402
-from kvserve.entrypoints import ray_serve_ingress as ingress  # noqa: E402
-from kvserve.entrypoints.ray_serve import APP_NAME, DEPLOYMENT_NAME, get_router  # noqa: E402
+from kvserve.entrypoints.ray import ingress  # noqa: E402
+from kvserve.entrypoints.ray.replica import APP_NAME, DEPLOYMENT_NAME  # noqa: E402
+from kvserve.entrypoints.ray.router import get_router  # noqa: E402
 
 ENGINE_ARGS = {"max_model_len": 1024}
 # one replica at first; Serve adds the second when more than two requests per replica are in flight (the tests

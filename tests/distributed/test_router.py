@@ -115,7 +115,7 @@ def test_ray_router_sizes_the_prefix_cache_model_to_the_smallest_reported_pool()
     pytest.importorskip("ray.serve")
     from types import SimpleNamespace
 
-    from kvserve.entrypoints.ray_serve import KVServeRequestRouter
+    from kvserve.entrypoints.ray.router import KVServeRequestRouter
 
     def replicas(*sizes):
         return [SimpleNamespace(routing_stats={"num_blocks": n} if n else {}) for n in sizes]

@@ -13,6 +13,8 @@ import pytest
 from kvserve.entrypoints.openai.api_server import api_key_from, bind_socket
 from tests.entrypoints.conftest import LiveServer
 
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
+
 KEY = "sk-kvserve-test-0123456789"
 PROMPT = "The capital of France is"
 

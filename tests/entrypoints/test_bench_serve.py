@@ -16,6 +16,8 @@ KEYS = ["completed", "failed", "duration_s", "request_throughput", "output_throu
     f"{q}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for q in ("mean", "median", "p90", "p99")]
 
 
+@pytest.mark.real_model
+@pytest.mark.server
 @pytest.mark.parametrize("extra", [
     ["--dataset", "random", "--random-input-len", "16", "--random-output-len", "4", "--request-rate", "inf"],
     pytest.param(["--dataset", "sharegpt", "--sharegpt-output-len", "4", "--sharegpt-max-chars", "300",

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from kvserve.entrypoints.cli import main
 
 
+@pytest.mark.real_model
 def test_generate_json_with_prompts_and_file(tmp_path, capsys):
     f = tmp_path / "prompts.jsonl"
     f.write_text(json.dumps({"messages": [{"role": "user", "content": "Name a planet."}]}) + "\n"
@@ -19,6 +22,7 @@ def test_generate_json_with_prompts_and_file(tmp_path, capsys):
     assert s["kv_blocks_total"] == 64 and 0 < s["peak_kv_blocks_used"] <= 64 and s["preemptions"] == 0
 
 
+@pytest.mark.real_model
 def test_generate_text_summary_and_static(capsys):
     rc = main(["generate", "--prompt", "Say hello.", "--prompt", "Name a fruit.", "--max-tokens", "6",
                "--scheduling", "static", "--no-progress", "--num-kv-blocks", "64"])

@@ -19,6 +19,8 @@ import pytest
 
 from tests.entrypoints.conftest import LiveServer
 
+pytestmark = [pytest.mark.real_model, pytest.mark.server, pytest.mark.browser]
+
 CHROMIUM = "/usr/bin/chromium"
 NUM_BLOCKS = 128  # the test server's pool: small enough to read cell by cell
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -228,7 +230,7 @@ def test_density_strip_at_50000_blocks(browser):
     from importlib import resources
 
     from kvserve.core.kv_cache_manager import KVCacheManager
-    from kvserve.engine.state import build_snapshot
+    from kvserve.entrypoints.dashboard.snapshot import build_snapshot
     from kvserve.request import Request, RequestStatus
     from kvserve.sampling_params import SamplingParams
 
@@ -252,7 +254,7 @@ def test_density_strip_at_50000_blocks(browser):
         "scheduling_policy": "fcfs", "enable_prefix_caching": True, "num_speculative_tokens": 0,
         "max_model_len": 32768, "show_prompts": False})
     event = b"event: state\ndata: " + json.dumps({"snapshot": snap, "history": []}).encode() + b"\n\n"
-    static = resources.files("kvserve.entrypoints.openai").joinpath("static")
+    static = resources.files("kvserve.entrypoints.dashboard").joinpath("static")
     types = {"html": "text/html", "js": "text/javascript", "css": "text/css"}
 
     def handle(route):

@@ -8,6 +8,8 @@ import pytest
 from kvserve import SamplingParams
 from kvserve.engine.detokenizer import TokenVocab
 
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
+
 PROMPT = "My favourite food: \U0001F355 and \U0001F363. Also"  # the emoji are byte-level token pieces
 
 

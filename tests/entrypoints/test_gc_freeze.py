@@ -3,8 +3,11 @@
 import gc
 
 import httpx
+import pytest
 
 from tests.entrypoints.conftest import LiveServer
+
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
 
 
 def _in_collected_generations(obj) -> bool:

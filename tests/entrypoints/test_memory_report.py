@@ -87,6 +87,7 @@ def test_probe_stages_and_report():
     assert "peak RSS" in text and "KV pool touched" in text and "libraries" in text
 
 
+@pytest.mark.real_model
 def test_generate_report_memory(capsys):
     from kvserve.entrypoints.cli import main
 

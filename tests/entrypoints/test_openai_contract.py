@@ -9,6 +9,8 @@ import pytest
 
 import kvserve
 
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
+
 CHAT = [{"role": "user", "content": "Name a color."}]
 EMOJI_CHAT = [{"role": "user", "content": "Write three food emoji."}]
 PARIS = "The capital of France is"

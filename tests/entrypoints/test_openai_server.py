@@ -9,6 +9,8 @@ import pytest
 
 from kvserve import SamplingParams
 
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
+
 CHAT = [{"role": "user", "content": "Name a color."}]
 
 

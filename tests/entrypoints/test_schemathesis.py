@@ -14,6 +14,8 @@ from schemathesis.checks import not_a_server_error
 
 from tests.entrypoints.conftest import LiveServer
 
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
+
 
 @pytest.fixture(scope="module")
 def fuzz_server():

@@ -11,8 +11,26 @@ import threading
 import time
 
 import httpx
+import pytest
 
-LONG = {"prompt": "Count slowly:", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+from tests.entrypoints.conftest import LiveServer
+
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
+
+# Long enough that no machine finishes it between its first tokens and the abort (a disconnect or SIGTERM that
+# lands in milliseconds): every test below waits for generated tokens before cutting the request off.
+MAX_MODEL_LEN = 2048
+LONG = {"prompt": "Count slowly:", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+SERVER_ARGS = {"num_kv_blocks": 160, "max_num_seqs": 4, "max_model_len": MAX_MODEL_LEN}  # 2560 token slots
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A server of its own (the shared one's max_model_len 256 caps a request too short to be sure to outlast an
+    abort)."""
+    s = LiveServer(**SERVER_ARGS).start()
+    yield s
+    s.stop()
 
 
 def _wait(cond, timeout=30.0, what="condition"):
@@ -39,7 +57,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     m = server.wait_idle()
     assert m["kvserve:kv_cache_usage_perc"] == 0 and m["kvserve:num_requests_running"] == 0
     assert _aborted(server) == before + 1
-    assert m["kvserve:generation_tokens_total"] - tokens_before < 200
+    assert m["kvserve:generation_tokens_total"] - tokens_before < LONG["max_tokens"]
     server.llm.engine.kv_cache_manager.check_integrity()
 
 
@@ -56,15 +74,15 @@ def test_disconnect_mid_non_stream_aborts_and_frees_blocks(server):
     assert m["kvserve:kv_cache_usage_perc"] == 0 and m["kvserve:num_requests_running"] == 0
     assert m["kvserve:num_requests_waiting"] == 0
     assert _aborted(server) == before + 1
-    assert m["kvserve:generation_tokens_total"] - tokens_before < 200
+    assert m["kvserve:generation_tokens_total"] - tokens_before < LONG["max_tokens"]
     server.llm.engine.kv_cache_manager.check_integrity()
 
 
 def test_sigterm_aborts_in_flight_and_exits_0(tmp_path):
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", "0", "--num-kv-blocks", "64",
-         "--max-model-len", "256", "--no-access-log"],
+        [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", "0", "--num-kv-blocks",
+         str(SERVER_ARGS["num_kv_blocks"]), "--max-model-len", str(MAX_MODEL_LEN), "--no-access-log"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
@@ -76,14 +94,18 @@ def test_sigterm_aborts_in_flight_and_exits_0(tmp_path):
         assert proc.poll() is None, (tmp_path / "server.log").read_text()
         url = f"http://127.0.0.1:{port()}"
         events = []
+        first_token = threading.Event()
 
         def stream():
             with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
-                events.extend(line for line in r.iter_lines() if line.startswith("data:"))
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        events.append(line)
+                        first_token.set()
 
         t = threading.Thread(target=stream)
         t.start()
-        _wait(lambda: _running(url) >= 1, what="request running")
+        assert first_token.wait(60), "no token streamed"  # running, with LONG's ~2000 tokens still to come
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
         t.join(30)
@@ -94,8 +116,3 @@ def test_sigterm_aborts_in_flight_and_exits_0(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
-
-
-def _running(url: str) -> float:
-    m = re.search(r"kvserve:num_requests_running\{[^}]*\} ([0-9.]+)", httpx.get(url + "/metrics").text)
-    return float(m.group(1)) if m else 0.0

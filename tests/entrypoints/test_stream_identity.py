@@ -12,6 +12,8 @@ import pytest
 
 from tests.entrypoints.conftest import LiveServer
 
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
+
 PROMPTS = ["The capital of France is", "Once upon a time"]
 STOP = [".\n", " answer"]  # multi-character: the stream holds back up to 6 characters
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

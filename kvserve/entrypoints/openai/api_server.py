@@ -1,13 +1,10 @@
-"""``kvserve serve``: the OpenAI-compatible HTTP server (FastAPI on uvicorn) over one ``AsyncLLM``.
+"""``kvserve serve``: the OpenAI-compatible HTTP server (FastAPI on uvicorn) over one ``AsyncLLM``: the app factory
+(``build_app``), the server (``KVServeServer``, ``build_server``, ``bind_socket``) and the command (``add_args``,
+``api_key_from``, ``run``).
 
-Routes: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with
-``"stream": true``), ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes); the OpenAPI schema at
-``/openapi.json``; with the dashboard on, ``GET /dashboard`` and ``GET /v1/engine/state`` (``dashboard.py``, left
-out of the schema). Every ``GET`` route answers ``HEAD`` too. Every error is
-``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (bad JSON, unknown model, invalid or
-unsupported parameter, prompt too long), 401 for a missing or wrong API key, 404 for an unknown route, 405 for a
-wrong method, 503 while shutting down; 500 only for a server bug.
+The routes are ``routes.py``'s (OpenAI's and vLLM's shapes); the OpenAPI schema is at ``/openapi.json``; with the
+dashboard on, ``GET /dashboard`` and ``GET /v1/engine/state`` (``kvserve.entrypoints.dashboard``, left out of the
+schema). Every error is ``{"error": {"message", "type", "param", "code"}}`` (``errors.py``).
 
 API keys (``--api-key`` or ``KVSERVE_API_KEY``): ``APIKeyMiddleware`` wraps the whole app, so every route — those
 added later included — needs ``Authorization: Bearer <key>``, except ``/health`` (and ``/metrics`` with
@@ -26,7 +23,6 @@ import errno
 import gc
 import hashlib
 import hmac
-import json
 import logging
 import os
 import signal
@@ -36,37 +32,23 @@ from pathlib import Path
 from typing import Optional
 
 import uvicorn
-from fastapi import Body, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import kvserve
 from kvserve.engine.async_llm import AsyncLLM
-from kvserve.entrypoints.openai import dashboard as dash
-from kvserve.entrypoints.openai import protocol as p
-from kvserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
-from kvserve.entrypoints.openai.serving import OpenAIError, OpenAIServing
+from kvserve.engine.detokenizer import TokenVocab
+from kvserve.entrypoints.dashboard import hub as dash
+from kvserve.entrypoints.openai.errors import add_exception_handlers, error_response
+from kvserve.entrypoints.openai.metrics import PrometheusStatLogger
+from kvserve.entrypoints.openai.routes import router
+from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvserve.entrypoints.openai.serving_engine import OpenAIError
+from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = {400: {"model": p.ErrorResponse, "description": "bad input"},
-           503: {"model": p.ErrorResponse, "description": "shutting down"}}
 API_KEY_ENV = "KVSERVE_API_KEY"
-
-
-class ErrorJSONResponse(JSONResponse):
-    """An error body as ASCII JSON: a message may quote client text, which can hold a lone surrogate (valid in
-    JSON, not encodable as UTF-8); escaped, it can never turn a 400 into a 500."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-def error_response(e: "OpenAIError", headers: Optional[dict] = None) -> ErrorJSONResponse:
-    return ErrorJSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 class APIKeyMiddleware:
@@ -103,8 +85,6 @@ class APIKeyMiddleware:
         # compare even when the scheme is wrong, so the time does not tell which part failed
         digest = hashlib.sha256(token.strip()).digest()
         return bool(hmac.compare_digest(digest, self.key_digest) & (scheme.lower() == b"bearer"))
-_STREAM_DOC = {"description": "JSON, or with stream=true server-sent events (data: {chunk} ... data: [DONE])",
-               "content": {"text/event-stream": {"schema": {"type": "string"}}}}
 
 
 def freeze_gc_heap() -> int:
@@ -129,10 +109,9 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
         stat_logger: what ``/metrics`` exposes; default ``llm.stat_logger``.
         api_key: if set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
         metrics_auth: with ``api_key``, whether ``/metrics`` needs it too (default yes).
-        dashboard: add ``/dashboard`` and ``/v1/engine/state`` (``kvserve.entrypoints.openai.dashboard``).
+        dashboard: add ``/dashboard`` and ``/v1/engine/state`` (``kvserve.entrypoints.dashboard``).
         dashboard_show_prompts: the dashboard shows prompt text (else ids and token counts only).
     """
-    stat_logger = stat_logger or llm.stat_logger
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -144,179 +123,35 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions and chat completions over the kvserve engine.")
-    serving = OpenAIServing(llm, served_model_name)
-    app.state.served_model_name = served_model_name
+    vocab = TokenVocab(llm.tokenizer)  # shared: building one reads the whole vocabulary
+    state = app.state
+    state.engine_client = llm
+    state.served_model_name = served_model_name
+    state.stat_logger = stat_logger or llm.stat_logger
+    state.openai_serving_completion = OpenAIServingCompletion(llm, served_model_name, vocab)
+    state.openai_serving_chat = OpenAIServingChat(llm, served_model_name, vocab)
+    state.openai_serving_tokenization = OpenAIServingTokenization(llm, served_model_name, vocab)
     if api_key is not None:
         exempt = {"/health"} | (set() if metrics_auth else {"/metrics"}) | (dash.page_paths() if dashboard else set())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, exempt=frozenset(exempt))
-
-    def get(path: str, **kw):
-        """``@app.get`` that answers ``HEAD`` as well (same handler; the server sends no body)."""
-        def register(fn):
-            app.head(path, include_in_schema=False)(fn)
-            return app.get(path, **kw)(fn)
-        return register
-
-    # -------------------------------------------------------------------------------------------- errors
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, e: OpenAIError):
-        return error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError):
-        return error_response(validation_error(e, request.headers.get("content-type")))
-
-    @app.exception_handler(ValidationError)
-    async def _model_validation_error(request: Request, e: ValidationError):  # a body validated in a handler
-        err = validation_error(RequestValidationError(e.errors()), request.headers.get("content-type"))
-        return error_response(err)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        message = f"{e.detail}: {request.method} {request.url.path}"
-        return error_response(OpenAIError(message, status=e.status_code, type=kind), getattr(e, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception):
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        err = OpenAIError(f"internal server error: {type(e).__name__}", status=500, type="internal_server_error")
-        return error_response(err)
-
-    # -------------------------------------------------------------------------------------------- routes
-    @get("/health", responses={503: _ERRORS[503]})
-    async def health():
-        """200 while the engine loop runs and accepts requests, else 503."""
-        if llm.is_running:
-            return {"status": "ok"}
-        raise OpenAIError("the engine is not running", status=503, type="server_shutdown")
-
-    @get("/metrics", response_class=Response,
-             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
-    async def metrics():
-        """Prometheus text format (see ``kvserve.entrypoints.openai.metrics``)."""
-        return Response(stat_logger.exposition() if stat_logger else b"", media_type=CONTENT_TYPE_LATEST)
-
-    def card() -> p.ModelCard:
-        return p.ModelCard(id=served_model_name, max_model_len=llm.max_model_len)
-
-    @get("/version", response_model=p.VersionResponse)
-    async def version():
-        """The kvserve version."""
-        return p.VersionResponse(version=kvserve.__version__)
-
-    @get("/v1/models", response_model=p.ModelList)
-    async def list_models():
-        return p.ModelList(data=[card()])
-
-    @get("/v1/models/{model_id:path}", response_model=p.ModelCard, responses={404: {"model": p.ErrorResponse}})
-    async def get_model(model_id: str):
-        if model_id != served_model_name:
-            raise OpenAIError(f"The model {model_id!r} does not exist", param="model", status=404,
-                              type="not_found_error", code="model_not_found")
-        return card()
-
-    @app.post("/v1/completions", response_model=p.CompletionResponse, responses={200: _STREAM_DOC, **_ERRORS})
-    async def completions(body: p.CompletionRequest, request: Request):
-        return _to_response(await serving.create_completion(body, request.receive))
-
-    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse,
-              responses={200: _STREAM_DOC, **_ERRORS})
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        return _to_response(await serving.create_chat_completion(body, request.receive))
-
-    @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
-    async def tokenize(body: dict = Body(..., description="a TokenizeCompletionRequest {prompt, add_special_tokens, "
-                                                           "return_token_strs} or a TokenizeChatRequest {messages, "
-                                                           "add_generation_prompt, continue_final_message, "
-                                                           "add_special_tokens, return_token_strs}")):
-        """Token ids of a prompt, or of a conversation under the chat template (vLLM's shapes)."""
-        return _to_response(await serving.tokenize(body))
-
-    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_ERRORS)
-    async def detokenize(body: p.DetokenizeRequest):
-        """The text of token ids."""
-        return _to_response(await serving.detokenize(body))
-
-    def openapi() -> dict:
-        # FastAPI documents validation failures as 422; this server answers them with 400 (OpenAI's way)
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                                 routes=app.routes)
-            for path in schema.get("paths", {}).values():
-                for op in path.values():
-                    op.get("responses", {}).pop("422", None)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
+    add_exception_handlers(app)
+    app.include_router(router)
+    app.openapi = lambda: _openapi_schema(app)
     if dashboard:
         dash.mount_dashboard(app, llm, served_model_name, show_prompts=dashboard_show_prompts)
     return app
 
 
-def _to_response(result):
-    if result is None:  # the client is gone; nothing will read this
-        return Response(status_code=499)
-    if isinstance(result, BaseModel):
-        return JSONResponse(result.model_dump(mode="json"))
-    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-_UNION_HINTS = {  # by the field's last name
-    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
-    "stop": "a string or a list of strings",
-    "messages": "a list of {'role': str, 'content': str or a list of text parts} objects",
-    "content": "a string or a list of {'type': 'text', 'text': str} parts (null only in an assistant message)",
-}
-_SCALAR_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
-
-
-def field_path(loc) -> str:
-    """pydantic's error location as the field path kvserve's messages use (``messages[0].content``,
-    ``tools[0].function.name``), cut before the first union-member tag (``str``, ``list[ContentPart]``, ...)."""
-    path = ""
-    for x in loc:
-        if isinstance(x, int):
-            path += f"[{x}]"
-        elif x in _SCALAR_TAGS or not str(x).isidentifier():
-            break
-        else:
-            path += f".{x}" if path else str(x)
-    return path
-
-
-def validation_error(e: RequestValidationError, content_type: Optional[str] = None) -> OpenAIError:
-    """One 400 ``OpenAIError`` from pydantic's errors: the first offending top-level field as ``param``; a body
-    that is not a JSON object sent without ``Content-Type: application/json`` says so."""
-    errors = e.errors()
-    if not errors:
-        return OpenAIError("invalid request body")
-    first = errors[0]
-    kind = first.get("type")
-    loc = [x for x in first.get("loc", ()) if x != "body"]
-    media = (content_type or "").split(";")[0].strip().lower()
-    hint = "" if media == "application/json" or media.endswith("+json") else (
-        f"; send a JSON object with the header Content-Type: application/json (this request has "
-        f"{'no Content-Type' if not media else 'Content-Type: ' + media})")
-    if kind == "json_invalid":
-        return OpenAIError(f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}{hint}",
-                           code="json_invalid")
-    if kind == "string_unicode":  # a lone surrogate where pydantic needs a real string (an object key)
-        return OpenAIError("the request body holds a string that is not valid Unicode text (a lone surrogate)",
-                           param=str(loc[0]) if loc else None)
-    if not loc:
-        return OpenAIError(f"the request body must be a JSON object ({first.get('msg')}){hint}")
-    param = field_path(loc)
-    if kind == "extra_forbidden":
-        return OpenAIError(f"unrecognized request argument: {param}", param=param, code="unrecognized_argument")
-    if kind == "missing":
-        return OpenAIError(f"{param}: a required field is missing", param=param)
-    same_field = [err for err in errors if field_path([x for x in err.get("loc", ()) if x != "body"]) == param]
-    leaf = param.rsplit(".", 1)[-1].split("[")[0]
-    if len(same_field) > 1 and leaf in _UNION_HINTS:
-        return OpenAIError(f"{param} must be {_UNION_HINTS[leaf]}", param=param)
-    return OpenAIError(f"{param}: {first.get('msg')}", param=param)
+def _openapi_schema(app: FastAPI) -> dict:
+    """The app's OpenAPI schema, built once. FastAPI documents validation failures as 422; this server answers them
+    with 400 (OpenAI's way), so the 422 responses are left out."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 # ------------------------------------------------------------------------------------------------ the process

@@ -3,7 +3,8 @@
 Field names follow OpenAI, plus vLLM's sampling extras (``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``priority``) and vLLM's tokenizer routes. Fields that OpenAI defines but this engine
-cannot honour (``best_of`` other than ``n``, ``logit_bias``, ``suffix``, the deprecated ``functions``) are declared so that a request using them gets a 400 naming them (``serving.check_unsupported``) instead of
+cannot honour (``best_of`` other than ``n``, ``logit_bias``, ``suffix``, the deprecated ``functions``) are declared
+so that a request using them gets a 400 naming them (``serving_engine.OpenAIServing.check_unsupported``) instead of
 being silently ignored; any other unknown field is rejected by ``extra="forbid"``.
 
 Requests are validated strictly, as OpenAI's API does: no type coercion (``"max_tokens": "4"`` or ``true``,

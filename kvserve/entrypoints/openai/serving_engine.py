@@ -1,15 +1,18 @@
-"""Request handling behind the OpenAI routes: validation into ``SamplingParams``, prompts into token ids,
-generation through ``AsyncLLM``, and responses — one JSON body, or SSE chunks (``data: {json}``, the last chunk
-of each choice with ``finish_reason``, an optional usage chunk with empty ``choices``, then ``data: [DONE]``).
+"""What every OpenAI endpoint shares (vLLM's ``serving_engine``): the ``OpenAIServing`` base class (model and
+parameter checks, ``SamplingParams`` from a request, prompts into token ids, structured-output grammars, queueing
+on ``AsyncLLM``, collecting or streaming the outputs), the errors (``OpenAIError``, ``ClientDisconnected``,
+``engine_error``), the SSE helpers (``sse``, ``SSE_DONE``, ``merge_streams``) and ``usage_of``.
 
 Every request-level problem becomes an ``OpenAIError`` (HTTP 400 with ``param``) before anything is queued. A client
-that goes away has its requests aborted at once (``RequestStream.abort``), streaming or not.
+that goes away has its requests aborted at once (``RequestStream.abort``), streaming or not. A stream is SSE chunks
+(``data: {json}``, the last chunk of each choice with ``finish_reason``, an optional usage chunk with empty
+``choices``, then ``data: [DONE]``). The endpoints themselves: ``serving_completion``, ``serving_chat``,
+``serving_tokenization``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import json
 import re
@@ -22,10 +25,9 @@ from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownEr
 from kvserve.engine.detokenizer import TokenVocab
 from kvserve.entrypoints.chat_utils import MessageError, conversation_from_messages, render_chat
 from kvserve.entrypoints.openai import protocol as p
-from kvserve.entrypoints.openai import tool_parsers as tp
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.structured import StructuredOutputsParams
-from kvserve.validation import check_int, check_text
+from kvserve.validation import check_int
 
 
 class OpenAIError(Exception):
@@ -54,19 +56,21 @@ class PreparedPrompt:
 
 
 class OpenAIServing:
-    """The completions and chat-completions logic over one ``AsyncLLM``.
+    """The base of the endpoint classes: what they share over one ``AsyncLLM``.
 
     Args:
         llm: the started async engine.
         served_model_name: the only model name accepted in requests (``model`` may also be omitted).
+        vocab: the tokens' names and bytes in logprobs answers; built from the tokenizer when not given (the app
+            builds one and shares it: building it reads the whole vocabulary).
     """
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str):
+    def __init__(self, llm: AsyncLLM, served_model_name: str, vocab: Optional[TokenVocab] = None):
         self.llm = llm
         self.model_name = served_model_name
         self.tokenizer = llm.tokenizer
         self.vocab_size = llm.engine.arch.vocab_size
-        self.vocab = TokenVocab(self.tokenizer)
+        self.vocab = vocab if vocab is not None else TokenVocab(self.tokenizer)
 
     # ------------------------------------------------------------------------------------------------ checks
     def check_model(self, model: Optional[str]) -> None:
@@ -241,27 +245,6 @@ class OpenAIServing:
             raise
         return streams
 
-    def completion_logprobs(self, token_ids: list, entries: list, offsets: list) -> p.CompletionLogprobs:
-        """Legacy logprobs for ``token_ids`` with engine entries ``{token_id: logprob}`` and character
-        ``offsets`` (``TokenVocab.text_offsets``); tokens and keys are ``TokenVocab.token_name``s (distinct ids,
-        distinct keys)."""
-        lp = p.CompletionLogprobs()
-        for t, entry, offset in zip(token_ids, entries, offsets):
-            lp.tokens.append(self.vocab.token_name(t))
-            lp.token_logprobs.append(None if entry is None else entry[t])  # None: a prompt's first token
-            lp.top_logprobs.append(None if entry is None else {
-                self.vocab.token_name(k): v for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
-            lp.text_offset.append(offset)
-        return lp
-
-    def echo_logprobs(self, pp: PreparedPrompt, prompt_logprobs: list, k: int,
-                      skip_special: bool) -> p.CompletionLogprobs:
-        """The legacy logprobs of an echoed prompt with top ``k``: its tokens from offset 0, the first one ``null``
-        (``RequestOutput.prompt_logprobs``, vLLM's shape, possibly computed with a larger top k)."""
-        offsets, _ = self.vocab.text_offsets(pp.token_ids, 0, skip_special)
-        entries = [None if e is None else top_of(e, t, k) for t, e in zip(pp.token_ids, prompt_logprobs)]
-        return self.completion_logprobs(pp.token_ids, entries, offsets)
-
     def vllm_prompt_logprobs(self, token_ids: list, out, k: int, k_engine: int) -> list:
         """vLLM's ``prompt_logprobs`` answer field for a prompt's ``token_ids`` from the engine's ``RequestOutput``
         ``out`` (``prompt_logprobs`` computed with top ``k_engine`` >= ``k``, and ``prompt_logprob_ranks``):
@@ -280,201 +263,11 @@ class OpenAIServing:
             answer.append(d)
         return answer
 
-    def chat_logprobs(self, token_ids: list, entries: list, top_n: int) -> p.ChatLogprobs:
-        """Chat logprobs for ``token_ids`` with engine entries ``{token_id: logprob}``, ``top_n`` alternatives;
-        ``bytes`` are each token's raw bytes (``TokenVocab.token_bytes``)."""
-        content = []
-        for t, entry in zip(token_ids, entries):
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
-            content.append(p.ChatTokenLogprob(
-                **self._top(t, entry[t]), top_logprobs=[p.TopLogprob(**self._top(k, v)) for k, v in top]))
-        return p.ChatLogprobs(content=content)
-
-    def _top(self, token_id: int, logprob: float) -> dict:
-        return {"token": self.vocab.token_name(token_id), "logprob": logprob,
-                "bytes": list(self.vocab.token_bytes(token_id))}
-
-    # ------------------------------------------------------------------------------------------------ endpoints
-    async def create_completion(self, req: p.CompletionRequest, receive):
-        """``POST /v1/completions``. Returns a ``CompletionResponse``, an async iterator of SSE strings
-        (``stream``), or ``None`` if the client disconnected (its requests are aborted). Choice ``index`` is
-        ``prompt_index * n + sample_index``.
-
-        Raises:
-            OpenAIError: bad input (400), shutdown (503), dead engine (500).
-        """
-        arrival = now_s()
-        self.check_model(req.model)
-        self.check_unsupported(req)
-        structured = await self.structured_outputs(req)
-        prompts = await self.completion_prompts(req.prompt)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        # echo with max_tokens 0 returns the prompt alone (vLLM's way to score a prompt): one token is generated
-        # and dropped, so the prompt is prefilled (and scored, with logprobs) like any other
-        echo_only = bool(req.echo) and max_tokens == 0
-        if echo_only:
-            max_tokens = 1
-        elif max_tokens == 0:
-            raise OpenAIError("max_tokens must be >= 1 (0 is only allowed with echo=true: the prompt alone)",
-                              param="max_tokens")
-        want_lp = req.logprobs is not None
-        plp = self.engine_prompt_logprobs(req, req.logprobs if want_lp and req.echo else None)
-        params = [self.sampling_params(req, self.check_length(len(pp.token_ids), max_tokens, "prompt", "max_tokens"),
-                                       req.logprobs, plp) for pp in prompts]
-        for sp in params:
-            sp.structured_outputs = structured
-        n = params[0].n
-        rid, created = new_id("cmpl"), int(time.time())  # one timestamp for every chunk
-        echo = [pp.text if req.echo else "" for pp in prompts]
-        skip_special = params[0].skip_special_tokens
-        streams = await self.start(req, prompts, params, rid, arrival)
-
-        def shown(c):
-            """What the client sees of a completion: nothing generated when ``echo_only``."""
-            if not echo_only:
-                return c
-            reason = None if c.finish_reason is None else "length"
-            return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if want_lp else None, delta_text="",
-                                       delta_token_ids=[], finish_reason=reason)
-
-        def logprobs_of(i: int, token_ids: list, entries: list, start: int, prompt_lps) -> tuple:
-            """(prompt part when ``prompt_lps``) + the tokens' part; ``(CompletionLogprobs or None, end offset)``."""
-            parts = ([self.echo_logprobs(prompts[i], prompt_lps, req.logprobs, skip_special)]
-                     if prompt_lps is not None else [])
-            offsets, end = self.vocab.text_offsets(token_ids, start, skip_special)
-            if token_ids:
-                parts.append(self.completion_logprobs(token_ids, entries, offsets))
-            if not parts:
-                return None, end
-            lp = parts[0]
-            for more in parts[1:]:
-                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                    getattr(lp, name).extend(getattr(more, name))
-            return lp, end
-
-        if not req.stream:
-            finals = await self._collect(streams, receive)
-            if finals is None:
-                return None
-            finals = [dataclasses.replace(o, outputs=[shown(c) for c in o.outputs]) for o in finals]
-            choices = []
-            for i, out in enumerate(finals):
-                extra = {}
-                if req.prompt_logprobs is not None:
-                    extra["prompt_logprobs"] = self.vllm_prompt_logprobs(prompts[i].token_ids, out,
-                                                                         req.prompt_logprobs, plp)
-                for c in out.outputs:
-                    lp = None
-                    if want_lp:
-                        lp, _ = logprobs_of(i, c.token_ids, c.logprobs, len(echo[i]),
-                                            out.prompt_logprobs if req.echo else None)
-                    choices.append(p.CompletionChoice(index=i * n + c.index, text=echo[i] + c.text, logprobs=lp,
-                                                      finish_reason=c.finish_reason, **extra))
-            return p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                        usage=usage_of(prompts, finals))
-
-        chars: dict = {}  # choice index -> text offset after its tokens so far (for text_offset)
-        prompt_lps: dict = {}  # prompt index -> its RequestOutput.prompt_logprobs (echo + logprobs)
-        usage_null = {"usage": None} if _include_usage(req) else {}
-
-        def record(i: int, out) -> None:
-            if out.prompt_logprobs is not None and req.echo:
-                prompt_lps[i] = out.prompt_logprobs
-
-        def chunk(i: int, c, first: bool) -> str:
-            c = shown(c)
-            k = i * n + c.index
-            head = echo[i] if first else ""
-            lp = None
-            if want_lp and (c.delta_token_ids or first):
-                entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
-                lp, chars[k] = logprobs_of(i, c.delta_token_ids, entries, chars.get(k, len(echo[i])),
-                                           prompt_lps.get(i) if first else None)
-            choice = p.CompletionChoice(index=k, text=head + c.delta_text, logprobs=lp, finish_reason=c.finish_reason)
-            return sse(p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
-                                            **usage_null))
-
-        def usage_chunk(finals) -> str:
-            finals = [dataclasses.replace(o, outputs=[shown(c) for c in o.outputs]) for o in finals]
-            return sse(p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
-                                            usage=usage_of(prompts, finals)))
-
-        return self._stream(streams, [], chunk, usage_chunk if _include_usage(req) else None,
-                            always_first=bool(req.echo), with_logprobs=want_lp, on_output=record)
-
-    async def create_chat_completion(self, req: p.ChatCompletionRequest, receive):
-        """``POST /v1/chat/completions``; returns like ``create_completion`` (``ChatCompletionResponse``)."""
-        arrival = now_s()
-        self.check_model(req.model)
-        self.check_unsupported(req)
-        tools = ToolChoice.of(req)
-        structured = await self.structured_outputs(req, tools)
-        pp = await self.chat_prompt(req.messages, tools=tools.prompt_tools)
-        use_mct = req.max_completion_tokens is not None
-        requested = req.max_completion_tokens if use_mct else req.max_tokens
-        max_tokens = self.check_length(len(pp.token_ids), requested, "messages",
-                                       "max_completion_tokens" if use_mct else "max_tokens")
-        top_n = req.top_logprobs or 0
-        plp = self.engine_prompt_logprobs(req)
-        params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None, plp)]
-        params[0].structured_outputs = structured
-        rid, created = new_id("chatcmpl"), int(time.time())
-        streams = await self.start(req, [pp], params, rid, arrival)
-
-        if not req.stream:
-            finals = await self._collect(streams, receive)
-            if finals is None:
-                return None
-            choices = []
-            for c in finals[0].outputs:
-                lp = self.chat_logprobs(c.token_ids, c.logprobs, top_n) if req.logprobs else None
-                content, calls = tools.extract(c.text)
-                message = p.ChatResponseMessage(content=content)
-                if calls:
-                    message.tool_calls = [p.ToolCall(id=t.id, function=p.FunctionCall(name=t.name,
-                                                                                     arguments=t.arguments))
-                                          for t in calls]
-                choices.append(p.ChatChoice(index=c.index, message=message, logprobs=lp,
-                                            finish_reason=_tool_finish(c.finish_reason, bool(calls))))
-            extra = {}
-            if plp is not None:
-                extra["prompt_logprobs"] = self.vllm_prompt_logprobs(pp.token_ids, finals[0], plp, plp)
-            return p.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                            usage=usage_of([pp], finals), **extra)
-
-        usage_null = {"usage": None} if _include_usage(req) else {}
-
-        def make(choices, usage=None) -> str:
-            extra = {"usage": usage} if usage is not None else usage_null
-            return sse(p.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, **extra))
-
-        def chunk(i: int, c, first: bool) -> str:
-            lp = None
-            if req.logprobs and c.delta_token_ids:
-                entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
-                lp = self.chat_logprobs(c.delta_token_ids, entries, top_n)
-            text, deltas, called = tools.stream(c.index, c.delta_text, c.finish_reason is not None)
-            delta = p.DeltaMessage(content=text) if text else p.DeltaMessage()
-            if deltas:
-                delta.tool_calls = _delta_tool_calls(deltas)
-            return make([p.ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
-                                            finish_reason=_tool_finish(c.finish_reason, called))])
-
-        def head_chunk(j: int) -> str:
-            delta = p.DeltaMessage(role="assistant", content="")
-            opening = tools.head(j)
-            if opening:
-                delta.tool_calls = _delta_tool_calls(opening)
-            return make([p.ChatStreamChoice(index=j, delta=delta)])
-
-        head = [head_chunk(j) for j in range(params[0].n)]
-        usage_chunk = (lambda finals: make([], usage_of([pp], finals))) if _include_usage(req) else None
-        return self._stream(streams, head, chunk, usage_chunk, always_first=False, with_logprobs=bool(req.logprobs))
-
-    async def structured_outputs(self, req, tools: Optional["ToolChoice"] = None) -> Optional[StructuredOutputsParams]:
+    async def structured_outputs(self, req, tool_schema: Optional[dict] = None) -> Optional[StructuredOutputsParams]:
         """The request's grammar: ``response_format`` (json_object / json_schema), one of vLLM's ``guided_*``
-        fields, or the tool-call schema of ``tool_choice`` "required" / a named function; compiled now (cached
-        per engine), so a bad one is a 400 before anything is queued.
+        fields, or ``tool_schema``, the tool-call schema of ``tool_choice`` "required" / a named function
+        (``serving_chat.ToolChoice.schema``); compiled now (cached per engine), so a bad one is a 400 before
+        anything is queued.
 
         Raises:
             OpenAIError: more than one of them; a schema that is not an object or uses an unsupported feature (the
@@ -483,7 +276,7 @@ class OpenAIServing:
         given = [n for n in ("response_format", *GUIDED_FIELDS) if getattr(req, n) is not None]
         if req.response_format is not None and req.response_format.type == "text":
             given.remove("response_format")
-        if tools is not None and tools.schema is not None:
+        if tool_schema is not None:
             given.append("tool_choice")
         if len(given) > 1:
             raise OpenAIError(f"{given[1]}: cannot be combined with {given[0]} (one output constraint per request)",
@@ -502,7 +295,7 @@ class OpenAIServing:
                 else:
                     so = StructuredOutputsParams(json=rf.json_schema.json_schema)
             elif name == "tool_choice":
-                so = StructuredOutputsParams(json=tools.schema)
+                so = StructuredOutputsParams(json=tool_schema)
             else:
                 so = StructuredOutputsParams(**{name.removeprefix("guided_"): getattr(req, name)})
             await asyncio.to_thread(self.llm.engine.grammar_backend.compile, so)
@@ -510,49 +303,6 @@ class OpenAIServing:
             message = re.sub(r"structured_outputs\.(json_object|json|regex|choice|grammar)", label, str(e))
             raise OpenAIError(message, param="tools" if name == "tool_choice" else name) from None
         return so
-
-    async def tokenize(self, body: dict) -> p.TokenizeResponse:
-        """``POST /tokenize`` (vLLM's shapes): ``{"prompt": str}`` (``TokenizeCompletionRequest``) or
-        ``{"messages": [...]}`` (``TokenizeChatRequest``: the chat template's text, as the chat endpoint renders
-        it), tokenized with or without the tokenizer's special tokens (``add_special_tokens``).
-
-        Raises:
-            pydantic.ValidationError: a body that fits neither shape (a 400 through the validation handler).
-            OpenAIError: unknown model, text that is not valid Unicode, a conversation the template rejects, or
-                both ``add_generation_prompt`` and ``continue_final_message``.
-        """
-        if "messages" in body:
-            req = p.TokenizeChatRequest.model_validate(body)
-            self.check_model(req.model)
-            if req.add_generation_prompt and req.continue_final_message:
-                raise OpenAIError("continue_final_message cannot be used with add_generation_prompt=true (the "
-                                  "default); set add_generation_prompt to false", param="continue_final_message")
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            text = (await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                           tools)).text
-        else:
-            req = p.TokenizeCompletionRequest.model_validate(body)
-            self.check_model(req.model)
-            text = req.prompt
-            try:
-                check_text("prompt", text)
-            except ValueError as e:
-                raise OpenAIError(str(e), param="prompt") from None
-        ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=req.add_special_tokens)
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return p.TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs)
-
-    async def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
-        """``POST /detokenize``: the text of ``tokens`` (special tokens kept, as vLLM does).
-
-        Raises:
-            OpenAIError: unknown model, or token ids outside ``[0, vocab_size)``.
-        """
-        self.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise OpenAIError(f"tokens must be token ids in [0, {self.vocab_size}), got {bad[:5]}", param="tokens")
-        return p.DetokenizeResponse(prompt=await asyncio.to_thread(self.tokenizer.decode, req.tokens))
 
     async def _collect(self, streams: list, receive) -> Optional[list]:
         """The final output of every stream, in order; ``None`` if the client disconnected first."""
@@ -612,103 +362,8 @@ class OpenAIServing:
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-def _tool_finish(finish_reason: Optional[str], called: bool) -> Optional[str]:
-    """``"tool_calls"`` for a choice that ended on its own (``"stop"``) with tool calls; a choice cut by
-    ``max_tokens`` stays ``"length"`` (its complete calls are returned all the same: ``tp.forced_calls``)."""
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
-
-
-def _delta_tool_calls(deltas: list) -> list:
-    """``tp.ToolCallDelta``s -> OpenAI ``delta.tool_calls`` (``id``, ``type`` and ``function.name`` only in a
-    call's first piece)."""
-    out = []
-    for d in deltas:
-        fn = p.DeltaFunctionCall(arguments=d.arguments)
-        if d.name is not None:
-            fn.name = d.name
-        call = p.DeltaToolCall(index=d.index, function=fn)
-        if d.id is not None:
-            call.id, call.type = d.id, "function"
-        out.append(call)
-    return out
-
-
-class ToolChoice:
-    """A chat request's tool mode: ``choice`` "none" (tools left out of the prompt), "auto" (the model's own
-    format, parsed by a ``ToolParser``), "required" or a named function (enforced by ``schema``).
-
-    Attributes:
-        tools: the OpenAI tools as dicts; ``prompt_tools``: those the chat template gets.
-        choice: "none", "auto", "required" or ``{"type": "function", "function": {"name"}}``.
-        schema: the JSON schema that enforces "required" / a named choice, else ``None``.
-    """
-
-    def __init__(self, tools: list, choice, schema: Optional[dict]):
-        self.tools, self.choice, self.schema = tools, choice, schema
-        self.prompt_tools = tools if choice != "none" else None
-        self.parser = tp.get_tool_parser("hermes") if choice == "auto" else None
-        self._streams: dict = {}
-
-    @classmethod
-    def of(cls, req: p.ChatCompletionRequest) -> "ToolChoice":
-        """Raises ``OpenAIError`` for a ``tool_choice`` without ``tools`` or naming an unknown function."""
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-        choice = req.tool_choice or ("auto" if tools else "none")
-        if isinstance(choice, p.NamedToolChoice):
-            choice = choice.model_dump()
-        if choice != "none" and not tools:
-            raise OpenAIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
-        try:
-            schema = tp.tool_choice_schema(tools, choice, req.parallel_tool_calls)
-        except ValueError as e:
-            raise OpenAIError(str(e), param="tool_choice") from None
-        return cls(tools, choice, schema)
-
-    def extract(self, text: str) -> tuple[Optional[str], list]:
-        """``(content, calls)`` of a finished choice's text (``tp.forced_calls`` for "required" / a named
-        function: no content; the parser's split for "auto")."""
-        if self.schema is not None:
-            return None, tp.forced_calls(text, self.choice)
-        if self.parser is not None:
-            ex = self.parser.extract(text)
-            return ex.content, ex.tool_calls
-        return text, []
-
-    def head(self, index: int) -> list:
-        """The ``tp.ToolCallDelta``s for choice ``index``'s first (role) chunk: a named function's call opens
-        there (id, name, ``arguments: ""``), as in OpenAI's stream."""
-        if self.schema is None:
-            return []
-        return self._streams.setdefault(index, tp.ForcedToolStreamer(self.choice)).head()
-
-    def stream(self, index: int, delta: str, finished: bool) -> tuple[str, list, bool]:
-        """``(content, deltas, called)`` for a streamed choice's new text ``delta``: the content and the
-        ``tp.ToolCallDelta``s to send now, and whether the choice has made a call so far. Forced calls stream as they are generated (``tp.ForcedToolStreamer``); "auto" passes
-        content through until a call may begin and sends its calls in the choice's last chunk
-        (``tp.AutoToolStreamer``). The pieces add up to ``extract`` of the whole text."""
-        if self.schema is not None:
-            streamer = self._streams.setdefault(index, tp.ForcedToolStreamer(self.choice))
-            deltas = streamer.feed(delta)
-            return "", deltas, bool(streamer.calls)
-        if self.parser is None:
-            return delta, [], False
-        streamer = self._streams.setdefault(index, tp.AutoToolStreamer(self.parser))
-        out = streamer.feed(delta)
-        if not finished:
-            return out, [], False
-        rest, calls = streamer.finish()
-        return out + rest, tp.whole_call_deltas(calls), bool(calls)
-
-
-def top_of(entry: dict, target: int, k: int) -> dict:
-    """An engine logprob entry ``{token_id: logprob}`` (its top ids in rank order, then ``target`` if not among
-    them) cut to its top ``k`` plus ``target``."""
-    out = dict(itertools.islice(entry.items(), k))
-    out[target] = entry[target]
-    return out
-
-
-def _include_usage(req) -> bool:
+def include_usage(req) -> bool:
+    """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
     return bool(req.stream_options is not None and req.stream_options.include_usage)
 
 

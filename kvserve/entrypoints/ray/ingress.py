@@ -1,7 +1,7 @@
 """The ingress of ``kvserve serve --data-parallel-size N``: ``kvserve serve``'s own FastAPI app and uvicorn server
 over ``RayEngineClient`` (an ``AsyncLLM`` stand-in that forwards generation to the Ray Serve replicas of
-``kvserve.entrypoints.ray_serve``), and the start-up of Ray and the deployment (``deploy``, ``build_server``,
-``run``).
+``replica.KVServeReplica``, chosen by ``router.KVServeRequestRouter``), and the start-up of Ray and the deployment
+(``deploy``, ``build_server``, ``run``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from kvserve.distributed.router import ROUTERS
 from kvserve.engine.async_llm import EngineDeadError, EngineShutdownError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.api_server import KVServeServer, api_key_from, bind_socket, build_app
-from kvserve.entrypoints.ray_serve import (ACCEPTED, APP_NAME, DEPLOYMENT_NAME, MAX_ATTEMPTS, KVServeReplica,
-                                           KVServeRequestRouter, get_router)
+from kvserve.entrypoints.ray.replica import ACCEPTED, APP_NAME, DEPLOYMENT_NAME, MAX_ATTEMPTS, KVServeReplica
+from kvserve.entrypoints.ray.router import KVServeRequestRouter, get_router
 
 logger = logging.getLogger(__name__)
 

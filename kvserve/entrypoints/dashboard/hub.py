@@ -2,7 +2,7 @@
 
 ``DashboardHub`` is ``AsyncLLM``'s ``state_observer``: the engine loop calls ``observe(outputs, engine, now)``
 after every turn, between steps and under the loop's lock. It always feeds the cheap ``MetricsHistory``; it builds
-a snapshot (``kvserve.engine.state.build_snapshot``) only while at least one viewer is subscribed, and at most at
+a snapshot (``snapshot.build_snapshot``) only while at least one viewer is subscribed, and at most at
 the fastest viewer's rate (≤ 10 Hz). A snapshot is handed to each viewer by overwriting that viewer's one-slot
 mailbox and setting an ``asyncio.Event``: nothing is queued, nothing is awaited, so a slow or vanished viewer costs
 the engine nothing (it simply skips snapshots), and the JSON encoding happens in the viewer's own coroutine. While
@@ -26,7 +26,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.engine.state import MetricsHistory, build_snapshot
+from kvserve.entrypoints.dashboard.snapshot import MetricsHistory, build_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def mount_dashboard(app: FastAPI, llm, model_name: str, show_prompts: bool = Fal
     ``state_observer``. The routes are left out of the OpenAPI schema (the README documents them)."""
     hub = DashboardHub(llm, model_name, show_prompts=show_prompts)
     llm.state_observer = hub
-    files = {name: resources.files("kvserve.entrypoints.openai").joinpath("static", name).read_bytes()
+    files = {name: resources.files("kvserve.entrypoints.dashboard").joinpath("static", name).read_bytes()
              for name in _STATIC}
 
     def static(name: str) -> Response:

@@ -1,5 +1,5 @@
 """``kvserve serve`` flags for data-parallel replicas on Ray Serve (no Ray import: the flags exist without the extra),
-and the dispatch to ``kvserve.entrypoints.ray_serve_ingress``."""
+and the dispatch to ``kvserve.entrypoints.ray.ingress``."""
 
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ def wants_ray(args: argparse.Namespace) -> bool:
 
 
 def run(args: argparse.Namespace, engine_args: dict) -> int:
-    """Serve with Ray Serve replicas (``ray_serve_ingress.run``).
+    """Serve with Ray Serve replicas (``ingress.run``).
 
     Raises:
-        ValueError: Ray is not installed, or as ``ray_serve_ingress.run``.
+        ValueError: Ray is not installed, or as ``ingress.run``.
     """
     try:
-        from kvserve.entrypoints import ray_serve_ingress
+        from kvserve.entrypoints.ray import ingress
     except ImportError as e:
         raise ValueError(f"--data-parallel-size > 1 needs Ray Serve: pip install -e '.[ray]' ({e})") from None
-    return ray_serve_ingress.run(args, engine_args)
+    return ingress.run(args, engine_args)

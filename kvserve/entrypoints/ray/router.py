@@ -1,109 +1,19 @@
-"""``kvserve serve --data-parallel-size N``: N kvserve engines as Ray Serve replicas behind one OpenAI server.
-
-Layout (one Ray Serve application, no Ray HTTP proxy):
-
-- ``KVServeReplica``: a Serve deployment of N replicas (1 CPU each); each owns one ``AsyncLLM`` and streams the
-  ``RequestOutput``s of a request from ``generate`` (token ids in, validated ``SamplingParams``).
-- ``KVServeRequestRouter``: the deployment's Ray Serve custom request router (``ray.serve.request_router``). It
-  runs inside the ingress's ``DeploymentHandle`` and delegates the choice to ``kvserve.distributed.router``
-  (``--router prefix|least-loaded|round-robin``), learning from every routed request's prompt block hashes. The load
-  it sees per replica: the requests it has routed there and not yet seen complete (the ingress is the replica's
-  only client, so that is the replica's running + waiting), and the KV usage the replica reports through Serve's
-  ``record_routing_stats`` (every second).
-- The ingress: the same FastAPI app and uvicorn server as ``kvserve serve`` (``api_server.build_app``; same routes,
-  streaming, errors), over ``RayEngineClient``, which stands in for ``AsyncLLM``: prompts are tokenized and
-  validated here, generation is forwarded to a replica through the handle. ``/metrics`` is every replica's metrics
-  with a ``replica`` label (``ReplicaMetrics``, refreshed on each scrape).
-
-Failures: a replica that dies before it accepted a request is retried on another replica (at most
-``MAX_ATTEMPTS`` tries); once accepted, the request fails with 503 (``EngineShutdownError``: a JSON response is a 503,
-a stream ends with an error event). Serve replaces the dead replica; the router forgets what it learned about it.
-"""
+"""The Ray Serve request router of the ``KVServeReplica`` deployment (``KVServeRequestRouter``): Serve's
+``RequestRouter`` interface over ``kvserve.distributed.router``'s policies; ``get_router`` finds this process's."""
 
 from __future__ import annotations
 
-import logging
-import os
 from collections import defaultdict, deque
 from typing import Optional
 
-from ray import serve
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvserve.distributed.router import ReplicaLoad, make_router, prompt_block_hashes
-from kvserve.engine.async_llm import AsyncLLM
-from kvserve.entrypoints.openai.metrics import PrometheusStatLogger
-from kvserve.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
-
-APP_NAME = "kvserve"
-DEPLOYMENT_NAME = "KVServeReplica"
-MAX_ATTEMPTS = 3  # tries of a request whose replica died before accepting it
-ACCEPTED = "accepted"  # the first item of every generate stream: the replica queued the request
+from kvserve.entrypoints.ray.replica import DEPLOYMENT_NAME
 
 _ROUTERS: dict = {}  # deployment name -> the KVServeRequestRouter in this process (created by the ingress's handle)
 
 
-# ---------------------------------------------------------------------------------------------------- replica
-class KVServeReplica:
-    """One engine replica (a Ray Serve deployment class; see ``deploy``).
-
-    Args:
-        engine_args: ``LLMEngine.from_engine_args`` keywords.
-        model_name: the ``model_name`` label of its metrics.
-    """
-
-    def __init__(self, engine_args: dict, model_name: str):
-        self.stat_logger = PrometheusStatLogger(model_name)
-        self.llm = AsyncLLM.from_engine_args(stat_logger=self.stat_logger, **engine_args)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-
-    async def generate(self, token_ids: list, sampling_params: SamplingParams, request_id: str, priority: int = 0,
-                       replica: Optional[str] = None):
-        """Yield ``ACCEPTED`` once the request is queued, then its ``RequestOutput``s (the last ``finished``).
-        Cancelled (the client went away): the request is aborted and its blocks freed.
-
-        Raises:
-            ValueError: the engine rejected the request. EngineShutdownError, EngineDeadError: as ``AsyncLLM``.
-        """
-        await self.llm.start()
-        stream = await self.llm.add_request(token_ids, sampling_params, request_id, priority=priority)
-        try:
-            yield ACCEPTED
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
-    async def info(self, replica: Optional[str] = None) -> dict:
-        """``replica_id``, ``max_model_len``, ``num_blocks``, ``block_size``, ``pid``, and the model's ``tokenizer``
-        and ``arch`` (what the ingress needs to tokenize and validate, without loading the weights)."""
-        await self.llm.start()
-        e = self.llm.engine
-        return {"replica_id": self.replica_id, "max_model_len": e.max_model_len, "num_blocks": e.num_blocks,
-                "block_size": e.block_size, "pid": os.getpid(), "tokenizer": e.tokenizer, "arch": e.arch,
-                "model_path": str(e.model_path)}
-
-    async def metrics(self, replica: Optional[str] = None) -> bytes:
-        """This replica's Prometheus text (``PrometheusStatLogger.exposition``)."""
-        return self.stat_logger.exposition()
-
-    def record_routing_stats(self) -> dict:
-        """Serve's routing-stats hook: ``num_running``, ``num_waiting``, ``kv_usage`` (0..1), ``num_blocks`` (the
-        pool's size, which bounds what its prefix cache can hold)."""
-        e = self.llm.engine
-        stats = e.kv_cache_stats()
-        return {"num_running": e.scheduler.num_running, "num_waiting": e.scheduler.num_waiting,
-                "kv_usage": stats.usage, "num_blocks": stats.num_blocks}
-
-    def check_health(self) -> None:
-        """Serve's health check: raises once the engine loop has failed (Serve then replaces the replica)."""
-        if self.llm.dead_error is not None:
-            raise RuntimeError(f"the engine loop failed: {self.llm.dead_error!r}")
-
-
-# ---------------------------------------------------------------------------------------------------- router
 class KVServeRequestRouter(RequestRouter):
     """Ray Serve request router over ``kvserve.distributed.router`` (configured by ``initialize_state``).
 
@@ -127,9 +37,9 @@ class KVServeRequestRouter(RequestRouter):
         self.decisions: deque = deque(maxlen=10000)
         # Serve may rebuild this class from a by-value pickle (its own copy of the module globals): register in
         # the imported module, where get_router looks
-        from kvserve.entrypoints import ray_serve
+        import kvserve.entrypoints.ray.router as imported
 
-        ray_serve._ROUTERS[deployment] = self
+        imported._ROUTERS[deployment] = self
 
     def replica_ids(self) -> list[str]:
         """Unique ids of the replicas the router can send to now."""

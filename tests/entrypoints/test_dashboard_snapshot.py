@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.engine.state import MetricsHistory, build_snapshot, percentile
+from kvserve.entrypoints.dashboard.snapshot import MetricsHistory, build_snapshot
+from kvserve.metrics import percentile
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 

@@ -5,9 +5,9 @@ Two pieces:
 - ``build_snapshot(kv_cache_manager, running, waiting, ...)``: one JSON-ready ``dict`` of the KV block pool (the
   state of every block, ref counts of shared blocks, the cached-and-evictable blocks in LRU eviction order, each
   running request's block table) and the scheduler's queues. It only reads; the caller must hold the engine still
-  while it runs (``AsyncLLM`` calls it between steps, under its lock). Its size is bounded: at most
-  ``max_cells`` per-block entries (larger pools are sent as a density strip only), ``max_requests`` requests per
-  queue and ``max_table_entries`` block-table entries in all.
+  while it runs (``hub.DashboardHub`` calls it from ``AsyncLLM``'s loop, between steps, under its lock). Its size is
+  bounded: at most ``max_cells`` per-block entries (larger pools are sent as a density strip only),
+  ``max_requests`` requests per queue and ``max_table_entries`` block-table entries in all.
 - ``MetricsHistory``: the SLO numbers over the last minutes (TTFT / ITL / e2e percentiles, throughput, KV usage
   and waste, prefix-cache hit rate, preemptions, speculative acceptance), one point per ``interval_s``. Fed with
   every step's outputs (cheap: a few appends per output); a point is closed at most once per ``interval_s``.
@@ -17,10 +17,11 @@ The JSON schema of a snapshot and of a history point is documented in README.md 
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from typing import Iterable, Optional
+
+from kvserve.metrics import percentile
 
 #: Version of the snapshot schema (README.md, "Dashboard"); bumped on any incompatible change.
 SCHEMA_VERSION = 1
@@ -201,16 +202,6 @@ def _request_dict(req, now: float, show_prompts: bool, spec_acceptance: Optional
     return d
 
 
-def percentile(sorted_values: list, q: float) -> Optional[float]:
-    """The ``q``-th percentile (0..100) of an ascending list by linear interpolation; ``None`` if empty."""
-    if not sorted_values:
-        return None
-    k = (len(sorted_values) - 1) * q / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
-
-
 class MetricsHistory:
     """The SLO numbers over the last ``window_s`` seconds, one point per ``interval_s``.
 
@@ -300,7 +291,7 @@ class MetricsHistory:
         for kind, obs in self._obs.items():
             while obs and obs[0][0] < horizon:
                 obs.popleft()
-            values = sorted(v for _, v in obs)
+            values = [v for _, v in obs]
             pct[kind] = ([round(percentile(values, q) * 1000, 2) for q in (50, 90, 99)] if values else None)
         queries = delta.get("prefix_cache_queries", 0)
         drafts = delta.get("spec_draft_tokens", 0)

@@ -1,0 +1,111 @@
+"""The OpenAI-compatible routes (``router``, included by ``api_server.build_app``): ``GET /health``, ``GET /metrics``
+(Prometheus), ``GET /version``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``), ``POST /tokenize``, ``POST /detokenize``
+(vLLM's shapes). Every ``GET`` route answers ``HEAD`` too.
+
+A handler finds what it serves with on ``request.app.state`` (set by ``build_app``): ``engine_client`` (the
+``AsyncLLM``), ``served_model_name``, ``stat_logger``, ``openai_serving_completion``, ``openai_serving_chat`` and
+``openai_serving_tokenization``.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Body, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+import kvserve
+from kvserve.entrypoints.openai import protocol as p
+from kvserve.entrypoints.openai.serving_engine import OpenAIError
+
+router = APIRouter()
+
+_ERRORS = {400: {"model": p.ErrorResponse, "description": "bad input"},
+           503: {"model": p.ErrorResponse, "description": "shutting down"}}
+_STREAM_DOC = {"description": "JSON, or with stream=true server-sent events (data: {chunk} ... data: [DONE])",
+               "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+
+
+def _get(path: str, **kw):
+    """``@router.get`` that answers ``HEAD`` as well (same handler; the server sends no body)."""
+    def register(fn):
+        router.head(path, include_in_schema=False)(fn)
+        return router.get(path, **kw)(fn)
+    return register
+
+
+def _card(request: Request) -> p.ModelCard:
+    state = request.app.state
+    return p.ModelCard(id=state.served_model_name, max_model_len=state.engine_client.max_model_len)
+
+
+def _to_response(result):
+    """A handler's answer: 499 when the client is gone, JSON for a model, else an SSE stream."""
+    if result is None:  # the client is gone; nothing will read this
+        return Response(status_code=499)
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump(mode="json"))
+    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@_get("/health", responses={503: _ERRORS[503]})
+async def health(request: Request):
+    """200 while the engine loop runs and accepts requests, else 503."""
+    if request.app.state.engine_client.is_running:
+        return {"status": "ok"}
+    raise OpenAIError("the engine is not running", status=503, type="server_shutdown")
+
+
+@_get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+async def metrics(request: Request):
+    """Prometheus text format (see ``kvserve.entrypoints.openai.metrics``)."""
+    stat_logger = request.app.state.stat_logger
+    return Response(stat_logger.exposition() if stat_logger else b"", media_type=CONTENT_TYPE_LATEST)
+
+
+@_get("/version", response_model=p.VersionResponse)
+async def version():
+    """The kvserve version."""
+    return p.VersionResponse(version=kvserve.__version__)
+
+
+@_get("/v1/models", response_model=p.ModelList)
+async def list_models(request: Request):
+    return p.ModelList(data=[_card(request)])
+
+
+@_get("/v1/models/{model_id:path}", response_model=p.ModelCard, responses={404: {"model": p.ErrorResponse}})
+async def get_model(model_id: str, request: Request):
+    if model_id != request.app.state.served_model_name:
+        raise OpenAIError(f"The model {model_id!r} does not exist", param="model", status=404,
+                          type="not_found_error", code="model_not_found")
+    return _card(request)
+
+
+@router.post("/v1/completions", response_model=p.CompletionResponse, responses={200: _STREAM_DOC, **_ERRORS})
+async def completions(body: p.CompletionRequest, request: Request):
+    serving = request.app.state.openai_serving_completion
+    return _to_response(await serving.create_completion(body, request.receive))
+
+
+@router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses={200: _STREAM_DOC, **_ERRORS})
+async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+    serving = request.app.state.openai_serving_chat
+    return _to_response(await serving.create_chat_completion(body, request.receive))
+
+
+@router.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
+async def tokenize(request: Request,
+                   body: dict = Body(..., description="a TokenizeCompletionRequest {prompt, add_special_tokens, "
+                                                      "return_token_strs} or a TokenizeChatRequest {messages, "
+                                                      "add_generation_prompt, continue_final_message, "
+                                                      "add_special_tokens, return_token_strs}")):
+    """Token ids of a prompt, or of a conversation under the chat template (vLLM's shapes)."""
+    return _to_response(await request.app.state.openai_serving_tokenization.tokenize(body))
+
+
+@router.post("/detokenize", response_model=p.DetokenizeResponse, responses=_ERRORS)
+async def detokenize(body: p.DetokenizeRequest, request: Request):
+    """The text of token ids."""
+    return _to_response(await request.app.state.openai_serving_tokenization.detokenize(body))

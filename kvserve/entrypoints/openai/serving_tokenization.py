@@ -1,0 +1,56 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's ``serving_tokenization`` and its shapes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvserve.entrypoints.openai import protocol as p
+from kvserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from kvserve.validation import check_text
+
+
+class OpenAIServingTokenization(OpenAIServing):
+    """The tokenizer endpoints (arguments: ``OpenAIServing``)."""
+
+    async def tokenize(self, body: dict) -> p.TokenizeResponse:
+        """``POST /tokenize`` (vLLM's shapes): ``{"prompt": str}`` (``TokenizeCompletionRequest``) or
+        ``{"messages": [...]}`` (``TokenizeChatRequest``: the chat template's text, as the chat endpoint renders
+        it), tokenized with or without the tokenizer's special tokens (``add_special_tokens``).
+
+        Raises:
+            pydantic.ValidationError: a body that fits neither shape (a 400 through the validation handler).
+            OpenAIError: unknown model, text that is not valid Unicode, a conversation the template rejects, or
+                both ``add_generation_prompt`` and ``continue_final_message``.
+        """
+        if "messages" in body:
+            req = p.TokenizeChatRequest.model_validate(body)
+            self.check_model(req.model)
+            if req.add_generation_prompt and req.continue_final_message:
+                raise OpenAIError("continue_final_message cannot be used with add_generation_prompt=true (the "
+                                  "default); set add_generation_prompt to false", param="continue_final_message")
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            text = (await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                           tools)).text
+        else:
+            req = p.TokenizeCompletionRequest.model_validate(body)
+            self.check_model(req.model)
+            text = req.prompt
+            try:
+                check_text("prompt", text)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="prompt") from None
+        ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=req.add_special_tokens)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return p.TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        """``POST /detokenize``: the text of ``tokens`` (special tokens kept, as vLLM does).
+
+        Raises:
+            OpenAIError: unknown model, or token ids outside ``[0, vocab_size)``.
+        """
+        self.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise OpenAIError(f"tokens must be token ids in [0, {self.vocab_size}), got {bad[:5]}", param="tokens")
+        return p.DetokenizeResponse(prompt=await asyncio.to_thread(self.tokenizer.decode, req.tokens))
