@@ -11,6 +11,7 @@ import logging
 import sys
 
 from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
+from kvserve.extras import MissingExtraError, require
 
 
 # Each command's set-up adds its flags to its parser and returns its runner (``args -> exit code``). It imports the
@@ -28,6 +29,8 @@ def _generate(p):
 
 
 def _serve(p):
+    for module in ("fastapi", "uvicorn", "pydantic", "prometheus_client"):  # the [server] extra
+        require(module, "server", "kvserve serve")
     from kvserve.entrypoints.ray import args as ray_serve_args
     from kvserve.entrypoints.openai import api_server
 
@@ -99,7 +102,16 @@ def _add_bench(bench: argparse.ArgumentParser, chosen):
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Run the command in ``argv`` (default ``sys.argv[1:]``); returns its exit code (2: a bad argument or a
+    missing optional package, with the message on stderr)."""
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except MissingExtraError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list) -> int:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: a paged-KV, continuously batched LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
     command = argv[0] if argv else None
