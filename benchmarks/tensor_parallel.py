@@ -1,7 +1,7 @@
 """Step time of one engine configuration (``python -m benchmarks.tensor_parallel --tensor-parallel-size T ...``):
 ``--batch`` requests of ``--prompt-len`` random token ids, each decoding ``--max-tokens`` tokens (EOS ignored via
 ``min_tokens``). Prints the prefill time (the steps until every request has its first token) and the median
-decode step time. Run it once per ``T`` side by side to compare; numbers: README "Tensor parallelism"."""
+decode step time. Run it once per ``T`` side by side to compare; numbers: docs/scale_out.md, "Tensor parallelism"."""
 
 from __future__ import annotations
 

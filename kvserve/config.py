@@ -277,7 +277,7 @@ class KernelConfig:
 
 SUPPORTED_SPEC_METHODS = ("ngram", "draft_model")
 #: Layers of the self-speculative early-exit draft when ``draft_num_layers`` is not given (a measured choice:
-#: docs/benchmarks.md, "Speculative decoding").
+#: docs/performance.md, "Speculative decoding").
 DEFAULT_DRAFT_NUM_LAYERS = 1
 
 

@@ -4,9 +4,9 @@
 query heads (with fewer than two requests per thread and enough work, ``SPREAD_MIN_MACS``, each request's scores,
 softmaxes and weighted sums are split over the threads instead, with the same arithmetic), reading each block
 where it lies; the gather of the reference backend copies every key and value of the group once more per layer
-(sizes and timings: docs/benchmarks.md, "CPU kernels"). Per layer, ``forward_qkv`` is one kernel call for RoPE, the
+(sizes and timings: docs/performance.md, "CPU kernels"). Per layer, ``forward_qkv`` is one kernel call for RoPE, the
 K/V write and the in-place attention of every query of at most ``SHORT_QUERY_TOKENS`` tokens (the reference path
-runs about a dozen PyTorch ops for the same: docs/quant_kernels.md, "The rest of the decode step"). Long prompt
+runs about a dozen PyTorch ops for the same: docs/performance.md, "The rest of the decode step"). Long prompt
 chunks keep the gather + SDPA path, on the queries the kernel rotated.
 
 Batch invariance (the engine argument ``batch_invariant``, after vLLM's ``VLLM_BATCH_INVARIANT``): every query, however long
@@ -14,7 +14,7 @@ its chunk, goes through the kernel, whose arithmetic for one query row does not 
 step (keys summed in position order, however the work is split over threads). With the row-wise quantized matmuls,
 norms and RoPE, a token's logits are then bit-identical whether its prompt ran in one step or in chunks, after a
 prefix-cache hit or beside other requests. By default long chunks use SDPA instead (faster prefill; measured
-in the README), whose float summation order differs from the kernel's by ~1e-7 — differences that int8 activation
+in docs/performance.md, "Batch invariance"), whose float summation order differs from the kernel's by ~1e-7 — differences that int8 activation
 rounding can amplify to a different greedy token on the quantized path.
 """
 

@@ -1,5 +1,5 @@
 """ShareGPT multi-round conversations as closed-loop sessions: ``kvserve bench serve --dataset
-sharegpt-multiround`` and ``python -m kvserve.entrypoints.ray_serve_bench``.
+sharegpt-multiround`` and ``python -m benchmarks.ray_serve``.
 
 The data (``../shared/data/sharegpt_multiround``, LMBenchmark's "sharegpt" scenario): ``warmup.json`` holds round 2
 of 55 users, ``run.json`` their rounds 3..N; each row is ``{"input": str, "output_length": int}`` where ``input``

@@ -1,6 +1,6 @@
 """Routing requests across data-parallel replicas: prefix-cache-aware, least-loaded, round-robin.
 
-Pure Python, no Ray: the Ray Serve request router (``kvserve.entrypoints.ray_serve``) and the cluster simulator
+Pure Python, no Ray: the Ray Serve request router (``kvserve.entrypoints.ray.router``) and the cluster simulator
 (``kvserve.sim.cluster``) drive the same classes.
 
 The prefix-aware policy (the idea of SGLang's cache-aware router and Ray Serve LLM's ``PrefixCacheAffinityRouter``,

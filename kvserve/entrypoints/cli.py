@@ -16,7 +16,7 @@ from kvserve.extras import MissingExtraError, require
 
 # Each command's set-up adds its flags to its parser and returns its runner (``args -> exit code``). It imports the
 # command's modules, and only the command named on the command line is set up: ``kvserve generate`` never imports
-# the server (fastapi, uvicorn, pydantic, prometheus_client), the simulator or the benchmarks (docs/benchmarks.md,
+# the server (fastapi, uvicorn, pydantic, prometheus_client), the simulator or the benchmarks (docs/performance.md,
 # start-up and memory). ``kvserve --help`` lists every command from the help strings below.
 
 

@@ -1,5 +1,5 @@
 """Where this process's resident memory goes: peak RSS by stage and a breakdown (``kvserve generate
---report-memory``; docs/benchmarks.md, "Start-up and memory").
+--report-memory``; docs/performance.md, "Start-up and memory").
 
 Linux only (``/proc``); elsewhere ``MemoryProbe`` and ``rss_breakdown`` return ``None`` values. Terms, in bytes:
 

@@ -10,7 +10,7 @@ never asks how a weight is stored. ``Linear`` is the dense one; its paths, faste
 3. ``mkl``: ``(W @ x.T).T`` otherwise (bfloat16, ``pack=False``, other devices), faster than ``F.linear`` for skinny
    ``x`` on a CPU.
 
-Measured side by side on this model's shapes: docs/benchmarks.md ("CPU kernels").
+Measured side by side on this model's shapes: docs/performance.md ("CPU kernels").
 """
 
 from __future__ import annotations

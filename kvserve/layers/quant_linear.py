@@ -17,7 +17,7 @@
 - anything, ``"int8"``: ``QuantLinear``, symmetric int8 quantized at load, one float16 scale per 32 weights of each
   output channel (``pack.quantize_q8_blocks``, llama.cpp's Q8_0); ``int8/<isa>``. With exact activations one scale
   per whole output channel measured 97.1% top-1 agreement with ``"fp32"`` on SmolLM2 and per-32-block scales 98.6%
-  (docs/quant_kernels.md), at the same 8.5 bits per weight the packed layout stored anyway.
+  (docs/quantization.md, "Accuracy"), at the same 8.5 bits per weight the packed layout stored anyway.
 - a float ``[N, K]`` tensor / array, ``"auto"`` / ``"fp32"``: ``kvserve.layers.linear.Linear``.
 - a list of the above: one fused layer (``make_linear_method``).
 

@@ -297,7 +297,7 @@ def return_free_heap() -> None:
     A load leaves tens of MB of freed memory inside glibc's heap -- the tokenizer's JSON parse, the metadata, the
     transient copies; on a first run the blocks decoded for packing -- which malloc keeps resident (it returns only
     the heap's top). ``malloc_trim`` releases the free pages in the middle too (``madvise(MADV_DONTNEED)``), so
-    generation starts from a lower RSS and the process's peak falls (docs/benchmarks.md, start-up and memory).
+    generation starts from a lower RSS and the process's peak falls (docs/performance.md, "Start-up and memory").
     Called after a load (``loader``) and after packing (``WeightCache.build_model``); it costs milliseconds and
     frees nothing in use.
     """

@@ -5,7 +5,7 @@ scalar metadata fields and the tensor table (name, GGML type, row-major shape, a
 ``gguf_tensors(path, meta)`` then builds every tensor from that table over a ``numpy.memmap`` of the file, so
 ``weight_cache.gguf_metadata_cached`` can serve a later start-up from its cached copy of the dict without
 ``GGUFReader`` (which builds a numpy view per metadata item -- ~100,000 for a 49k-token vocabulary with its
-merges -- and is the slowest step of a first start-up; docs/benchmarks.md, start-up).
+merges -- and is the slowest step of a first start-up; docs/performance.md, "Start-up and memory").
 
 ``read_gguf_tensors(path)`` maps each tensor name (GGUF naming, e.g. ``blk.0.attn_q.weight``) to a ``QuantTensor``
 for the block formats of ``formats.QUANTIZED_TYPES`` -- a read-only view of the file's memory-mapped bytes, so

@@ -2,7 +2,7 @@
 
 On the CPU it runs through NumPy. PyTorch 2.13's CPU ``argmax`` over the last dimension was measured 10-19x slower
 than ``numpy.argmax`` on this project's shapes (float32 ``[1, 49152]``: 55-61 us vs 5.5-5.9 us; ``[8, 49152]``:
-302-685 us vs 34-38 us; ``[64, 49152]``: 2.5-4.8 ms vs 0.25-0.28 ms, 1 and 2 threads; docs/benchmarks.md), which made
+302-685 us vs 34-38 us; ``[64, 49152]``: 2.5-4.8 ms vs 0.25-0.28 ms, 1 and 2 threads; docs/performance.md, "Sampling"), which made
 the greedy pick the largest part of the sampler at batch 64. Both return the first maximum, and both treat NaN as
 larger than any number (the first NaN wins), so the result is the same.
 """

@@ -16,7 +16,7 @@ distribution.
 
 Measured before this module (torch 2.13 on the CPU, ``[1, 49152]`` logits): a full sort 2-3.9 ms per row, drawing
 49,152 exponentials from a ``torch.Generator`` 1.1 ms per row; a batch-64 decode step of chat requests spent 86 ms
-sampling at temperature 0.8 and 219 ms with ``top_p=0.95`` (now 10 and 24 ms: docs/benchmarks.md, "Sampling").
+sampling at temperature 0.8 and 219 ms with ``top_p=0.95`` (now 10 and 24 ms: docs/performance.md, "Sampling").
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ target's vocabulary) or, by default, a *self-speculative early-exit* view of the
 (Zhang et al. 2023, "Draft & Verify: Lossless LLM Acceleration via Self-Speculative Decoding"; Elhoushi et al.
 2024, "LayerSkip"). Measured on SmolLM2-135M-Instruct, which was not trained for early exit (LayerSkip trains
 with layer dropout and an early-exit loss for exactly this reason), the early exit agrees poorly with the full
-model; see ``kvserve.config.DEFAULT_DRAFT_NUM_LAYERS`` and the README for the numbers.
+model; see ``kvserve.config.DEFAULT_DRAFT_NUM_LAYERS`` and docs/design.md, "Speculative decoding", for the numbers.
 
 The draft model has its own paged KV cache (``[L, 2, num_blocks, block_size, H_kv, D]``) and its own block pool
 and per-request block tables (a ``KVCacheManager`` without prefix caching). Per request it remembers how many of

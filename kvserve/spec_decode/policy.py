@@ -6,7 +6,7 @@ Cost model of one engine step with ``b`` requests decoding and ``D`` draft token
 ``b + A`` tokens (``A`` accepted drafts); without drafts, ``b`` tokens in ``F + m b``. Verifying is faster iff
 ``A / D > c b / (1 + c b)`` with ``c = m / F``: on a memory-bound step ``c`` is about 0 and every draft is worth
 trying, on a nearly compute-bound CPU step it is not (``c`` measured for this project's CPU in
-docs/benchmarks.md, "When a draft pays"). A proposer with a model adds its own cost per draft token (its share of
+docs/performance.md, "When a draft pays"). A proposer with a model adds its own cost per draft token (its share of
 a target pass, ``Proposer.cost``), so the break-even acceptance is ``cost + c b / (1 + c b)`` (Leviathan et al.
 2023, §3.4, makes the same argument for choosing ``k``).
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-#: ``c = m / F`` of the step cost model; docs/benchmarks.md gives the measurement behind it.
+#: ``c = m / F`` of the step cost model; docs/performance.md, "When a draft pays", gives the measurement.
 VERIFY_COST_PER_TOKEN = 0.1
 #: Weight of one observation in the moving average.
 EMA_WEIGHT = 0.2

@@ -24,7 +24,7 @@ def test_conversations_extend_each_other():
     convs = read_conversations()
     assert len(convs) == 55 and [c.user for c in convs] == list(range(55))
     assert sum(len(c.texts) for c in convs) == 55 + 252  # every run.json row found its user
-    assert max(len(c.texts) for c in convs) == 11  # "up to 11 rounds/user" (README)
+    assert max(len(c.texts) for c in convs) == 11  # "up to 11 rounds/user" (../shared/data/sharegpt_multiround/README.txt)
     for c in convs:
         assert len(c.texts) == len(c.output_lens) >= 4  # users with >= 5 human turns: rounds 2..5 at least
         for a, b in zip(c.texts, c.texts[1:]):
@@ -97,7 +97,7 @@ def test_bad_multiround_flags(server, capsys):
 
 
 def test_session_errors_name_the_callers_flags(server):
-    """``python -m kvserve.entrypoints.ray_serve_bench`` passes its own flag names and its cap as given (the longest
+    """``python -m benchmarks.ray_serve`` passes its own flag names and its cap as given (the longest
     prompt allowed, one more than the rounds' cap without the generation suffix)."""
     from kvserve.bench.multiround import build_sessions, server_tokenizer
 

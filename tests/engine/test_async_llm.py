@@ -70,7 +70,7 @@ def test_shutdown_aborts_in_flight_and_refuses_new(engine):
 
 def test_every_engine_call_runs_on_one_thread(engine):
     """Steps and add_request all run on the engine's own thread (a thread pool would hop between threads, each with
-    its own cold OpenMP team: the served step then took 2-2.7x longer at 2 threads, docs/server_benchmarks.md)."""
+    its own cold OpenMP team: the served step then took 2-2.7x longer at 2 threads, docs/performance.md, "One engine thread")."""
     import threading
 
     threads = []

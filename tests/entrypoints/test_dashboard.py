@@ -118,7 +118,7 @@ def test_page_and_assets(server):
     assert js.status_code == 200 and "javascript" in js.headers["content-type"] and "/v1/engine/state" in js.text
     assert httpx.get(server.url + "/dashboard/dashboard.css", timeout=30).headers["content-type"].startswith("text/css")
     assert httpx.get(server.url + "/dashboard/secrets.txt", timeout=30).status_code == 404
-    # not in the OpenAPI schema (the README documents them)
+    # not in the OpenAPI schema (docs/server.md documents them)
     paths = httpx.get(server.url + "/openapi.json", timeout=30).json()["paths"]
     assert "/dashboard" not in paths and "/v1/engine/state" not in paths
 

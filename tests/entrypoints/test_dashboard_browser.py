@@ -25,7 +25,7 @@ CHROMIUM = "/usr/bin/chromium"
 NUM_BLOCKS = 128  # the test server's pool: small enough to read cell by cell
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-# The README's screenshots are refreshed with KVSERVE_UPDATE_SCREENSHOTS=1; otherwise they go to the temp folder, so
+# The screenshots of docs/server.md are refreshed with KVSERVE_UPDATE_SCREENSHOTS=1; otherwise they go to the temp folder, so
 # a test run leaves the work tree clean.
 SCREENSHOT = (Path(__file__).resolve().parents[2] / "docs" if os.environ.get("KVSERVE_UPDATE_SCREENSHOTS") == "1"
               else Path(tempfile.gettempdir())) / "dashboard.png"

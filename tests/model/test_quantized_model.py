@@ -54,7 +54,7 @@ def test_accuracy_thresholds_against_fp32(llm, tokenizer, monkeypatch, activatio
         assert abs(r.ppl_change) <= 0.01  # the perplexity bound
     if activations == "int8x2":
         # the thresholds, 99% for the file's own format and 98% for int8 weights (measured over the full
-        # 20,157 positions: 99.99% and 98.37%, docs/quant_kernels.md)
+        # 20,157 positions: 99.99% and 98.37%, docs/quantization.md, "Accuracy")
         assert got["auto"].top1_agreement >= 0.99 and got["int8"].top1_agreement >= 0.98
     else:
         # llama.cpp's int8 activations (the default on AVX2): 97.26% / 96.89% over 20,157 positions, under the

@@ -42,7 +42,7 @@ def tools():
 
 
 ADD_TOOL = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
-    "a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]  # the README's: a short prompt
+    "a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]  # docs/structured_outputs.md's: a short prompt
 ADD_CALL = r'<tool_call>\n\{"name": "add", "arguments": \{"a": [0-9]{1,2}, "b": [0-9]{1,2}\}\}\n</tool_call>'
 
 

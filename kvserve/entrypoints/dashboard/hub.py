@@ -251,7 +251,7 @@ def page_paths() -> frozenset[str]:
 
 def mount_dashboard(app: FastAPI, llm, model_name: str, show_prompts: bool = False) -> DashboardHub:
     """Add ``/dashboard`` and ``/v1/engine/state`` to ``app`` and attach a ``DashboardHub`` to ``llm`` as its
-    ``state_observer``. The routes are left out of the OpenAPI schema (the README documents them)."""
+    ``state_observer``. The routes are left out of the OpenAPI schema (docs/server.md, "Dashboard", documents them)."""
     hub = DashboardHub(llm, model_name, show_prompts=show_prompts)
     llm.state_observer = hub
     files = {name: resources.files("kvserve.entrypoints.dashboard").joinpath("static", name).read_bytes()

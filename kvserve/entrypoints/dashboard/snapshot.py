@@ -12,7 +12,7 @@ Two pieces:
   and waste, prefix-cache hit rate, preemptions, speculative acceptance), one point per ``interval_s``. Fed with
   every step's outputs (cheap: a few appends per output); a point is closed at most once per ``interval_s``.
 
-The JSON schema of a snapshot and of a history point is documented in README.md ("Dashboard").
+The JSON schema of a snapshot and of a history point is documented in docs/server.md ("`GET /v1/engine/state`").
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 
 from kvserve.metrics import percentile
 
-#: Version of the snapshot schema (README.md, "Dashboard"); bumped on any incompatible change.
+#: Version of the snapshot schema (docs/server.md, "`GET /v1/engine/state`"); bumped on any incompatible change.
 SCHEMA_VERSION = 1
 
 #: One character per block in ``kv.blocks``.
@@ -81,7 +81,7 @@ def build_snapshot(
         engine_info: static facts passed through as ``engine`` (e.g. ``max_num_seqs``).
 
     Returns:
-        a ``dict`` of JSON types (schema: README.md, "Dashboard"); it shares no mutable object with the engine.
+        a ``dict`` of JSON types (schema: docs/server.md, "`GET /v1/engine/state`"); it shares no mutable object with the engine.
     """
     now = time.monotonic() if now is None else now
     wall_time = time.time() if wall_time is None else wall_time

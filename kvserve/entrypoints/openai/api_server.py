@@ -91,7 +91,7 @@ def freeze_gc_heap() -> int:
     """Collect once, then move every object alive now (the modules, the model, the tokenizer, the app: ~245,000
     on the default model) into the collector's permanent generation (``gc.freeze``), as vLLM's engine does after
     start-up. A full collection then scans only what serving created: on a 2-vCPU Xeon one took 150 ms before and
-    under 0.1 ms after (docs/server_benchmarks.md, "Garbage collection"), a pause that held the engine thread too
+    under 0.1 ms after (docs/performance.md, "Garbage collection"), a pause that held the engine thread too
     (it needs the GIL between its C calls). Returns the number of objects frozen."""
     gc.collect()
     gc.freeze()
