@@ -5,6 +5,8 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="needs the optional Ray extra: pip install -e '.[ray]'")
 
+pytestmark = pytest.mark.ray
+
 from benchmarks import ray_serve as rsb  # noqa: E402
 from kvserve.bench.workloads import LoadRequest  # noqa: E402
 from tests.sim.test_replay import records, sim_for  # noqa: E402

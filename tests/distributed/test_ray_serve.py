@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("ray", reason="needs the optional Ray extra: pip install -e '.[ray]'")
 pytest.importorskip("ray.serve", reason="needs the optional Ray extra: pip install -e '.[ray]'")
 
+pytestmark = [pytest.mark.real_model, pytest.mark.server, pytest.mark.ray]
+
 import ray  # noqa: E402
 
 from benchmarks.prefix import multiround_waves  # noqa: E402

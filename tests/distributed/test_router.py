@@ -109,6 +109,7 @@ def test_make_router_and_bad_bounds():
     assert imbalance([2, 2, 2]) == 1.0 and imbalance([4, 0]) == 2.0 and imbalance([0, 0]) is None
 
 
+@pytest.mark.ray
 def test_ray_router_sizes_the_prefix_cache_model_to_the_smallest_reported_pool():
     """The Ray request router models each replica's prefix cache as large as its KV pool (the ``num_blocks`` the
     replicas report in their routing stats); an explicit ``cache_blocks`` wins; no stats yet: unbounded."""

@@ -104,17 +104,18 @@ def test_mixed_prefill_and_decode_batch_matches_separate_runs(llm):
 _FALLBACK_SCRIPT = """
 import json, sys
 from kvserve import LLM, SamplingParams
-from kvserve.kernels import cpu as cpu_kernels
-llm = LLM(num_kv_blocks=64, quantization="fp32")
-assert cpu_kernels.load() is None and llm.llm_engine.model.lm_head.path != "kvserve"
+llm = LLM(num_kv_blocks=64, quantization="fp32")  # cpu_kernels from $KVSERVE_CPU_KERNELS
+engine = llm.llm_engine
+assert not engine.config.kernel_config.cpu_kernels and not engine.backends.use_kernels
+assert engine.model.lm_head.path != "kvserve" and engine.backends.attention.name == "torch-sdpa"
 outs = llm.generate(json.loads(sys.argv[1]), SamplingParams(temperature=0.0, max_tokens=int(sys.argv[2])))
 print(json.dumps([o.outputs[0].token_ids for o in outs]))
 """
 
 
 def test_pytorch_fallback_without_kvserve_kernels_matches_transformers(hf_model, tokenizer):
-    """KVSERVE_CPU_KERNELS=0 (as on a machine without AVX2 or a C compiler): oneDNN matmuls, gather + SDPA
-    attention and PyTorch norms give the same greedy tokens, batched."""
+    """KVSERVE_CPU_KERNELS=0, the default of ``cpu_kernels`` (as on a machine without AVX2 or a C compiler): oneDNN
+    matmuls, gather + SDPA attention and PyTorch norms give the same greedy tokens, batched."""
     import json
     import os
     import subprocess
