@@ -70,7 +70,8 @@ def start_server(engine_args: dict, timeout: float = 600.0) -> tuple:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_args.items() if v is not None and k != "speculative_config"]
+    flags = [(f"--{'' if v else 'no-'}{k.replace('_', '-')}" if isinstance(v, bool) else f"--{k.replace('_', '-')}={v}")
+             for k, v in engine_args.items() if v is not None and k != "speculative_config"]
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(port),
                              "--no-access-log", *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
