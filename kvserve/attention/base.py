@@ -31,9 +31,15 @@ class AttentionBackend(abc.ABC):
 
     name: str = "abstract"
 
+    def for_head_dim(self, head_dim: int) -> "AttentionBackend":
+        """The backend a model with heads of ``head_dim`` uses, decided once when the model is built: this one,
+        or (a backend whose kernels cannot take that width) the reference backend."""
+        return self
+
     @abc.abstractmethod
     def build_metadata(self, batch: InputBatch) -> object:
-        """Everything every layer's ``forward`` needs for this step, built once per step."""
+        """Everything every layer's ``forward`` needs for this step, built once per step: it decides what runs
+        (which requests go to which kernel)."""
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: InputBatch) -> None:
         """Scatter this step's keys and values into their slots.

@@ -44,27 +44,20 @@ class CPUAttentionMetadata(AttentionMetadata):
             ``(block_tables [b, max_blocks], q_start [b], q_len [b], seq_len [b])`` int64 contiguous; ``None`` when
             there are none.
         kernel_members: their indices among the batch's requests.
-        batch: the step's batch (to build SDPA groups of the kernel's requests if the kernel cannot run).
-        fused: ``(rope, num_heads, scale, cpu_kernels.RopeWriteAttend)`` made by the step's first ``forward_qkv``
-            and reused by its other layers.
+        fused: ``(rope, num_heads, scale, cpu_kernels.RopeWriteAttend)``: the kernel's arguments that are the same
+            for every layer of the step, resolved by its first ``forward_qkv`` and reused by the others.
     """
 
     kernel: Optional[tuple] = None
     kernel_members: tuple = ()
-    batch: Optional[InputBatch] = None
     fused: Optional[tuple] = None
-
-    def fallback_groups(self) -> list:
-        """SDPA groups (decode, longer) of the kernel's requests, for when the kernel cannot take them."""
-        q_lens = self.batch.query_lens
-        decode = [b for b in self.kernel_members if q_lens[b] == 1]
-        longer = [b for b in self.kernel_members if q_lens[b] > 1]
-        return [build_group(m, self.batch) for m in (decode, longer) if m]
 
 
 class CPUKernelAttentionBackend(TorchSDPABackend):
     """float32 queries on the CPU, over a float32 or bfloat16 KV cache (``kv_cache_dtype``); use when
-    ``cpu_kernels.load()`` returned the library (``select_attention_backend``)."""
+    ``cpu_kernels.load()`` returned the library (``select_attention_backend``). Models whose head width the
+    kernels do not take (not a multiple of 8) get the reference backend instead (``for_head_dim``), once; a call
+    the kernel refuses after that is an error, never a silent fallback."""
 
     name = "cpu-kernels"
 
@@ -72,6 +65,9 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
         """``batch_invariant``: every query through the kernel (see the module docstring)."""
         self.batch_invariant = batch_invariant
         self.kernel_query_tokens = sys.maxsize if batch_invariant else SHORT_QUERY_TOKENS
+
+    def for_head_dim(self, head_dim: int):
+        return self if head_dim % 8 == 0 else TorchSDPABackend()
 
     def build_metadata(self, batch: InputBatch) -> CPUAttentionMetadata:
         q_lens, limit = batch.query_lens, self.kernel_query_tokens
@@ -86,15 +82,15 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
             kernel = (batch.block_tables[idx], batch.query_start_loc[idx],
                       torch.tensor([q_lens[b] for b in short]), batch.seq_lens[idx])
         return CPUAttentionMetadata(groups=[build_group(prefill, batch)] if prefill else [], kernel=kernel,
-                                    kernel_members=tuple(short), batch=batch, whole_step_in_kernel=not prefill)
+                                    kernel_members=tuple(short), whole_step_in_kernel=not prefill)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CPUAttentionMetadata,
                 scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
-        groups = meta.groups
         if meta.kernel is not None and not cpu_kernels.paged_attention(q, kv_cache, *meta.kernel, scale, out):
-            groups = meta.fallback_groups() + groups
-        for g in groups:
+            raise RuntimeError(f"the paged-attention kernel refused q {list(q.shape)} {q.dtype} over a "
+                               f"{kv_cache.dtype} cache, or could not allocate its scratch memory")
+        for g in meta.groups:
             sdpa_group(q, kv_cache, g, scale, out)
         return out
 
@@ -108,13 +104,16 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
                                                meta.kernel, scale)
             fused = meta.fused = (rope, num_heads, scale, plan)
         res = fused[3](qkv, kv_cache, out)
-        if res is None:  # the kernel cannot take these tensors: PyTorch ops
-            return super().forward_qkv(qkv, num_heads, kv_cache, meta, rope, batch, scale)
+        if res is None:
+            raise ValueError(f"the fused attention kernel cannot take qkv {list(qkv.shape)} {qkv.dtype} over a "
+                             f"{list(kv_cache.shape)} {kv_cache.dtype} cache (head width not a multiple of 8, or "
+                             f"another dtype: such a model gets the reference backend, for_head_dim)")
         out, done = res
-        groups = meta.groups if done or meta.kernel is None else meta.fallback_groups() + meta.groups
-        if groups:  # queries and keys are rotated in place in qkv, and the K/V written
+        if not done:
+            raise MemoryError("the fused attention kernel could not allocate its scratch memory")
+        if meta.groups:  # long chunks: queries and keys are rotated in place in qkv, and the K/V written
             d = kv_cache.shape[-1]
             q, o = qkv[:, : num_heads * d].view(-1, num_heads, d), out.view(-1, num_heads, d)
-            for g in groups:
+            for g in meta.groups:
                 sdpa_group(q, kv_cache, g, scale, o)
         return out

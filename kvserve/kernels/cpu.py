@@ -11,9 +11,8 @@ use and loaded with ``ctypes`` (which releases the GIL during a call):
 The library is compiled once per source version by ``kvserve.kernels.build`` (into ``$KVSERVE_CACHE_DIR``,
 default ``~/.cache/kvserve``), so concurrent processes share it; the first build takes ~2 s. Nothing is built where it cannot run:
 the CPU must report AVX2 (PyTorch's ``get_cpu_capability``) and a C compiler with OpenMP must exist (``$CC``,
-default ``cc``). The engine argument ``cpu_kernels=False`` (``KernelConfig``) leaves it unused. Without it every caller falls back to
-PyTorch ops
-(oneDNN/MKL matmuls, gather + SDPA attention), with the same results to float32 rounding;
+default ``cc``). The engine argument ``cpu_kernels=False`` (``KernelConfig``) leaves it unused. Without it every
+caller uses PyTorch ops (oneDNN/MKL matmuls, gather + SDPA attention), with the same results to float32 rounding;
 ``unavailable_reason()`` says why.
 """
 

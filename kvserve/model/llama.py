@@ -48,7 +48,7 @@ class LlamaModel:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], backends: ModelBackends):
         self.arch = arch
         self.backends = backends
-        self.attn = backends.attention
+        self.attn = backends.attention.for_head_dim(arch.head_dim)  # decided once, for this model
         self.ops = backends.ops
         tp = backends.tp_size  # a shard of the model when > 1: whole heads per rank, Megatron-style splits
         if tp > 1:

@@ -93,39 +93,32 @@ def test_decode_step_uses_the_batch_tensors_without_copies():
     assert seq_len.tolist() == [4, 5, 8, 1, 16, 17]
 
 
-def test_scratch_failure_falls_back_to_sdpa_on_the_rotated_queries(monkeypatch):
-    """The kernel's attention step reports -1 (no scratch memory) after RoPE and the K/V write: the backend
-    attends the short requests with SDPA instead, without rotating twice."""
+def test_scratch_failure_is_an_error_not_a_fallback(monkeypatch):
+    """The kernel's attention step reports -1 (no scratch memory): the backend raises, it does not quietly attend
+    another way."""
     cache, batch, qkv, rope = _setup(BATCHES["mixed"], 9, 3, 64, 16)
-    be, scale = CPUKernelAttentionBackend(), 0.125
+    be = CPUKernelAttentionBackend()
     meta = be.build_metadata(batch)
-    ref_cache = cache.clone()
-    ref = TorchSDPABackend().forward_qkv(qkv.clone(), 9, ref_cache, TorchSDPABackend().build_metadata(batch), rope,
-                                         batch, scale)
-    real = cpu_kernels._lib.kvserve_rope_write_attend_f32
 
-    def no_attention(*a):  # rotate and write only (num_reqs = 0), then report the scratch failure
-        real(*a[:13], 0, *a[14:])
+    def no_scratch(*a):
         return -1
 
-    monkeypatch.setattr(cpu_kernels, "_lib", type("L", (), {"kvserve_rope_write_attend_f32": staticmethod(no_attention)})())
-    out = be.forward_qkv(qkv, 9, cache, meta, rope, batch, scale)
-    assert torch.equal(cache, ref_cache)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(cpu_kernels, "_lib", type("L", (), {"kvserve_rope_write_attend_f32": staticmethod(no_scratch)})())
+    with pytest.raises(MemoryError, match="scratch memory"):
+        be.forward_qkv(qkv, 9, cache, meta, rope, batch, 0.125)
 
 
-def test_tensors_the_kernel_cannot_take_use_the_pytorch_ops():
-    """D = 12 (not a multiple of 8): ``forward_qkv`` declines in Python and the PyTorch ops run."""
+def test_a_head_width_the_kernel_cannot_take_gets_the_reference_backend_once():
+    """D = 12 (not a multiple of 8): the model is given the reference backend when it is built (``for_head_dim``);
+    handing such tensors to the kernel backend anyway is an error, not a per-call fallback."""
     cache, batch, qkv, rope = _setup(BATCHES["mixed"], 6, 2, 12, 4)
     plan = cpu_kernels.RopeWriteAttend(6, cache.shape, cache.dtype, *rope, batch.slot_mapping, None, 1.0)
     assert not plan.ok and plan(qkv, cache) is None
     be = CPUKernelAttentionBackend()
-    ref_cache = cache.clone()
-    sdpa = TorchSDPABackend()
-    ref = sdpa.forward_qkv(qkv.clone(), 6, ref_cache, sdpa.build_metadata(batch), rope, batch, 12**-0.5)
-    out = be.forward_qkv(qkv, 6, cache, be.build_metadata(batch), rope, batch, 12**-0.5)
-    assert torch.equal(cache, ref_cache)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert be.for_head_dim(64) is be and isinstance(be.for_head_dim(12), TorchSDPABackend)
+    assert not isinstance(be.for_head_dim(12), CPUKernelAttentionBackend)
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        be.forward_qkv(qkv, 6, cache, be.build_metadata(batch), rope, batch, 12**-0.5)
 
 
 @pytest.mark.parametrize("h_q, h_kv, d, ctx", [(9, 3, 64, 127), (5, 5, 24, 13), (8, 1, 32, 8), (6, 2, 128, 300)])
