@@ -16,8 +16,7 @@ def engine_main(name: str, doc: str, add_args: Callable, run: Callable, argv: Op
     ``ValueError`` is printed as ``error: ...`` with exit code 2."""
     from kvserve.engine.arg_utils import add_engine_args, engine_kwargs
 
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=doc.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=doc.split("\n\n")[0])
     add_engine_args(p, skip=skip)
     add_args(p)
     args = p.parse_args(argv)

@@ -19,6 +19,14 @@ and requests per replica.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # name the extra, not a traceback, when Ray is missing
+    from kvserve.extras import MissingExtraError, require
+
+    try:
+        require("ray.serve", "ray", "python -m benchmarks.ray_serve")
+    except MissingExtraError as e:
+        raise SystemExit(f"error: {e}") from None
+
 import argparse
 import asyncio
 import json

@@ -98,15 +98,14 @@ def run_slice(url: str, model: str, reqs: list) -> tuple:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sim_validate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sim_validate", description=__doc__.split("\n\n")[0])
     add_engine_args(p, skip=("device", "speculative_config"))
     p.add_argument("--profile", required=True, help="cost-model profile (`kvserve sim profile`)")
-    p.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson)")
-    p.add_argument("--num-requests", type=int, default=60, help="trace rows in the slice")
-    p.add_argument("--length-scale", type=float, default=8.0, help="divide the trace's token counts by this")
+    p.add_argument("--rate", type=float, default=1.0, help="requests/s, Poisson (default 1)")
+    p.add_argument("--num-requests", type=int, default=60, help="trace rows in the slice (default 60)")
+    p.add_argument("--length-scale", type=float, default=8.0, help="divide the trace's token counts by this (default 8)")
     p.add_argument("--data-dir", default=None, help="default: ../shared/data next to the repository")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="arrivals and the repeat's prompts (default 0)")
     args = p.parse_args(argv)
     engine_args = engine_kwargs(args)
     try:

@@ -20,6 +20,7 @@ import json
 import math
 
 from kvserve.engine.arg_utils import engine_kwargs
+from kvserve.extras import require
 from kvserve.metrics import parse_goodput, summarize
 from kvserve.sim import trace as tr
 
@@ -119,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--slo needs at least one METRIC:MS")
     if not 0 < args.attainment <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
+    if args.plot:  # before the search: the plot is drawn from the rate sweep, with matplotlib
+        if args.request_rate is None or not math.isfinite(args.request_rate):
+            raise ValueError("--plot draws goodput against rate around --request-rate: give a finite --request-rate")
+        require("matplotlib", "bench", "kvserve plan --plot")
     grid_keys = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_chunked_prefill",
                  "scheduling_policy")
     base = {k: v for k, v in engine_kwargs(args).items() if k not in ("device", "speculative_config", *grid_keys)}
@@ -181,11 +186,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(curves: dict, path: str, title: str) -> None:
-    import matplotlib.ticker
-
     from kvserve.sim.plots import pyplot
 
-    plt = pyplot()
+    plt = pyplot()  # names the extra when matplotlib is missing
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, pts in curves.items():

@@ -118,6 +118,9 @@ def test_page_and_assets(server):
     assert js.status_code == 200 and "javascript" in js.headers["content-type"] and "/v1/engine/state" in js.text
     assert httpx.get(server.url + "/dashboard/dashboard.css", timeout=30).headers["content-type"].startswith("text/css")
     assert httpx.get(server.url + "/dashboard/secrets.txt", timeout=30).status_code == 404
+    for path in ("/dashboard", "/dashboard/dashboard.js"):  # HEAD, as every other GET route (no body)
+        head = httpx.head(server.url + path, timeout=30)
+        assert head.status_code == 200 and head.content == b""
     # not in the OpenAPI schema (docs/server.md documents them)
     paths = httpx.get(server.url + "/openapi.json", timeout=30).json()["paths"]
     assert "/dashboard" not in paths and "/v1/engine/state" not in paths

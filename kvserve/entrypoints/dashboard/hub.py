@@ -260,11 +260,11 @@ def mount_dashboard(app: FastAPI, llm, model_name: str, show_prompts: bool = Fal
     def static(name: str) -> Response:
         return Response(files[name], media_type=_TYPES[name.rsplit(".", 1)[1]], headers=_HEADERS)
 
-    @app.get("/dashboard", include_in_schema=False)
+    @app.api_route("/dashboard", methods=["GET", "HEAD"], include_in_schema=False)
     async def dashboard_page():
         return static("dashboard.html")
 
-    @app.get("/dashboard/{name}", include_in_schema=False)
+    @app.api_route("/dashboard/{name}", methods=["GET", "HEAD"], include_in_schema=False)
     async def dashboard_file(name: str):
         if name not in files or name == "dashboard.html":
             return _error(f"no such dashboard file: {name}", 404)
