@@ -10,7 +10,8 @@ With ``min_tokens``, a stop string counts only if a token after the first ``min_
 the same as for EOS and ``stop_token_ids``, which the sampler suppresses until then): the match must end in text
 that those later tokens produced. While a request runs, the last ``max(len(stop)) - 1`` characters are held back
 from the deltas, so a stream never shows the beginning of a stop string that is cut later. The deltas concatenate
-exactly to the final text.
+exactly to the final text. A request that ends inside a multi-byte character (cut by ``max_tokens``, say) drops that
+incomplete character from its text, as vLLM's detokenizer does; its token ids and logprobs keep the token.
 """
 
 from __future__ import annotations
@@ -85,11 +86,12 @@ class IncrementalDetokenizer:
         return self._append_text(full[len(prefix) :])
 
     def flush(self) -> Optional[str]:
-        """At the end of the request: take any text still waiting for more bytes (it may contain U+FFFD);
-        returns the stop string if that text completes one."""
+        """At the end of the request: take the complete characters of any text still waiting for more bytes (an
+        incomplete character at the very end, decoded as U+FFFD, is dropped: its bytes never arrived); returns the
+        stop string if that text completes one."""
         if not self.stopped and self.read_offset < len(self.token_ids):
             prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-            full = self._decode(self.token_ids[self.prefix_offset :])
+            full = self._decode(self.token_ids[self.prefix_offset :]).rstrip(REPLACEMENT_CHAR)
             self.read_offset = len(self.token_ids)
             if len(full) > len(prefix):
                 return self._append_text(full[len(prefix) :])

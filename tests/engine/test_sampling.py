@@ -93,6 +93,37 @@ def test_detokenizer_round_trips_multibyte_text(tokenizer, text):
         assert multibyte  # the text really has characters split across tokens
 
 
+def test_a_request_cut_inside_a_character_drops_it_from_the_text(tokenizer):
+    """The last token is the first byte(s) of a multi-byte character: no U+FFFD in any delta or the final text,
+    the deltas still join to it, and the token ids keep every token."""
+    text = "日本語のテキスト🍣と絵文字"
+    ids = tokenizer.encode(text)
+    cut = next(i for i in range(1, len(ids) + 1) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = []
+    for t in ids[:cut]:
+        detok.add_token(t)
+        pieces.append(detok.take_delta(finished=False))
+    detok.flush()
+    pieces.append(detok.take_delta(finished=True))
+    assert detok.token_ids == ids[:cut] and "".join(pieces) == detok.text
+    assert detok.text == tokenizer.decode(ids[:cut]).rstrip("\ufffd") and "\ufffd" not in detok.text
+
+
+def test_max_tokens_inside_a_character_on_the_real_model(llm):
+    """Greedy Japanese (12 of its first 24 tokens end inside a character) cut by ``max_tokens`` there: no text
+    holds U+FFFD, and the token ids are the uncut run's."""
+    prompt = chat(llm, "Translate to Japanese: I love cherry blossoms.")
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    tok = llm.get_tokenizer()
+    cuts = [n for n in range(1, len(full.token_ids) + 1) if tok.decode(full.token_ids[:n]).endswith("\ufffd")]
+    assert cuts, tok.decode(full.token_ids)  # the answer really has a character split across tokens
+    for n in cuts:
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n))[0].outputs[0]
+        assert out.token_ids == full.token_ids[:n] and out.finish_reason == "length"
+        assert out.text == tok.decode(out.token_ids).rstrip("\ufffd") and "\ufffd" not in out.text
+
+
 def test_detokenizer_decodes_through_the_rust_tokenizer_with_the_same_text(tokenizer):
     """The default tokenizer has no clean-up step, so the detokenizer calls its ``tokenizers.Tokenizer`` directly;
     every slice it decodes gives ``tokenizer.decode``'s text, special tokens kept or skipped; a tokenizer with the
