@@ -228,3 +228,18 @@ def test_unchunked_budget_caps_the_output_as_the_engine_does():
     for res in (sim.run(trace).results, ClusterSimulator(sim, 1, RoundRobinRouter()).run(trace).results):
         assert [(r.success, r.output_tokens) for r in res] == [(True, 4), (True, 1), (True, 3)]
         assert res[0].ttft == 1.0 and res[0].e2el == 4.0  # one token per 1 s step after the prefill step
+
+
+def test_a_profiles_old_server_calibration_is_ignored_with_a_warning(tmp_path, caplog):
+    """The server calibration is gone: a profile that still carries one loads as its plain cost model, and the
+    log says the field is not applied."""
+    prof = json.loads((Path(__file__).resolve().parents[2] / "docs" / "simulator_profile.json").read_text())
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(prof))
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**prof, "server_calibration": {"offset_s": 0.01, "scale": 2.0}}))
+    with caplog.at_level("WARNING"):
+        _, cost = load(old)
+    assert "'server_calibration' is no longer applied" in caplog.text
+    _, expected = load(plain)
+    assert isinstance(cost, CostModel) and cost.to_dict() == expected.to_dict()
