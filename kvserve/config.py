@@ -240,30 +240,27 @@ class KernelConfig:
             op runs in PyTorch with the same results to float32 rounding (``$KVSERVE_CPU_KERNELS``, default on).
         cpu_isa: the quantized matmul's instruction-set path: ``"auto"`` (the best this CPU supports that passes
             its self-check) or one of ``amx_int8``, ``avx512_vnni``, ``avx2`` (a path this CPU lacks is an error,
-            never a silent substitute). It is chosen once per process (``$KVSERVE_CPU_ISA``, default auto).
+            never a silent substitute). It is chosen once per process (``$KVSERVE_CPU_ISA``, default auto). The
+            attention kernel follows: its AVX2 build under ``avx2`` (or on a CPU without AVX-512), else AVX-512.
         quant_activations: how quantized matmuls quantize their inputs: ``"int8"`` (one int8 per value),
             ``"int8x2"`` (two, 15 bits) or ``"auto"`` (the path's default: docs/quantization.md)
             (``$KVSERVE_QUANT_ACTIVATIONS``, default auto).
         fused_layers: run a step's whole layer loop in one C call when every op of it runs in the kernels
             (``$KVSERVE_FUSED_LAYERS``, default on).
-        batch_invariant: send every query through the paged-attention kernel, so a token's logits do not depend
-            on how its prompt was chunked or what else is in the batch (``$KVSERVE_BATCH_INVARIANT``, default off).
     """
 
     cpu_kernels: Optional[bool] = _field(None, "use kvserve's C kernels (default: $KVSERVE_CPU_KERNELS, else on)")
-    cpu_isa: Optional[str] = _field(None, "quantized matmul instruction set (default: $KVSERVE_CPU_ISA, else auto)",
+    cpu_isa: Optional[str] = _field(None, "instruction set of the quantized matmuls and attention (default: "
+                                          "$KVSERVE_CPU_ISA, else auto)",
                                     SUPPORTED_CPU_ISAS)
     quant_activations: Optional[str] = _field(None, "activation quantization of quantized matmuls (default: "
                                                     "$KVSERVE_QUANT_ACTIVATIONS, else auto)",
                                               SUPPORTED_QUANT_ACTIVATIONS)
     fused_layers: Optional[bool] = _field(None, "run a step's layer loop in one C call when it can (default: "
                                                 "$KVSERVE_FUSED_LAYERS, else on)")
-    batch_invariant: Optional[bool] = _field(None, "every query through the paged-attention kernel: logits "
-                                                   "independent of chunking and batch (default: "
-                                                   "$KVSERVE_BATCH_INVARIANT, else off)")
 
     def __post_init__(self) -> None:
-        for name, default in (("cpu_kernels", True), ("fused_layers", True), ("batch_invariant", False)):
+        for name, default in (("cpu_kernels", True), ("fused_layers", True)):
             if getattr(self, name) is None:
                 setattr(self, name, _env_flag(f"KVSERVE_{name.upper()}", default))
             check_bool(name, getattr(self, name))

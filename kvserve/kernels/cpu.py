@@ -2,9 +2,10 @@
 use and loaded with ``ctypes`` (which releases the GIL during a call):
 
 - ``gemm_avx2.c``: the matmul of every projection (``kvserve.layers.linear``);
-- ``paged_attention.c`` (+ ``paged_attention_kv.h``, once per cache type): attention of decode tokens and short
-  queries, read in place from the KV blocks of a float32 or bfloat16 cache, alone or with RoPE and the K/V write in
-  the same call (``kvserve.attention.cpu``);
+- ``paged_attention.c`` (+ ``paged_attention_isa.h`` once per instruction set, ``paged_attention_kv.h`` once per
+  instruction set and cache type): attention of every query -- decode tokens, verification spans, prompt chunks of
+  any length -- read in place from the KV blocks of a float32 or bfloat16 cache, alone or with RoPE and the K/V
+  write in the same call, with a reduction order fixed per query row (batch invariance; ``kvserve.attention.cpu``);
 - ``elementwise.c``: one-pass RMSNorm (optionally after the residual add) and SwiGLU's silu(gate) * up
   (``kvserve.layers.elementwise``).
 
@@ -32,12 +33,14 @@ logger = logging.getLogger(__name__)
 
 #: The library's sources and the headers they include (``kvserve.kernels.build``).
 _SOURCES = ("gemm_avx2.c", "paged_attention.c", "elementwise.c")
-_HEADERS = ("simd.h", "paged_attention_kv.h")
+_HEADERS = ("simd.h", "paged_attention_isa.h", "paged_attention_kv.h")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: Output features per packed panel (``NR`` in gemm_avx2.c).
 PANEL = 16
 #: KV-cache dtypes the attention kernels read and write -> the suffix of their C functions.
 KV_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+#: The attention kernel's instruction-set builds -> the head widths (``D``) each takes: a multiple of this.
+ATTENTION_ISAS = {"avx2": 8, "avx512": 16}
 
 _lib = None
 _reason: Optional[str] = None
@@ -63,7 +66,7 @@ def load():
             lib.kvserve_gemm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
             lib.kvserve_gemm_f32.restype = None
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            for suffix in KV_SUFFIX.values():
+            for suffix in (f"{t}_{i}" for t in KV_SUFFIX.values() for i in ATTENTION_ISAS):
                 attend = getattr(lib, "kvserve_paged_attention_" + suffix)
                 attend.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [ctypes.c_float, ptr,
                                                                                                   i64]
@@ -81,6 +84,22 @@ def load():
         except (OSError, subprocess.SubprocessError) as e:
             _reason = f"build or load failed: {e}"
     return _lib
+
+
+def attention_isa(cpu_isa: str = "auto") -> str:
+    """The attention kernel's build for ``KernelConfig.cpu_isa``: ``"avx2"`` when forced (``cpu_isa="avx2"``) or
+    when the CPU lacks AVX-512 (PyTorch's ``get_cpu_capability``), else ``"avx512"``. The builds round the softmax
+    sum differently, so a forced ISA gives that ISA's bits on any CPU that runs it."""
+    if cpu_isa == "avx2" or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return "avx2"
+    return "avx512"
+
+
+def attention_fn(kv_dtype: torch.dtype, isa: str, fused: bool = True):
+    """The library's ``kvserve_rope_write_attend_<type>_<isa>`` (``fused``) or ``kvserve_paged_attention_<...>``
+    function for a cache of ``kv_dtype`` (a key of ``KV_SUFFIX``) and an ``ATTENTION_ISAS`` build."""
+    name = "kvserve_rope_write_attend_" if fused else "kvserve_paged_attention_"
+    return getattr(_lib, f"{name}{KV_SUFFIX[kv_dtype]}_{isa}")
 
 
 def unavailable_reason() -> Optional[str]:
@@ -113,8 +132,11 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tens
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, q_start: torch.Tensor,
-                    q_len: torch.Tensor, seq_len: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
-    """Causal attention of B requests' query rows over their paged K/V, written into ``out`` (``paged_attention.c``).
+                    q_len: torch.Tensor, seq_len: torch.Tensor, scale: float, out: torch.Tensor,
+                    isa: str = "avx2") -> bool:
+    """Causal attention of B requests' query rows over their paged K/V, written into ``out`` (``paged_attention.c``:
+    each row's result depends only on its query and the keys and values up to its position, never on the other rows,
+    the batch or the thread count).
 
     Args:
         q: ``[T, H_q, D]`` float32 (rows may be strided; each head's D floats contiguous).
@@ -124,18 +146,20 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         q_start, q_len, seq_len: ``[B]`` int64: request b's rows are ``q_start[b] .. + q_len[b]``; it has
             ``seq_len[b]`` keys, this step's included.
         out: ``[T, H_q, D]`` float32 contiguous; only the requests' rows are written.
+        isa: the kernel's build, a key of ``ATTENTION_ISAS`` this CPU runs (``attention_isa``).
 
     Returns:
         ``False`` (nothing written) when the kernel cannot take these tensors (dtype, layout, D not a multiple of
-        8) or could not allocate scratch memory; the caller then computes the group another way.
+        ``ATTENTION_ISAS[isa]``) or could not allocate scratch memory.
     """
     t, h_q, d = q.shape
     _, _, bs, h_kv, _ = kv_cache.shape
     if (q.dtype != torch.float32 or kv_cache.dtype not in KV_SUFFIX or not kv_cache.is_contiguous()
-            or d % 8 or h_q % h_kv or q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous()):
+            or d % ATTENTION_ISAS[isa] or h_q % h_kv or q.stride(2) != 1 or q.stride(1) != d
+            or not out.is_contiguous()):
         return False
     b, max_blocks = block_tables.shape
-    rc = getattr(_lib, "kvserve_paged_attention_" + KV_SUFFIX[kv_cache.dtype])(
+    rc = attention_fn(kv_cache.dtype, isa, fused=False)(
         q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
         max_blocks, q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), b, h_q, h_kv, d, bs, scale,
         out.data_ptr(), out.stride(0))
@@ -144,7 +168,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
 class RopeWriteAttend:
     """One step's attention layers after their fused Q/K/V projections, one kernel call per layer
-    (``kvserve_rope_write_attend_f32`` / ``_bf16``): RoPE (rotate-half) on the query and key heads of ``qkv`` in
+    (``kvserve_rope_write_attend_<type>_<isa>``): RoPE (rotate-half) on the query and key heads of ``qkv`` in
     place, every row's K/V written to its cache slot, then paged attention of ``requests``. Everything that is the
     same for every layer of the step is checked and resolved here once, so a layer's call costs little Python.
 
@@ -157,19 +181,20 @@ class RopeWriteAttend:
         requests: ``(block_tables [B, max_blocks], q_start [B], q_len [B], seq_len [B])`` int64 contiguous, the
             requests to attend (as ``paged_attention``), or ``None`` for none.
         scale: softmax scale.
+        isa: the kernel's build, a key of ``ATTENTION_ISAS`` this CPU runs (``attention_isa``).
 
     Attributes:
-        ok: whether the kernel can take this step (float32 tables, ``D`` a multiple of 8, ...); when ``False``,
-            calls return ``None``. The tensors must stay alive while the plan is used.
+        ok: whether the kernel can take this step (float32 tables, ``D`` a multiple of the build's width, ...); when
+            ``False``, calls return ``None``. The tensors must stay alive while the plan is used.
     """
 
     def __init__(self, num_heads: int, kv_shape: tuple, kv_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,
-                 slot_mapping: torch.Tensor, requests: Optional[tuple], scale: float):
+                 slot_mapping: torch.Tensor, requests: Optional[tuple], scale: float, isa: str = "avx2"):
         t = slot_mapping.shape[0]
         _, _, bs, h_kv, d = kv_shape
         tensors = (slot_mapping,) + (requests or ())
         self.ok = (_lib is not None and kv_dtype in KV_SUFFIX and cos.dtype == sin.dtype == torch.float32
-                   and d % 8 == 0 and num_heads % h_kv == 0
+                   and d % ATTENTION_ISAS[isa] == 0 and num_heads % h_kv == 0
                    and cos.numel() == sin.numel() == t * d and cos.is_contiguous() and sin.is_contiguous()
                    and all(x.dtype == torch.int64 and x.is_contiguous() for x in tensors))
         self.kv_shape, self.num_heads, self.t = tuple(kv_shape), num_heads, t
@@ -177,7 +202,8 @@ class RopeWriteAttend:
         self.out_shape = (t, num_heads * d)
         self.kv_dtype = kv_dtype
         self._kv_half = kv_shape[1] * bs * h_kv * d * kv_dtype.itemsize  # bytes from a layer's K to its V
-        self._fn = getattr(_lib, "kvserve_rope_write_attend_" + KV_SUFFIX[kv_dtype]) if self.ok else None
+        self.isa = isa
+        self._fn = attention_fn(kv_dtype, isa) if self.ok else None
         tables, q_start, q_len, seq_len = requests or (slot_mapping,) * 4  # not read without requests
         b, max_blocks = (0, 0) if requests is None else tables.shape
         self._head = (t, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr())

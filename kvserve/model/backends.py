@@ -125,7 +125,7 @@ def select_backends(device: str, dtype: torch.dtype, quantization: str = "auto",
     fast = kernels and dtype == torch.float32
     return ModelBackends(
         device=device,
-        attention=select_attention_backend(device, dtype, kernels, kc.batch_invariant),
+        attention=select_attention_backend(device, dtype, kernels, kc.cpu_isa),
         ops=CPUKernelOps() if fast else TorchOps(),
         make_linear=partial(_make_linear, quantization=quantization, path=quant_path, use_kernels=kernels),
         quantization=quantization,

@@ -11,11 +11,10 @@ Python loop's and ``rms_norm`` of its rows bit for bit (``tests/model/test_fused
 Chosen once, at start-up: ``select_backends`` decides from the ``KernelConfig`` (``fused_layers``) and what can run
 here (float32, one process, the CPU kernels and a quantized path) whether models get a loop
 (``ModelBackends.fused_layers``), and ``FusedLayerLoop.build`` builds it when every projection runs on a kernel
-path with no padding (``QuantLinear.kernel_weight``). Per step, the attention backend's ``build_metadata`` decides:
-when every request of the step is attended by the paged-attention kernel (``whole_step_in_kernel``: decode tokens,
-verification spans and prompt chunks of at most ``SHORT_QUERY_TOKENS``, all of them under ``batch_invariant``) the
-model calls this loop; other steps (long prompt chunks, which go through SDPA) run the Python loop, where the
-interpreter's cost is small beside the work. ``torch.compile`` of the Python loop is no substitute: it breaks its
+path with no padding (``QuantLinear.kernel_weight``) and the model's attention runs on the CPU kernel. Per step,
+the attention backend's ``build_metadata`` says whether every request of the step is attended by the paged-attention
+kernel (``whole_step_in_kernel``; on the CPU kernel backend, every step is), and the model then calls this loop for
+prefill and decode steps alike. ``torch.compile`` of the Python loop is no substitute: it breaks its
 graph at every kernel call and measured 3.3x slower than this loop, 2.3x slower than the plain Python loop
 (``python -m benchmarks.layer_loop``; docs/performance.md, "Decode step breakdown").
 """
@@ -127,6 +126,9 @@ class FusedLayerLoop:
         a = model.arch
         lib, cpu = qkernels.load(), cpu_kernels.load()
         d, hidden, inter = a.head_dim, a.hidden_size, model.intermediate_size
+        attn_isa = getattr(model.attn, "isa", None)  # the CPU kernel backend's build; None: another backend
+        if attn_isa is None:
+            return no(f"attention runs on {model.attn.name}, not the CPU kernel")
         if d % 8 or hidden % 8 or inter % 8 or model.num_heads % model.num_kv_heads:
             return no("shapes the kernels do not take")
         layers = (_Layer * len(model.layers))()
@@ -153,8 +155,7 @@ class FusedLayerLoop:
         stack = _Stack(len(model.layers), hidden, model.num_heads, model.num_kv_heads, d, inter, a.rms_norm_eps,
                        d**-0.5, qkernels.ISAS[isa], qkernels.ACTIVATIONS[act], norm0.data_ptr(),
                        ctypes.addressof(layers), _address(cpu.kvserve_rms_norm_f32),
-                       (_ptr * 2)(*(_address(getattr(cpu, "kvserve_rope_write_attend_" + cpu_kernels.KV_SUFFIX[dt]))
-                                    for dt in _KV_DTYPES)),
+                       (_ptr * 2)(*(_address(cpu_kernels.attention_fn(dt, attn_isa)) for dt in _KV_DTYPES)),
                        _address(cpu.kvserve_add_rms_norm_f32), _address(cpu.kvserve_silu_mul_f32))
         lib.kvserve_decoder_stack.argtypes = [_ptr] * 9  # stack, step, h, x, qkv, attn, delta, gate_up, act
         lib.kvserve_decoder_stack.restype = ctypes.c_int

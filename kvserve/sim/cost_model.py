@@ -7,8 +7,8 @@ A step's plan (``SchedulerOutput``) is reduced to six features (``step_features`
 | ``prefill_tokens`` | tokens | tokens of prompt chunks (rows of more than one token): the flat batch's matmuls |
 | ``decode_tokens`` | tokens | single-token (decode) rows and verified drafts: the same matmuls, one row each |
 | ``logit_rows`` | rows | rows that sample: the LM head (vocab x hidden) and the sampler run once per row |
-| ``decode_ctx`` | k query-key pairs | attention the paged-attention kernel does: the keys each single-token (decode) row reads, and the causal pairs of prompt chunks of at most ``SHORT_QUERY_TOKENS`` tokens, which the engine sends to the same kernel |
-| ``prefill_attn`` | M query-key pairs | causal attention of longer prompt chunks (gather + SDPA): ``q * (start + (q + 1) / 2)`` per chunk |
+| ``decode_ctx`` | k query-key pairs | attention of single-token (decode) rows and verification spans: the keys each row reads |
+| ``prefill_attn`` | M query-key pairs | causal attention of prompt chunks: ``q * (start + (q + 1) / 2)`` per chunk |
 | ``rows`` | rows | per-request bookkeeping: block tables, batch building, output processing |
 
 and ``step_s = intercept + sum(coef[f] * feature[f])`` (intercept: reading the weights once per step, Python
@@ -21,11 +21,10 @@ which fits per-operator costs; a whole-step model is coarser but needs only a fe
 real engine (``kvserve sim profile``). Profiles of the first format, with one ``tokens`` feature, still load: its
 coefficient becomes both token coefficients (the same prediction).
 
-The attention terms follow the engine's own routing (``kvserve.attention``): a chunk of at most
-``SHORT_QUERY_TOKENS`` query tokens runs in the paged-attention kernel like decode rows, a longer one gathers its
-context and runs SDPA, at a different cost per pair (measured: ~6 ns per pair over the 30 layers in the kernel, far
-less in SDPA). Profiles of the second format counted short chunks' pairs under ``prefill_attn``; they load
-unchanged (their fit put about the same price on both terms, the kernel's).
+The two attention terms are the same kernel (``kvserve.attention.cpu``) at two efficiencies: a decode row's keys
+are transposed for a few query rows, a prompt chunk's for many, so a pair costs far less in a chunk. Profiles of
+the third format counted the pairs of chunks of at most 32 tokens under ``decode_ctx`` (then a separate path) and
+profiles of the second counted them under ``prefill_attn``; both load unchanged.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention.torch_sdpa import SHORT_QUERY_TOKENS
 from kvserve.core.sched_output import SchedulerOutput
 
 FEATURES = ("prefill_tokens", "decode_tokens", "logit_rows", "decode_ctx", "prefill_attn", "rows")
@@ -72,11 +70,7 @@ def row_features(rows) -> tuple:
             decode_ctx += q * (start + q)
         else:
             prefill_tokens += q
-            pairs = q * (start + (q + 1) / 2)
-            if q <= SHORT_QUERY_TOKENS:
-                decode_ctx += pairs  # the paged-attention kernel, as decode rows
-            else:
-                prefill_attn += pairs  # gather + SDPA
+            prefill_attn += q * (start + (q + 1) / 2)
     return (prefill_tokens, decode_tokens, logit_rows, decode_ctx / 1e3, prefill_attn / 1e6, n)
 
 
@@ -146,10 +140,7 @@ def decode_features(batch: int, context: int) -> tuple:
 def prefill_features(prompt_len: int) -> tuple:
     """``FEATURES`` of a step that prefills one ``prompt_len``-token prompt in one chunk and samples its first
     token."""
-    pairs = prompt_len * (prompt_len + 1) / 2
-    if prompt_len <= SHORT_QUERY_TOKENS:
-        return (prompt_len, 0, 1, pairs / 1e3, 0.0, 1)
-    return (prompt_len, 0, 1, 0.0, pairs / 1e6, 1)
+    return (prompt_len, 0, 1, 0.0, prompt_len * (prompt_len + 1) / 2 / 1e6, 1)
 
 
 def fit(samples: list[tuple[tuple, float]]) -> CostModel:

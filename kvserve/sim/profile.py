@@ -33,8 +33,9 @@ from kvserve.sim.cost_model import FEATURES, CostModel, fit, fit_errors, step_fe
 
 logger = logging.getLogger(__name__)
 
-PROFILE_FORMAT = "kvserve-sim-profile/3"  # /2: prefill and decode tokens apart; /3: short chunks' pairs in decode_ctx
-READABLE_FORMATS = ("kvserve-sim-profile/1", "kvserve-sim-profile/2", PROFILE_FORMAT)
+# /2: prefill and decode tokens apart; /3: short chunks' pairs in decode_ctx; /4: every chunk's pairs in prefill_attn
+PROFILE_FORMAT = "kvserve-sim-profile/4"
+READABLE_FORMATS = ("kvserve-sim-profile/1", "kvserve-sim-profile/2", "kvserve-sim-profile/3", PROFILE_FORMAT)
 DECODE_BATCHES = (1, 4, 16, 32)
 DECODE_CONTEXTS = (32, 512)
 PREFILL_LENS = (128, 512)

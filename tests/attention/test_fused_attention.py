@@ -70,18 +70,18 @@ def test_fused_layer_equals_the_pytorch_ops_bit_for_bit(batch_name, h_q, h_kv, d
     torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-5)
 
 
-def test_kernel_runs_once_per_layer_and_sdpa_only_for_long_chunks(monkeypatch):
+def test_kernel_runs_once_per_layer_for_every_request_long_chunks_included(monkeypatch):
     cache, batch, qkv, rope = _setup(BATCHES["mixed"], 9, 3, 64, 16)
     be = CPUKernelAttentionBackend()
     meta = be.build_metadata(batch)
-    assert meta.kernel_members == (0, 1, 3, 4)  # the 40-token chunk (request 2) is the one SDPA group
-    assert len(meta.groups) == 1 and meta.groups[0].query_index.shape == (1, 40)
+    assert meta.groups == [] and meta.whole_step_in_kernel  # the 40-token chunk too: no SDPA group
+    assert meta.kernel[2].tolist() == [1, 5, 40, 1, 3]
     calls = []
-    real = cpu_kernels._lib.kvserve_rope_write_attend_f32
+    real = cpu_kernels._lib.kvserve_rope_write_attend_f32_avx2
     monkeypatch.setattr(cpu_kernels, "_lib", type("L", (), {
-        "kvserve_rope_write_attend_f32": staticmethod(lambda *a: calls.append(a[13]) or real(*a))})())
+        "kvserve_rope_write_attend_f32_avx2": staticmethod(lambda *a: calls.append(a[13]) or real(*a))})())
     be.forward_qkv(qkv, 9, cache, meta, rope, batch, 0.125)
-    assert calls == [4]  # one call attending the four short requests
+    assert calls == [5]  # one call attending all five requests
 
 
 def test_decode_step_uses_the_batch_tensors_without_copies():
@@ -103,7 +103,8 @@ def test_scratch_failure_is_an_error_not_a_fallback(monkeypatch):
     def no_scratch(*a):
         return -1
 
-    monkeypatch.setattr(cpu_kernels, "_lib", type("L", (), {"kvserve_rope_write_attend_f32": staticmethod(no_scratch)})())
+    monkeypatch.setattr(cpu_kernels, "_lib", type("L", (), {
+        "kvserve_rope_write_attend_f32_avx2": staticmethod(no_scratch)})())
     with pytest.raises(MemoryError, match="scratch memory"):
         be.forward_qkv(qkv, 9, cache, meta, rope, batch, 0.125)
 
@@ -119,6 +120,16 @@ def test_a_head_width_the_kernel_cannot_take_gets_the_reference_backend_once():
     assert not isinstance(be.for_head_dim(12), CPUKernelAttentionBackend)
     with pytest.raises(ValueError, match="not a multiple of 8"):
         be.forward_qkv(qkv, 6, cache, be.build_metadata(batch), rope, batch, 12**-0.5)
+
+
+def test_the_avx512_build_hands_a_head_width_of_8_times_odd_to_the_avx2_build():
+    """The AVX-512 build takes D in multiples of 16; D = 24 gets the AVX2 build (one decision per model), D = 64
+    stays; an unknown build name is a clear error."""
+    be = CPUKernelAttentionBackend("avx512")
+    assert be.for_head_dim(64) is be
+    assert be.for_head_dim(24).isa == "avx2" and isinstance(be.for_head_dim(12), TorchSDPABackend)
+    with pytest.raises(ValueError, match="isa must be one of"):
+        CPUKernelAttentionBackend("sse2")
 
 
 @pytest.mark.parametrize("h_q, h_kv, d, ctx", [(9, 3, 64, 127), (5, 5, 24, 13), (8, 1, 32, 8), (6, 2, 128, 300)])

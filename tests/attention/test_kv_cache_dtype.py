@@ -55,12 +55,12 @@ def test_bf16_cache_equals_the_float32_kernel_over_the_widened_values(batch_name
     cache32, batch, qkv, rope = _setup(BATCHES[batch_name], h_q, h_kv, d, bs)
     cache16 = cache32.to(BF16)
     cache32 = cache16.float()  # the earlier context: the same values in both
-    be, scale = CPUKernelAttentionBackend(batch_invariant=True), d**-0.5  # every request through the kernel
+    be, scale = CPUKernelAttentionBackend(), d**-0.5
     meta16, meta32 = be.build_metadata(batch), be.build_metadata(batch)
     qkv16, qkv32 = qkv.clone(), qkv.clone()
     out16 = be.forward_qkv(qkv16, h_q, cache16, meta16, rope, batch, scale)
     # the float32 reference: this step's K/V rounded to bfloat16 as the kernel stores them, then the f32 kernel
-    out32 = AttentionBackend.forward_qkv(_RoundingBackend(batch_invariant=True), qkv32, h_q, cache32, meta32, rope,
+    out32 = AttentionBackend.forward_qkv(_RoundingBackend(), qkv32, h_q, cache32, meta32, rope,
                                          batch, scale)
     assert torch.equal(_bits(cache16), _bits(cache32.to(BF16)))  # the same stored values
     assert torch.equal(out16.view(torch.int32), out32.view(torch.int32))

@@ -1,12 +1,12 @@
 """Paged attention over a flat batch mixing decode tokens, a 5-token verification span and a 40-token chunk
-(three groups) equals plain causal attention computed per request, with kvserve's in-place kernel for the decode
-and short queries (one call) and without it (gather + SDPA per group). No model: random K/V in a small pool."""
+equals plain causal attention computed per request, with kvserve's in-place kernel (one call for every request) and
+without it (gather + SDPA in up to three groups: decode, short, prefill). No model: random K/V in a small pool."""
 
 import pytest
 import torch
 
 from kvserve.attention.cpu import CPUKernelAttentionBackend
-from kvserve.attention.torch_sdpa import SHORT_QUERY_TOKENS, TorchSDPABackend
+from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.kernels import cpu as cpu_kernels
 from tests.conftest import flat_batch, scattered_block_tables
 
@@ -42,16 +42,14 @@ def test_groups_match_per_request_causal_attention(reqs, num_groups, causal, use
         qsl.append(qsl[-1] + q)
     batch = flat_batch([([0] * q, ctx, table) for (ctx, q), table in zip(reqs, tables)], bs)
     meta = backend.build_metadata(batch)
-    num_long = sum(1 for _, q in reqs if q > SHORT_QUERY_TOKENS)
-    sdpa_groups = (1 if num_long else 0) if use_kernel else num_groups  # the kernel takes every short query
+    sdpa_groups = 0 if use_kernel else num_groups  # the kernel takes every request
     assert len(meta.groups) == sdpa_groups and (not meta.groups or meta.groups[-1].is_causal == causal)
     backend.write_kv(cache, torch.cat([k[c:] for k, (c, _) in zip(ks, reqs)]),
                      torch.cat([v[c:] for v, (c, _) in zip(vs, reqs)]), batch)
     q_all = torch.cat(qs)
     qk = torch.cat([q_all, torch.randn(len(q_all), h_kv, d, generator=g)], dim=1)  # q as a strided view, as in the model
     out = backend.forward(qk[:, :h_q], cache, meta, d**-0.5)
-    num_short = sum(1 for _, q in reqs if q <= SHORT_QUERY_TOKENS)
-    assert len(kernel_calls) == (1 if use_kernel and num_short else 0)  # one call for all but the long chunks
+    assert len(kernel_calls) == (1 if use_kernel else 0)  # one call for all
     for i, ((ctx, q), k, v, qq) in enumerate(zip(reqs, ks, vs, qs)):
         mask = torch.arange(ctx + q)[None, :] <= (ctx + torch.arange(q))[:, None]  # [q, ctx + q]
         kk = k.repeat_interleave(h_q // h_kv, dim=1).transpose(0, 1)  # [H_q, L, D]

@@ -97,20 +97,31 @@ def test_a_decode_step_returns_the_final_norm_of_every_row(qllm):
         _assert_bitwise(x, model.ops.rms_norm(h, model.final_norm, model.arch.rms_norm_eps))
 
 
-def test_a_long_prompt_chunk_runs_the_python_loop(qllm):
+def test_a_long_prompt_chunk_runs_in_the_loop_with_the_python_loops_bits(qllm):
+    """Every step is in the kernel now: a 300-token chunk beside a decode runs the fused loop, bit for bit the Python
+    loop's logits and cache."""
     model = qllm.llm_engine.model
-    reqs = [(list(range(200, 240)), 0, [3, 1, 2]), ([5], 20, [0, 4])]  # 40 tokens: past SHORT_QUERY_TOKENS (SDPA)
-    batch = flat_batch(reqs, 16)
-    meta = model.attn.build_metadata(batch)
-    assert not meta.whole_step_in_kernel  # decided when the step's metadata is built: the model runs the Python loop
+    reqs = [(list(range(200, 500)), 0, list(range(19))), ([5], 20, [40, 41])]
+    assert model.attn.build_metadata(flat_batch(reqs, 16)).whole_step_in_kernel
+    (lf, cf), (lp, cp) = _forward_both(model, reqs, num_blocks=64)
+    _assert_bitwise(lf, lp)
+    _assert_bitwise(cf, cp)
+
+
+def test_a_step_planned_by_another_backend_is_refused(qllm):
+    """Metadata from the reference backend (gather + SDPA groups, ``whole_step_in_kernel`` false) is a clear error
+    before anything is written."""
+    from kvserve.attention.torch_sdpa import TorchSDPABackend
+
+    model = qllm.llm_engine.model
+    batch = flat_batch([(list(range(200, 240)), 0, [3, 1, 2]), ([5], 20, [0, 4])], 16)
+    meta = TorchSDPABackend().build_metadata(batch)
     h = model.embed(batch.input_ids)
     before = h.clone()
     cache = torch.zeros(model.kv_cache_shape(8, 16))
     with pytest.raises(ValueError, match="does not take this step"):
         model.fused_layers(h, batch, meta, model._rope(batch), cache)
     assert torch.equal(h, before) and not cache.any()  # nothing done
-    (lf, _), (lp, _) = _forward_both(model, reqs, num_blocks=8)
-    _assert_bitwise(lf, lp)
 
 
 def test_a_scratch_failure_is_an_error_not_a_fallback(qllm, monkeypatch):

@@ -126,12 +126,11 @@ def test_step_features_of_a_plan():
 
     so = SchedulerOutput([ScheduledRequest("a", [1], 99, [0], samples=True, sampling_states=[object()]),
                           ScheduledRequest("b", [1] * 4, 8, [0], samples=False)])
-    # a 4-token chunk runs in the paged-attention kernel as decode rows do: its pairs count with the decode keys
-    assert step_features(so) == (4, 1, 1, (100 + 4 * (8 + 2.5)) / 1e3, 0.0, 2)
+    # the decode row reads its 100 keys; a 4-token chunk at position 8 has 4 * (8 + 2.5) causal pairs
+    assert step_features(so) == (4, 1, 1, 100 / 1e3, 4 * (8 + 2.5) / 1e6, 2)
     so = SchedulerOutput([ScheduledRequest("c", [1] * 33, 64, [0], samples=False),
                           ScheduledRequest("d", [1] * 32, 0, [0], samples=False)])
-    # 33 tokens: past SHORT_QUERY_TOKENS (32), gather + SDPA; 32 tokens: still the kernel
-    assert step_features(so) == (65, 0, 0, 32 * 16.5 / 1e3, 33 * (64 + 17) / 1e6, 2)
+    assert step_features(so) == (65, 0, 0, 0.0, (33 * (64 + 17) + 32 * 16.5) / 1e6, 2)
 
 
 def _write(tmp_path, name, text):

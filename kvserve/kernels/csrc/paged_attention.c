@@ -1,32 +1,42 @@
-/* Paged attention for short queries (decode tokens, speculative verification spans), AVX2 + FMA, over a float32
- * or a bfloat16 KV cache (queries, scores, softmax and sums in float32 either way).
+/* Paged attention over a float32 or a bfloat16 KV cache (queries, scores, softmax and sums in float32 either way),
+ * one kernel for every query length -- decode tokens, speculative verification spans, prompt chunks of any length,
+ * the tails of prefix-cache hits -- in two instruction-set builds (AVX2 + FMA, and AVX-512) chosen by the caller.
  *
  * PagedAttention (Kwon et al., SOSP 2023, section 4.1): each request's keys and values are read in place from the
- * global block pool through its block table, with no gathered copy. One task per request walks the request's
- * blocks once: all G = H_q / H_kv query heads of each KV head (GQA) and all of the request's query rows share each
- * key and value row while it is in cache. With fewer than two requests per thread (a batch-1 decode), at least
- * SPREAD_MIN_MACS of work and scores within SPREAD_MAX_SCORE_FLOATS, each request's work is spread over the threads
- * instead -- its keys' scores, then its softmaxes, then its weighted sums by KV head and 16 columns -- with the same
- * arithmetic, so the same bits (attend_spread). Softmax is
- * exact and in float32: scores for the whole context go to a scratch buffer, then max, exp, sum (8 lanes at a time),
- * and the weighted sum of values (in registers, one query head at a time). The block table is walked once per task
- * into a list of slot offsets (no integer division per key).
+ * global block pool through its block table, with no gathered copy. The work is split into tasks of (request, KV
+ * head, block of about TASK_ROWS query rows: tokens x the G = H_q / H_kv query heads of the KV head, GQA), spread
+ * over OpenMP threads. A task walks its keys in tiles of KT: the tile is transposed once ([d][KT], so one vector
+ * holds one element of KT / 2 keys) and every row of the task that sees it gets its scores from a register-tiled
+ * product (paged_attention_isa.h, qk_rows); then each row's softmax, exact and in float32 over all its keys (no
+ * online rescaling), then the weighted sums of the values, a tile of rows and columns at a time (pv_rows).
  *
- * kvserve_rope_write_attend_f32 is a decoder layer's whole attention step after the fused Q/K/V projection in one
- * call (RoPE on q and k, the K/V write into the cache slots, this kernel), so a layer makes one call instead of a
- * dozen PyTorch ops (each a dispatch and a new tensor) and a kernel call.
+ * Batch invariance. Every number a query row produces is one fixed sequence of float operations on that row's query
+ * and the keys and values at positions 0 .. its own:
+ *   score_j  = sum over k = 0 .. d-1 in order of (q_k * scale) * K_jk, one FMA per term from zero;
+ *   p_j      = e^(score_j - max) * (1 / sum), the sum over lanes (j mod W) in ascending j, then a fixed lane tree;
+ *   out_c    = sum over j = 0 .. position in order of p_j * V_jc, one FMA per term from zero.
+ * No reduction is split across tiles, tasks or threads, so the result does not depend on the chunk the row arrived
+ * in, the other rows of its request or of the step, the batch, the tiling or the thread count. With row-wise
+ * matmuls, norms and RoPE, a token's logits are then bit-identical however it is scheduled. The two builds round
+ * differently (W = 8 or 16 lanes in the softmax sum), so results are identical per ISA, not across ISAs.
+ *
+ * kvserve_rope_write_attend_<type>_<isa> is a decoder layer's whole attention step after the fused Q/K/V
+ * projection in one call (RoPE on q and k, the K/V write into the cache slots, this kernel), so a layer makes one
+ * call instead of a dozen PyTorch ops (each a dispatch and a new tensor) and a kernel call.
  *
  * Causality: query row i of a request with q_len rows and seq_len keys sits at position seq_len - q_len + i and
  * sees keys 0..that position.
  *
  * Layout: k_cache, v_cache: [num_blocks, block_size, H_kv, D] (one layer's K or V); q: row t, head h at
- * q + t * q_stride + h * D; out: row t, head h at out + t * out_stride + h * D. D must be a multiple of 8.
+ * q + t * q_stride + h * D; out: row t, head h at out + t * out_stride + h * D. D must be a multiple of 8 (AVX2) or
+ * 16 (AVX-512).
  *
- * The cache's element type is a template parameter: paged_attention_kv.h is included once per type and defines
- * kvserve_paged_attention_<type> and kvserve_rope_write_attend_<type> (f32, bf16). A bfloat16 cache halves the
- * bytes a decode step reads (attention of many long contexts is bound by reading them): keys and values are
- * rounded to bfloat16 when written (round to nearest even, as PyTorch's float -> bfloat16 cast, so the SDPA
- * path reads the same values) and widened to float32 exactly when read.
+ * The cache's element type and the ISA are template parameters: paged_attention_isa.h is included once per ISA and
+ * paged_attention_kv.h once per (ISA, type), defining kvserve_paged_attention_<type>_<isa> and
+ * kvserve_rope_write_attend_<type>_<isa> (type f32, bf16; isa avx2, avx512). A bfloat16 cache halves the bytes a
+ * decode step reads (attention of many long contexts is bound by reading them): keys and values are rounded to
+ * bfloat16 when written (round to nearest even, as PyTorch's float -> bfloat16 cast, so the reference path reads
+ * the same values) and widened to float32 exactly when read.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -36,35 +46,6 @@
 #include <string.h>
 
 #include "simd.h"
-
-/* p[0..n) = softmax(p[0..n)) in place (n >= 1), 8 lanes at a time. */
-static void softmax(float *p, int64_t n) {
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + j));
-    float m = -INFINITY, lanes[8];
-    _mm256_storeu_ps(lanes, mv);
-    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
-    for (; j < n; j++) m = p[j] > m ? p[j] : m;
-    __m256 sv = _mm256_setzero_ps(), m8 = _mm256_set1_ps(m);
-    for (j = 0; j + 8 <= n; j += 8) {
-        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + j), m8));
-        _mm256_storeu_ps(p + j, e);
-        sv = _mm256_add_ps(sv, e);
-    }
-    float sum = hsum(sv);
-    for (; j < n; j++) { p[j] = expf(p[j] - m); sum += p[j]; }
-    __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), inv));
-    for (; j < n; j++) p[j] *= 1.0f / sum;
-}
-
-/* Keys are scattered over blocks and each row is read once, so the hardware prefetcher cannot guess the next one;
- * asking for the row PREFETCH_KEYS ahead hides the memory latency. */
-#define PREFETCH_KEYS 8
-static inline void prefetch_bytes(const void *p, int64_t n_bytes) {
-    for (int64_t b = 0; b < n_bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
-}
 
 /* bfloat16 <-> float32. A bfloat16 is the top half of a float32, so widening is a 16-bit shift (exact). Narrowing
  * rounds to nearest, ties to even (overflow to infinity), as PyTorch's float -> bfloat16 conversion
@@ -103,21 +84,6 @@ static inline void store_row_f32(float *dst, const float *src, int64_t n) {
     memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 
-/* Tasks with at least this many multiply-adds (queries x keys x D) in all are split over OpenMP threads; below it
- * one thread does them all (a decode step of one short request: waking a second thread costs more than it saves). */
-#define PARALLEL_MIN_MACS (256 * 1024)
-
-/* The spread kernel (a few requests' work split inside each request: attend_spread) runs from this many multiply-adds
- * (below, one thread); its weighted sums carry up to SPREAD_MAX_G query heads per pass (larger GQA groups take
- * several) and ask for each value line SPREAD_PREFETCH_KEYS keys ahead (measured: docs/benchmarks.md, "Batch-1
- * decode at long context"). */
-#define SPREAD_MIN_MACS (192 * 1024)
-#define SPREAD_MAX_G 4
-#define SPREAD_PREFETCH_KEYS 32
-/* ... and only while all its requests' scores together fit in this many floats (16 MiB): a batch-invariant step's
- * long prompt chunks keep one task per request, each with its own scratch. */
-#define SPREAD_MAX_SCORE_FLOATS (4 * 1024 * 1024)
-
 /* RoPE, rotate-half form (GPT-NeoX; Hugging Face Llama's apply_rotary_pos_emb; Su et al. 2021), in place on n heads
  * of d floats at x: with a = x[:d/2], b = x[d/2:], x = [a cos_lo - b sin_lo, b cos_hi + a sin_hi] (cos, sin: the
  * d-float rows of this token). Each product is rounded, then added, with no fused multiply-add, exactly as
@@ -147,14 +113,163 @@ __attribute__((optimize("fp-contract=off"))) static void rope_heads(float *x, in
 
 #define PARALLEL_MIN_ROPE_FLOATS 65536
 
+/* Tasks with at least this many multiply-adds (queries x keys x D) in all are split over OpenMP threads; below it
+ * one thread does them all (a decode step of one short request: waking a second thread costs more than it saves). */
+#define PARALLEL_MIN_MACS (256 * 1024)
+/* Rows (query tokens x G heads) per task, and the most scores a task keeps (4 MiB: long contexts get fewer rows). */
+#define TASK_ROWS 64
+#define TASK_SCORE_FLOATS (1024 * 1024)
+
+/* ---- AVX2 + FMA (the library's baseline flags) ---- */
+static inline __m256 keep8(__m256 v, int64_t n) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane)));
+}
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+/* r[0..8) transposed in place (8 x 8 floats). */
+static inline void transpose8(__m256 *r) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xee);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xee);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20); r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20); r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31); r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31); r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+#define TGT
+#define ISA(x) x##_avx2
+#define W 8
+#define V __m256
+#define VZERO _mm256_setzero_ps()
+#define VSET1 _mm256_set1_ps
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VFMA _mm256_fmadd_ps
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VMUL _mm256_mul_ps
+#define VMAX _mm256_max_ps
+#define VEXP exp256
+#define VHSUM hsum
+#define VHMAX hmax8
+#define VKEEP keep8
+#define VTRANSPOSE transpose8
+#include "paged_attention_isa.h"
+
 #define KV_T float
-#define KV_NAME(x) x##_f32
-#define KV_LOAD8 load8_f32
+#define FN(x) x##_f32_avx2
+#define KV_LOADV load8_f32
 #define KV_STORE_ROW store_row_f32
 #include "paged_attention_kv.h"
 
 #define KV_T uint16_t
-#define KV_NAME(x) x##_bf16
-#define KV_LOAD8 load8_bf16
+#define FN(x) x##_bf16_avx2
+#define KV_LOADV load8_bf16
+#define KV_STORE_ROW store_row_bf16
+#include "paged_attention_kv.h"
+
+#undef TGT
+#undef ISA
+#undef W
+#undef V
+#undef VZERO
+#undef VSET1
+#undef VLOAD
+#undef VSTORE
+#undef VFMA
+#undef VADD
+#undef VSUB
+#undef VMUL
+#undef VMAX
+#undef VEXP
+#undef VHSUM
+#undef VHMAX
+#undef VKEEP
+#undef VTRANSPOSE
+#undef QK_ROWS
+#undef PV_ROWS
+#undef PV_VECS
+#undef KT
+
+/* ---- AVX-512 (F, with the others every AVX-512 CPU kvserve runs on has), by function attribute: built everywhere,
+ * called only where the caller found the CPU supports it ---- */
+#define T512 __attribute__((target("avx2,fma,avx512f,avx512dq,avx512bw,avx512vl")))
+T512 static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+T512 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+T512 static inline __m512 keep16(__m512 v, int64_t n) { return _mm512_maskz_mov_ps((__mmask16)((1u << n) - 1), v); }
+T512 static inline float hsum16(__m512 v) {
+    const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    return hsum(s);
+}
+T512 static inline float hmax16(__m512 v) { return _mm512_reduce_max_ps(v); }
+/* e^x for 16 floats (simd.h's method). */
+KVSERVE_DEFINE_EXP(exp512, T512, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
+/* r[0..16) transposed in place (16 x 16 floats): 4 x 4 blocks within each 128-bit lane, then the lanes. */
+T512 static inline void transpose16(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+#define TGT T512
+#define ISA(x) x##_avx512
+#define W 16
+#define V __m512
+#define VZERO _mm512_setzero_ps()
+#define VSET1 _mm512_set1_ps
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VFMA _mm512_fmadd_ps
+#define VADD _mm512_add_ps
+#define VSUB _mm512_sub_ps
+#define VMUL _mm512_mul_ps
+#define VMAX _mm512_max_ps
+#define VEXP exp512
+#define VHSUM hsum16
+#define VHMAX hmax16
+#define VKEEP keep16
+#define VTRANSPOSE transpose16
+#include "paged_attention_isa.h"
+
+#define KV_T float
+#define FN(x) x##_f32_avx512
+#define KV_LOADV load16_f32
+#define KV_STORE_ROW store_row_f32
+#include "paged_attention_kv.h"
+
+#define KV_T uint16_t
+#define FN(x) x##_bf16_avx512
+#define KV_LOADV load16_bf16
 #define KV_STORE_ROW store_row_bf16
 #include "paged_attention_kv.h"

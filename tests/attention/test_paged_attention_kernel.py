@@ -1,0 +1,100 @@
+"""The paged-attention kernel (``csrc/paged_attention.c``), one kernel for every query length, in each build this CPU
+runs (``ATTENTION_ISAS``): the values of plain causal attention, and a query row's bits fixed by its query and the
+keys and values up to its position alone -- the same whether the row arrives as a decode token, inside a chunk of
+any length, beside other requests, or with any thread count. No model: random Q/K/V in a scattered pool."""
+
+import pytest
+import torch
+
+from kvserve.kernels import cpu as cpu_kernels
+from tests.conftest import scattered_block_tables
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=str(cpu_kernels.unavailable_reason()))
+
+BUILDS = [pytest.param("avx2", id="avx2"),
+          pytest.param("avx512", id="avx512", marks=pytest.mark.skipif(
+              cpu_kernels.attention_isa() != "avx512", reason="this CPU has no AVX-512"))]
+
+
+def _pool(reqs, h_kv, d, bs, kv_dtype, seed=7):
+    """A cache holding every request's keys and values in scattered blocks, and the block tables."""
+    g = torch.Generator().manual_seed(seed)
+    tables = scattered_block_tables(reqs, bs)
+    cache = torch.randn(2, sum(len(t) for t in tables), bs, h_kv, d, generator=g).to(kv_dtype)
+    return cache, tables
+
+
+def _attend(q, cache, tables, rows, isa, threads=None):
+    """``rows``: per request ``(table index, first query row's position, query rows)``; q: those rows in order."""
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i, _, _ in rows])
+    q_len = torch.tensor([n for _, _, n in rows])
+    seq_len = torch.tensor([p + n for _, p, n in rows])
+    q_start = torch.cumsum(q_len, 0) - q_len
+    out = torch.full_like(q, float("nan"))
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)  # the same OpenMP runtime as the kernels
+    try:
+        assert cpu_kernels.paged_attention(q, cache, block_tables, q_start, q_len, seq_len, q.shape[-1] ** -0.5,
+                                           out, isa)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+SHAPES = [
+    ([(700, 1)], 9, 3, 64, 16),  # one decode, SmolLM2's heads
+    ([(300, 5), (451, 1), (90, 3)], 9, 3, 64, 16),  # verification spans beside a decode
+    ([(0, 130), (20, 77)], 10, 2, 32, 16),  # prompts: 5 query heads per KV head, a chunk after earlier context
+    ([(2000, 2)], 4, 4, 16, 7),  # MHA, the smallest D of the AVX-512 build, a block size not a power of two
+    ([(5, 1), (600, 1)], 8, 1, 128, 16),  # MQA; a short request beside a long one
+    ([(0, 1000)], 9, 3, 64, 16),  # a 1,000-token prompt in one chunk
+]
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reqs, h_q, h_kv, d, bs", SHAPES)
+def test_causal_attention_values_and_the_same_bits_on_any_thread_count(reqs, h_q, h_kv, d, bs, kv_dtype, isa):
+    cache, tables = _pool(reqs, h_kv, d, bs, kv_dtype)
+    g = torch.Generator().manual_seed(1)
+    rows = [(i, c, n) for i, (c, n) in enumerate(reqs)]
+    q = torch.randn(sum(n for _, n in reqs), h_q, d, generator=g) * 2
+    one = _attend(q, cache, tables, rows, isa, threads=1)
+    for threads in (2, 3):
+        assert torch.equal(_attend(q, cache, tables, rows, isa, threads), one)
+    start = 0
+    for (ctx, n), table in zip(reqs, tables):
+        slots = torch.tensor([table[j // bs] * bs + j % bs for j in range(ctx + n)])
+        k, v = (cache[i].reshape(-1, h_kv, d)[slots].float().repeat_interleave(h_q // h_kv, 1).transpose(0, 1)
+                for i in (0, 1))
+        qq = q[start: start + n].transpose(0, 1)  # [H_q, n, D]
+        mask = torch.arange(ctx + n)[None, :] <= (ctx + torch.arange(n))[:, None]
+        ref = ((qq @ k.transpose(1, 2)) * d**-0.5).masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        torch.testing.assert_close(one[start: start + n], ref.transpose(0, 1), rtol=1e-4, atol=1e-5)
+        start += n
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h_q, h_kv, d, bs", [(9, 3, 64, 16), (8, 2, 128, 16), (6, 6, 32, 5)])
+def test_a_row_gives_the_same_bits_however_it_is_scheduled(h_q, h_kv, d, bs, kv_dtype, isa):
+    """A 300-token prompt after 37 tokens of context: in one call; in chunks of 1 (decode tokens), 16, 64 and
+    uneven sizes; and as one request among others of every kind, before and after it. Every row equal bit for bit."""
+    ctx, n = 37, 300
+    others = [(0, 50), (400, 1), (90, 7)]
+    cache, tables = _pool([(ctx, n)] + others, h_kv, d, bs, kv_dtype)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(n, h_q, d, generator=g)
+    whole = _attend(q, cache, tables, [(0, ctx, n)], isa)
+    for sizes in ([1] * 40 + [n - 40], [16] * 18 + [12], [64] * 4 + [44], [3, 250, 47]):
+        start, parts = 0, []
+        for size in sizes:
+            parts.append(_attend(q[start: start + size], cache, tables, [(0, ctx + start, size)], isa))
+            start += size
+        assert torch.equal(torch.cat(parts), whole), sizes
+    q_others = [torch.randn(m, h_q, d, generator=g) for _, m in others]
+    rows = [(1, *others[0]), (0, ctx, n), (2, *others[1]), (3, *others[2])]
+    mixed = _attend(torch.cat([q_others[0], q, *q_others[1:]]), cache, tables, rows, isa)
+    assert torch.equal(mixed[50: 50 + n], whole)

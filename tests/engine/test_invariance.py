@@ -1,0 +1,175 @@
+"""The same request gives the same answer however it is served, on the default path (the GGUF's 4-bit weights, int8
+activations, kvserve's attention kernel): bit-identical token ids and logprobs alone, beside 31 other requests,
+with chunk budgets of 16 / 64 / 512 tokens, after prefix-cache hits of 1, 2 and all full blocks, after a preemption,
+and streamed or not over HTTP; seeded samples with n > 1 as when alone; speculative decoding at temperature 0 as
+without it. Also the exact greedy ids of this model per instruction-set path (the AVX2 and AVX-512 builds round
+differently; each is the same on every machine that runs it, on any thread count)."""
+
+import json
+
+import httpx
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.kernels import qgemm
+from tests.conftest import assert_pool_clean
+
+pytestmark = pytest.mark.real_model
+
+QUESTION = ("You are a careful assistant. Answer in two sentences, plainly, without lists. "
+            "Explain why the sky looks blue during the day and red at sunset, and what the sun's light has to do "
+            "with it. Mention the atmosphere, the colour of the ocean on a clear afternoon, and why clouds look "
+            "white or grey depending on how thick they are.")
+OTHERS = ["Write a haiku about the sea.", "List three prime numbers: 2, 3,", "Name a fruit.",
+          "Why do cats purr? Give one reason.", "Count: one two three", "What is 12 times 12?"]
+MAX_TOKENS = 24
+
+
+def _greedy(**kw):
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, ignore_eos=True, **kw)
+
+
+def _answer(out):
+    """What must not change: the token ids and, per token, the top logprobs (floats compared exactly)."""
+    c = out.outputs[0]
+    return c.token_ids, [sorted(d.items()) for d in c.logprobs]
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    llm = LLM(num_kv_blocks=64)
+    text = llm.apply_chat_template([{"role": "user", "content": QUESTION}])
+    ids = llm.get_tokenizer().encode(text)
+    assert 6 * 16 < len(ids) < 7 * 16  # six full blocks of 16 and a partial one
+    return ids
+
+
+@pytest.fixture(scope="module")
+def base():
+    """The default engine, prefix caching off; and the request's answer alone."""
+    return LLM(num_kv_blocks=512, max_num_seqs=32, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def alone(base, prompt):
+    out = base.generate([prompt], _greedy())[0]
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS
+    return _answer(out)
+
+
+def _others(n):
+    return [OTHERS[i % len(OTHERS)] + " " * (i // len(OTHERS)) for i in range(n)]
+
+
+def test_beside_31_other_requests(base, prompt, alone):
+    ps = _others(15) + [prompt] + _others(16)
+    outs = base.generate(ps, [SamplingParams(temperature=0.0, max_tokens=8 + i % 20) for i in range(15)] + [_greedy()]
+                         + [SamplingParams(temperature=0.0, max_tokens=3 + i) for i in range(16)])
+    assert _answer(outs[15]) == alone
+    assert_pool_clean(base.llm_engine)
+
+
+@pytest.mark.parametrize("budget", [16, 64, 512])
+def test_any_chunk_budget(prompt, alone, budget):
+    llm = LLM(num_kv_blocks=64, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    outs = llm.generate([prompt, _others(1)[0]], [_greedy(), SamplingParams(temperature=0.0, max_tokens=30)])
+    assert _answer(outs[0]) == alone
+
+
+def test_after_prefix_cache_hits_of_1_2_and_all_full_blocks(prompt, alone):
+    llm = LLM(num_kv_blocks=96, enable_prefix_caching=True)
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    for blocks in (1, 2, 6):
+        kv.block_pool.reset_prefix_cache()
+        warm = prompt[: 16 * blocks] + [t + 1 for t in prompt[16 * blocks: 16 * blocks + 20]]  # differs after
+        llm.generate([warm], SamplingParams(temperature=0.0, max_tokens=2))
+        hits = kv.prefix_cache_hits
+        assert _answer(llm.generate([prompt], _greedy())[0]) == alone, blocks
+        assert kv.prefix_cache_hits - hits == 16 * blocks
+    assert _answer(llm.generate([prompt], _greedy())[0]) == alone  # the whole prompt again: every full block
+
+
+def test_after_a_preemption(prompt, alone):
+    llm = LLM(num_kv_blocks=14, max_num_seqs=4, enable_prefix_caching=False)  # 224 slots for 4 x ~130 tokens
+    outs = llm.generate([prompt] + _others(3), [_greedy()] + [SamplingParams(temperature=0.0, max_tokens=60,
+                                                                             ignore_eos=True)] * 3)
+    assert llm.llm_engine.stats.num_preemptions > 0
+    assert _answer(outs[0]) == alone
+    assert_pool_clean(llm.llm_engine)
+
+
+def test_seeded_samples_with_n_4_as_when_alone(base, prompt):
+    sp = SamplingParams(n=4, temperature=0.8, seed=1234, max_tokens=16, logprobs=1)
+    one = base.generate([prompt], sp)[0]
+    mixed = base.generate(_others(7) + [prompt] + _others(8), [SamplingParams(temperature=0.7, max_tokens=12)] * 7
+                          + [sp] + [SamplingParams(temperature=0.0, max_tokens=5)] * 8)[7]
+    got = [(c.token_ids, [sorted(d.items()) for d in c.logprobs]) for c in mixed.outputs]
+    assert got == [(c.token_ids, [sorted(d.items()) for d in c.logprobs]) for c in one.outputs]
+    assert len({tuple(c.token_ids) for c in one.outputs}) > 1  # the samples differ from each other
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 29},
+], ids=["ngram", "draft_model"])
+def test_speculative_decoding_gives_the_same_tokens(base, prompt, spec):
+    text = "The quick brown fox jumps over the lazy dog. " * 3 + "The quick brown"
+    ps = [prompt, text]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in base.generate(ps, sp)]
+    llm = LLM(num_kv_blocks=128, speculative_config=spec, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, sp)] == reference
+    assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0  # verification rows made tokens
+
+
+def test_streamed_and_not_over_http(prompt, alone):
+    from tests.entrypoints.conftest import LiveServer
+
+    server = LiveServer(num_kv_blocks=64, enable_prefix_caching=False).start()
+    try:
+        body = {"model": server.llm_model_name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "logprobs": 2, "ignore_eos": True}
+        plain = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        streamed, text = [], ""
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    if choice.get("logprobs"):
+                        lp = choice["logprobs"]
+                        streamed += list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+        lp = plain["logprobs"]
+        assert streamed == list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+        assert text == plain["text"]
+        ids, logprobs = alone  # and the offline engine's answer alone, to the bit
+        assert lp["token_logprobs"] == [dict(top)[t] for t, top in zip(ids, logprobs)]
+    finally:
+        server.stop()
+
+
+#: The greedy ids of QUESTION on the default path, per instruction-set path (the quantized matmul's and the
+#: attention kernel's, with each path's default activations; AMX gives the AVX-512 VNNI path's bits), the same on 1
+#: and 2 threads. Made with this test's engine, alone.
+EXPECTED = {
+    # "The sky looks blue during the day and red at sunset because of the way the Earth reflects sunlight, which is
+    # a result"
+    "avx2": [504, 6376, 5117, 4461, 981, 260, 1194, 284, 2382, 418, 21822, 975, 282, 260, 970, 260, 2591, 9404, 8118,
+             28, 527, 314, 253, 966],
+    # "The sky looks blue during the day because of the way the Earth reflects sunlight, specifically blue light,
+    # which is a result"
+    "avx512": [504, 6376, 5117, 4461, 981, 260, 1194, 975, 282, 260, 970, 260, 2591, 9404, 8118, 28, 4170, 4461, 1420,
+               28, 527, 314, 253, 966],
+}
+
+
+@pytest.mark.parametrize("cpu_isa", ["avx2", "avx512_vnni"])
+def test_the_exact_greedy_ids_of_each_instruction_set_path(prompt, cpu_isa):
+    if not qgemm.cpu_supports(cpu_isa):
+        pytest.skip(f"this CPU has no {cpu_isa}")
+    llm = LLM(num_kv_blocks=64, cpu_isa=cpu_isa)
+    key = cpu_kernels.attention_isa(cpu_isa)
+    assert llm.llm_engine.model.attn.isa == key
+    ids = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+    assert ids.outputs[0].token_ids == EXPECTED[key]
