@@ -3,7 +3,7 @@ of prefix-cache hits -- attended by one kernel that reads K/V in place through t
 
 ``csrc/paged_attention.c`` (through ``kvserve.kernels.cpu``) splits a step's attention into tasks of (request, KV
 head, block of query rows), spread over the threads; each task transposes its key tiles once and computes its rows'
-scores, softmaxes and weighted sums in register tiles (sizes and timings: docs/performance.md, "Attention"). Per
+scores, softmaxes and weighted sums in register tiles (timings: docs/performance.md, "Batch invariance"). Per
 layer, ``forward_qkv`` is one kernel call for RoPE, the K/V write and the attention of every request (the reference
 path runs about a dozen PyTorch ops for the same).
 
