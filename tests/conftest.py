@@ -89,6 +89,23 @@ def flat_batch(requests, block_size, logits_rows=None):
     return batch
 
 
+def assert_greedy_matches_transformers(llm, hf, tokenizer, prompts, max_tokens: int = 12):
+    """``llm``'s greedy tokens for each prompt (``max_tokens``, EOS ignored) equal ``transformers``' ``generate`` on
+    the model ``hf``."""
+    import torch
+
+    from kvserve import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, sp)):
+        ids = tokenizer.encode(prompt)
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                   max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                   pad_token_id=0)
+        assert out.outputs[0].token_ids == expected[0, len(ids):].tolist(), prompt
+
+
 def scattered_block_tables(reqs, block_size: int) -> list:
     """Per ``(tokens in the cache, new query tokens)`` request, a block table of the blocks it needs, taken from a
     shared counter in reverse order (scattered, never contiguous ascending)."""

@@ -54,6 +54,15 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def act_mul(self, gate_up: torch.Tensor, act: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The gated MLP's ``act(gate) * up`` (``silu_mul`` for ``"silu"``; GEGLU, Shazeer 2020, for ``"gelu"``
+        (exact, erf) and ``"gelu_pytorch_tanh"`` / ``"gelu_new"`` (the tanh approximation)); shapes as
+        ``silu_mul``."""
+        if act == "silu":
+            return self.silu_mul(gate_up, out)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="none" if act == "gelu" else "tanh") * up
+
 
 class CPUKernelOps(TorchOps):
     """The same ops through ``csrc/elementwise.c`` (float32 CPU; use only when ``cpu_kernels.load()`` succeeded)."""

@@ -1,5 +1,18 @@
 """Rotary position embedding (RoPE; Su et al. 2021, "RoFormer"), rotate-half form as in Hugging Face's Llama
-(``apply_rotary_pos_emb``): the cos/sin rows of a step's positions, and their application with PyTorch ops.
+(``apply_rotary_pos_emb``): the frequencies of each scaling scheme a family uses, the cos/sin rows of a step's
+positions, and their application with PyTorch ops.
+
+Scaling schemes (``RopeScaling.rope_type``), each a function of the head width, the base and the scheme's
+parameters alone (never of the sequence length, so a token's rotation does not depend on its batch):
+- ``"linear"``: position interpolation (Chen et al. 2023): every frequency divided by ``factor``;
+- ``"llama3"``: Llama 3.1's: wavelengths longer than ``original_max_position_embeddings / low_freq_factor``
+  divided by ``factor``, shorter than ``... / high_freq_factor`` kept, a linear blend between (Meta's Llama 3.1
+  release, ``apply_scaling``);
+- ``"yarn"``: YaRN (Peng et al. 2023, section 3.2-3.4): per-frequency blend of interpolation and extrapolation by a
+  linear ramp over the correction range of ``beta_fast`` .. ``beta_slow`` rotations, and cos/sin scaled by the
+  attention factor (``0.1 ln(factor) + 1`` unless given);
+- ``freq_factors``: llama.cpp's ``rope_freqs.weight`` (how a GGUF stores Llama 3.1's scaling): each frequency
+  divided by its factor.
 
 kvserve's CPU attention backend applies the same rotation inside its fused attention call
 (``csrc/paged_attention.c``, ``kvserve_rope_write_attend_f32``) with the same rounding, so both give equal bits.
@@ -7,7 +20,42 @@ kvserve's CPU attention backend applies the same rotation inside its fused atten
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
+
+#: ``RopeScaling.rope_type`` values implemented here.
+ROPE_TYPES = ("linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE scaling scheme and its parameters (Hugging Face's ``rope_scaling`` / ``rope_parameters`` names).
+
+    Attributes:
+        rope_type: one of ``ROPE_TYPES``, or ``"default"`` with ``freq_factors`` only.
+        factor: the context stretch (linear, llama3, yarn).
+        original_max_position_embeddings: the pretraining context (llama3, yarn).
+        low_freq_factor, high_freq_factor: llama3's band edges.
+        beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate: YaRN's (``attention_factor``
+            ``None``: derived from ``factor`` and the mscales).
+        freq_factors: ``[D / 2]`` divisors of the frequencies (GGUF ``rope_freqs.weight``), or ``None``.
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: Optional[int] = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: Optional[float] = None
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    truncate: bool = True
+    freq_factors: Optional[tuple] = None
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -15,12 +63,76 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each position's angles: ``positions [T]`` int -> two ``[T, 1, D]`` tensors of ``dtype``
-    (contiguous; the two halves of each row are equal), broadcastable over heads."""
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling] = None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies ``[D / 2]`` float32 of a scheme (module docstring) and the factor its cos and sin
+    are multiplied by (1.0 but for YaRN). ``scaling=None``: plain RoPE.
+
+    Raises:
+        ValueError: an unknown ``rope_type``; ``freq_factors`` of another length than ``D / 2``, or with a
+            ``rope_type`` other than ``"default"``.
+    """
+    inv_freq = rope_inv_freq(head_dim, theta)
+    if scaling is None:
+        return inv_freq, 1.0
+    s = scaling
+    if s.freq_factors is not None:
+        if s.rope_type != "default":
+            raise ValueError(f"rope_freqs factors together with rope_type {s.rope_type!r} are not supported")
+        if len(s.freq_factors) != head_dim // 2:
+            raise ValueError(f"rope_freqs has {len(s.freq_factors)} factors; the head width {head_dim} needs "
+                             f"{head_dim // 2}")
+        inv_freq = inv_freq / torch.tensor(s.freq_factors, dtype=torch.float32)
+    if s.rope_type == "default":
+        return inv_freq, 1.0
+    if s.rope_type == "linear":
+        return inv_freq / s.factor, 1.0
+    if s.rope_type == "llama3":
+        old = s.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)  # long waves: interpolated
+        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, blended, scaled), 1.0
+    if s.rope_type == "yarn":
+        attention = s.attention_factor
+        if attention is None:
+            attention = (_yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim)
+                         if s.mscale and s.mscale_all_dim else _yarn_mscale(s.factor))
+
+        def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times in the context
+            return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(theta))
+
+        low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+        if s.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        high = high + 0.001 if low == high else high
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1 - ramp  # 1: keep the frequency (fast dimensions), 0: interpolate it
+        pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+        inv = (1.0 / (s.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+        return inv, float(attention)
+    raise ValueError(f"rope_type must be one of {('default',) + ROPE_TYPES}, got {s.rope_type!r}")
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position's angles (times ``attention_scaling``, as Hugging Face applies YaRN's factor):
+    ``positions [T]`` int -> two ``[T, 1, D]`` tensors of ``dtype`` (contiguous; the two halves of each row are
+    equal), broadcastable over heads."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    if attention_scaling != 1.0:
+        cos, sin = cos * attention_scaling, sin * attention_scaling
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 class RopeTable:
@@ -31,19 +143,20 @@ class RopeTable:
     (float32, 64-dim heads: 512 bytes per position).
 
     Args:
-        inv_freq: ``[D / 2]`` float32 (``rope_inv_freq``).
+        inv_freq: ``[D / 2]`` float32 (``rope_frequencies``).
         dtype: of the returned rows.
+        attention_scaling: cos and sin are multiplied by it (YaRN's attention factor; 1.0 otherwise).
     """
 
-    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype):
-        self.inv_freq, self.dtype = inv_freq, dtype
+    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype, attention_scaling: float = 1.0):
+        self.inv_freq, self.dtype, self.attention_scaling = inv_freq, dtype, attention_scaling
         self.cos = self.sin = torch.empty(0, inv_freq.shape[0] * 2, dtype=dtype)
 
     def __call__(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]`` int64, all below ``end`` -> ``(cos, sin)``, each ``[T, 1, D]`` contiguous."""
         if end > self.cos.shape[0]:
             n = max(end, 2 * self.cos.shape[0], 256)
-            cos, sin = rope_cos_sin(torch.arange(n), self.inv_freq, self.dtype)
+            cos, sin = rope_cos_sin(torch.arange(n), self.inv_freq, self.dtype, self.attention_scaling)
             self.cos, self.sin = cos[:, 0], sin[:, 0]
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 

@@ -13,6 +13,10 @@ from typing import Optional, Protocol
 import torch
 
 from kvserve.batch import InputBatch
+from kvserve.layers.rotary import RopeScaling
+
+#: ``ModelArch.hidden_act`` values implemented (Hugging Face's names): SiLU, exact GELU, tanh-approximated GELU.
+HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")
 
 
 @dataclass(frozen=True)
@@ -21,7 +25,11 @@ class ModelArch:
 
     Attributes:
         architecture: the registry name (Hugging Face's ``architectures[0]``), e.g. ``"LlamaForCausalLM"``.
-        attention_bias: Q, K and V projections carry a bias (Qwen2).
+        attention_bias: Q, K and V projections carry a bias (Qwen2; Llama's ``attention_bias``).
+        o_proj_bias: the attention output projection carries one (Llama's ``attention_bias``).
+        mlp_bias: gate, up and down projections carry one (Llama's ``mlp_bias``).
+        hidden_act: the gated MLP's activation, one of ``HIDDEN_ACTS``.
+        rope_scaling: the RoPE scaling scheme (``kvserve.layers.rotary``), ``None`` for plain RoPE.
         Others: as in Hugging Face's configs (sizes in features, ``rope_theta`` the RoPE base).
     """
 
@@ -38,8 +46,14 @@ class ModelArch:
     tie_word_embeddings: bool
     architecture: str = "LlamaForCausalLM"
     attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    rope_scaling: Optional[RopeScaling] = None
 
     def __post_init__(self) -> None:
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "

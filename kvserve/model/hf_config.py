@@ -1,0 +1,146 @@
+"""A Hugging Face ``config.json`` read into a ``ModelArch``, refusing what kvserve does not implement.
+
+A serving engine must never silently change a model's math. So every family declares the config fields that
+change it (``FAMILY_FIELDS``: the fields it implements, with the values it takes), and every field some family
+uses that this one does not implement is checked against its "off" value (``OFF_VALUES``): a checkpoint that sets
+one (a Mistral-style ``sliding_window`` on a Llama, Gemma's soft-capping, Granite's multipliers, Phi-3's partial
+rotary, ...) is refused with a ``ValueError`` naming the field and its value. RoPE scaling is read from either
+layout: the Hub's ``rope_scaling`` and transformers 5's ``rope_parameters`` (``parse_rope``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kvserve.layers.rotary import ROPE_TYPES, RopeScaling
+from kvserve.model.base import HIDDEN_ACTS, ModelArch
+
+#: Per family: the math-changing fields it implements -> the values it takes (``None``: any value of the field's
+#: type; the loader reads it). RoPE fields are read by ``parse_rope``.
+FAMILY_FIELDS = {
+    "LlamaForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True)},
+    "Qwen2ForCausalLM": {"hidden_act": HIDDEN_ACTS, "use_sliding_window": (False,)},
+}
+
+#: Fields of other families (or of features not built yet) that change the math, and the values that mean "off";
+#: any other value is refused.
+OFF_VALUES = {
+    "sliding_window": (None,),  # Mistral, Gemma, Qwen2 (there only with use_sliding_window)
+    "layer_types": (None,),  # per-layer attention kinds (checked: all "full_attention" passes)
+    "partial_rotary_factor": (None, 1.0, 1),  # Phi-3, StableLM
+    "attn_logit_softcapping": (None,),  # Gemma 2
+    "final_logit_softcapping": (None,),
+    "query_pre_attn_scalar": (None,),
+    "embedding_multiplier": (None, 1.0, 1),  # Granite
+    "residual_multiplier": (None, 1.0, 1),
+    "attention_multiplier": (None,),
+    "logits_scaling": (None, 1.0, 1),
+    "no_rope_layers": (None,),  # SmolLM3
+    "num_experts": (None, 0),  # mixture of experts
+    "num_local_experts": (None, 0),
+    "n_routed_experts": (None, 0),
+    "use_qk_norm": (None, False),
+}
+
+#: The keys a ``rope_scaling`` / ``rope_parameters`` entry of each type may hold (others are refused).
+_ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+             "mscale_all_dim", "truncate"},
+}
+_ROPE_REQUIRED = {"linear": {"factor"}, "llama3": _ROPE_KEYS["llama3"], "yarn": {"factor"}}
+
+
+def parse_rope(cfg: dict, where: str) -> tuple[float, Optional[RopeScaling]]:
+    """``(rope_theta, RopeScaling or None)`` of a config: ``rope_theta`` at the top level or inside
+    ``rope_parameters`` (default 10000); the scheme from ``rope_scaling`` or ``rope_parameters``.
+
+    Raises:
+        ValueError: a scheme other than default / linear / llama3 / yarn (dynamic NTK, longrope, ...), a key the
+            scheme does not take or a required one missing, per-layer-type parameters, or a partial rotary factor;
+            the message names the field, the value and ``where`` (the file).
+    """
+    params = cfg.get("rope_parameters")
+    field, spec = ("rope_scaling", cfg["rope_scaling"]) if cfg.get("rope_scaling") else ("rope_parameters", params)
+    theta = cfg.get("rope_theta") or (params or {}).get("rope_theta") or 10000.0
+    if not spec:
+        return float(theta), None
+    if not isinstance(spec, dict) or any(isinstance(v, dict) for v in spec.values()):
+        raise ValueError(f"unsupported {field} {spec!r} in {where}: one scheme for every layer is supported")
+    spec = {k: v for k, v in spec.items() if k not in ("rope_theta", "type", "rope_type")} | {
+        "rope_type": spec.get("rope_type", spec.get("type", "default"))}
+    rope_type = spec.pop("rope_type")
+    if spec.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"unsupported {field}.partial_rotary_factor={spec['partial_rotary_factor']!r} in {where}; "
+                         f"supported: 1.0")
+    spec.pop("partial_rotary_factor", None)
+    if rope_type not in _ROPE_KEYS:
+        raise ValueError(f"unsupported {field}.rope_type={rope_type!r} in {where}; supported: "
+                         f"{('default',) + ROPE_TYPES}")
+    extra = sorted(set(spec) - _ROPE_KEYS[rope_type])
+    if extra:
+        raise ValueError(f"unsupported {field} key(s) {extra} for rope_type {rope_type!r} in {where}; supported: "
+                         f"{sorted(_ROPE_KEYS[rope_type])}")
+    missing = sorted(_ROPE_REQUIRED.get(rope_type, set()) - set(spec))
+    if missing:
+        raise ValueError(f"{field} of rope_type {rope_type!r} in {where} lacks {missing}")
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "yarn" and not spec.get("original_max_position_embeddings"):
+        spec["original_max_position_embeddings"] = cfg.get("max_position_embeddings")
+    return float(theta), RopeScaling(rope_type=rope_type, **spec)
+
+
+def check_fields(cfg: dict, architecture: str, where: str) -> None:
+    """Refuse every math-changing field ``architecture`` does not implement with a value other than "off", and
+    every implemented field with a value it does not take (``FAMILY_FIELDS``, ``OFF_VALUES``).
+
+    Raises:
+        ValueError: naming the field, its value, the supported values and ``where``.
+    """
+    fields = FAMILY_FIELDS[architecture]
+    for name, allowed in fields.items():
+        if name in cfg and allowed is not None and cfg[name] not in allowed:
+            raise ValueError(f"unsupported {name}={cfg[name]!r} for {architecture} in {where}; supported: {allowed}")
+    for name, off in OFF_VALUES.items():
+        if name in fields or name not in cfg or cfg[name] in off:
+            continue
+        if name == "layer_types" and all(t == "full_attention" for t in cfg[name]):
+            continue
+        if name == "sliding_window" and architecture == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window"):
+            continue  # Qwen2 configs carry a window that is off unless use_sliding_window
+        raise ValueError(f"unsupported {name}={cfg[name]!r} for {architecture} in {where}: kvserve does not "
+                         f"implement it; supported: {off}")
+
+
+def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
+    """The ``ModelArch`` of a Hugging Face config (``check_fields`` and ``parse_rope`` first).
+
+    Raises:
+        ValueError: a field or value kvserve does not implement (named), or a missing size field.
+    """
+    check_fields(cfg, architecture, where)
+    theta, scaling = parse_rope(cfg, where)
+    n_head = cfg["num_attention_heads"]
+    llama_bias = architecture == "LlamaForCausalLM" and bool(cfg.get("attention_bias", False))
+    return ModelArch(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=n_head,
+        num_key_value_heads=cfg.get("num_key_value_heads") or n_head,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        architecture=architecture,
+        attention_bias=architecture == "Qwen2ForCausalLM" or llama_bias,
+        o_proj_bias=llama_bias,
+        mlp_bias=architecture == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
+        hidden_act=cfg.get("hidden_act", "silu"),
+        rope_scaling=scaling,
+    )
