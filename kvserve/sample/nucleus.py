@@ -54,7 +54,7 @@ def filtered(logits: torch.Tensor, params: list) -> tuple[Optional[torch.Tensor]
     top_k = torch.tensor([min(p.top_k, v) if p.top_k_enabled else v for p in params])
     has_k = torch.tensor([p.top_k_enabled for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    lse_all = torch.logsumexp(scaled, dim=-1)
+    lse_all = _row_logsumexp(scaled)
     rounds = []  # per window: (rows whose nucleus closed in it, their ids [n, k], their probabilities [n, k])
     left = torch.arange(b)
     k = min(v, max(FIRST_CANDIDATES, int(top_k[has_k].max()) if bool(has_k.any()) else 0))
@@ -63,12 +63,12 @@ def filtered(logits: torch.Tensor, params: list) -> tuple[Optional[torch.Tensor]
         ranks = torch.arange(k)[None, :]
         tk = top_k[left]
         vals = vals.masked_fill(ranks >= tk[:, None], float("-inf"))
-        lse = torch.where(has_k[left], torch.logsumexp(vals, dim=-1), lse_all[left])  # k >= top_k: all of top-k
+        lse = torch.where(has_k[left], _row_logsumexp(vals), lse_all[left])  # k >= top_k: all of top-k
         p = torch.exp(vals - lse[:, None])
         keep = (((p.cumsum(dim=-1) - p) <= top_p[left][:, None]) | (ranks == 0)) & (vals > float("-inf"))
         open_ = keep[:, -1] & (tk > k) if k < v else torch.zeros(left.numel(), dtype=torch.bool)
         q = p * keep
-        q = q / q.sum(dim=-1, keepdim=True)
+        q = q / _row_sum(q)[:, None]
         done = ~open_
         rounds.append((left[done], ids[done], q[done]))
         left = left[open_]
@@ -82,6 +82,26 @@ def filtered(logits: torch.Tensor, params: list) -> tuple[Optional[torch.Tensor]
         all_ids[rows, : r_ids.shape[1]] = r_ids
         probs[rows, : r_q.shape[1]] = r_q
     return all_ids, _min_p(probs, min_p)
+
+
+def _row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Row sums of ``[b, n]`` float32 -> ``[b]``, the same bits for a row whatever the other rows and the thread
+    count: PyTorch sums a single long row (``b = 1``, ``n >= 32768``) in per-thread parts when it has several
+    threads, but a row of a larger batch in one pass, which rounds differently. Here each row is summed in chunks of
+    ``CHUNK`` columns (each chunk one reduction on one thread, always the same length: zero padding), then the chunk
+    sums in order in float64 (so trailing zero chunks, e.g. a wider candidate window, change nothing either)."""
+    b, n = x.shape
+    pad = -n % CHUNK
+    x = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    return x.reshape(b, (n + pad) // CHUNK, CHUNK).sum(dim=-1).double().cumsum(dim=-1)[:, -1].to(x.dtype)
+
+
+def _row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(x, dim=-1)`` of ``[b, n]`` float32 (max-shifted, as PyTorch computes it) with
+    ``_row_sum``'s row-wise sum: the same bits for a row whatever else is in the batch and on any thread count."""
+    m = x.amax(dim=-1)  # exact, in any order
+    m = m.masked_fill(m.abs() == float("inf"), 0.0)
+    return _row_sum(torch.exp(x - m[:, None])).log() + m
 
 
 def _cuts(p) -> bool:
@@ -122,14 +142,18 @@ def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
         return probs
     keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     probs = probs * keep
-    return probs / probs.sum(dim=-1, keepdim=True)
+    # only the min-p rows are renormalised: a row without min-p gets the bits it gets in a batch without min-p rows
+    return probs / torch.where(min_p > 0, _row_sum(probs), 1.0)[:, None]
 
 
 def dense(ids: Optional[torch.Tensor], probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``filtered``'s result as ``[b, vocab_size]`` probabilities (zeros for the tokens not kept)."""
     if ids is None:
         return probs
-    return torch.zeros(probs.shape[0], vocab_size, dtype=probs.dtype).scatter_(1, ids, probs)
+    # scatter_add_, not scatter_: a row whose nucleus closed in an earlier, narrower window than another row's is
+    # padded with id 0 and probability 0 (``filtered``), and a plain scatter of those duplicates could overwrite
+    # token 0's probability with 0; adding 0 is exact, whatever the order
+    return torch.zeros(probs.shape[0], vocab_size, dtype=probs.dtype).scatter_add_(1, ids, probs)
 
 
 #: Columns per chunk of ``draw``'s two-level cumulative sum.
