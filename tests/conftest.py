@@ -4,13 +4,15 @@ import os
 
 import pytest
 
-# The suite's exact expected values (token ids, texts, parity with transformers) are those of the reference path,
-# the GGUF dequantized to float32. Every engine a test builds -- in this process, in subprocesses and in servers --
-# takes that path unless the test asks for another; tests/model/test_quantized_model.py runs the default
-# quantized path (quantization="auto") explicitly.
-os.environ.setdefault("KVSERVE_QUANTIZATION", "fp32")
+# Engines run the default path (the GGUF's quantized weights, kvserve's kernels) unless a test asks for another on
+# purpose: parity with transformers passes quantization="fp32" explicitly (llm_fp32, tests/model/test_parity.py).
+# The variables that would move every engine (and every subprocess and server a test starts) off it are cleared, so
+# a developer's shell cannot change what the suite tests; tests of the variables set them with monkeypatch.
+for _name in ("KVSERVE_QUANTIZATION", "KVSERVE_CPU_KERNELS", "KVSERVE_CPU_ISA", "KVSERVE_QUANT_ACTIVATIONS",
+              "KVSERVE_FUSED_LAYERS"):
+    os.environ.pop(_name, None)
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
@@ -21,7 +23,7 @@ GROUPS = ("real_model", "server", "browser", "ray", "slow")
 
 
 #: Fixtures that hold the real model: a test that uses one is marked ``real_model`` at collection.
-MODEL_FIXTURES = ("llm", "tokenizer")
+MODEL_FIXTURES = ("llm", "llm_fp32", "tokenizer")
 _current = {"item": None}
 
 
@@ -57,8 +59,14 @@ def pytest_runtest_teardown(item):
 
 @pytest.fixture(scope="session")
 def llm():
-    """The SmolLM2-135M-Instruct engine on the reference float32 path with a roomy pool (512 blocks of 16 tokens)."""
+    """The SmolLM2-135M-Instruct engine on the default path with a roomy pool (512 blocks of 16 tokens)."""
     return LLM(num_kv_blocks=512, max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    """The same engine on the float32 reference path (``quantization="fp32"``): for parity with ``transformers``."""
+    return LLM(num_kv_blocks=512, max_num_seqs=32, quantization="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -41,9 +41,9 @@ def _assert_bitwise(a, b):
     assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
 
 
-def test_built_for_the_default_quantized_model(qllm, llm):
+def test_built_for_the_default_quantized_model(qllm, llm_fp32):
     assert isinstance(qllm.llm_engine.model.fused_layers, FusedLayerLoop)
-    assert llm.llm_engine.model.fused_layers is None  # float32 Linear projections: the Python loop
+    assert llm_fp32.llm_engine.model.fused_layers is None  # "fp32": float32 Linear projections, the Python loop
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

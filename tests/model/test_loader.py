@@ -24,7 +24,10 @@ def test_default_model_comes_from_the_wheel_and_metadata_is_read():
     assert m.tokenizer.chat_template and m.eos_token_ids == (2,)
 
 
-def test_hf_directory_matches_gguf(tmp_path, llm):
+def test_hf_directory_matches_gguf(tmp_path, llm_fp32):
+    """The GGUF's weights (dequantized) written as a Hugging Face directory load as float32 weights: the same
+    greedy tokens as the GGUF on the float32 path."""
+    llm = llm_fp32
     m = load_model()
     a = m.arch
     cfg = {

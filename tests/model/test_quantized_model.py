@@ -20,11 +20,11 @@ def qllm():
     return LLM(num_kv_blocks=256, max_num_seqs=16, quantization="auto")
 
 
-def test_default_engine_keeps_the_file_quantized(qllm, llm, monkeypatch):
-    monkeypatch.delenv("KVSERVE_QUANTIZATION")
+def test_default_engine_keeps_the_file_quantized(qllm, llm_fp32, monkeypatch):
+    monkeypatch.delenv("KVSERVE_QUANTIZATION", raising=False)
     from kvserve.config import ModelConfig
 
-    assert ModelConfig().quantization == "auto"  # the default without the suite's environment
+    assert ModelConfig().quantization == "auto"  # the default
     model = qllm.llm_engine.model
     layer, head = model.layers[0]["qkv"].path, model.lm_head.path
     if quant_kernels.load() is None:
@@ -35,11 +35,11 @@ def test_default_engine_keeps_the_file_quantized(qllm, llm, monkeypatch):
         assert (layer, head) == (f"q4/{isa}{suffix}", f"q8/{isa}{suffix}")  # the file's Q4_1 layers, Q8_0 embedding
     assert qllm.llm_engine.backends.quantization == "auto"
     assert model.embed.head is model.lm_head.packed  # tied: lookups decode the head's bytes, no file reads
-    assert llm.llm_engine.model.lm_head.path in ("kvserve", "onednn", "mkl")  # the suite's fp32 reference
+    assert llm_fp32.llm_engine.model.lm_head.path in ("kvserve", "onednn", "mkl")  # the fp32 reference
 
 
 @pytest.mark.parametrize("activations", ["int8x2", "int8"])
-def test_accuracy_thresholds_against_fp32(llm, tokenizer, monkeypatch, activations):
+def test_accuracy_thresholds_against_fp32(llm_fp32, tokenizer, monkeypatch, activations):
     if not (default_data_dir() / "gsm8k" / "test.jsonl").exists():
         pytest.skip("../shared/data/gsm8k is not next to this clone")
     if quant_kernels.isa() is None:
@@ -48,7 +48,7 @@ def test_accuracy_thresholds_against_fp32(llm, tokenizer, monkeypatch, activatio
               for q in ("auto", "int8")}
     assert models["auto"].lm_head.activations == activations
     texts = gsm8k_texts(tokenizer, 1000)
-    got = compare_all(llm.llm_engine.model, models, texts)
+    got = compare_all(llm_fp32.llm_engine.model, models, texts)
     for r in got.values():
         assert r.positions == sum(len(t) - 1 for t in texts) >= 1000
         assert abs(r.ppl_change) <= 0.01  # the perplexity bound
