@@ -30,6 +30,7 @@ class ModelArch:
         mlp_bias: gate, up and down projections carry one (Llama's ``mlp_bias``).
         hidden_act: the gated MLP's activation, one of ``HIDDEN_ACTS``.
         rope_scaling: the RoPE scaling scheme (``kvserve.layers.rotary``), ``None`` for plain RoPE.
+        qk_norm: each query and key head is RMS-normed (its own ``[D]`` weight) before RoPE (Qwen3).
         Others: as in Hugging Face's configs (sizes in features, ``rope_theta`` the RoPE base).
     """
 
@@ -50,6 +51,7 @@ class ModelArch:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     rope_scaling: Optional[RopeScaling] = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:

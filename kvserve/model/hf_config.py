@@ -20,6 +20,7 @@ from kvserve.model.base import HIDDEN_ACTS, ModelArch
 FAMILY_FIELDS = {
     "LlamaForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True)},
     "Qwen2ForCausalLM": {"hidden_act": HIDDEN_ACTS, "use_sliding_window": (False,)},
+    "Qwen3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "use_sliding_window": (False,)},
 }
 
 #: Fields of other families (or of features not built yet) that change the math, and the values that mean "off";
@@ -109,8 +110,8 @@ def check_fields(cfg: dict, architecture: str, where: str) -> None:
             continue
         if name == "layer_types" and all(t == "full_attention" for t in cfg[name]):
             continue
-        if name == "sliding_window" and architecture == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window"):
-            continue  # Qwen2 configs carry a window that is off unless use_sliding_window
+        if name == "sliding_window" and "use_sliding_window" in fields and not cfg.get("use_sliding_window"):
+            continue  # Qwen2/3 configs carry a window that is off unless use_sliding_window
         raise ValueError(f"unsupported {name}={cfg[name]!r} for {architecture} in {where}: kvserve does not "
                          f"implement it; supported: {off}")
 
@@ -124,7 +125,7 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
     check_fields(cfg, architecture, where)
     theta, scaling = parse_rope(cfg, where)
     n_head = cfg["num_attention_heads"]
-    llama_bias = architecture == "LlamaForCausalLM" and bool(cfg.get("attention_bias", False))
+    llama_bias = architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(cfg.get("attention_bias", False))
     return ModelArch(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -143,4 +144,5 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         mlp_bias=architecture == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
         hidden_act=cfg.get("hidden_act", "silu"),
         rope_scaling=scaling,
+        qk_norm=architecture == "Qwen3ForCausalLM",
     )

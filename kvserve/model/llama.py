@@ -76,6 +76,9 @@ class LlamaModel:
             o_bias = _declared_bias(weights, [p + "self_attn.o_proj.bias"], arch.o_proj_bias, "attention_bias")
             mlp = _declared_bias(weights, [p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")], arch.mlp_bias,
                                  "mlp_bias")
+            qk_norm = [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"] if arch.qk_norm else []
+            if any(n not in weights for n in qk_norm):
+                raise ValueError(f"{arch.architecture} needs per-head Q/K norms; missing {qk_norm}")
             if tp > 1 and (o_bias or mlp):
                 raise ValueError("tensor parallelism does not take o_proj or MLP biases yet")
             self.layers.append(
@@ -91,6 +94,7 @@ class LlamaModel:
                     gate_up_bias=torch.cat(mlp[:2]) if mlp else None,
                     down=row(weights[p + "mlp.down_proj.weight"], what=p + "down_proj"),
                     down_bias=mlp[2] if mlp else None,
+                    qk_norm=[weights[n] for n in qk_norm] or None,
                 )
             )
         self.inv_freq, attention_scaling = rope_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)
@@ -148,6 +152,14 @@ class LlamaModel:
         logits = self.lm_head(x)
         return logits if logits.dtype == torch.float32 else logits.float()
 
+    def _qk_norm(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
+        """``qkv [T, (H_q + 2 H_kv) D]`` with every query and key head RMS-normed over its ``D`` values (weights
+        ``q_norm``, ``k_norm`` ``[D]``; Qwen3), values unchanged: a new ``[T, (H_q + 2 H_kv) D]`` tensor."""
+        t, d, nq, nk, eps = qkv.shape[0], self.arch.head_dim, self.num_heads, self.num_kv_heads, self.arch.rms_norm_eps
+        q = self.ops.rms_norm(qkv[:, : nq * d].reshape(t * nq, d), q_norm, eps).view(t, nq * d)
+        k = self.ops.rms_norm(qkv[:, nq * d: (nq + nk) * d].reshape(t * nk, d), k_norm, eps).view(t, nk * d)
+        return torch.cat([q, k, qkv[:, (nq + nk) * d:]], dim=1)
+
     def _layer_loop(self, h: torch.Tensor, batch: InputBatch, meta, rope: tuple, kv_cache: torch.Tensor) -> torch.Tensor:
         """Every decoder layer on the residual stream ``h [T, hidden]`` (updated in place where the ops allow);
         returns the last layer's output, before the final norm."""
@@ -164,6 +176,8 @@ class LlamaModel:
             qkv = w["qkv"](x)
             if w["qkv_bias"] is not None:
                 qkv = qkv + w["qkv_bias"]
+            if w["qk_norm"] is not None:
+                qkv = self._qk_norm(qkv, *w["qk_norm"])
             attn = self.attn.forward_qkv(qkv, n_q, caches[i], meta, rope, batch, scale, attn_buf)
             o = w["o"](attn)
             if w["o_bias"] is not None:

@@ -41,7 +41,7 @@ from kvserve.model.weight_cache import WeightCache, atomic_write, read_gguf_cach
 logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` values read, and the registry architecture each maps to.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 #: Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (llama.cpp's rope type
 #: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
 _GGUF_PERMUTED_QK = ("llama",)
@@ -172,15 +172,17 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+#: Per-layer tensors only some architectures have (any other architecture refuses them as unknown).
+_GGUF_ARCH_LAYER_NAMES = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}}
 
 
-def _gguf_tensor_known(name: str) -> bool:
-    """Whether kvserve knows the math of GGUF tensor ``name`` (``blk.N.<kind>.weight|bias`` of ``_GGUF_LAYER_NAMES``,
+def _gguf_tensor_known(name: str, layer_names: dict) -> bool:
+    """Whether kvserve knows the math of GGUF tensor ``name`` (``blk.N.<kind>.weight|bias`` of ``layer_names``,
     the embedding, final norm, LM head and ``rope_freqs``)."""
     if name in ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"):
         return True
     parts = name.split(".")
-    return (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES
+    return (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names
             and parts[3] in ("weight", "bias"))
 
 
@@ -248,10 +250,11 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     if int(field(f"{a}.rope.dimension_count", head_dim)) != head_dim:
         raise ValueError(f"unsupported GGUF {a}.rope.dimension_count={field(f'{a}.rope.dimension_count')} in {where} "
                          f"(partial rotary); supported: the head width {head_dim}")
-    unknown = sorted(n for n in tensors if not _gguf_tensor_known(n))
+    layer_names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(a, {})}
+    unknown = sorted(n for n in tensors if not _gguf_tensor_known(n, layer_names))
     if unknown:
-        raise ValueError(f"unknown GGUF tensor(s) {unknown[:8]} in {where}: kvserve does not know their math "
-                         f"(known: token_embd, output_norm, output, rope_freqs, blk.N.{{{', '.join(_GGUF_LAYER_NAMES)}}})")
+        raise ValueError(f"unknown GGUF tensor(s) {unknown[:8]} in {where}: kvserve does not know their math for "
+                         f"{a} (known: token_embd, output_norm, output, rope_freqs, blk.N.{{{', '.join(layer_names)}}})")
     has = lambda kind, suffix="bias": f"blk.0.{kind}.{suffix}" in tensors  # noqa: E731
     arch = ModelArch(
         vocab_size=vocab,
@@ -270,6 +273,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         o_proj_bias=has("attn_output"),
         mlp_bias=has("ffn_down"),
         rope_scaling=_gguf_rope_scaling(field, a, tensors, where),
+        qk_norm=has("attn_q_norm", "weight"),
     )
 
     weights = {}
@@ -290,7 +294,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
                     w = w.take_rows(rope_unpermute_index(w.out_features, heads))
                 else:
                     w = _unpermute_rope_rows(w, heads)
-            hf = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+            hf = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
         else:
             continue  # rope_freqs.weight: read into arch.rope_scaling
         if isinstance(w, QuantTensor):

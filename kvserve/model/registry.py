@@ -11,6 +11,7 @@ from kvserve.model.base import CausalLM
 _MODELS = {
     "LlamaForCausalLM": "kvserve.model.llama:LlamaModel",
     "Qwen2ForCausalLM": "kvserve.model.qwen2:Qwen2Model",
+    "Qwen3ForCausalLM": "kvserve.model.qwen3:Qwen3Model",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 

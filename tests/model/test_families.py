@@ -174,7 +174,8 @@ _GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weigh
              "lm_head.weight": "output.weight"}
 _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def _permute(w, n_head):
@@ -195,6 +196,9 @@ def _write_gguf(path, hf, arch, permute, extra_tensors=(), extra_fields=()):
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
+    if getattr(c, "head_dim", None) not in (None, c.hidden_size // c.num_attention_heads):
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     for key, value in extra_fields:
@@ -226,6 +230,27 @@ def test_a_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path, llama3, to
     loaded = load_model(str(path), weights_only=True)
     assert loaded.arch.rope_scaling.freq_factors is not None
     _check_parity(path, hf, tokenizer, loaded)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, tokenizer):
+    path, hf = _tiny(tmp_path_factory, tokenizer, "qwen3", cls="Qwen3", rope_theta=1000000.0, head_dim=32)
+    with torch.no_grad():  # norms away from 1, so a skipped Q/K norm shows
+        for layer in hf.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
+    hf.save_pretrained(str(path), safe_serialization=True)
+    return path, hf
+
+
+def test_qwen3_matches_transformers_from_hf_and_gguf(qwen3, tokenizer):
+    path, hf = qwen3
+    loaded = load_model(str(path))
+    assert loaded.arch.architecture == "Qwen3ForCausalLM" and loaded.arch.qk_norm and loaded.arch.head_dim == 32
+    assert _check_parity(path, hf, tokenizer, loaded).fused_layers is None
+    _greedy_equal(path, hf, tokenizer)
+    gguf_path = _write_gguf(path / "q3.gguf", hf, "qwen3", False)
+    _check_parity(gguf_path, hf, tokenizer, load_model(str(gguf_path), weights_only=True))
 
 
 def test_a_qwen2_gguf_keeps_its_rows_and_biases(tmp_path_factory, tokenizer):
