@@ -276,9 +276,10 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         qk_norm=has("attn_q_norm", "weight"),
     )
 
-    weights = {}
+    weights, widened = {}, {}
     for name, w in tensors.items():  # float32 arrays, or QuantTensors: views of the file's blocks
         if isinstance(w, QuantTensor) and not (keep_quantized and w.qtype in QUANTIZED_TYPES):
+            widened[w.qtype.name] = widened.get(w.qtype.name, 0) + 1
             w = gguf.quants.dequantize(w.raw, w.qtype).astype(np.float32, copy=False).reshape(w.shape)
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
@@ -304,6 +305,11 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
             w = np.array(w, copy=True, order="C")
         weights[hf] = torch.from_numpy(w)
 
+    if widened:  # what each format runs as, said once per load (the kept formats: the backends' log line)
+        formats = ", ".join(f"{k} x {n}" for k, n in sorted(widened.items()))
+        (logger.warning if keep_quantized else logger.info)(
+            "GGUF tensors dequantized to float32 (4 bytes a weight): %s%s", formats,
+            " -- no quantized kernel reads these formats yet" if keep_quantized else " (quantization fp32)")
     tokenizer = _gguf_tokenizer(path, source_hash) if with_tokenizer else None
     eos = {int(field("tokenizer.ggml.eos_token_id"))} if field("tokenizer.ggml.eos_token_id") is not None else set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:

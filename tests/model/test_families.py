@@ -183,9 +183,10 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, hf, arch, permute, extra_tensors=(), extra_fields=()):
+def _write_gguf(path, hf, arch, permute, extra_tensors=(), extra_fields=(), q5_0=()):
     """``hf``'s weights as a float32 GGUF of ``arch`` with llama.cpp's tensor names (Q/K rows permuted when
-    ``permute``), plus ``extra_tensors`` ``[(name, array)]`` and ``extra_fields`` ``[(key, value)]``."""
+    ``permute``; the tensors named in ``q5_0`` as Q5_0 blocks), plus ``extra_tensors`` ``[(name, array)]`` and
+    ``extra_fields`` ``[(key, value)]``."""
     import gguf
 
     c = hf.config
@@ -212,7 +213,11 @@ def _write_gguf(path, hf, arch, permute, extra_tensors=(), extra_fields=()):
             if permute and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = c.num_attention_heads if module == "self_attn.q_proj" else c.num_key_value_heads
                 x = _permute(x, heads)
-        w.add_tensor(g, np.ascontiguousarray(x))
+        if g in q5_0:
+            w.add_tensor(g, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q5_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+        else:
+            w.add_tensor(g, np.ascontiguousarray(x))
     for name, x in extra_tensors:
         w.add_tensor(name, x)
     w.write_header_to_file()
@@ -251,6 +256,19 @@ def test_qwen3_matches_transformers_from_hf_and_gguf(qwen3, tokenizer):
     _greedy_equal(path, hf, tokenizer)
     gguf_path = _write_gguf(path / "q3.gguf", hf, "qwen3", False)
     _check_parity(gguf_path, hf, tokenizer, load_model(str(gguf_path), weights_only=True))
+
+
+def test_formats_widened_to_float32_are_named_in_the_log(tmp_path, llama3, caplog):
+    """A tensor in a block format no quantized kernel reads (Q5_0 here) is dequantized to float32 under the default,
+    with a warning naming the format and the count (not silently)."""
+    import logging
+
+    _, hf = llama3
+    path = _write_gguf(tmp_path / "q5.gguf", hf, "llama", True, q5_0=("blk.0.ffn_down.weight", "blk.1.ffn_down.weight"))
+    with caplog.at_level(logging.INFO, logger="kvserve.model.loader"):
+        load_model(str(path), keep_quantized=True, weights_only=True)
+    assert any(r.levelno == logging.WARNING and "Q5_0 x 2" in r.getMessage() and "no quantized kernel" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_a_qwen2_gguf_keeps_its_rows_and_biases(tmp_path_factory, tokenizer):
