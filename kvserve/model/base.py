@@ -31,6 +31,9 @@ class ModelArch:
         hidden_act: the gated MLP's activation, one of ``HIDDEN_ACTS``.
         rope_scaling: the RoPE scaling scheme (``kvserve.layers.rotary``), ``None`` for plain RoPE.
         qk_norm: each query and key head is RMS-normed (its own ``[D]`` weight) before RoPE (Qwen3).
+        embedding_multiplier, residual_multiplier, logits_scaling: Granite's: the embeddings are multiplied by the
+            first, each sub-layer's output by the second before its residual add, the logits divided by the third.
+        attention_multiplier: the softmax scale (Granite's); ``None``: ``head_dim ** -0.5``.
         Others: as in Hugging Face's configs (sizes in features, ``rope_theta`` the RoPE base).
     """
 
@@ -52,6 +55,21 @@ class ModelArch:
     hidden_act: str = "silu"
     rope_scaling: Optional[RopeScaling] = None
     qk_norm: bool = False
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: Optional[float] = None
+    logits_scaling: float = 1.0
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: ``attention_multiplier``, else ``head_dim ** -0.5``."""
+        return self.attention_multiplier if self.attention_multiplier is not None else self.head_dim**-0.5
+
+    @property
+    def scaled(self) -> bool:
+        """Whether any of Granite's multipliers changes the plain Llama math."""
+        return (self.embedding_multiplier != 1.0 or self.residual_multiplier != 1.0 or self.logits_scaling != 1.0
+                or self.attention_multiplier is not None)
 
     def __post_init__(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:

@@ -21,7 +21,14 @@ FAMILY_FIELDS = {
     "LlamaForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True)},
     "Qwen2ForCausalLM": {"hidden_act": HIDDEN_ACTS, "use_sliding_window": (False,)},
     "Qwen3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "use_sliding_window": (False,)},
+    # Mistral 7B v0.2+ (no window): the Llama decoder; a sliding window is not implemented yet
+    "MistralForCausalLM": {"hidden_act": HIDDEN_ACTS, "sliding_window": (None,)},
+    "GraniteForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True),
+                           "embedding_multiplier": None, "residual_multiplier": None, "attention_multiplier": None,
+                           "logits_scaling": None},
 }
+#: Families with Llama's ``attention_bias`` (Q/K/V and o_proj) and ``mlp_bias``.
+_LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM")
 
 #: Fields of other families (or of features not built yet) that change the math, and the values that mean "off";
 #: any other value is refused.
@@ -125,7 +132,8 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
     check_fields(cfg, architecture, where)
     theta, scaling = parse_rope(cfg, where)
     n_head = cfg["num_attention_heads"]
-    llama_bias = architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(cfg.get("attention_bias", False))
+    llama_bias = architecture in _LLAMA_BIASES and bool(cfg.get("attention_bias", False))
+    granite = architecture == "GraniteForCausalLM"
     return ModelArch(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -141,8 +149,12 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         architecture=architecture,
         attention_bias=architecture == "Qwen2ForCausalLM" or llama_bias,
         o_proj_bias=llama_bias,
-        mlp_bias=architecture == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
+        mlp_bias=architecture in _LLAMA_BIASES and bool(cfg.get("mlp_bias", False)),
         hidden_act=cfg.get("hidden_act", "silu"),
         rope_scaling=scaling,
         qk_norm=architecture == "Qwen3ForCausalLM",
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
+        attention_multiplier=float(cfg.get("attention_multiplier", 1.0)) if granite else None,
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
     )

@@ -140,6 +140,8 @@ class LlamaModel:
         meta = self.attn.build_metadata(batch)
         rope = self._rope(batch)
         h = self.embed(batch.input_ids)  # the residual stream: a fresh tensor, updated in place by add_rms_norm
+        if self.arch.embedding_multiplier != 1.0:
+            h = h * self.arch.embedding_multiplier
         x = None  # the final norm of every row, when the fused loop ran the step
         if self.fused_layers is not None and meta.whole_step_in_kernel:  # the attention backend's decision
             x = self.fused_layers(h, batch, meta, rope, kv_cache)
@@ -150,6 +152,8 @@ class LlamaModel:
         elif not every_row:
             x = x[batch.logits_indices]
         logits = self.lm_head(x)
+        if self.arch.logits_scaling != 1.0:
+            logits = logits / self.arch.logits_scaling
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def _qk_norm(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
@@ -164,7 +168,7 @@ class LlamaModel:
         """Every decoder layer on the residual stream ``h [T, hidden]`` (updated in place where the ops allow);
         returns the last layer's output, before the final norm."""
         a, n_q, eps = self.arch, self.num_heads, self.arch.rms_norm_eps
-        scale = a.head_dim**-0.5
+        scale, res = a.attention_scale, a.residual_multiplier
         layers, caches = self.layers, kv_cache.unbind(0)  # each layer's [2, num_blocks, block_size, H_kv, D] view
         # Buffers the backends may write each layer's norm, attention and SwiGLU outputs into (each is read only by
         # the projection right after it, so one per step serves every layer; backends that cannot, ignore them).
@@ -182,6 +186,8 @@ class LlamaModel:
             o = w["o"](attn)
             if w["o_bias"] is not None:
                 o = o + w["o_bias"]
+            if res != 1.0:
+                o = o * res
             h, x = self.ops.add_rms_norm(h, o, w["mlp_norm"], eps, x_buf)
             gate_up = w["gate_up"](x)
             if w["gate_up_bias"] is not None:
@@ -189,6 +195,8 @@ class LlamaModel:
             down = w["down"](self.ops.act_mul(gate_up, a.hidden_act, act_buf))
             if w["down_bias"] is not None:
                 down = down + w["down_bias"]
+            if res != 1.0:
+                down = down * res
             if i + 1 < len(layers):
                 h, x = self.ops.add_rms_norm(h, down, layers[i + 1]["attn_norm"], eps, x_buf)
             else:

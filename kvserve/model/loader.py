@@ -41,10 +41,14 @@ from kvserve.model.weight_cache import WeightCache, atomic_write, read_gguf_cach
 logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` values read, and the registry architecture each maps to.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "granite": "GraniteForCausalLM"}
 #: Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (llama.cpp's rope type
 #: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
-_GGUF_PERMUTED_QK = ("llama",)
+_GGUF_PERMUTED_QK = ("llama", "granite")
+#: Granite's scalars in a GGUF (``<arch>.`` key -> ``ModelArch`` field), read instead of refused.
+_GGUF_GRANITE_KEYS = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                      "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
 #: GGUF metadata keys (after ``<arch>.``) that change the math and are not implemented, with their "off" values.
 _GGUF_OFF_KEYS = {
     "attention.sliding_window": (None, 0),
@@ -117,7 +121,8 @@ def load_model(model: Optional[str] = None, dtype: str = "float32", keep_quantiz
         raise ValueError(f"model path {str(path)!r} does not exist; pass a .gguf file or a Hugging Face directory")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be one of ('float32', 'bfloat16'), got {dtype!r}")
-    st = path.stat()
+    # a directory's own stat does not change when its config.json is rewritten in place: key on the config's
+    st = (path / "config.json").stat() if path.is_dir() and (path / "config.json").exists() else path.stat()
     keep_quantized = keep_quantized and dtype == "float32" and path.suffix == ".gguf"
     if weights_only:
         return _load_model(str(path), dtype, keep_quantized, with_tokenizer=False)
@@ -239,6 +244,8 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         )
     a, where = arch_name, repr(str(path))
     for key, off in _GGUF_OFF_KEYS.items():
+        if a == "granite" and key in _GGUF_GRANITE_KEYS:
+            continue
         if field(f"{a}.{key}") not in off:
             raise ValueError(f"unsupported GGUF {a}.{key}={field(f'{a}.{key}')!r} in {where}: kvserve does not "
                              f"implement it; supported: {off}")
@@ -274,6 +281,8 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         mlp_bias=has("ffn_down"),
         rope_scaling=_gguf_rope_scaling(field, a, tensors, where),
         qk_norm=has("attn_q_norm", "weight"),
+        **({f: float(field(f"{a}.{k}")) for k, f in _GGUF_GRANITE_KEYS.items() if field(f"{a}.{k}") is not None}
+           if a == "granite" else {}),
     )
 
     weights, widened = {}, {}

@@ -12,6 +12,8 @@ _MODELS = {
     "LlamaForCausalLM": "kvserve.model.llama:LlamaModel",
     "Qwen2ForCausalLM": "kvserve.model.qwen2:Qwen2Model",
     "Qwen3ForCausalLM": "kvserve.model.qwen3:Qwen3Model",
+    "MistralForCausalLM": "kvserve.model.llama:LlamaModel",  # v0.2+: Llama's math (a sliding window is refused)
+    "GraniteForCausalLM": "kvserve.model.granite:GraniteModel",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 

@@ -271,6 +271,33 @@ def test_formats_widened_to_float32_are_named_in_the_log(tmp_path, llama3, caplo
                for r in caplog.records)
 
 
+def test_mistral_without_a_window_is_llama_and_a_window_is_refused(tmp_path_factory, tokenizer):
+    path, hf = _tiny(tmp_path_factory, tokenizer, "mistral", cls="Mistral", sliding_window=None, head_dim=16)
+    assert load_model(str(path)).arch.architecture == "MistralForCausalLM"
+    _check_parity(path, hf, tokenizer)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["sliding_window"] = 4096
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"unsupported sliding_window=4096 for MistralForCausalLM"):
+        load_model(str(path))  # the cached load is keyed on config.json, rewritten above
+
+
+def test_granite_multipliers_match_transformers_from_hf_and_gguf(tmp_path_factory, tokenizer):
+    path, hf = _tiny(tmp_path_factory, tokenizer, "granite", cls="Granite", embedding_multiplier=12.0,
+                     residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)
+    arch = load_model(str(path)).arch
+    assert (arch.embedding_multiplier, arch.residual_multiplier, arch.attention_scale, arch.logits_scaling) == (
+        12.0, 0.22, 0.0078125, 8.0)
+    assert _check_parity(path, hf, tokenizer).fused_layers is None
+    _greedy_equal(path, hf, tokenizer)
+    fields = [("granite.embedding_scale", 12.0), ("granite.residual_scale", 0.22),
+              ("granite.attention.scale", 0.0078125), ("granite.logit_scale", 8.0)]
+    gguf_path = _write_gguf(path / "g.gguf", hf, "granite", True, extra_fields=fields)
+    loaded = load_model(str(gguf_path), weights_only=True)
+    assert loaded.arch.architecture == "GraniteForCausalLM" and loaded.arch.logits_scaling == 8.0
+    _check_parity(gguf_path, hf, tokenizer, loaded)
+
+
 def test_a_qwen2_gguf_keeps_its_rows_and_biases(tmp_path_factory, tokenizer):
     path, hf = _tiny(tmp_path_factory, tokenizer, "qwen2", cls="Qwen2", bias=True, rope_theta=10000.0)
     gguf_path = _write_gguf(path / "q.gguf", hf, "qwen2", False)
