@@ -34,6 +34,8 @@ class ModelArch:
         embedding_multiplier, residual_multiplier, logits_scaling: Granite's: the embeddings are multiplied by the
             first, each sub-layer's output by the second before its residual add, the logits divided by the third.
         attention_multiplier: the softmax scale (Granite's); ``None``: ``head_dim ** -0.5``.
+        no_rope_layers: per layer, 1 where it applies RoPE and 0 where it does not (SmolLM3's NoPE layers);
+            ``None``: every layer does.
         Others: as in Hugging Face's configs (sizes in features, ``rope_theta`` the RoPE base).
     """
 
@@ -59,6 +61,7 @@ class ModelArch:
     residual_multiplier: float = 1.0
     attention_multiplier: Optional[float] = None
     logits_scaling: float = 1.0
+    no_rope_layers: Optional[tuple] = None
 
     @property
     def attention_scale(self) -> float:
@@ -72,6 +75,9 @@ class ModelArch:
                 or self.attention_multiplier is not None)
 
     def __post_init__(self) -> None:
+        if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
+            raise ValueError(f"no_rope_layers has {len(self.no_rope_layers)} entries for {self.num_hidden_layers} "
+                             f"layers")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         if self.num_attention_heads % self.num_key_value_heads:

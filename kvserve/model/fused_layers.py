@@ -131,9 +131,10 @@ class FusedLayerLoop:
             return no(f"attention runs on {model.attn.name}, not the CPU kernel")
         if d % 8 or hidden % 8 or inter % 8 or model.num_heads % model.num_kv_heads:
             return no("shapes the kernels do not take")
-        if a.hidden_act != "silu" or a.o_proj_bias or a.mlp_bias or a.qk_norm or a.scaled:
+        nope = a.no_rope_layers is not None and not all(a.no_rope_layers)
+        if a.hidden_act != "silu" or a.o_proj_bias or a.mlp_bias or a.qk_norm or a.scaled or nope:
             return no(f"{a.hidden_act} MLP, o_proj bias {a.o_proj_bias}, MLP bias {a.mlp_bias}, Q/K norm {a.qk_norm}, "
-                      f"Granite multipliers {a.scaled}: "
+                      f"Granite multipliers {a.scaled}, NoPE layers {nope}: "
                       f"the loop runs SwiGLU with Q/K/V biases only")
         layers = (_Layer * len(model.layers))()
         acts = set()

@@ -23,12 +23,14 @@ FAMILY_FIELDS = {
     "Qwen3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "use_sliding_window": (False,)},
     # Mistral 7B v0.2+ (no window): the Llama decoder; a sliding window is not implemented yet
     "MistralForCausalLM": {"hidden_act": HIDDEN_ACTS, "sliding_window": (None,)},
+    "SmolLM3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True),
+                           "use_sliding_window": (False,), "no_rope_layers": None, "no_rope_layer_interval": None},
     "GraniteForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True),
                            "embedding_multiplier": None, "residual_multiplier": None, "attention_multiplier": None,
                            "logits_scaling": None},
 }
 #: Families with Llama's ``attention_bias`` (Q/K/V and o_proj) and ``mlp_bias``.
-_LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM")
+_LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 
 #: Fields of other families (or of features not built yet) that change the math, and the values that mean "off";
 #: any other value is refused.
@@ -157,4 +159,6 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
         attention_multiplier=float(cfg.get("attention_multiplier", 1.0)) if granite else None,
         logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
+        no_rope_layers=(tuple(int(x) for x in cfg["no_rope_layers"])
+                        if architecture == "SmolLM3ForCausalLM" and cfg.get("no_rope_layers") else None),
     )

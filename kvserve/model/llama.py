@@ -170,6 +170,9 @@ class LlamaModel:
         a, n_q, eps = self.arch, self.num_heads, self.arch.rms_norm_eps
         scale, res = a.attention_scale, a.residual_multiplier
         layers, caches = self.layers, kv_cache.unbind(0)  # each layer's [2, num_blocks, block_size, H_kv, D] view
+        uses_rope = a.no_rope_layers or (1,) * len(layers)
+        # a layer without RoPE rotates by the identity: x * 1 - y * 0 is x, bit for bit (SmolLM3's NoPE layers)
+        no_rope = None if all(uses_rope) else (torch.ones_like(rope[0]), torch.zeros_like(rope[1]))
         # Buffers the backends may write each layer's norm, attention and SwiGLU outputs into (each is read only by
         # the projection right after it, so one per step serves every layer; backends that cannot, ignore them).
         t, f32 = batch.num_tokens, self.dtype
@@ -182,7 +185,8 @@ class LlamaModel:
                 qkv = qkv + w["qkv_bias"]
             if w["qk_norm"] is not None:
                 qkv = self._qk_norm(qkv, *w["qk_norm"])
-            attn = self.attn.forward_qkv(qkv, n_q, caches[i], meta, rope, batch, scale, attn_buf)
+            attn = self.attn.forward_qkv(qkv, n_q, caches[i], meta, rope if uses_rope[i] else no_rope, batch, scale,
+                                         attn_buf)
             o = w["o"](attn)
             if w["o_bias"] is not None:
                 o = o + w["o_bias"]

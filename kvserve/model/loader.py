@@ -261,7 +261,8 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     unknown = sorted(n for n in tensors if not _gguf_tensor_known(n, layer_names))
     if unknown:
         raise ValueError(f"unknown GGUF tensor(s) {unknown[:8]} in {where}: kvserve does not know their math for "
-                         f"{a} (known: token_embd, output_norm, output, rope_freqs, blk.N.{{{', '.join(layer_names)}}})")
+                         f"{a} (known: token_embd, output_norm, output, rope_freqs, "
+                         f"blk.N.{{{', '.join(layer_names)}}})")
     has = lambda kind, suffix="bias": f"blk.0.{kind}.{suffix}" in tensors  # noqa: E731
     arch = ModelArch(
         vocab_size=vocab,

@@ -14,6 +14,7 @@ _MODELS = {
     "Qwen3ForCausalLM": "kvserve.model.qwen3:Qwen3Model",
     "MistralForCausalLM": "kvserve.model.llama:LlamaModel",  # v0.2+: Llama's math (a sliding window is refused)
     "GraniteForCausalLM": "kvserve.model.granite:GraniteModel",
+    "SmolLM3ForCausalLM": "kvserve.model.smollm3:SmolLM3Model",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 

@@ -298,6 +298,14 @@ def test_granite_multipliers_match_transformers_from_hf_and_gguf(tmp_path_factor
     _check_parity(gguf_path, hf, tokenizer, loaded)
 
 
+def test_smollm3_nope_layers_match_transformers(tmp_path_factory, tokenizer):
+    path, hf = _tiny(tmp_path_factory, tokenizer, "smollm3", cls="SmolLM3", no_rope_layers=[1, 0], pad_token_id=0,
+                     rope_theta=10000.0)
+    assert load_model(str(path)).arch.no_rope_layers == (1, 0)
+    assert _check_parity(path, hf, tokenizer).fused_layers is None
+    _greedy_equal(path, hf, tokenizer)
+
+
 def test_a_qwen2_gguf_keeps_its_rows_and_biases(tmp_path_factory, tokenizer):
     path, hf = _tiny(tmp_path_factory, tokenizer, "qwen2", cls="Qwen2", bias=True, rope_theta=10000.0)
     gguf_path = _write_gguf(path / "q.gguf", hf, "qwen2", False)
