@@ -272,6 +272,12 @@ class KernelConfig:
             check_choice(name, getattr(self, name), choices)
 
 
+#: Engine arguments earlier versions took -> why they are gone (the error names it).
+REMOVED_ARGUMENTS = {
+    "batch_invariant": "batch invariance is always on with the CPU kernels, at no cost (docs/design.md, "
+                       "\"Invariants\"); drop the argument",
+}
+
 SUPPORTED_SPEC_METHODS = ("ngram", "draft_model")
 #: Layers of the self-speculative early-exit draft when ``draft_num_layers`` is not given (a measured choice:
 #: docs/performance.md, "Speculative decoding").
@@ -364,7 +370,10 @@ class EngineConfig:
             names = {f.name for f in fields(part_cls)}
             parts[part_cls] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         if kwargs:
-            known = sorted(f.name for c in ENGINE_CONFIGS for f in fields(c))
+            removed = [f"{k}: {REMOVED_ARGUMENTS[k]}" for k in sorted(kwargs) if k in REMOVED_ARGUMENTS]
+            if removed:
+                raise ValueError("removed engine argument(s): " + "; ".join(removed))
+            known = sorted(["speculative_config"] + [f.name for c in ENGINE_CONFIGS for f in fields(c)])
             raise ValueError(f"unknown engine argument(s) {sorted(kwargs)}; known: {known}")
         return cls(
             model_config=ModelConfig(**parts[ModelConfig]),

@@ -37,14 +37,14 @@ _LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "
 OFF_VALUES = {
     "sliding_window": (None,),  # Mistral, Gemma, Qwen2 (there only with use_sliding_window)
     "layer_types": (None,),  # per-layer attention kinds (checked: all "full_attention" passes)
-    "partial_rotary_factor": (None, 1.0, 1),  # Phi-3, StableLM
+    "partial_rotary_factor": (None, 1.0),  # Phi-3, StableLM (1 == 1.0 passes too)
     "attn_logit_softcapping": (None,),  # Gemma 2
     "final_logit_softcapping": (None,),
     "query_pre_attn_scalar": (None,),
-    "embedding_multiplier": (None, 1.0, 1),  # Granite
-    "residual_multiplier": (None, 1.0, 1),
+    "embedding_multiplier": (None, 1.0),  # Granite
+    "residual_multiplier": (None, 1.0),
     "attention_multiplier": (None,),
-    "logits_scaling": (None, 1.0, 1),
+    "logits_scaling": (None, 1.0),
     "no_rope_layers": (None,),  # SmolLM3
     "num_experts": (None, 0),  # mixture of experts
     "num_local_experts": (None, 0),
@@ -79,15 +79,15 @@ def parse_rope(cfg: dict, where: str) -> tuple[float, Optional[RopeScaling]]:
         return float(theta), None
     if not isinstance(spec, dict) or any(isinstance(v, dict) for v in spec.values()):
         raise ValueError(f"unsupported {field} {spec!r} in {where}: one scheme for every layer is supported")
-    spec = {k: v for k, v in spec.items() if k not in ("rope_theta", "type", "rope_type")} | {
-        "rope_type": spec.get("rope_type", spec.get("type", "default"))}
-    rope_type = spec.pop("rope_type")
+    type_key = "rope_type" if "rope_type" in spec else "type"  # the Hub's older configs say "type"
+    rope_type = spec.get(type_key, "default")
+    spec = {k: v for k, v in spec.items() if k not in ("rope_theta", "type", "rope_type")}
     if spec.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"unsupported {field}.partial_rotary_factor={spec['partial_rotary_factor']!r} in {where}; "
                          f"supported: 1.0")
     spec.pop("partial_rotary_factor", None)
     if rope_type not in _ROPE_KEYS:
-        raise ValueError(f"unsupported {field}.rope_type={rope_type!r} in {where}; supported: "
+        raise ValueError(f"unsupported {field}.{type_key}={rope_type!r} in {where}; supported: "
                          f"{('default',) + ROPE_TYPES}")
     extra = sorted(set(spec) - _ROPE_KEYS[rope_type])
     if extra:

@@ -46,3 +46,11 @@ def test_bad_flag_values_are_refused():
         EngineConfig.from_kwargs(**engine_kwargs(args))
     with pytest.raises(ValueError, match="device must be one of"):
         EngineConfig.from_kwargs(device="cuda")
+
+
+def test_a_removed_argument_says_why_and_an_unknown_one_lists_the_known():
+    with pytest.raises(ValueError, match=r"removed engine argument\(s\): batch_invariant: batch invariance is "
+                                         r"always on"):
+        EngineConfig.from_kwargs(batch_invariant=True)
+    with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['colour'\]; known: .*'speculative_config'"):
+        EngineConfig.from_kwargs(colour=1)
