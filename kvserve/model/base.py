@@ -36,6 +36,12 @@ class ModelArch:
         attention_multiplier: the softmax scale (Granite's); ``None``: ``head_dim ** -0.5``.
         no_rope_layers: per layer, 1 where it applies RoPE and 0 where it does not (SmolLM3's NoPE layers);
             ``None``: every layer does.
+        sliding_window: the attention window in tokens, Hugging Face's meaning: the query at position ``p`` sees
+            the keys at positions ``j`` with ``p - sliding_window < j <= p``; ``None``: no window (Mistral, Gemma).
+        layer_types: per layer, ``"sliding_attention"`` or ``"full_attention"`` (transformers' ``layer_types``);
+            ``None`` with a ``sliding_window``: every layer is windowed. See ``layer_window``.
+        attn_logit_softcapping: attention scores become ``c * tanh(s / c)`` before the softmax (Gemma 2);
+            ``None``: no capping.
         Others: as in Hugging Face's configs (sizes in features, ``rope_theta`` the RoPE base).
     """
 
@@ -62,6 +68,17 @@ class ModelArch:
     attention_multiplier: Optional[float] = None
     logits_scaling: float = 1.0
     no_rope_layers: Optional[tuple] = None
+    sliding_window: Optional[int] = None
+    layer_types: Optional[tuple] = None
+    attn_logit_softcapping: Optional[float] = None
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The attention window (tokens) of layer ``layer``, or ``None`` where it attends to every earlier key."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def attention_scale(self) -> float:
@@ -78,6 +95,12 @@ class ModelArch:
         if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
             raise ValueError(f"no_rope_layers has {len(self.no_rope_layers)} entries for {self.num_hidden_layers} "
                              f"layers")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers or not set(
+                self.layer_types) <= {"sliding_attention", "full_attention"}):
+            raise ValueError(f"layer_types must give 'sliding_attention' or 'full_attention' for each of the "
+                             f"{self.num_hidden_layers} layers, got {self.layer_types}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         if self.num_attention_heads % self.num_key_value_heads:
