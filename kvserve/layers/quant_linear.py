@@ -9,7 +9,9 @@
 - ``QuantTensor`` Q8_0, ``"auto"``: ``QuantLinear``, the file's int8 values and scales (exact); ``q8/<isa>``.
 - ``QuantTensor`` Q4_K, ``"auto"``: ``QuantLinear``, nibbles with float32 sub-block scales and mins (exact, 6 bits
   per weight); ``q4_k/<isa>``.
-- ``QuantTensor`` Q5_K / Q6_K, ``"auto"``: ``QuantLinear``, decoded then re-quantized to int8 per 32-block (Q8_0
+- ``QuantTensor`` Q6_K, ``"auto"``: ``QuantLinear``, the file's 6-bit values, int8 sub-block scales and float16
+  super-block scales (exact, 7 bits per weight); ``q6_k/<isa>``.
+- ``QuantTensor`` Q5_K, ``"auto"``: ``QuantLinear``, decoded then re-quantized to int8 per 32-block (Q8_0
   style: *not* the file's values exactly, each within half a step, <= 1/254 of its block's largest weight);
   ``q8_from_<type>/<isa>``.
 - any ``QuantTensor``, ``"fp32"``: ``kvserve.layers.linear.Linear`` on the dequantized weight (today's path);
@@ -67,7 +69,8 @@ def check_quantization(quantization: Optional[str]) -> str:
 
 def unpack(w: P.PackedWeight) -> np.ndarray:
     """The float32 ``[out_features, in_features]`` weight a ``PackedWeight`` represents (inverse of packing):
-    Q4 ``d * q + m``, Q8 ``d * q`` (times ``oscale``), in float32 as ``gguf`` dequantizes."""
+    Q4 ``d * q + m``, Q8 ``d * q`` (times ``oscale``), Q6 ``(d * sc) * (q - 32)``, in float32 as ``gguf``
+    dequantizes."""
     return unpack_rows(w, np.arange(w.out_features))
 
 
@@ -89,7 +92,15 @@ def unpack_rows(w: P.PackedWeight, rows: np.ndarray) -> np.ndarray:
     def scales(a: int, b: int, dtype: str) -> np.ndarray:  # [T, nb] float32: each row's scale per block
         return data[..., a:b].view(dtype).reshape(groups, nb, P.G)[g, :, o].astype(np.float32)
 
-    if w.fmt == P.FMT_Q8:
+    if w.fmt == P.FMT_Q6:
+        sc = data[..., 32:64].view(np.int8).reshape(groups, nb, 2, P.G)[g, :, :, o].astype(np.float32)  # [T, nb, 2]
+        nib = data[..., 64:320].reshape(groups, nb, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
+        hb = data[..., 320:448].reshape(groups, nb, 2, P.G, 4)[g, :, :, o, :]  # [T, nb, j >> 1, i]
+        hb = np.stack([hb[:, :, 0], hb[:, :, 0] >> 4, hb[:, :, 1], hb[:, :, 1] >> 4], axis=2)  # [T, nb, j, i]
+        q = np.stack([(nib & 0x0F) | ((hb & 3) << 4), (nib >> 4) | (((hb >> 2) & 3) << 4)], axis=2)
+        q = q.reshape(t, nb, 2, 16).astype(np.float32) - np.float32(32)  # [T, nb, half, 16]
+        full = (scales(0, 32, "<f2")[..., None] * sc)[..., None] * q
+    elif w.fmt == P.FMT_Q8:
         q = data[..., 32:].view(np.int8).reshape(groups, nb, 8, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
         full = q.reshape(t, nb, 32).astype(np.float32) * scales(0, 32, "<f2")[..., None]
         if w.oscale is not None:
@@ -109,7 +120,7 @@ class QuantLinear:
     Args:
         packed: the weight (``pack.pack_q4`` / ``pack.pack_q8``); ``in_features`` of the caller may be smaller
             than ``packed.in_features`` (zero-padded to a multiple of 32 for "int8"), see ``in_features``.
-        kind: a label for ``path`` (``"q4"``, ``"q4_k"``, ``"q8"``, ``"int8"``, ``"q8_from_Q6_K"``, ...).
+        kind: a label for ``path`` (``"q4"``, ``"q4_k"``, ``"q6_k"``, ``"q8"``, ``"int8"``, ``"q8_from_Q5_K"``, ...).
         in_features: the true input width (default ``packed.in_features``); inputs are zero-padded to the packed
             width.
         activations: how the kernel quantizes each input row, a key of ``kernels.ACTIVATIONS`` (``"int8"``,
@@ -205,7 +216,9 @@ def _chunked(t: QuantTensor, fn) -> tuple:
 
 
 def _canonical(t: QuantTensor, quantization: str) -> tuple:
-    """One GGUF tensor -> ``(kind, fmt, q, d, m_or_oscale)``: the arrays ``pack_q4`` / ``pack_q8`` take."""
+    """One GGUF tensor -> ``(kind, fmt, q, d, extra)``: the arrays ``pack_q4`` (extra: m) / ``pack_q8`` (extra:
+    ``None``) / ``pack_q6`` (``d`` the int8 sub-block scales, extra the float16 super-block scales) take; every
+    array has one row per output, so a fused projection's parts concatenate."""
     if t.qtype not in formats.QUANTIZED_TYPES:
         raise ValueError(f"{t.name}: unsupported GGML type {t.qtype.name}")
     if quantization == "int8":
@@ -217,7 +230,9 @@ def _canonical(t: QuantTensor, quantization: str) -> tuple:
         return ("q8", P.FMT_Q8, *formats.decode_q8(t.raw, t.in_features), None)
     if t.qtype == formats.Q4_K:
         return ("q4_k", P.FMT_Q4F, *formats.decode_q4_k(t.raw, t.in_features))
-    q, d = _chunked(t, P.quantize_q8_blocks)  # Q5_K, Q6_K: decoded, re-quantized per 32-block
+    if t.qtype == formats.Q6_K:
+        return ("q6_k", P.FMT_Q6, *formats.decode_q6_k(t.raw, t.in_features))
+    q, d = _chunked(t, P.quantize_q8_blocks)  # Q5_K: decoded, re-quantized per 32-block
     return f"q8_from_{t.qtype.name}", P.FMT_Q8, q, d, None
 
 
@@ -247,7 +262,7 @@ def make_linear_method(weight, quantization: Optional[str] = None, path: Optiona
             ``take_rows`` if needed), a float ``[out_features, in_features]`` torch tensor / numpy array, or a
             list of either (a fused projection such as q/k/v or gate/up: the parts' rows stacked in order, as
             ``torch.cat`` of their weights). A list of ``QuantTensor`` whose formats share a packed layout (Q4_0
-            and Q4_1; Q8_0, Q5_K and Q6_K; anything under "int8") is packed as one weight; otherwise the parts
+            and Q4_1; Q8_0 and Q5_K; Q6_K; anything under "int8") is packed as one weight; otherwise the parts
             become a ``ConcatLinear``.
         quantization: ``None`` / ``"auto"`` (the weight's own format), ``"fp32"``, or ``"int8"``.
         path: the quantized kernels' ``QuantPath`` (default ``kernels.default_path()``).
@@ -299,9 +314,39 @@ def _path_args(path: kernels.QuantPath, use_kernels: bool = True) -> dict:
 
 def _pack(c: tuple, path: kernels.QuantPath, use_kernels: bool = True) -> QuantLinear:
     kind, fmt, q, d, extra = c
+    if fmt == P.FMT_Q6:
+        return QuantLinear(P.pack_q6(q, d, extra), kind, **_path_args(path, use_kernels))
     if fmt in (P.FMT_Q4, P.FMT_Q4F):
         return QuantLinear(P.pack_q4(q, d, extra), kind, **_path_args(path, use_kernels))
     return QuantLinear(P.pack_q8(q, d, extra), kind, **_path_args(path, use_kernels))
+
+
+def weight_formats(parts: list, layer) -> list:
+    """``[(format, path)]`` per weight of a built layer: ``format`` the GGUF type name of a ``QuantTensor`` part, or
+    ``"float"``, and ``path`` the ``path`` of the layer (or of its ``ConcatLinear`` part) that computes with it."""
+    parts = list(parts) if isinstance(parts, (list, tuple)) else [parts]
+    paths = [p.path for p in layer.parts] if isinstance(layer, ConcatLinear) else [layer.path] * len(parts)
+    return [(p.qtype.name if isinstance(p, QuantTensor) else "float", path) for p, path in zip(parts, paths)]
+
+
+def _runs_as(path: str) -> str:
+    kind = path.split("/")[0]
+    if kind.startswith("q8_from_") or kind == "int8":
+        return "re-quantized to int8 per 32 weights, not the file's values"
+    if "/" not in path or path.endswith("fp32_fallback"):
+        return "float32 (4 bytes a weight)"
+    return "exact"
+
+
+def describe_weight_formats(records: list) -> str:
+    """One log line from ``weight_formats`` records: per format, how many weights run on which path and whether
+    that is the file's values, e.g. ``"Q6_K: 30 tensors on q6_k/avx512_vnni+a16 (exact); float: 1 tensor on
+    kvserve (float32 (4 bytes a weight))"``."""
+    counts: dict = {}
+    for fmt, path in records:
+        counts[(fmt, path)] = counts.get((fmt, path), 0) + 1
+    return "; ".join(f"{fmt}: {n} tensor{'s' if n != 1 else ''} on {path} ({_runs_as(path)})"
+                     for (fmt, path), n in sorted(counts.items()))
 
 
 class QuantEmbedding:
@@ -313,7 +358,7 @@ class QuantEmbedding:
     Args:
         table: the embedding's blocks (a view of the memory-mapped GGUF file).
         tied_head: the LM head built from the same tensor (tied embeddings), or ``None``. When it holds the file's
-            values exactly (a ``QuantLinear`` of kind ``q8`` over Q8_0, or ``q4`` over Q4_1; checked on a few
+            values exactly (a ``QuantLinear`` of kind ``q8`` over Q8_0, ``q4`` over Q4_1 or ``q6_k`` over Q6_K; checked on a few
             rows), rows are decoded from its packed bytes, which every decode step reads anyway, so they are in
             memory: by ``kvserve_q_unpack_rows`` in C where the quantized kernels load (one call, where numpy's
             dozen calls cost ~0.1 ms in a decode step, after the weights have left the caches), else by
@@ -357,7 +402,7 @@ def _holds_table(head, table: QuantTensor) -> bool:
     if not isinstance(head, QuantLinear) or table.rows is not None or head.packed.oscale is not None:
         return False
     kind = head.path.split("/")[0]
-    if (table.qtype, kind) not in ((formats.Q8_0, "q8"), (formats.Q4_1, "q4")) or \
+    if (table.qtype, kind) not in ((formats.Q8_0, "q8"), (formats.Q4_1, "q4"), (formats.Q6_K, "q6_k")) or \
             (head.out_features, head.packed.in_features) != table.shape:
         return False
     probe = np.array([0, table.out_features // 2, table.out_features - 1])

@@ -58,18 +58,18 @@ from kvserve.kernels.qgemm import QuantPath, default_path
 from kvserve.quant import pack as P
 from kvserve.quant.gguf_io import (METADATA_VERSION, QuantTensor, check_gguf_magic, gguf_metadata, gguf_tensors,
                                         open_gguf)
-from kvserve.layers.quant_linear import ConcatLinear, QuantLinear
+from kvserve.layers.quant_linear import ConcatLinear, QuantLinear, describe_weight_formats, weight_formats
 
 logger = logging.getLogger(__name__)
 
 #: Bump when the entry format or the meaning of its fields changes (source changes are hashed anyway).
-PACK_VERSION = 1
+PACK_VERSION = 2  # 2: Q6_K kept in its own packed format (FMT_Q6)
 _MAGIC = b"KVSPACK1"
 _PREAMBLE = struct.Struct("<8sQI")
 _ALIGN = 64
 _PKG = Path(__file__).resolve().parents[1]
 _VERSIONED_SOURCES = [_PKG / "quant" / "pack.py", _PKG / "quant" / "formats.py", _PKG / "layers" / "quant_linear.py",
-                      _PKG / "kernels" / "csrc" / "qgemm.c"]
+                      _PKG / "kernels" / "csrc" / "qgemm.c", _PKG / "kernels" / "csrc" / "qgemm_amx.h"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,17 +166,19 @@ class WeightCache:
             logger.info("first run: packing weights into %s (one-off)", path)
         built: dict = {}
         make = backends.make_linear
+        runs_as: list = []  # (the file's format, the layer's path) per weight tensor, for the load log
 
         def make_linear(parts: list):
             key = _names(parts)
-            if key is not None and entry is not None and key in entry:
-                return entry[key]
-            layer = make(parts)
-            if key is not None:
+            layer = entry[key] if key is not None and entry is not None and key in entry else make(parts)
+            if key is not None and (entry is None or key not in entry):
                 built[key] = layer
+            runs_as.extend(weight_formats(parts, layer))
             return layer
 
         model = build(dataclasses.replace(backends, make_linear=make_linear))
+        if runs_as:
+            logger.info("weights: %s", describe_weight_formats(runs_as))
         if entry is None and built:
             try:
                 self.write(quantization, built)

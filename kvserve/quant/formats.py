@@ -106,6 +106,17 @@ def decode_q8(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return blk[..., 2:].view(np.int8).reshape(raw.shape[0], k), _f16(blk[..., 0:2])
 
 
+def decode_q6_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K rows -> ``(q uint8 [N, K] in 0..63, sc int8 [N, K/16], d float16 [N, K/256])`` with
+    ``w = (d * sc) * (q - 32)`` per 16-value sub-block, in float32 as ``dequantize`` (the file's values)."""
+    blk = _blocks(raw, Q6_K, k)
+    n = blk.shape[0]
+    lo = (blk[..., 0:128][..., _Q6_LBYTE] >> _Q6_LSHIFT) & np.uint8(0x0F)
+    hi = (blk[..., 128:192][..., _Q6_HBYTE] >> _Q6_HSHIFT) & np.uint8(3)
+    q = (lo | (hi << np.uint8(4))).reshape(n, k)
+    return q, blk[..., 192:208].view(np.int8).reshape(n, k // 16), _f16(blk[..., 208:210])
+
+
 def _k_scales(sc12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K ``scales[12]`` -> eight 6-bit scales and eight 6-bit mins (llama.cpp ``get_scale_min_k4``)."""
     a, b, c = sc12[..., 0:4], sc12[..., 4:8], sc12[..., 8:12]

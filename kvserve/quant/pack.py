@@ -2,7 +2,9 @@
 
 ``PackedWeight.data`` is ``uint8 [ceil(N / 16), K / 32, block_bytes]``: output features in groups of 16 (the last
 group padded with zero weights, zero scales), each group's 32-value blocks contiguous. Q4 blocks (320 bytes):
-float16 ``d[16]``, float16 ``m[16]``, 256 bytes of nibbles; Q8 blocks (544 bytes): float16 ``d[16]``, 512 int8. The
+float16 ``d[16]``, float16 ``m[16]``, 256 bytes of nibbles; Q8 blocks (544 bytes): float16 ``d[16]``, 512 int8; Q6
+blocks (448 bytes, GGUF Q6_K's values): float16 ``d[16]``, int8 sub-block scales ``sc_lo[16]``, ``sc_hi[16]``, 256
+bytes of low nibbles, 128 bytes of high 2-bit fields (7 bits a weight, the file's 6.56). The
 packed bytes per weight equal the GGUF file's for Q4_1 (5 bits) and Q8_0 (8.5 bits); Q4_0 takes 5 bits instead of
 4.5 (the stored ``m = -8 d``). Interleaving several outputs' consecutive inputs into one vector follows llama.cpp's
 ``ggml-cpu`` repacked formats (``block_q4_0x8``); the block contents follow the GGUF spec (``formats.py``).
@@ -17,8 +19,8 @@ import numpy as np
 import torch
 
 QK, G = 32, 16
-Q4_BLOCK, Q8_BLOCK, Q4F_BLOCK = 320, 544, 384
-FMT_Q4, FMT_Q8, FMT_Q4F = 0, 1, 2
+Q4_BLOCK, Q8_BLOCK, Q4F_BLOCK, Q6_BLOCK = 320, 544, 384, 448
+FMT_Q4, FMT_Q8, FMT_Q4F, FMT_Q6 = 0, 1, 2, 3
 
 
 @dataclass
@@ -27,8 +29,9 @@ class PackedWeight:
 
     Attributes:
         fmt: ``FMT_Q4`` (``w = d * q + m``, q in 0..15, float16 d, m), ``FMT_Q4F`` (the same with float32 d, m:
-            Q4_K) or ``FMT_Q8`` (``w = d * q``, q int8).
-        data: ``uint8 [ceil(N / 16), K / 32, 320, 384 or 544]`` torch tensor, contiguous.
+            Q4_K), ``FMT_Q8`` (``w = d * q``, q int8) or ``FMT_Q6`` (``w = (d * sc) * (q - 32)``, q in 0..63, int8
+            sc per 16 inputs, float16 d per 256: Q6_K).
+        data: ``uint8 [ceil(N / 16), K / 32, 320, 384, 448 or 544]`` torch tensor, contiguous.
         out_features, in_features: ``N``, ``K`` (``K`` a multiple of 32).
         oscale: ``None`` or float32 ``[ceil(N / 16) * 16]``: a per-output factor applied after the sum
             (per-channel int8).
@@ -85,6 +88,26 @@ def pack_q8(q: np.ndarray, d: np.ndarray, oscale: Optional[np.ndarray] = None) -
     if oscale is not None:
         os_t = torch.from_numpy(_pad_rows(np.asarray(oscale, np.float32), groups * G).copy())
     return PackedWeight(FMT_Q8, torch.from_numpy(np.ascontiguousarray(data)), n, k, os_t)
+
+
+def pack_q6(q: np.ndarray, sc: np.ndarray, d: np.ndarray) -> PackedWeight:
+    """GGUF Q6_K's values -> ``PackedWeight`` (FMT_Q6): ``q uint8 [N, K]`` (0..63), ``sc int8 [N, K/16]`` (one
+    scale per 16 inputs), ``d float16 [N, K/256]`` (one per 256), ``w = (d * sc) * (q - 32)``; K a multiple of 256.
+    Layout at the top of ``qgemm.c``: per 32-input block, each output's ``d`` (repeated), its two sub-block scales,
+    the low nibbles as ``pack_q4``'s and the high 2 bits, of step ``j`` (inputs ``4j + i`` and ``16 + 4j + i``) at bits
+    ``4 (j & 1)`` and ``4 (j & 1) + 2`` of byte ``(j >> 1) * 64 + o * 4 + i``."""
+    n, k = q.shape
+    nb, groups = k // QK, -(-n // G)
+    q, sc, d = (_pad_rows(np.asarray(a), groups * G) for a in (q, sc, d))
+    q6 = q.reshape(groups, G, nb, 2, 4, 4).transpose(0, 2, 4, 1, 5, 3)  # [g, b, j, o, i, half]
+    nib = (q6[..., 0] & 0x0F) | ((q6[..., 1] & 0x0F) << 4)
+    h = (q6 >> 4).reshape(groups, nb, 2, 2, G, 4, 2)  # [g, b, j >> 1, j & 1, o, i, half]
+    hb = h[:, :, :, 0, ..., 0] | h[:, :, :, 0, ..., 1] << 2 | h[:, :, :, 1, ..., 0] << 4 | h[:, :, :, 1, ..., 1] << 6
+    sc2 = sc.astype(np.int8).reshape(groups, G, nb, 2).transpose(0, 2, 3, 1)  # [g, b, half, o]
+    data = np.concatenate([_scales(np.repeat(d.astype(np.float16), 8, axis=1), groups, nb),
+                           sc2.reshape(groups, nb, 2 * G).view(np.uint8), nib.reshape(groups, nb, 256).astype(np.uint8),
+                           hb.reshape(groups, nb, 128).astype(np.uint8)], axis=-1)
+    return PackedWeight(FMT_Q6, torch.from_numpy(np.ascontiguousarray(data)), n, k)
 
 
 def quantize_int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,7 @@
 alone, as row i of M rows (M = 1, 2, 5, 16, 64, 300: every row tile, AMX threshold and chunk, stack/heap scratch and
 serial/parallel threshold of the kernels), at any place in the batch, and with 1 or 2 OpenMP threads.
 
-Covered: the quantized matmul (``kernels.qgemm`` and ``QuantLinear``: Q4, Q4F, Q8 and per-channel int8 weights x
+Covered: the quantized matmul (``kernels.qgemm`` and ``QuantLinear``: Q4, Q4F, Q8, Q6 and per-channel int8 weights x
 every ISA path this CPU runs x both activation quantizations), the float32 matmul (``kernels.cpu.gemm`` through
 ``Linear``), RMSNorm / add+RMSNorm / silu*up (C kernels and the PyTorch ops), the RoPE tables, and the sampler's
 logits path (log-softmax logprobs, temperature / top-k / top-p / min-p distributions, seeded draws).
@@ -114,10 +114,14 @@ def _isa_params():
 
 def _packed(fmt: str, n: int, k: int, seed: int = 3) -> P.PackedWeight:
     """Random weights in one of the kernel's formats: ``q4`` (float16 scales and mins: GGUF Q4_0 / Q4_1), ``q4f``
-    (float32 ones: Q4_K), ``q8`` (float16 scales: Q8_0, "int8") and ``int8_oscale`` (Q8 with a per-output-channel
-    factor)."""
+    (float32 ones: Q4_K), ``q8`` (float16 scales: Q8_0, "int8"), ``int8_oscale`` (Q8 with a per-output-channel
+    factor) and ``q6`` (Q6_K's values; k a multiple of 256)."""
     rng = np.random.default_rng(seed)
     nb = k // P.QK
+    if fmt == "q6":
+        q = rng.integers(0, 64, (n, k), dtype=np.uint8)
+        sc = rng.integers(-128, 128, (n, k // 16)).astype(np.int8)
+        return P.pack_q6(q, sc, (rng.random((n, k // 256)) * 0.01 + 0.001).astype(np.float16))
     if fmt in ("q4", "q4f"):
         q = rng.integers(0, 16, (n, k), dtype=np.uint8)
         d = (rng.random((n, nb)) * 0.1 + 0.01).astype(np.float16 if fmt == "q4" else np.float32)
@@ -129,7 +133,9 @@ def _packed(fmt: str, n: int, k: int, seed: int = 3) -> P.PackedWeight:
     return P.pack_q8(q, d, oscale)
 
 
-FORMATS = ("q4", "q4f", "q8", "int8_oscale")
+FORMATS = ("q4", "q4f", "q8", "int8_oscale", "q6")
+#: Input width per format: 10 blocks (an uneven count), or 2 Q6_K super-blocks.
+K_OF = {"q6": 512}
 
 
 @_no_qgemm
@@ -140,10 +146,11 @@ def test_quantized_matmul_is_row_wise(fmt, isa, act):
     """80 outputs (5 groups: an uneven split over 2 threads) x K = 320; up to 300 rows cross every threshold of
     ``kvserve_qgemm`` (SERIAL_MACS, SERIAL_QUANT, STACK_BYTES, AMX_ROWS, AMX_CHUNK). Both the kernel entry point and
     the layer the model calls (``QuantLinear``), which must agree."""
-    packed = _packed(fmt, 80, 320)
+    k = K_OF.get(fmt, 320)
+    packed = _packed(fmt, 80, k)
     layer = QuantLinear(packed, fmt, isa=isa, activations=act)
     assert layer.path.startswith(f"{fmt}/{isa}")
-    x = _x(300, 320)
+    x = _x(300, k)
     assert_row_invariant(lambda idx: qk.qgemm(x[idx], packed, isa, act), 300)
     assert_row_invariant(lambda idx: layer(x[idx]), 300, rows=(1, 16, 300), threads=(2,))
     assert torch.equal(layer(x), qk.qgemm(x, packed, isa, act))
@@ -156,9 +163,10 @@ def test_quantized_matmul_is_row_wise(fmt, isa, act):
 def test_amx_rows_equal_vnni_rows_at_every_batch_size(act):
     """The AMX path runs rows on the VNNI tiles below 16 rows and past the last full 16-row tile of each 32-row
     chunk, on AMX tiles elsewhere: both give the same bits, so switching path by M never changes a row."""
-    x = _x(300, 320, seed=4)
     for fmt in FORMATS:
-        packed = _packed(fmt, 80, 320)
+        k = K_OF.get(fmt, 320)
+        x = _x(300, k, seed=4)
+        packed = _packed(fmt, 80, k)
         for m in ROWS + (17, 31, 33, 48):
             assert torch.equal(qk.qgemm(x[:m], packed, "amx_int8", act), qk.qgemm(x[:m], packed, "avx512_vnni", act)), \
                 (fmt, m)

@@ -1,7 +1,7 @@
 /* Tests only: qgemm.c compiled with SIMDe's portable implementations of the AVX-512 intrinsics (the Debian package
  * libsimde-dev), so the AVX-512 VNNI path's logic -- layouts, the q_x + 128 correction, tiles, epilogues -- runs
  * and is checked on a CPU without AVX-512 (tests/model/test_quant_kernels.py). It says nothing about speed, nor
- * about the real instructions' encoding; two intrinsics SIMDe 0.7 lacks are written out below (always inlined: called
+ * about the real instructions' encoding; three intrinsics SIMDe 0.7 lacks are written out below (always inlined: called
  * from qgemm.c's AVX2-target functions, an out-of-line call would pass the vector under a different ABI). */
 #include <immintrin.h>
 #define SIMDE_ENABLE_NATIVE_ALIASES
@@ -28,5 +28,12 @@ static inline __attribute__((always_inline)) simde__m512 emu_mm512_cvtepi32_ps(s
     return simde_mm512_loadu_ps(out);
 }
 #define _mm512_cvtepi32_ps(a) emu_mm512_cvtepi32_ps(a)
+static inline __attribute__((always_inline)) simde__m512i emu_mm512_cvtepi8_epi32(simde__m128i a) {
+    int8_t in[16]; int32_t out[16];
+    memcpy(in, &a, 16);
+    for (int i = 0; i < 16; i++) out[i] = in[i];
+    return simde_mm512_loadu_si512(out);
+}
+#define _mm512_cvtepi8_epi32(a) emu_mm512_cvtepi8_epi32(a)
 #define KVSERVE_Q_EMULATE_AVX512 1
 #include "../../kvserve/kernels/csrc/qgemm.c"

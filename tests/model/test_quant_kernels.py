@@ -120,7 +120,44 @@ def test_q4_k_kept_exactly(isa, rows):
     _check(layer, x, w.astype(np.float64))
 
 
-@pytest.mark.parametrize("qtype", [formats.Q5_K, formats.Q6_K])
+@pytest.mark.parametrize("n,k", [(40, 512), (33, 256), (16, 768)])
+@pytest.mark.parametrize("rows", ROWS)
+def test_q6_k_kept_exactly(isa, n, k, rows):
+    """Q6_K on its own kernel: the file's 6-bit values, int8 sub-block scales and float16 d (FMT_Q6), decoding to
+    ``gguf.quants.dequantize`` bit for bit (in Python and in C), and the product within the activation rounding of
+    a float64 matmul with those weights; 33 outputs: a padded last group."""
+    t = _gguf_tensor(formats.Q6_K, n, k, seed=rows)
+    layer = make_linear_method(t)
+    assert layer.path == _path("q6_k", isa) and layer.packed.fmt == P.FMT_Q6
+    w = gguf.quants.dequantize(t.raw, formats.Q6_K).reshape(n, k)
+    np.testing.assert_array_equal(layer.dequantized().view(np.uint32), w.view(np.uint32))
+    rows_at = np.array([0, n // 2, n - 1], np.int64)
+    out = np.empty((3, k), np.float32)
+    assert kernels.load().kvserve_q_unpack_rows(P.FMT_Q6, layer.packed.data.data_ptr(), n, k, None,
+                                                rows_at.ctypes.data, 3, out.ctypes.data) == 0
+    np.testing.assert_array_equal(out.view(np.uint32), w[rows_at].view(np.uint32))
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    x[0, 7] = 25.0
+    _check(layer, x, w.astype(np.float64))
+
+
+def test_q6_k_extreme_blocks_do_not_overflow(isa):
+    """The largest integer sums a Q6 block can make (q - 32 = -32, sub-block scale -128, activations at +-127,
+    both halves; 254 a1 + a2 would pass 2^31 in int32): still within the bound."""
+    n, k = 16, 256
+    q = np.zeros((n, k), np.uint8)
+    q[1::2] = 63
+    sc = np.full((n, k // 16), -128, np.int8)
+    d = np.full((n, 1), 0.01, np.float16)
+    layer = QuantLinear(P.pack_q6(q, sc, d), "q6_k")
+    w = unpack(layer.packed).astype(np.float64)
+    x = np.ones((3, k), np.float32)
+    x[1] = -1
+    x[2, ::2] = -1
+    _check(layer, x, w)
+
+
+@pytest.mark.parametrize("qtype", [formats.Q5_K])
 @pytest.mark.parametrize("rows", [1, 17])
 def test_k_quants_requantized_per_block(isa, qtype, rows):
     t = _gguf_tensor(qtype, 24, 512, seed=rows)
@@ -358,13 +395,18 @@ def emulated(tmp_path_factory):
 
 def _random_packed(kind, n, k, rng):
     """A random packed weight of ``kind`` (``q4``: float16 scales and mins, ``q4f``: float32 ones, ``q8``, ``int8``:
-    q8 with per-output scales) ``[n, k]``, and its dequantized float64 values."""
+    q8 with per-output scales, ``q6``: Q6_K's values, k a multiple of 256) ``[n, k]``, and its dequantized float64
+    values."""
     nb = k // 32
     if kind in ("q4", "q4f"):
         q = rng.integers(0, 16, (n, k), dtype=np.uint8)
         dt = np.float16 if kind == "q4" else np.float32
         d, m = (rng.random((n, nb)) * 0.1 + 0.01).astype(dt), (-rng.random((n, nb)) * 0.5).astype(dt)
         packed = P.pack_q4(q, d, m)
+    elif kind == "q6":
+        q = rng.integers(0, 64, (n, k), dtype=np.uint8)
+        sc = rng.integers(-128, 128, (n, k // 16)).astype(np.int8)
+        packed = P.pack_q6(q, sc, (rng.random((n, k // 256)) * 0.01 + 0.001).astype(np.float16))
     else:
         q = rng.integers(-128, 128, (n, k)).astype(np.int8)
         d = (rng.random((n, nb)) * 0.02 + 0.001).astype(np.float16)
@@ -384,14 +426,18 @@ def _run(lib, packed, isa_id, act, x):
     return y[:, : packed.out_features].numpy()
 
 
+EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6"]
+
+
 @pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
-@pytest.mark.parametrize("kind", ["q4", "q4f", "q8", "int8"])
+@pytest.mark.parametrize("kind", EMU_KINDS)
 @pytest.mark.parametrize("rows", ROWS)
 def test_avx512_vnni_path_logic_under_emulation(emulated, kind, rows, act):
     """The AVX-512 VNNI code (isa 2) run through SIMDe on this CPU: equal to the exact-activation reference."""
     rng = np.random.default_rng(rows)
-    packed, w = _random_packed(kind, 40, 96, rng)
-    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    k = 256 if kind == "q6" else 96
+    packed, w = _random_packed(kind, 40, k, rng)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
     got = _run(emulated, packed, 2, act, x).astype(np.float64)
     mag = np.abs(x).astype(np.float64) @ np.abs(w).T + 1e-30
     assert np.all(np.abs(got - kernels.reference_qgemm(x, w, act)) <= 1e-5 * mag)
@@ -401,15 +447,16 @@ AMX_ROWS = (1, 15, 16, 17, 37, 53, 64, 129)  # below one tile, one, one plus a t
 
 
 @pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
-@pytest.mark.parametrize("kind", ["q4", "q4f", "q8", "int8"])
+@pytest.mark.parametrize("kind", EMU_KINDS)
 @pytest.mark.parametrize("rows", AMX_ROWS)
 def test_amx_path_logic_under_emulation(emulated, kind, rows, act):
     """The AMX-INT8 code (isa 3) with its tile instructions emulated: equal to the exact-activation reference, and
     bit for bit to the (emulated) AVX-512 VNNI path, at 5 output groups (the threads' shares differ in size)."""
     assert emulated.kvserve_q_isa_supported(3) == 1
     rng = np.random.default_rng(100 + rows)
-    packed, w = _random_packed(kind, 72, 128, rng)
-    x = rng.standard_normal((rows, 128)).astype(np.float32)
+    k = 256 if kind == "q6" else 128
+    packed, w = _random_packed(kind, 72, k, rng)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
     x[0, :3] = (40.0, -40.0, 0.0)
     got = _run(emulated, packed, 3, act, x)
     mag = np.abs(x).astype(np.float64) @ np.abs(w).T + 1e-30
@@ -419,24 +466,24 @@ def test_amx_path_logic_under_emulation(emulated, kind, rows, act):
 
 @pytest.mark.skipif(not kernels.cpu_supports("amx_int8"), reason="CPU lacks AMX-INT8 (or the OS did not grant it)")
 @pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
-@pytest.mark.parametrize("kind", ["q4", "q4f", "q8", "int8"])
+@pytest.mark.parametrize("kind", EMU_KINDS)
 def test_amx_equals_avx512_vnni_bit_for_bit(kind, act):
     """On a CPU with AMX: the real tile instructions give the AVX-512 VNNI path's bits, at every row count of
     ``AMX_ROWS`` and at this model's widest layer shape class (K = 1536, 3 row chunks)."""
     lib = kernels.load()
     rng = np.random.default_rng(7)
-    for n, k in ((72, 128), (48, 1536)):
+    for n, k in ((72, 256), (48, 1536)):
         packed, _ = _random_packed(kind, n, k, rng)
         for rows in AMX_ROWS:
             x = rng.standard_normal((rows, k)).astype(np.float32)
             assert np.array_equal(_run(lib, packed, 3, act, x), _run(lib, packed, 2, act, x)), (n, k, rows)
 
 
-@pytest.mark.parametrize("qtype", [formats.Q4_1, formats.Q8_0, formats.Q4_K])
+@pytest.mark.parametrize("qtype", [formats.Q4_1, formats.Q8_0, formats.Q4_K, formats.Q6_K])
 def test_a_row_gives_the_same_bits_alone_and_in_any_tile(isa, qtype):
     """Batch invariance of the matmul: a row's output does not depend on the other rows of the call, nor on its
     place in a row tile (1 to 4 or 6 rows; 16-row AMX tiles, their tails and 32-row chunks)."""
-    k = 512 if qtype == formats.Q4_K else 288
+    k = 512 if qtype in (formats.Q4_K, formats.Q6_K) else 288
     layer = make_linear_method(_gguf_tensor(qtype, 48, k, seed=11))
     x = torch.from_numpy(np.random.default_rng(5).standard_normal((53, k)).astype(np.float32))
     whole = layer(x)

@@ -20,6 +20,11 @@
  *   Q4F block (384 bytes): as Q4 with float32 d[16] and m[16] (GGUF Q4_K: d = d_sb * sc, m = -dmin_sb * mn, which
  *       need more than float16's 11 bits, exact in float32).
  *   Q8 block (544 bytes): fp16 d[16], then 512 bytes: byte j*64 + o*4 + i (j 0..7) = int8 w[16g + o][32b + 4j + i].
+ *   Q6 block (448 bytes; GGUF Q6_K, w = d * sc * (q - 32), q in 0..63, sc int8 per 16 inputs, d fp16 per 256):
+ *       fp16 d[16] (each output's super-block d), int8 sc_lo[16] (inputs 0..15 of the block), int8 sc_hi[16]
+ *       (inputs 16..31), 256 bytes of low nibbles as the Q4 block's, then 128 bytes of high 2-bit fields: byte
+ *       (j >> 1) * 64 + o*4 + i holds q >> 4 of input 4j + i at bit 4 (j & 1) and of input 16 + 4j + i at bit
+ *       4 (j & 1) + 2. 7 bits a weight (the file's 6.56).
  * Four consecutive input features of 16 (AVX-512) or 8 (AVX2, half a group) outputs are one vector, and one
  * broadcast 4-byte group of the activation multiplies all of them (the interleaved layout of llama.cpp's
  * ggml-cpu repack "q4_0_8x8"): each output's sum lands in its own 32-bit lane, so no horizontal sums, and the
@@ -33,6 +38,11 @@
  *                 whole block accumulates in 16 bits. 8-bit: the sign trick (|w| x sign(x, w)), one madd per step.
  *   AVX-512 VNNI: _mm512_dpbusd_epi32 (u8 x s8 quads -> s32), 16 outputs x MR5 rows. 8-bit weights are the signed
  *                 operand, the activation is made unsigned (q_x + 128) and 128 * sum q_w is subtracted per block.
+ *   Q6 (both paths): the weights unpacked to signed int8 (q - 32, in -32..31) and multiplied as 8-bit weights; the
+ *   two 16-input halves of a block sum apart (AVX2: the integer sub-block scale is the second operand of
+ *   _mm256_madd_epi16, so it is applied for free; AVX-512: vpmulld per half and block) into the exact integer
+ *   sum_k sc q_w q_x (|.| <= 2 * 16 * 32 * 127 * 128 < 2^24, so exact in float32 too), which with ACT_PAIR meets
+ *   254 a1 + a2 in float (254 a1 could exceed 2^31): q6_fold.
  *   With ACT_PAIR, q1 and q2 accumulate apart (AVX2 4-bit: two 16-bit sums, each within the bound above) and meet as
  *   254 a1 + a2 in int32 (at most 254 * 32 * 128 * 128 < 2^31) before the float scale.
  * Groups are split across OpenMP threads; within a group the rows are tiled, so each weight block is loaded and
@@ -49,6 +59,8 @@
 #define Q4_BLOCK 320
 #define Q4F_BLOCK 384
 #define Q8_BLOCK 544
+#define Q6_BLOCK 448
+#define MR6 4 /* rows per AVX-512 Q6 tile (four accumulators per row) */
 #define MR2 4 /* rows per AVX2 tile */
 #define MR5 6 /* rows per AVX-512 tile */
 #define SERIAL_QUANT (64 * 1024) /* activations up to this many values are quantized by the calling thread */
@@ -56,7 +68,7 @@
 #define STACK_BYTES (16 * 1024)  /* quantized activations up to this many bytes go to a stack buffer */
 #define RES 254                  /* ACT_PAIR: x ~= d (RES q1 + q2) */
 
-enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2 };
+enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2, FMT_Q6 = 3 };
 enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AMX_INT8 = 3 };
 enum { ACT_INT8 = 0, ACT_PAIR = 1 }; /* activation precision: one int8 per value, or a pair (15 bits) */
 
@@ -262,6 +274,66 @@ T_AVX2 INLINE void q8_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
     A2_ROWS(A2_STORE)
 }
 
+/* Q6 sub-block scales of 8 outputs (int8 at p) as int16 pairs, one pair per 32-bit lane: the second operand of
+ * _mm256_madd_epi16, so each lane's two 16-bit products are scaled and summed in one instruction. */
+T_AVX2 INLINE __m256i q6_scales_avx2(const uint8_t *p) {
+    __m256i s = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(s, 16));
+}
+
+/* Step j of a Q6 block (8 outputs of half `half`): the signed weights of inputs 4j + i (lo) and 16 + 4j + i (hi). */
+T_AVX2 INLINE void q6_unpack_avx2(const uint8_t *blk, int j, int half, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 64 + j * 64 + half * 32));
+    const __m256i hb = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(blk + 320 + (j >> 1) * 64 + half * 32)),
+                                         4 * (j & 1));
+    *lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)), off);
+    *hi = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+                                          _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)), off);
+}
+
+/* a##i (q1) and c##i (q2): sum_k sc q_w q_x in int32, the scale applied by madd (|pair sum| <= 2 * 32 * 127). */
+#define A2_Q6_STEP(i)                                                                                   \
+    if (mr > i) {                                                                                       \
+        const int8_t *xr = xq + (i) * xrow + b * xblk + 4 * j;                                          \
+        a##i = _mm256_add_epi32(a##i, _mm256_add_epi32(                                                 \
+            _mm256_madd_epi16(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(A2_BCAST(0), wlo)), slo),      \
+            _mm256_madd_epi16(_mm256_maddubs_epi16(ahi, _mm256_sign_epi8(A2_BCAST(16), whi)), shi)));   \
+        if (pair)                                                                                       \
+            c##i = _mm256_add_epi32(c##i, _mm256_add_epi32(                                             \
+                _mm256_madd_epi16(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(A2_BCAST(32), wlo)), slo), \
+                _mm256_madd_epi16(_mm256_maddubs_epi16(ahi, _mm256_sign_epi8(A2_BCAST(48), whi)), shi))); \
+    }
+#define A2_Q6_END(i)                                                                                    \
+    if (mr > i) {                                                                                       \
+        __m256 t = pair ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(a##i), _mm256_set1_ps((float)RES), _mm256_cvtepi32_ps(c##i)) \
+                        : _mm256_cvtepi32_ps(a##i);                                                     \
+        f##i = _mm256_fmadd_ps(t, _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i);           \
+    }
+
+T_AVX2 INLINE void q6_avx2_tile(const uint8_t *wg, int64_t nb, int half, const int8_t *xq, const float *xd,
+                                const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr,
+                                const int f32s, const int pair) {
+    (void)xs, (void)f32s;
+    const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
+    A2_ROWS(A2_ZERO_F)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * Q6_BLOCK;
+        if (!half) PREFETCH(blk, Q6_BLOCK)
+        const __m256i slo = q6_scales_avx2(blk + 32 + half * 8), shi = q6_scales_avx2(blk + 48 + half * 8);
+        A2_ROWS(A2_ZERO_A)
+        _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
+            __m256i wlo, whi;
+            q6_unpack_avx2(blk, j, half, &wlo, &whi);
+            const __m256i alo = _mm256_abs_epi8(wlo), ahi = _mm256_abs_epi8(whi);
+            A2_ROWS(A2_Q6_STEP)
+        }
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + half * 16)));
+        A2_ROWS(A2_Q6_END)
+    }
+    A2_ROWS(A2_STORE)
+}
+
 /* One switch case per row count (1..6) with every flag a constant, so each tile is specialised. */
 #define TILE_CASE(fn, n, f32s, pair, ...) case n: fn(__VA_ARGS__, n, f32s, pair); break;
 #define TILE_SWITCH4(fn, f32s, pair, ...)                                                               \
@@ -288,7 +360,12 @@ T_AVX2 static void group_avx2(int fmt, int pair, const uint8_t *wg, int64_t nb, 
             const int8_t *xq_ = xq + m0 * K * (pair ? 2 : 1);
             const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb, *os = oscale ? oscale + half * 8 : NULL;
             float *y_ = y + m0 * ldy + half * 8;
-            TILE_DISPATCH(TILE_SWITCH4, q4_avx2_tile, q8_avx2_tile, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os)
+            if (fmt == FMT_Q6) {
+                if (pair) { switch (mr) { TILE_SWITCH4(q6_avx2_tile, 0, 1, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os) } }
+                else { switch (mr) { TILE_SWITCH4(q6_avx2_tile, 0, 0, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os) } }
+            } else {
+                TILE_DISPATCH(TILE_SWITCH4, q4_avx2_tile, q8_avx2_tile, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os)
+            }
         }
     }
 }
@@ -378,15 +455,100 @@ T_AVX512 INLINE void q8_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
     A5_ROWS(A5_STORE)
 }
 
+/* Step j of a Q6 block (16 outputs): the signed weights of inputs 4j + i (lo) and 16 + 4j + i (hi); also the AMX
+ * path's B tiles. */
+T_AVX512 INLINE void q6_unpack_avx512(const uint8_t *blk, int j, __m512i *lo, __m512i *hi) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+    const __m512i raw = _mm512_loadu_si512((const void *)(blk + 64 + j * 64));
+    const __m512i hb = _mm512_srli_epi16(_mm512_loadu_si512((const void *)(blk + 320 + (j >> 1) * 64)), 4 * (j & 1));
+    *lo = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(raw, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30)), off);
+    *hi = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
+                                          _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30)), off);
+}
+
+/* The float value of a Q6 block's dot products, before d_w d_x: the halves' exact integer sums (lo, hi; q2's in lo2,
+ * hi2 with pair) times their sub-block scales, then 254 t1 + t2 in float. Shared by the VNNI and AMX tiles, so the
+ * two give the same bits. */
+T_AVX512 INLINE __m512 q6_fold(__m512i lo, __m512i hi, __m512i lo2, __m512i hi2, __m512i slo, __m512i shi,
+                               const int pair) {
+    const __m512 t1 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(lo, slo), _mm512_mullo_epi32(hi, shi)));
+    if (!pair) return t1;
+    const __m512 t2 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(lo2, slo), _mm512_mullo_epi32(hi2, shi)));
+    return _mm512_fmadd_ps(t1, _mm512_set1_ps((float)RES), t2);
+}
+
+#define A6_ROWS(M) M(0) M(1) M(2) M(3)
+#define A6_ZERO_A(i) __m512i a##i = _mm512_setzero_si512(), e##i = a##i, c##i = a##i, g##i = a##i;
+#define A6_STEP(i)                                                                                      \
+    if (mr > i) {                                                                                       \
+        const int8_t *xr = xq + (i) * xrow + b * xblk + 4 * j;                                          \
+        a##i = _mm512_dpbusd_epi32(a##i, _mm512_xor_si512(A5_BCAST(0), bias), wlo);                    \
+        e##i = _mm512_dpbusd_epi32(e##i, _mm512_xor_si512(A5_BCAST(16), bias), whi);                   \
+        if (pair) {                                                                                     \
+            c##i = _mm512_dpbusd_epi32(c##i, _mm512_xor_si512(A5_BCAST(32), bias), wlo);                \
+            g##i = _mm512_dpbusd_epi32(g##i, _mm512_xor_si512(A5_BCAST(48), bias), whi);                \
+        }                                                                                               \
+    }
+#define A6_END(i)                                                                                       \
+    if (mr > i) {                                                                                       \
+        __m512 t = q6_fold(_mm512_sub_epi32(a##i, clo), _mm512_sub_epi32(e##i, chi), _mm512_sub_epi32(c##i, clo), \
+                           _mm512_sub_epi32(g##i, chi), slo, shi, pair);                                \
+        f##i = _mm512_fmadd_ps(t, _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i);           \
+    }
+
+T_AVX512 INLINE void q6_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
+                                    const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
+                                    const int mr, const int f32s, const int pair) {
+    (void)xs, (void)f32s;
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
+    A6_ROWS(A5_ZERO_F)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * Q6_BLOCK;
+        PREFETCH(blk, Q6_BLOCK)
+        __m512i clo = _mm512_setzero_si512(), chi = clo; /* 128 * sum of each half's weights, per output */
+        A6_ROWS(A6_ZERO_A)
+        _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
+            __m512i wlo, whi;
+            q6_unpack_avx512(blk, j, &wlo, &whi);
+            clo = _mm512_dpbusd_epi32(clo, bias, wlo);
+            chi = _mm512_dpbusd_epi32(chi, bias, whi);
+            A6_ROWS(A6_STEP)
+        }
+        const __m512i slo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32)));
+        const __m512i shi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 48)));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        A6_ROWS(A6_END)
+    }
+    A6_ROWS(A5_STORE)
+}
+
 T_AVX512 static void group_avx512(int fmt, int pair, const uint8_t *wg, int64_t nb, const int8_t *xq,
                                   const float *xd, const float *xs, int64_t M, int64_t K, float *y, int64_t ldy,
                                   const float *oscale) {
-    for (int64_t m0 = 0; m0 < M; m0 += MR5) {
-        int mr = (M - m0) < MR5 ? (int)(M - m0) : MR5;
+    const int64_t mr_max = fmt == FMT_Q6 ? MR6 : MR5;
+    for (int64_t m0 = 0; m0 < M; m0 += mr_max) {
+        int mr = (M - m0) < mr_max ? (int)(M - m0) : (int)mr_max;
         const int8_t *xq_ = xq + m0 * K * (pair ? 2 : 1);
         const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
         float *y_ = y + m0 * ldy;
-        TILE_DISPATCH(TILE_SWITCH6, q4_avx512_tile, q8_avx512_tile, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale)
+        if (fmt == FMT_Q6) {
+            if (pair) { switch (mr) { TILE_SWITCH4(q6_avx512_tile, 0, 1, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }
+            else { switch (mr) { TILE_SWITCH4(q6_avx512_tile, 0, 0, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }
+        } else {
+            TILE_DISPATCH(TILE_SWITCH6, q4_avx512_tile, q8_avx512_tile, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale)
+        }
+    }
+}
+
+/* Bytes of one packed block (16 outputs x 32 inputs) of fmt; 0 for an unknown fmt. */
+static int64_t block_bytes(int fmt) {
+    switch (fmt) {
+    case FMT_Q4: return Q4_BLOCK;
+    case FMT_Q8: return Q8_BLOCK;
+    case FMT_Q4F: return Q4F_BLOCK;
+    case FMT_Q6: return Q6_BLOCK;
+    default: return 0;
     }
 }
 
@@ -412,18 +574,18 @@ int kvserve_q_isa_supported(int isa) {
     return 0;
 }
 
-/* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F or FMT_Q8, N a
+/* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F, FMT_Q8 or FMT_Q6, N a
  * multiple of 16, K of 32), activations quantized as `act` (ACT_INT8 or ACT_PAIR). oscale: NULL, or N floats
  * multiplied into the outputs (per-channel int8). Returns 0, or -1 for bad arguments / an unsupported isa, -2 when
  * scratch memory could not be allocated (nothing written). */
 int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                   const float *oscale, float *y, int64_t ldy) {
-    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F) || (act != ACT_INT8 && act != ACT_PAIR) || K % QK ||
+    if (!block_bytes(fmt) || (act != ACT_INT8 && act != ACT_PAIR) || K % QK ||
         N % G || M < 0 || ldy < N || !kvserve_q_isa_supported(isa))
         return -1;
     if (M == 0 || N == 0) return 0;
     const int pair = act == ACT_PAIR;
-    const int64_t nb = K / QK, groups = N / G, bb = fmt == FMT_Q4 ? Q4_BLOCK : fmt == FMT_Q4F ? Q4F_BLOCK : Q8_BLOCK;
+    const int64_t nb = K / QK, groups = N / G, bb = block_bytes(fmt);
     const int64_t xrow = pair ? 2 * K : K; /* bytes of one row's quantized activations */
     /* Scratch for the quantized activations: on the stack for small inputs (decode steps), else the heap. */
     _Alignas(64) int8_t sq[STACK_BYTES];
@@ -468,16 +630,17 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
 
 /* out[t, K] = row rows[t] of a packed weight (fmt, K as for kvserve_qgemm), decoded to float32 as
  * kvserve/layers/quant_linear.py's unpack does: d q + m (FMT_Q4, FMT_Q4F), d q times oscale[row] when given (FMT_Q8),
+ * (d sc) (q - 32) (FMT_Q6),
  * each product and sum rounded on its own (no fused multiply-add), so the bits equal numpy's. An embedding lookup
  * from a tied LM head. Returns 0; -1 for a bad fmt or K, -2 for a row outside [0, N) (nothing written). */
 T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(int fmt, const uint8_t *w, int64_t N,
                                                                               int64_t K, const float *oscale,
                                                                               const int64_t *rows, int64_t T,
                                                                               float *out) {
-    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F) || K <= 0 || K % QK) return -1;
+    if (!block_bytes(fmt) || K <= 0 || K % QK) return -1;
     for (int64_t t = 0; t < T; t++)
         if (rows[t] < 0 || rows[t] >= N) return -2;
-    const int64_t nb = K / QK, bb = fmt == FMT_Q4 ? Q4_BLOCK : fmt == FMT_Q4F ? Q4F_BLOCK : Q8_BLOCK;
+    const int64_t nb = K / QK, bb = block_bytes(fmt);
     for (int64_t t = 0; t < T; t++) {
         const int64_t r = rows[t], g = r / G, o = r % G;
         for (int64_t b = 0; b < nb; b++) {
@@ -490,6 +653,16 @@ T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(in
                     for (int i = 0; i < 4; i++) {
                         float v = (float)q[j * 64 + o * 4 + i] * d;
                         y[j * 4 + i] = oscale ? v * oscale[r] : v;
+                    }
+            } else if (fmt == FMT_Q6) { /* (d sc) (q - 32), as formats.dequantize */
+                const float d = _cvtsh_ss(((const uint16_t *)blk)[o]);
+                const float dlo = d * (float)((const int8_t *)blk)[32 + o], dhi = d * (float)((const int8_t *)blk)[48 + o];
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t byte = blk[64 + j * 64 + o * 4 + i];
+                        const uint8_t h = blk[320 + (j >> 1) * 64 + o * 4 + i] >> (4 * (j & 1));
+                        y[j * 4 + i] = dlo * (float)(((byte & 0x0F) | ((h & 3) << 4)) - 32);
+                        y[16 + j * 4 + i] = dhi * (float)(((byte >> 4) | (((h >> 2) & 3) << 4)) - 32);
                     }
             } else {
                 const int f32 = fmt == FMT_Q4F;
@@ -508,7 +681,7 @@ T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(in
     return 0;
 }
 
-/* Layout constants, so Python and C cannot disagree: out[5] = {QK, G, Q4, Q8, Q4F block bytes}. */
+/* Layout constants, so Python and C cannot disagree: out[6] = {QK, G, Q4, Q8, Q4F, Q6 block bytes}. */
 void kvserve_q_layout(int64_t *out) {
-    out[0] = QK; out[1] = G; out[2] = Q4_BLOCK; out[3] = Q8_BLOCK; out[4] = Q4F_BLOCK;
+    out[0] = QK; out[1] = G; out[2] = Q4_BLOCK; out[3] = Q8_BLOCK; out[4] = Q4F_BLOCK; out[5] = Q6_BLOCK;
 }

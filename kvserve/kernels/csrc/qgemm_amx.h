@@ -9,6 +9,8 @@
  *   B tile (8 rows x 64 bytes): row r holds the 4 weights k = 4r..4r+3 of each of the 16 outputs -- exactly a Q8
  *       block's 512 bytes, read in place; a Q4 group's nibbles are unpacked once per call into that form (the low
  *       nibbles of a block's j-th 64 bytes are row j, the high nibbles row 4 + j: the layout at the top of qgemm.c);
+ *       a Q6 group's 6-bit values likewise, as signed int8, each 16-input half (4 rows) its own B tile, since the
+ *       halves have their own integer scales (amx_tile_q6);
  *   C tiles (16 x 16 int32): TDPBSUD (signed activations x unsigned 4-bit weights) or TDPBSSD (signed x signed 8-bit)
  *       of A and B: the block's exact integer dot products, one C tile per activation half.
  * The C tiles are stored and the block's epilogue runs in AVX-512 exactly as the VNNI tile's (254 c1 + c2 in int32,
@@ -75,12 +77,16 @@ typedef struct {
     uint8_t rows[16];
 } amx_config;
 
-T_AMX static void amx_configure(void) {
+/* Q6 (amx_tile_q6): tiles 0, 1 the A tiles of a block's two 16-input halves (16 rows x 16 bytes), 2, 3 their B tiles
+ * (4 rows x 64 bytes), 4, 5 the halves' C tiles for q1 and 6, 7 for q2. */
+T_AMX static void amx_configure(int fmt) {
     amx_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    cfg.rows[0] = cfg.rows[1] = AMX_ROWS, cfg.colsb[0] = cfg.colsb[1] = QK;
-    cfg.rows[2] = QK / 4, cfg.colsb[2] = 4 * G;
+    const int half = fmt == FMT_Q6;
+    cfg.rows[0] = cfg.rows[1] = AMX_ROWS, cfg.colsb[0] = cfg.colsb[1] = half ? QK / 2 : QK;
+    cfg.rows[2] = half ? QK / 8 : QK / 4, cfg.colsb[2] = 4 * G;
+    if (half) cfg.rows[3] = QK / 8, cfg.colsb[3] = 4 * G;
     for (int t = 4; t < 8; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 4 * G;
     AMX_LOAD_CONFIG(cfg);
 }
@@ -99,6 +105,18 @@ T_AMX static void amx_unpack_q4(const uint8_t *w, int64_t n, int f32s, uint8_t *
             _mm512_store_si512((void *)(bq + i * 512 + (4 + j) * 64), _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
         }
     }
+}
+
+/* The B tiles of n consecutive Q6 blocks (448 bytes each) as signed int8 (q - 32) to bq (512 bytes each): the
+ * 16-input halves' 4 rows of 64 bytes, lo then hi (q6_unpack_avx512, the VNNI tile's vectors). */
+T_AMX static void amx_unpack_q6(const uint8_t *w, int64_t n, uint8_t *bq) {
+    for (int64_t i = 0; i < n; i++)
+        for (int j = 0; j < 4; j++) {
+            __m512i lo, hi;
+            q6_unpack_avx512(w + i * Q6_BLOCK, j, &lo, &hi);
+            _mm512_store_si512((void *)(bq + i * 512 + j * 64), lo);
+            _mm512_store_si512((void *)(bq + i * 512 + 256 + j * 64), hi);
+        }
 }
 
 #define AX_ZERO_F(i) __m512 f##i = _mm512_setzero_ps();
@@ -155,6 +173,55 @@ T_AMX INLINE void amx_tile(const int fmt, const int pair, const uint8_t *wg, con
     AX_ROWS(AX_STORE)
 }
 
+#define AX_Q6_END(i)                                                                                    \
+    {                                                                                                   \
+        const int32_t *c = cbuf + (i) * G;                                                              \
+        __m512 t = q6_fold(_mm512_load_si512((const void *)c), _mm512_load_si512((const void *)(c + 256)), \
+                           pair ? _mm512_load_si512((const void *)(c + 512)) : _mm512_setzero_si512(),  \
+                           pair ? _mm512_load_si512((const void *)(c + 768)) : _mm512_setzero_si512(),  \
+                           slo, shi, pair);                                                             \
+        f##i = _mm512_fmadd_ps(t, _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i);           \
+    }
+
+/* 16 rows x one Q6 group (bq: its B tiles, amx_unpack_q6): per block, the halves' products into C tiles 4, 5 (q1) and
+ * 6, 7 (q2), stored, then q6_fold and the float epilogue of the VNNI tile (A6_END): the same bits. */
+T_AMX INLINE void amx_tile_q6(const int pair, const uint8_t *wg, const uint8_t *bq, int64_t nb, const int8_t *xq,
+                              const float *xd, int64_t K, float *y, int64_t ldy, const float *oscale) {
+    _Alignas(64) int32_t cbuf[4 * AMX_ROWS * G];
+    const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
+    AX_ROWS(AX_ZERO_F)
+    for (int64_t b = 0; b < nb; b++) {
+        _tile_loadd(0, xq + b * xblk, xrow);
+        _tile_loadd(1, xq + b * xblk + QK / 2, xrow);
+        _tile_loadd(2, bq + b * 512, 4 * G);
+        _tile_loadd(3, bq + b * 512 + 256, 4 * G);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_dpbssd(4, 0, 2);
+        _tile_dpbssd(5, 1, 3);
+        if (pair) {
+            _tile_loadd(0, xq + b * xblk + QK, xrow);
+            _tile_loadd(1, xq + b * xblk + QK + QK / 2, xrow);
+            _tile_zero(6);
+            _tile_zero(7);
+            _tile_dpbssd(6, 0, 2);
+            _tile_dpbssd(7, 1, 3);
+        }
+        _tile_stored(4, cbuf, 4 * G);
+        _tile_stored(5, cbuf + 256, 4 * G);
+        if (pair) {
+            _tile_stored(6, cbuf + 512, 4 * G);
+            _tile_stored(7, cbuf + 768, 4 * G);
+        }
+        const uint8_t *blk = wg + b * Q6_BLOCK;
+        const __m512i slo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32)));
+        const __m512i shi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 48)));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        AX_ROWS(AX_Q6_END)
+    }
+    AX_ROWS(AX_STORE)
+}
+
 /* One group, rows [0, M): the full 16-row tiles on AMX (bq: a 4-bit group's B tiles, unpacked; NULL: every row on
  * the VNNI tiles), the rest on the VNNI tiles. */
 T_AMX static void group_amx(int fmt, int pair, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
@@ -165,7 +232,10 @@ T_AMX static void group_amx(int fmt, int pair, const uint8_t *wg, int64_t nb, co
         const int8_t *xq_ = xq + m0 * xrow;
         const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
         float *y_ = y + m0 * ldy;
-        if (fmt == FMT_Q8) {
+        if (fmt == FMT_Q6) {
+            if (pair) amx_tile_q6(1, wg, bq, nb, xq_, xd_, K, y_, ldy, oscale);
+            else amx_tile_q6(0, wg, bq, nb, xq_, xd_, K, y_, ldy, oscale);
+        } else if (fmt == FMT_Q8) {
             if (pair) amx_tile(FMT_Q8, 1, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
             else amx_tile(FMT_Q8, 0, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
         } else if (fmt == FMT_Q4F) {
@@ -188,14 +258,15 @@ T_AMX static void group_amx(int fmt, int pair, const uint8_t *wg, int64_t nb, co
 T_AMX static void amx_rows(int fmt, int pair, const uint8_t *w, int64_t nb, int64_t groups, const int8_t *xq,
                            const float *xd, const float *xs, int64_t M, int64_t K, float *y, int64_t ldy,
                            const float *oscale) {
-    const int64_t xrow = pair ? 2 * K : K, bb = fmt == FMT_Q8 ? Q8_BLOCK : fmt == FMT_Q4F ? Q4F_BLOCK : Q4_BLOCK;
+    const int64_t xrow = pair ? 2 * K : K, bb = block_bytes(fmt);
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num(), per = (groups + nth - 1) / nth;
     const int64_t g0 = tid * per < groups ? tid * per : groups, g1 = g0 + per < groups ? g0 + per : groups;
     if (g0 >= g1) return;
     uint8_t *bq = fmt == FMT_Q8 ? NULL : aligned_alloc(64, (size_t)((g1 - g0) * nb * 512));
     const int tiles = fmt == FMT_Q8 || bq;
-    if (bq) amx_unpack_q4(w + g0 * nb * bb, (g1 - g0) * nb, fmt == FMT_Q4F, bq);
-    if (tiles) amx_configure();
+    if (bq && fmt == FMT_Q6) amx_unpack_q6(w + g0 * nb * bb, (g1 - g0) * nb, bq);
+    else if (bq) amx_unpack_q4(w + g0 * nb * bb, (g1 - g0) * nb, fmt == FMT_Q4F, bq);
+    if (tiles) amx_configure(fmt);
     for (int64_t c0 = 0; c0 < M; c0 += AMX_CHUNK) {
         const int64_t mc = M - c0 < AMX_CHUNK ? M - c0 : AMX_CHUNK;
         for (int64_t g = g0; g < g1; g++)
