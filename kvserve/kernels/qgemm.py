@@ -77,9 +77,9 @@ def load():
     lib.kvserve_q_quantize_rows.restype = None
     lib.kvserve_q_unpack_rows.argtypes = [cint, ptr, i64, i64, ptr, ptr, i64, ptr]
     lib.kvserve_q_unpack_rows.restype = cint
-    layout = (ctypes.c_int64 * 6)()
+    layout = (ctypes.c_int64 * 7)()
     lib.kvserve_q_layout(layout)
-    if tuple(layout) != (P.QK, P.G, P.Q4_BLOCK, P.Q8_BLOCK, P.Q4F_BLOCK, P.Q6_BLOCK):
+    if tuple(layout) != (P.QK, P.G, P.Q4_BLOCK, P.Q8_BLOCK, P.Q4F_BLOCK, P.Q6_BLOCK, P.Q5F_BLOCK):
         _reason = f"layout mismatch between qgemm.c {tuple(layout)} and pack.py"
         return None
     return lib
@@ -183,7 +183,7 @@ def qgemm(x: torch.Tensor, w: P.PackedWeight, isa_name: Optional[str] = None,
 
     Args:
         x: ``[M, in_features]``, float32 (another float dtype is converted first); made contiguous if it is not.
-        w: from ``pack.pack_q4`` / ``pack.pack_q8`` / ``pack.pack_q6``.
+        w: from ``pack.pack_q4`` / ``pack.pack_q5`` / ``pack.pack_q8`` / ``pack.pack_q6``.
         isa_name: a key of ``ISAS``; default ``isa()``.
         activations: ``"int8"`` or ``"int8x2"``.
 
@@ -247,7 +247,7 @@ def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray, activations: str = "in
 
 
 def self_check(name: str) -> bool:
-    """Run path ``name`` on small random Q4, Q4F, Q8 (40 x 96) and Q6 (40 x 256) weights (1/5/13/53 rows: partial output groups, row
+    """Run path ``name`` on small random Q4, Q4F, Q5F, Q8 (40 x 96) and Q6 (40 x 256) weights (1/5/13/53 rows: partial output groups, row
     tiles, and full 16-row AMX tiles with a tail), with both ``ACTIVATIONS``, and compare with ``reference_qgemm``: relative error at most 1e-5 of
     ``sum |w| |x|`` (float32 rounding of the per-block sums). False if the CPU lacks it or any output is off."""
     if not cpu_supports(name):
@@ -271,6 +271,9 @@ def self_check(name: str) -> bool:
     sc6 = rng.integers(-128, 128, (n, 16)).astype(np.int8)
     d6 = (rng.random((n, 1)) * 0.01 + 0.001).astype(np.float16)
     cases.append((P.pack_q6(q6, sc6, d6), np.repeat(d6.astype(np.float32) * sc6, 16, 1) * (q6.astype(np.float32) - 32)))
+    q5 = rng.integers(0, 32, (n, k), dtype=np.uint8)
+    d5, m5 = d4.astype(np.float32) / 2, m4.astype(np.float32)
+    cases.append((P.pack_q5(q5, d5, m5), np.repeat(d5, 32, 1) * q5 + np.repeat(m5, 32, 1)))
     for packed, wd in cases:
         k = packed.in_features
         for rows in (1, 5, 13, 53):

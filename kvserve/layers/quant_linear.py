@@ -7,13 +7,16 @@
 - ``QuantTensor`` Q4_0 / Q4_1, ``"auto"`` / ``None``: ``QuantLinear``, the file's nibbles and scales repacked
   (exact); path ``q4/<isa>``.
 - ``QuantTensor`` Q8_0, ``"auto"``: ``QuantLinear``, the file's int8 values and scales (exact); ``q8/<isa>``.
+- ``QuantTensor`` IQ4_NL, ``"auto"``: ``QuantLinear``, the grid's int8 values in Q8 blocks with the file's scales
+  (exact, 8.5 bits per weight against the file's 4.5); ``iq4_nl/<isa>``.
+- ``QuantTensor`` Q5_0 / Q5_1, ``"auto"``: ``QuantLinear``, the 5-bit values in Q5F blocks with float32 ``d``,
+  ``m = -16 d`` / the file's ``m`` (exact, 7 bits per weight against 5.5 / 6); ``q5_0/<isa>``, ``q5_1/<isa>``.
 - ``QuantTensor`` Q4_K, ``"auto"``: ``QuantLinear``, nibbles with float32 sub-block scales and mins (exact, 6 bits
   per weight); ``q4_k/<isa>``.
 - ``QuantTensor`` Q6_K, ``"auto"``: ``QuantLinear``, the file's 6-bit values, int8 sub-block scales and float16
   super-block scales (exact, 7 bits per weight); ``q6_k/<isa>``.
-- ``QuantTensor`` Q5_K, ``"auto"``: ``QuantLinear``, decoded then re-quantized to int8 per 32-block (Q8_0
-  style: *not* the file's values exactly, each within half a step, <= 1/254 of its block's largest weight);
-  ``q8_from_<type>/<isa>``.
+- ``QuantTensor`` Q5_K, ``"auto"``: ``QuantLinear``, the file's 5-bit values with float32 sub-block scales and
+  mins (exact, 7 bits per weight); ``q5_k/<isa>``.
 - any ``QuantTensor``, ``"fp32"``: ``kvserve.layers.linear.Linear`` on the dequantized weight (today's path);
   ``kvserve`` / ``onednn`` / ``mkl``.
 - anything, ``"int8"``: ``QuantLinear``, symmetric int8 quantized at load, one float16 scale per 32 weights of each
@@ -108,8 +111,13 @@ def unpack_rows(w: P.PackedWeight, rows: np.ndarray) -> np.ndarray:
     else:
         d, m, qo = ((scales(0, 32, "<f2"), scales(32, 64, "<f2"), 64) if w.fmt == P.FMT_Q4
                     else (scales(0, 64, "<f4"), scales(64, 128, "<f4"), 128))
-        nib = data[..., qo:].reshape(groups, nb, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
-        q = np.stack([nib & 0x0F, nib >> 4], axis=2).reshape(t, nb, 32).astype(np.float32)  # [T, nb, half j i]
+        nib = data[..., qo:qo + 256].reshape(groups, nb, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
+        q = np.stack([nib & 0x0F, nib >> 4], axis=2)  # [T, nb, half, j, i]
+        if w.fmt == P.FMT_Q5F:  # the fifth bit of (half, j) at bit 2j + half of byte o * 4 + i
+            hb = data[..., 384:448].reshape(groups, nb, P.G, 4)[g, :, o, :][:, :, None, None, :]  # [T, nb, 1, 1, i]
+            shift = (2 * np.arange(4)[None, :] + np.arange(2)[:, None]).astype(np.uint8)[:, :, None]  # [half, j, 1]
+            q = q | (((hb >> shift) & 1) << 4)
+        q = q.reshape(t, nb, 32).astype(np.float32)  # [T, nb, half j i]
         full = d[..., None] * q + m[..., None]
     return np.ascontiguousarray(full.reshape(t, nb * 32)[:, : w.in_features])
 
@@ -120,7 +128,7 @@ class QuantLinear:
     Args:
         packed: the weight (``pack.pack_q4`` / ``pack.pack_q8``); ``in_features`` of the caller may be smaller
             than ``packed.in_features`` (zero-padded to a multiple of 32 for "int8"), see ``in_features``.
-        kind: a label for ``path`` (``"q4"``, ``"q4_k"``, ``"q6_k"``, ``"q8"``, ``"int8"``, ``"q8_from_Q5_K"``, ...).
+        kind: a label for ``path`` (``"q4"``, ``"q4_k"``, ``"q6_k"``, ``"q5_k"``, ``"q8"``, ``"int8"``).
         in_features: the true input width (default ``packed.in_features``); inputs are zero-padded to the packed
             width.
         activations: how the kernel quantizes each input row, a key of ``kernels.ACTIVATIONS`` (``"int8"``,
@@ -228,12 +236,15 @@ def _canonical(t: QuantTensor, quantization: str) -> tuple:
         return ("q4", P.FMT_Q4, *formats.decode_q4(t.raw, t.qtype, t.in_features))
     if t.qtype == formats.Q8_0:
         return ("q8", P.FMT_Q8, *formats.decode_q8(t.raw, t.in_features), None)
+    if t.qtype == formats.IQ4_NL:  # the grid's int8 values and the file's d: Q8 blocks, exact (8.5 bits a weight)
+        return ("iq4_nl", P.FMT_Q8, *formats.decode_iq4_nl(t.raw, t.in_features), None)
+    if t.qtype in (formats.Q5_0, formats.Q5_1):  # 5-bit values with exact float32 d, m: Q5F blocks
+        return (t.qtype.name.lower(), P.FMT_Q5F, *formats.decode_q5(t.raw, t.qtype, t.in_features))
     if t.qtype == formats.Q4_K:
         return ("q4_k", P.FMT_Q4F, *formats.decode_q4_k(t.raw, t.in_features))
-    if t.qtype == formats.Q6_K:
-        return ("q6_k", P.FMT_Q6, *formats.decode_q6_k(t.raw, t.in_features))
-    q, d = _chunked(t, P.quantize_q8_blocks)  # Q5_K: decoded, re-quantized per 32-block
-    return f"q8_from_{t.qtype.name}", P.FMT_Q8, q, d, None
+    if t.qtype == formats.Q5_K:
+        return ("q5_k", P.FMT_Q5F, *formats.decode_q5_k(t.raw, t.in_features))
+    return ("q6_k", P.FMT_Q6, *formats.decode_q6_k(t.raw, t.in_features))  # Q6_K
 
 
 class ConcatLinear:
@@ -262,7 +273,7 @@ def make_linear_method(weight, quantization: Optional[str] = None, path: Optiona
             ``take_rows`` if needed), a float ``[out_features, in_features]`` torch tensor / numpy array, or a
             list of either (a fused projection such as q/k/v or gate/up: the parts' rows stacked in order, as
             ``torch.cat`` of their weights). A list of ``QuantTensor`` whose formats share a packed layout (Q4_0
-            and Q4_1; Q8_0 and Q5_K; Q6_K; anything under "int8") is packed as one weight; otherwise the parts
+            and Q4_1; Q8_0; Q4_K; Q5_K; Q6_K; anything under "int8") is packed as one weight; otherwise the parts
             become a ``ConcatLinear``.
         quantization: ``None`` / ``"auto"`` (the weight's own format), ``"fp32"``, or ``"int8"``.
         path: the quantized kernels' ``QuantPath`` (default ``kernels.default_path()``).
@@ -316,6 +327,8 @@ def _pack(c: tuple, path: kernels.QuantPath, use_kernels: bool = True) -> QuantL
     kind, fmt, q, d, extra = c
     if fmt == P.FMT_Q6:
         return QuantLinear(P.pack_q6(q, d, extra), kind, **_path_args(path, use_kernels))
+    if fmt == P.FMT_Q5F:
+        return QuantLinear(P.pack_q5(q, d, extra), kind, **_path_args(path, use_kernels))
     if fmt in (P.FMT_Q4, P.FMT_Q4F):
         return QuantLinear(P.pack_q4(q, d, extra), kind, **_path_args(path, use_kernels))
     return QuantLinear(P.pack_q8(q, d, extra), kind, **_path_args(path, use_kernels))

@@ -1,4 +1,4 @@
-"""GGUF block formats decoded in numpy: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+"""GGUF block formats decoded in numpy: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K.
 
 Layouts from the GGUF spec / llama.cpp ``ggml-common.h`` (``block_q4_0`` ...) and the arithmetic of
 ``ggml-quants.c`` ``dequantize_row_*``, done in float32 in the same order, so ``dequantize`` equals
@@ -10,7 +10,11 @@ Block layouts (``d``, ``dmin``, ``m`` are little-endian float16; ``QK_K = 256``)
 - Q4_0 (32 values, 18 bytes): ``d``, ``qs[16]``; byte ``j`` holds value ``j`` (low nibble) and ``j + 16`` (high);
   ``w = d * (q - 8)``.
 - Q4_1 (32 values, 20 bytes): ``d``, ``m``, ``qs[16]`` as Q4_0; ``w = d * q + m``.
+- Q5_0 (32 values, 22 bytes): ``d``, ``qh`` (a little-endian uint32: bit ``j`` is bit 4 of value ``j``), ``qs[16]``
+  as Q4_0; ``w = d * (q - 16)``. Q5_1 (24 bytes): ``d``, ``m``, ``qh``, ``qs[16]``; ``w = d * q + m``.
 - Q8_0 (32 values, 34 bytes): ``d``, ``qs[32]`` int8; ``w = d * q``.
+- IQ4_NL (32 values, 18 bytes): ``d``, ``qs[16]`` as Q4_0, each nibble an index into the 16 int8 values of
+  ``IQ4_NL_VALUES``; ``w = d * IQ4_NL_VALUES[q]``.
 - Q4_K (256 values, 144 bytes): ``d``, ``dmin``, ``scales[12]`` (eight 6-bit scales and mins), ``qs[128]``;
   value ``e = 64c + 32s + i`` is nibble ``s`` of byte ``32c + i``; ``w = (d * sc[e // 32]) * q - dmin * mn[e // 32]``.
 - Q5_K (256 values, 176 bytes): ``d``, ``dmin``, ``scales[12]``, ``qh[32]``, ``qs[128]``; the low 4 bits as Q4_K,
@@ -28,8 +32,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 Q4_K, Q5_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K
+Q5_0, Q5_1, IQ4_NL = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.IQ4_NL
 #: The block formats kvserve keeps quantized.
-QUANTIZED_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+QUANTIZED_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K)
+#: IQ4_NL's non-linear 4-bit grid (llama.cpp ``kvalues_iq4nl``, ``ggml-common.h``).
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 def block_size(qtype) -> tuple[int, int]:
@@ -87,6 +94,31 @@ def decode_q4(raw: np.ndarray, qtype, k: int) -> tuple[np.ndarray, np.ndarray, n
     return q, d, m
 
 
+def decode_q5(raw: np.ndarray, qtype, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_0 or Q5_1 rows -> ``(q uint8 [N, K] in 0..31, d float32 [N, K/32], m float32 [N, K/32])`` with
+    ``w = d * q + m`` (Q5_0: ``m = -16 d``; every product and sum exact in float32, so equal in value to
+    ``dequantize``; a zero weight of a negative ``d`` is +0 here, -0 there)."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in (Q5_0, Q5_1):
+        raise ValueError(f"decode_q5 takes Q5_0 or Q5_1, got {qtype.name}")
+    blk = _blocks(raw, qtype, k)
+    d = _f16(blk[..., 0:2]).astype(np.float32)
+    o = 2 if qtype == Q5_0 else 4
+    m = d * np.float32(-16) if qtype == Q5_0 else _f16(blk[..., 2:4]).astype(np.float32)
+    qh = np.ascontiguousarray(blk[..., o:o + 4]).view("<u4")  # [N, nb, 1]
+    hi = ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)  # [N, nb, 32]
+    q = _nibbles(blk[..., o + 4:o + 20], _Q4_BYTE, _Q4_SHIFT) | (hi << np.uint8(4))
+    return q.reshape(raw.shape[0], k), d, m
+
+
+def decode_iq4_nl(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """IQ4_NL rows -> ``(q int8 [N, K], d float16 [N, K/32])`` with ``w = d * q``: the grid values themselves, so
+    the Q8 kernels compute with the file's values exactly."""
+    blk = _blocks(raw, IQ4_NL, k)
+    q = IQ4_NL_VALUES[_nibbles(blk[..., 2:18], _Q4_BYTE, _Q4_SHIFT)]
+    return q.reshape(raw.shape[0], k), _f16(blk[..., 0:2])
+
+
 def decode_q4_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_K rows -> ``(q uint8 [N, K] in 0..15, d float32 [N, K/32], m float32 [N, K/32])`` with ``w = d * q + m``
     per 32-value sub-block: ``d = d_sb * sc``, ``m = -(dmin_sb * mn)``, both exact in float32, so ``d * q + m``
@@ -104,6 +136,19 @@ def decode_q8(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 rows -> ``(q int8 [N, K], d float16 [N, K/32])`` with ``w = d * q``."""
     blk = _blocks(raw, Q8_0, k)
     return blk[..., 2:].view(np.int8).reshape(raw.shape[0], k), _f16(blk[..., 0:2])
+
+
+def decode_q5_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_K rows -> ``(q uint8 [N, K] in 0..31, d float32 [N, K/32], m float32 [N, K/32])`` with ``w = d * q + m``
+    per 32-value sub-block, as ``decode_q4_k`` (exact: ``d * q + m`` equals ``dequantize`` bit for bit)."""
+    blk = _blocks(raw, Q5_K, k)
+    n = blk.shape[0]
+    sc, mn = _k_scales(blk[..., 4:16])
+    d = _f16(blk[..., 0:2]).astype(np.float32)[..., None] * sc.astype(np.float32)
+    m = -(_f16(blk[..., 2:4]).astype(np.float32)[..., None] * mn.astype(np.float32))
+    q = _nibbles(blk[..., 48:176], _QK4_BYTE, _QK4_SHIFT)
+    q = q | (((blk[..., 16:48][..., _QK5_HBYTE] >> _QK5_HSHIFT) & np.uint8(1)) << np.uint8(4))
+    return q.reshape(n, k), d.reshape(n, k // 32), m.reshape(n, k // 32)
 
 
 def decode_q6_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -141,9 +186,15 @@ def dequantize(raw: np.ndarray, qtype, k: int) -> np.ndarray:
             return (d * q.astype(np.float32)).reshape(n, k)
         q = _nibbles(blk[..., 4:20], _Q4_BYTE, _Q4_SHIFT).astype(np.float32)
         return (d * q + _f16(blk[..., 2:4]).astype(np.float32)[..., None]).reshape(n, k)
-    if qtype == Q8_0:
-        q, d = decode_q8(raw, k)
+    if qtype in (Q8_0, IQ4_NL):
+        q, d = decode_q8(raw, k) if qtype == Q8_0 else decode_iq4_nl(raw, k)
         return (q.reshape(n, -1, 32).astype(np.float32) * d.astype(np.float32)[..., None]).reshape(n, k)
+    if qtype in (Q5_0, Q5_1):
+        q, d, m = decode_q5(raw, qtype, k)
+        q = q.reshape(n, -1, 32)
+        if qtype == Q5_0:  # d * (q - 16): the same value as d * q + m, and gguf's sign of a zero
+            return (d[..., None] * (q.astype(np.int8) - np.int8(16)).astype(np.float32)).reshape(n, k)
+        return (q.astype(np.float32) * d[..., None] + m[..., None]).reshape(n, k)
     if qtype in (Q4_K, Q5_K):
         blk = _blocks(raw, qtype, k)
         d, dmin = _f16(blk[..., 0:2]).astype(np.float32), _f16(blk[..., 2:4]).astype(np.float32)

@@ -4,7 +4,8 @@
 group padded with zero weights, zero scales), each group's 32-value blocks contiguous. Q4 blocks (320 bytes):
 float16 ``d[16]``, float16 ``m[16]``, 256 bytes of nibbles; Q8 blocks (544 bytes): float16 ``d[16]``, 512 int8; Q6
 blocks (448 bytes, GGUF Q6_K's values): float16 ``d[16]``, int8 sub-block scales ``sc_lo[16]``, ``sc_hi[16]``, 256
-bytes of low nibbles, 128 bytes of high 2-bit fields (7 bits a weight, the file's 6.56). The
+bytes of low nibbles, 128 bytes of high 2-bit fields (7 bits a weight, the file's 6.56); Q5F blocks (448 bytes,
+GGUF Q5_K's values): a Q4F block then 64 bytes of fifth bits (7 bits a weight, the file's 5.5). The
 packed bytes per weight equal the GGUF file's for Q4_1 (5 bits) and Q8_0 (8.5 bits); Q4_0 takes 5 bits instead of
 4.5 (the stored ``m = -8 d``). Interleaving several outputs' consecutive inputs into one vector follows llama.cpp's
 ``ggml-cpu`` repacked formats (``block_q4_0x8``); the block contents follow the GGUF spec (``formats.py``).
@@ -19,8 +20,8 @@ import numpy as np
 import torch
 
 QK, G = 32, 16
-Q4_BLOCK, Q8_BLOCK, Q4F_BLOCK, Q6_BLOCK = 320, 544, 384, 448
-FMT_Q4, FMT_Q8, FMT_Q4F, FMT_Q6 = 0, 1, 2, 3
+Q4_BLOCK, Q8_BLOCK, Q4F_BLOCK, Q6_BLOCK, Q5F_BLOCK = 320, 544, 384, 448, 448
+FMT_Q4, FMT_Q8, FMT_Q4F, FMT_Q6, FMT_Q5F = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -30,7 +31,8 @@ class PackedWeight:
     Attributes:
         fmt: ``FMT_Q4`` (``w = d * q + m``, q in 0..15, float16 d, m), ``FMT_Q4F`` (the same with float32 d, m:
             Q4_K), ``FMT_Q8`` (``w = d * q``, q int8) or ``FMT_Q6`` (``w = (d * sc) * (q - 32)``, q in 0..63, int8
-            sc per 16 inputs, float16 d per 256: Q6_K).
+            sc per 16 inputs, float16 d per 256: Q6_K) or ``FMT_Q5F`` (``w = d * q + m``, q in 0..31, float32 d, m:
+            Q5_K).
         data: ``uint8 [ceil(N / 16), K / 32, 320, 384, 448 or 544]`` torch tensor, contiguous.
         out_features, in_features: ``N``, ``K`` (``K`` a multiple of 32).
         oscale: ``None`` or float32 ``[ceil(N / 16) * 16]``: a per-output factor applied after the sum
@@ -63,6 +65,26 @@ def _scales(s: np.ndarray, groups: int, nb: int) -> np.ndarray:
 def pack_q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> PackedWeight:
     """``q uint8 [N, K]`` (0..15), ``d, m [N, K/32]`` (``w = d * q + m``) -> ``PackedWeight``: ``FMT_Q4`` for
     float16 ``d, m``, ``FMT_Q4F`` for float32 ones (both must have the same dtype)."""
+    data, n, k = _pack_nibbles(q, d, m)
+    fmt = FMT_Q4F if d.dtype == np.float32 else FMT_Q4
+    return PackedWeight(fmt, torch.from_numpy(np.ascontiguousarray(data)), n, k)
+
+
+def pack_q5(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> PackedWeight:
+    """GGUF Q5_K's values -> ``PackedWeight`` (FMT_Q5F): ``q uint8 [N, K]`` (0..31), float32 ``d, m [N, K/32]``
+    (``w = d * q + m``): ``pack_q4``'s block of the low 4 bits, then the fifth bits, of step ``j`` (inputs
+    ``4j + i`` and ``16 + 4j + i``) at bits ``2j`` and ``2j + 1`` of byte ``o * 4 + i``."""
+    data, n, k = _pack_nibbles(q, np.asarray(d, np.float32), np.asarray(m, np.float32))
+    groups, nb = data.shape[:2]
+    h = (_pad_rows(q, groups * G) >> 4).reshape(groups, G, nb, 2, 4, 4)  # [g, o, b, half, j, i]
+    bits = sum(h[:, :, :, half, j].astype(np.uint8) << (2 * j + half) for j in range(4) for half in range(2))
+    hb = bits.transpose(0, 2, 1, 3).reshape(groups, nb, 64)  # [g, b, o, i]
+    data = np.concatenate([data, hb.astype(np.uint8)], axis=-1)
+    return PackedWeight(FMT_Q5F, torch.from_numpy(np.ascontiguousarray(data)), n, k)
+
+
+def _pack_nibbles(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple:
+    """The Q4 / Q4F block bytes ``uint8 [groups, nb, 320 or 384]`` of the low 4 bits of ``q``, and ``N``, ``K``."""
     n, k = q.shape
     nb, groups = k // QK, -(-n // G)
     q, d, m = (_pad_rows(a, groups * G) for a in (q, d, m))
@@ -71,8 +93,7 @@ def pack_q4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> PackedWeight:
     nib = (q6[..., 0] & 0x0F) | ((q6[..., 1] & 0x0F) << 4)
     data = np.concatenate([_scales(d, groups, nb), _scales(m, groups, nb),
                            nib.reshape(groups, nb, 256).astype(np.uint8)], axis=-1)
-    fmt = FMT_Q4F if d.dtype == np.float32 else FMT_Q4
-    return PackedWeight(fmt, torch.from_numpy(np.ascontiguousarray(data)), n, k)
+    return data, n, k
 
 
 def pack_q8(q: np.ndarray, d: np.ndarray, oscale: Optional[np.ndarray] = None) -> PackedWeight:

@@ -2,7 +2,7 @@
 alone, as row i of M rows (M = 1, 2, 5, 16, 64, 300: every row tile, AMX threshold and chunk, stack/heap scratch and
 serial/parallel threshold of the kernels), at any place in the batch, and with 1 or 2 OpenMP threads.
 
-Covered: the quantized matmul (``kernels.qgemm`` and ``QuantLinear``: Q4, Q4F, Q8, Q6 and per-channel int8 weights x
+Covered: the quantized matmul (``kernels.qgemm`` and ``QuantLinear``: Q4, Q4F, Q5F, Q8, Q6 and per-channel int8 weights x
 every ISA path this CPU runs x both activation quantizations), the float32 matmul (``kernels.cpu.gemm`` through
 ``Linear``), RMSNorm / add+RMSNorm / silu*up (C kernels and the PyTorch ops), the RoPE tables, and the sampler's
 logits path (log-softmax logprobs, temperature / top-k / top-p / min-p distributions, seeded draws).
@@ -115,13 +115,17 @@ def _isa_params():
 def _packed(fmt: str, n: int, k: int, seed: int = 3) -> P.PackedWeight:
     """Random weights in one of the kernel's formats: ``q4`` (float16 scales and mins: GGUF Q4_0 / Q4_1), ``q4f``
     (float32 ones: Q4_K), ``q8`` (float16 scales: Q8_0, "int8"), ``int8_oscale`` (Q8 with a per-output-channel
-    factor) and ``q6`` (Q6_K's values; k a multiple of 256)."""
+    factor), ``q6`` (Q6_K's values; k a multiple of 256) and ``q5f`` (Q5_K's)."""
     rng = np.random.default_rng(seed)
     nb = k // P.QK
     if fmt == "q6":
         q = rng.integers(0, 64, (n, k), dtype=np.uint8)
         sc = rng.integers(-128, 128, (n, k // 16)).astype(np.int8)
         return P.pack_q6(q, sc, (rng.random((n, k // 256)) * 0.01 + 0.001).astype(np.float16))
+    if fmt == "q5f":
+        q = rng.integers(0, 32, (n, k), dtype=np.uint8)
+        d, m = (rng.random((n, nb)) * 0.05 + 0.01).astype(np.float32), (-rng.random((n, nb)) * 0.5).astype(np.float32)
+        return P.pack_q5(q, d, m)
     if fmt in ("q4", "q4f"):
         q = rng.integers(0, 16, (n, k), dtype=np.uint8)
         d = (rng.random((n, nb)) * 0.1 + 0.01).astype(np.float16 if fmt == "q4" else np.float32)
@@ -133,7 +137,7 @@ def _packed(fmt: str, n: int, k: int, seed: int = 3) -> P.PackedWeight:
     return P.pack_q8(q, d, oscale)
 
 
-FORMATS = ("q4", "q4f", "q8", "int8_oscale", "q6")
+FORMATS = ("q4", "q4f", "q8", "int8_oscale", "q6", "q5f")
 #: Input width per format: 10 blocks (an uneven count), or 2 Q6_K super-blocks.
 K_OF = {"q6": 512}
 

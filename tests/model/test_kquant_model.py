@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.real_model,
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
-@pytest.fixture(scope="module", params=["Q6_K"])
+@pytest.fixture(scope="module", params=["Q6_K", "Q5_K"])
 def kfile(request, tmp_path_factory):
     """(type name, path of the re-quantized file)."""
     path = tmp_path_factory.mktemp("kquant") / f"smollm2-{request.param}.gguf"

@@ -61,7 +61,7 @@ def _path(kind, isa):
 
 def _gguf_tensor(qtype, n, k, seed):
     rng = np.random.default_rng(seed)
-    if qtype in (formats.Q4_0, formats.Q4_1, formats.Q8_0):
+    if qtype in (formats.Q4_0, formats.Q4_1, formats.Q8_0, formats.Q5_0, formats.Q5_1):
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
         w[0] = 0.0  # an all-zero row: zero scales
         w[1, :32] = np.linspace(-1, 3, 32)  # an outlier block
@@ -69,7 +69,7 @@ def _gguf_tensor(qtype, n, k, seed):
     else:  # K-quants: gguf cannot quantize them; random blocks with finite float16 scales
         bs, tb = formats.block_size(qtype)
         raw = rng.integers(0, 256, (n, k // bs, tb), dtype=np.uint8)
-        scale_at = {formats.Q4_K: [0, 2], formats.Q5_K: [0, 2], formats.Q6_K: [208]}[qtype]
+        scale_at = {formats.Q4_K: [0, 2], formats.Q5_K: [0, 2], formats.Q6_K: [208], formats.IQ4_NL: [0]}[qtype]
         for off in scale_at:
             raw[..., off:off + 2] = (rng.random((n, k // bs)) * 0.01).astype("<f2")[..., None].view(np.uint8)
         raw = raw.reshape(n, -1)
@@ -120,24 +120,46 @@ def test_q4_k_kept_exactly(isa, rows):
     _check(layer, x, w.astype(np.float64))
 
 
+K_FORMATS = {formats.Q6_K: ("q6_k", P.FMT_Q6), formats.Q5_K: ("q5_k", P.FMT_Q5F)}
+
+
+@pytest.mark.parametrize("qtype", list(K_FORMATS))
 @pytest.mark.parametrize("n,k", [(40, 512), (33, 256), (16, 768)])
 @pytest.mark.parametrize("rows", ROWS)
-def test_q6_k_kept_exactly(isa, n, k, rows):
-    """Q6_K on its own kernel: the file's 6-bit values, int8 sub-block scales and float16 d (FMT_Q6), decoding to
-    ``gguf.quants.dequantize`` bit for bit (in Python and in C), and the product within the activation rounding of
-    a float64 matmul with those weights; 33 outputs: a padded last group."""
-    t = _gguf_tensor(formats.Q6_K, n, k, seed=rows)
+def test_k_quants_kept_exactly(isa, qtype, n, k, rows):
+    """Q6_K and Q5_K on their own kernels: the file's 6-bit values, int8 sub-block scales and float16 d (FMT_Q6),
+    or 5-bit values with float32 sub-block scales and mins (FMT_Q5F), decoding to ``gguf.quants.dequantize`` bit for
+    bit (in Python and in C), and the product within the activation rounding of a float64 matmul with those
+    weights; 33 outputs: a padded last group."""
+    t = _gguf_tensor(qtype, n, k, seed=rows)
     layer = make_linear_method(t)
-    assert layer.path == _path("q6_k", isa) and layer.packed.fmt == P.FMT_Q6
-    w = gguf.quants.dequantize(t.raw, formats.Q6_K).reshape(n, k)
+    kind, fmt = K_FORMATS[qtype]
+    assert layer.path == _path(kind, isa) and layer.packed.fmt == fmt
+    w = gguf.quants.dequantize(t.raw, qtype).reshape(n, k)
     np.testing.assert_array_equal(layer.dequantized().view(np.uint32), w.view(np.uint32))
     rows_at = np.array([0, n // 2, n - 1], np.int64)
     out = np.empty((3, k), np.float32)
-    assert kernels.load().kvserve_q_unpack_rows(P.FMT_Q6, layer.packed.data.data_ptr(), n, k, None,
+    assert kernels.load().kvserve_q_unpack_rows(fmt, layer.packed.data.data_ptr(), n, k, None,
                                                 rows_at.ctypes.data, 3, out.ctypes.data) == 0
     np.testing.assert_array_equal(out.view(np.uint32), w[rows_at].view(np.uint32))
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
     x[0, 7] = 25.0
+    _check(layer, x, w.astype(np.float64))
+
+
+@pytest.mark.parametrize("qtype,kind,fmt", [(formats.Q5_0, "q5_0", P.FMT_Q5F), (formats.Q5_1, "q5_1", P.FMT_Q5F),
+                                            (formats.IQ4_NL, "iq4_nl", P.FMT_Q8)])
+@pytest.mark.parametrize("rows", [1, 7, 17, 64])
+def test_q5_0_q5_1_iq4_nl_kept_exactly(isa, qtype, kind, fmt, rows):
+    """Q5_0 / Q5_1 on the Q5F blocks (float32 ``d``, ``m = -16 d`` / the file's ``m``), IQ4_NL's grid values on the
+    Q8 blocks: the file's values (equal to ``gguf.quants.dequantize``), no float32 copy."""
+    t = _gguf_tensor(qtype, 40, 288, seed=rows)
+    layer = make_linear_method(t)
+    assert layer.path == _path(kind, isa) and layer.packed.fmt == fmt
+    w = gguf.quants.dequantize(t.raw, qtype).reshape(40, 288)
+    np.testing.assert_array_equal(layer.dequantized(), w)
+    np.testing.assert_array_equal(t.dequantize().view(np.uint32), w.view(np.uint32))
+    x = np.random.default_rng(rows).standard_normal((rows, 288)).astype(np.float32)
     _check(layer, x, w.astype(np.float64))
 
 
@@ -157,19 +179,18 @@ def test_q6_k_extreme_blocks_do_not_overflow(isa):
     _check(layer, x, w)
 
 
-@pytest.mark.parametrize("qtype", [formats.Q5_K])
-@pytest.mark.parametrize("rows", [1, 17])
-def test_k_quants_requantized_per_block(isa, qtype, rows):
-    t = _gguf_tensor(qtype, 24, 512, seed=rows)
-    layer = make_linear_method(t, None)
-    assert layer.path == _path(f"q8_from_{qtype.name}", isa)
-    exact = t.dequantize().astype(np.float64)
-    held = layer.dequantized().astype(np.float64)
-    # per-block int8 re-quantization: each weight moves by at most half a step (+ float16 rounding of the step)
-    step = np.repeat(np.abs(exact).reshape(24, -1, 32).max(-1) / 127, 32, axis=1)
-    assert np.all(np.abs(held - exact) <= step * 0.51 + 1e-12)
-    x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
-    _check(layer, x, held)
+def test_fused_k_quant_projection_mixes_formats():
+    """A Q4_K_M file's attention: Q4_K q/k with a Q6_K v (and a Q5_K part): one layer per format, outputs in order;
+    parts of one format (two Q6_K) are packed together."""
+    parts = [_gguf_tensor(formats.Q4_K, 32, 256, 1), _gguf_tensor(formats.Q6_K, 16, 256, 2),
+             _gguf_tensor(formats.Q5_K, 16, 256, 3)]
+    layer = make_linear_method(parts)
+    assert isinstance(layer, ConcatLinear) and [p.path.split("/")[0] for p in layer.parts] == ["q4_k", "q6_k", "q5_k"]
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(layer(x), torch.cat([make_linear_method(p)(x) for p in parts], dim=1), rtol=0, atol=0)
+    both = make_linear_method(parts[1:2] * 2)
+    assert isinstance(both, QuantLinear) and both.packed.fmt == P.FMT_Q6 and both.out_features == 32
+    np.testing.assert_array_equal(both.dequantized(), np.concatenate([parts[1].dequantize()] * 2))
 
 
 @pytest.mark.parametrize("n,k", [(40, 96), (33, 100)])  # 100: not a multiple of 32, zero-padded inside
@@ -395,7 +416,7 @@ def emulated(tmp_path_factory):
 
 def _random_packed(kind, n, k, rng):
     """A random packed weight of ``kind`` (``q4``: float16 scales and mins, ``q4f``: float32 ones, ``q8``, ``int8``:
-    q8 with per-output scales, ``q6``: Q6_K's values, k a multiple of 256) ``[n, k]``, and its dequantized float64
+    q8 with per-output scales, ``q6``: Q6_K's values, k a multiple of 256, ``q5f``: Q5_K's) ``[n, k]``, and its dequantized float64
     values."""
     nb = k // 32
     if kind in ("q4", "q4f"):
@@ -403,6 +424,10 @@ def _random_packed(kind, n, k, rng):
         dt = np.float16 if kind == "q4" else np.float32
         d, m = (rng.random((n, nb)) * 0.1 + 0.01).astype(dt), (-rng.random((n, nb)) * 0.5).astype(dt)
         packed = P.pack_q4(q, d, m)
+    elif kind == "q5f":
+        q = rng.integers(0, 32, (n, k), dtype=np.uint8)
+        d, m = (rng.random((n, nb)) * 0.05 + 0.01).astype(np.float32), (-rng.random((n, nb)) * 0.5).astype(np.float32)
+        packed = P.pack_q5(q, d, m)
     elif kind == "q6":
         q = rng.integers(0, 64, (n, k), dtype=np.uint8)
         sc = rng.integers(-128, 128, (n, k // 16)).astype(np.int8)
@@ -426,7 +451,7 @@ def _run(lib, packed, isa_id, act, x):
     return y[:, : packed.out_features].numpy()
 
 
-EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6"]
+EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6", "q5f"]
 
 
 @pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
@@ -479,11 +504,11 @@ def test_amx_equals_avx512_vnni_bit_for_bit(kind, act):
             assert np.array_equal(_run(lib, packed, 3, act, x), _run(lib, packed, 2, act, x)), (n, k, rows)
 
 
-@pytest.mark.parametrize("qtype", [formats.Q4_1, formats.Q8_0, formats.Q4_K, formats.Q6_K])
+@pytest.mark.parametrize("qtype", [formats.Q4_1, formats.Q8_0, formats.Q4_K, formats.Q6_K, formats.Q5_K])
 def test_a_row_gives_the_same_bits_alone_and_in_any_tile(isa, qtype):
     """Batch invariance of the matmul: a row's output does not depend on the other rows of the call, nor on its
     place in a row tile (1 to 4 or 6 rows; 16-row AMX tiles, their tails and 32-row chunks)."""
-    k = 512 if qtype in (formats.Q4_K, formats.Q6_K) else 288
+    k = 512 if qtype in (formats.Q4_K, formats.Q6_K, formats.Q5_K) else 288
     layer = make_linear_method(_gguf_tensor(qtype, 48, k, seed=11))
     x = torch.from_numpy(np.random.default_rng(5).standard_normal((53, k)).astype(np.float32))
     whole = layer(x)

@@ -25,6 +25,10 @@
  *       (inputs 16..31), 256 bytes of low nibbles as the Q4 block's, then 128 bytes of high 2-bit fields: byte
  *       (j >> 1) * 64 + o*4 + i holds q >> 4 of input 4j + i at bit 4 (j & 1) and of input 16 + 4j + i at bit
  *       4 (j & 1) + 2. 7 bits a weight (the file's 6.56).
+ *   Q5F block (448 bytes; GGUF Q5_K, w = d q + m, q in 0..31): the Q4F block, then 64 bytes of high bits: byte
+ *       o*4 + i holds bit 4 of input 4j + i at bit 2j and of input 16 + 4j + i at bit 2j + 1. 7 bits a weight (the
+ *       file's 5.5). The tiles are the Q4 tiles (their `f32s` argument: 0 Q4, 1 Q4F, 2 Q5F) with that bit ORed in;
+ *       on AVX2 each step's 16-bit sums go to 32 bits at once (a 5-bit block's would pass 2^15).
  * Four consecutive input features of 16 (AVX-512) or 8 (AVX2, half a group) outputs are one vector, and one
  * broadcast 4-byte group of the activation multiplies all of them (the interleaved layout of llama.cpp's
  * ggml-cpu repack "q4_0_8x8"): each output's sum lands in its own 32-bit lane, so no horizontal sums, and the
@@ -60,6 +64,7 @@
 #define Q4F_BLOCK 384
 #define Q8_BLOCK 544
 #define Q6_BLOCK 448
+#define Q5F_BLOCK 448
 #define MR6 4 /* rows per AVX-512 Q6 tile (four accumulators per row) */
 #define MR2 4 /* rows per AVX2 tile */
 #define MR5 6 /* rows per AVX-512 tile */
@@ -68,7 +73,7 @@
 #define STACK_BYTES (16 * 1024)  /* quantized activations up to this many bytes go to a stack buffer */
 #define RES 254                  /* ACT_PAIR: x ~= d (RES q1 + q2) */
 
-enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2, FMT_Q6 = 3 };
+enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2, FMT_Q6 = 3, FMT_Q5F = 4 };
 enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AMX_INT8 = 3 };
 enum { ACT_INT8 = 0, ACT_PAIR = 1 }; /* activation precision: one int8 per value, or a pair (15 bits) */
 
@@ -209,6 +214,21 @@ void kvserve_q_quantize_rows(int isa, int act, const float *x, int64_t M, int64_
         f##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i); \
         f##i = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[(i) * nb + b]), f##i);                             \
     }
+#define A2_Q5_STEP(i)                                                                                   \
+    if (mr > i) {                                                                                       \
+        const int8_t *xr = xq + (i) * xrow + b * xblk + 4 * j;                                          \
+        a##i = _mm256_add_epi32(a##i, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, A2_BCAST(0)), \
+                                                                          _mm256_maddubs_epi16(hi, A2_BCAST(16))), ones)); \
+        if (pair)                                                                                       \
+            c##i = _mm256_add_epi32(c##i, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, A2_BCAST(32)), \
+                                                                              _mm256_maddubs_epi16(hi, A2_BCAST(48))), ones)); \
+    }
+#define A2_Q5_END(i)                                                                                    \
+    if (mr > i) {                                                                                       \
+        __m256i t = pair ? _mm256_add_epi32(_mm256_mullo_epi32(a##i, _mm256_set1_epi32(RES)), c##i) : a##i; \
+        f##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_set1_ps(xd[(i) * nb + b])), f##i); \
+        f##i = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[(i) * nb + b]), f##i);                             \
+    }
 #define A2_Q8_STEP(i)                                                                                   \
     if (mr > i) {                                                                                       \
         const int8_t *xr = xq + (i) * xrow + b * xblk + 4 * j;                                          \
@@ -231,7 +251,8 @@ T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
                                 const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr,
                                 const int f32s, const int pair) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), res16 = _mm256_set1_epi16(RES);
-    const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64; /* block bytes, offset of the nibbles */
+    const int bb = f32s == 2 ? Q5F_BLOCK : f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64; /* offset of the nibbles */
+    const __m256i m1 = _mm256_set1_epi8(0x10);
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A2_ROWS(A2_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
@@ -241,13 +262,24 @@ T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
             __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + j * 64 + half * 32));
             __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            A2_ROWS(A2_Q4_STEP)
+            if (f32s == 2) {
+                const __m256i hb = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(blk + 384 + half * 32)), 2 * j);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m1));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m1));
+                A2_ROWS(A2_Q5_STEP)
+            } else {
+                A2_ROWS(A2_Q4_STEP)
+            }
         }
         __m256 dw = f32s ? _mm256_loadu_ps((const float *)blk + half * 8)
                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + half * 16)));
         __m256 mw = f32s ? _mm256_loadu_ps((const float *)(blk + 64) + half * 8)
                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + half * 16)));
-        A2_ROWS(A2_Q4_END)
+        if (f32s == 2) {
+            A2_ROWS(A2_Q5_END)
+        } else {
+            A2_ROWS(A2_Q4_END)
+        }
     }
     A2_ROWS(A2_STORE)
 }
@@ -348,6 +380,8 @@ T_AVX2 INLINE void q6_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
         if (pair) { switch (mr) { SW(q8, 0, 1, __VA_ARGS__) } } else { switch (mr) { SW(q8, 0, 0, __VA_ARGS__) } } \
     } else if (fmt == FMT_Q4F) {                                                                        \
         if (pair) { switch (mr) { SW(q4, 1, 1, __VA_ARGS__) } } else { switch (mr) { SW(q4, 1, 0, __VA_ARGS__) } } \
+    } else if (fmt == FMT_Q5F) {                                                                        \
+        if (pair) { switch (mr) { SW(q4, 2, 1, __VA_ARGS__) } } else { switch (mr) { SW(q4, 2, 0, __VA_ARGS__) } } \
     } else {                                                                                            \
         if (pair) { switch (mr) { SW(q4, 0, 1, __VA_ARGS__) } } else { switch (mr) { SW(q4, 0, 0, __VA_ARGS__) } } \
     }
@@ -407,11 +441,24 @@ T_AVX2 static void group_avx2(int fmt, int pair, const uint8_t *wg, int64_t nb, 
     if (mr > i) _mm512_storeu_ps(y + (i) * ldy, oscale ? _mm512_mul_ps(f##i, _mm512_loadu_ps(oscale)) : f##i);
 #define A5_ROWS(M) M(0) M(1) M(2) M(3) M(4) M(5)
 
+/* Step j of a 4-bit block (nib: its 64 bytes of nibbles): the unsigned weights of inputs 4j + i (lo) and 16 + 4j + i
+ * (hi); with hbits (Q5F: the block's 64 bytes of high bits) the fifth bit ORed in. Also the AMX path's B tiles. */
+T_AVX512 INLINE void q4_unpack_avx512(const uint8_t *nib, const uint8_t *hbits, int j, __m512i *lo, __m512i *hi) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m1 = _mm512_set1_epi8(0x10);
+    const __m512i raw = _mm512_loadu_si512((const void *)nib);
+    *lo = _mm512_and_si512(raw, m4), *hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+    if (hbits) {
+        const __m512i hb = _mm512_srli_epi16(_mm512_loadu_si512((const void *)hbits), 2 * j);
+        *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_slli_epi16(hb, 4), m1));
+        *hi = _mm512_or_si512(*hi, _mm512_and_si512(_mm512_slli_epi16(hb, 3), m1));
+    }
+}
+
 T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
                                     const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
                                     const int mr, const int f32s, const int pair) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), res32 = _mm512_set1_epi32(RES);
-    const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64;
+    const __m512i res32 = _mm512_set1_epi32(RES);
+    const int bb = f32s == 2 ? Q5F_BLOCK : f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64;
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A5_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
@@ -419,8 +466,8 @@ T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
         PREFETCH(blk, bb)
         A5_ROWS(A5_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
-            __m512i raw = _mm512_loadu_si512((const void *)(blk + qo + j * 64));
-            __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+            __m512i lo, hi;
+            q4_unpack_avx512(blk + qo + j * 64, f32s == 2 ? blk + 384 : NULL, j, &lo, &hi);
             A5_ROWS(A5_Q4_STEP)
         }
         __m512 dw = f32s ? _mm512_loadu_ps((const void *)blk)
@@ -548,6 +595,7 @@ static int64_t block_bytes(int fmt) {
     case FMT_Q8: return Q8_BLOCK;
     case FMT_Q4F: return Q4F_BLOCK;
     case FMT_Q6: return Q6_BLOCK;
+    case FMT_Q5F: return Q5F_BLOCK;
     default: return 0;
     }
 }
@@ -574,7 +622,7 @@ int kvserve_q_isa_supported(int isa) {
     return 0;
 }
 
-/* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F, FMT_Q8 or FMT_Q6, N a
+/* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F, FMT_Q5F, FMT_Q8 or FMT_Q6, N a
  * multiple of 16, K of 32), activations quantized as `act` (ACT_INT8 or ACT_PAIR). oscale: NULL, or N floats
  * multiplied into the outputs (per-channel int8). Returns 0, or -1 for bad arguments / an unsupported isa, -2 when
  * scratch memory could not be allocated (nothing written). */
@@ -629,7 +677,7 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
 }
 
 /* out[t, K] = row rows[t] of a packed weight (fmt, K as for kvserve_qgemm), decoded to float32 as
- * kvserve/layers/quant_linear.py's unpack does: d q + m (FMT_Q4, FMT_Q4F), d q times oscale[row] when given (FMT_Q8),
+ * kvserve/layers/quant_linear.py's unpack does: d q + m (FMT_Q4, FMT_Q4F, FMT_Q5F), d q times oscale[row] when given (FMT_Q8),
  * (d sc) (q - 32) (FMT_Q6),
  * each product and sum rounded on its own (no fused multiply-add), so the bits equal numpy's. An embedding lookup
  * from a tied LM head. Returns 0; -1 for a bad fmt or K, -2 for a row outside [0, N) (nothing written). */
@@ -665,15 +713,16 @@ T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(in
                         y[16 + j * 4 + i] = dhi * (float)(((byte >> 4) | (((h >> 2) & 3) << 4)) - 32);
                     }
             } else {
-                const int f32 = fmt == FMT_Q4F;
+                const int f32 = fmt == FMT_Q4F || fmt == FMT_Q5F;
                 const float d = f32 ? ((const float *)blk)[o] : _cvtsh_ss(((const uint16_t *)blk)[o]);
                 const float m = f32 ? ((const float *)(blk + 64))[o] : _cvtsh_ss(((const uint16_t *)(blk + 32))[o]);
                 const uint8_t *nib = blk + (f32 ? 128 : 64);
                 for (int j = 0; j < 4; j++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t byte = nib[j * 64 + o * 4 + i];
-                        y[j * 4 + i] = d * (float)(byte & 0x0F) + m;
-                        y[16 + j * 4 + i] = d * (float)(byte >> 4) + m;
+                        const uint8_t h = fmt == FMT_Q5F ? (uint8_t)(blk[384 + o * 4 + i] >> (2 * j)) : 0;
+                        y[j * 4 + i] = d * (float)((byte & 0x0F) | ((h & 1) << 4)) + m;
+                        y[16 + j * 4 + i] = d * (float)((byte >> 4) | ((h & 2) << 3)) + m;
                     }
             }
         }
@@ -681,7 +730,8 @@ T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(in
     return 0;
 }
 
-/* Layout constants, so Python and C cannot disagree: out[6] = {QK, G, Q4, Q8, Q4F, Q6 block bytes}. */
+/* Layout constants, so Python and C cannot disagree: out[7] = {QK, G, Q4, Q8, Q4F, Q6, Q5F block bytes}. */
 void kvserve_q_layout(int64_t *out) {
     out[0] = QK; out[1] = G; out[2] = Q4_BLOCK; out[3] = Q8_BLOCK; out[4] = Q4F_BLOCK; out[5] = Q6_BLOCK;
+    out[6] = Q5F_BLOCK;
 }

@@ -93,16 +93,17 @@ T_AMX static void amx_configure(int fmt) {
 
 T_AMX static void amx_release(void) { _tile_release(); }
 
-/* The B tiles of n consecutive 4-bit blocks (Q4: 320 bytes each, Q4F: 384) unpacked to bq (512 bytes each). */
-T_AMX static void amx_unpack_q4(const uint8_t *w, int64_t n, int f32s, uint8_t *bq) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const int bb = f32s ? Q4F_BLOCK : Q4_BLOCK;
+/* The B tiles of n consecutive 4-bit blocks (Q4: 320 bytes each, Q4F: 384, Q5F: 448 with the fifth bit) unpacked to
+ * bq (512 bytes each), by the VNNI tile's q4_unpack_avx512. */
+T_AMX static void amx_unpack_q4(const uint8_t *w, int64_t n, int fmt, uint8_t *bq) {
+    const int64_t bb = block_bytes(fmt);
     for (int64_t i = 0; i < n; i++) {
-        const uint8_t *nib = w + i * bb + (f32s ? 128 : 64);
+        const uint8_t *blk = w + i * bb;
         for (int j = 0; j < 4; j++) {
-            __m512i raw = _mm512_loadu_si512((const void *)(nib + j * 64));
-            _mm512_store_si512((void *)(bq + i * 512 + j * 64), _mm512_and_si512(raw, m4));
-            _mm512_store_si512((void *)(bq + i * 512 + (4 + j) * 64), _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+            __m512i lo, hi;
+            q4_unpack_avx512(blk + (fmt == FMT_Q4 ? 64 : 128) + j * 64, fmt == FMT_Q5F ? blk + 384 : NULL, j, &lo, &hi);
+            _mm512_store_si512((void *)(bq + i * 512 + j * 64), lo);
+            _mm512_store_si512((void *)(bq + i * 512 + (4 + j) * 64), hi);
         }
     }
 }
@@ -151,7 +152,7 @@ T_AMX INLINE void amx_tile(const int fmt, const int pair, const uint8_t *wg, con
                            const float *oscale) {
     _Alignas(64) int32_t cbuf[2 * AMX_ROWS * G];
     const __m512i res32 = _mm512_set1_epi32(RES);
-    const int f32s = fmt == FMT_Q4F, bb = fmt == FMT_Q8 ? Q8_BLOCK : f32s ? Q4F_BLOCK : Q4_BLOCK;
+    const int f32s = fmt == FMT_Q4F || fmt == FMT_Q5F, bb = (int)block_bytes(fmt);
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     AX_ROWS(AX_ZERO_F)
     for (int64_t b = 0; b <= nb; b++) {
@@ -241,6 +242,9 @@ T_AMX static void group_amx(int fmt, int pair, const uint8_t *wg, int64_t nb, co
         } else if (fmt == FMT_Q4F) {
             if (pair) amx_tile(FMT_Q4F, 1, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
             else amx_tile(FMT_Q4F, 0, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
+        } else if (fmt == FMT_Q5F) {
+            if (pair) amx_tile(FMT_Q5F, 1, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
+            else amx_tile(FMT_Q5F, 0, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
         } else {
             if (pair) amx_tile(FMT_Q4, 1, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
             else amx_tile(FMT_Q4, 0, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
@@ -265,7 +269,7 @@ T_AMX static void amx_rows(int fmt, int pair, const uint8_t *w, int64_t nb, int6
     uint8_t *bq = fmt == FMT_Q8 ? NULL : aligned_alloc(64, (size_t)((g1 - g0) * nb * 512));
     const int tiles = fmt == FMT_Q8 || bq;
     if (bq && fmt == FMT_Q6) amx_unpack_q6(w + g0 * nb * bb, (g1 - g0) * nb, bq);
-    else if (bq) amx_unpack_q4(w + g0 * nb * bb, (g1 - g0) * nb, fmt == FMT_Q4F, bq);
+    else if (bq) amx_unpack_q4(w + g0 * nb * bb, (g1 - g0) * nb, fmt, bq);
     if (tiles) amx_configure(fmt);
     for (int64_t c0 = 0; c0 < M; c0 += AMX_CHUNK) {
         const int64_t mc = M - c0 < AMX_CHUNK ? M - c0 : AMX_CHUNK;
