@@ -1,0 +1,68 @@
+"""The load log says, per weight format, what it runs as (issue 40, items 1 and 5): the loader warns about every
+format widened to float32 (a block format no kernel reads, F16 / BF16 weights), and the packed-weight build names
+each kept format's kernel path and whether it holds the file's values."""
+
+import logging
+
+import numpy as np
+import pytest
+
+import gguf
+from kvserve.kernels import qgemm as kernels
+from kvserve.layers.quant_linear import describe_weight_formats, make_linear_method, weight_formats
+from kvserve.model.loader import load_model
+from kvserve.quant import QuantTensor, formats
+from kvserve.quant.kquantize import quantize_q6_k
+
+
+def _write(path, rng):
+    """A one-layer Llama GGUF: Q6_K q, Q2_K k (random blocks: gguf cannot quantize it), F16 ffn_down, Q8_0 rest."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in ((w.add_block_count, 1), (w.add_context_length, 128), (w.add_embedding_length, 256),
+                   (w.add_feed_forward_length, 256), (w.add_head_count, 4), (w.add_head_count_kv, 4),
+                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 1e4)):
+        add(v)
+    w.add_token_list([f"t{i}" for i in range(64)])
+    q8, q2 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q2_K
+    x = lambda *s: rng.standard_normal(s).astype(np.float32) * 0.05  # noqa: E731
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(x(64, 256), q8), raw_dtype=q8)
+    w.add_tensor("blk.0.attn_q.weight", quantize_q6_k(x(256, 256)), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    bs, tb = formats.block_size(q2)
+    k2 = rng.integers(0, 256, (256, 256 // bs, tb), dtype=np.uint8)
+    k2[..., 80:84] = np.tile((rng.random((256, 1, 2)) * 0.01).astype("<f2").view(np.uint8), (1, 1, 1))
+    w.add_tensor("blk.0.attn_k.weight", k2.reshape(256, -1), raw_dtype=q2)
+    for name in ("attn_v", "attn_output", "ffn_gate", "ffn_up"):
+        w.add_tensor(f"blk.0.{name}.weight", gguf.quants.quantize(x(256, 256), q8), raw_dtype=q8)
+    w.add_tensor("blk.0.ffn_down.weight", x(256, 256).astype(np.float16))
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        w.add_tensor(name, np.ones(256, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_loader_names_every_format_widened_to_float32(tmp_path, caplog):
+    path = tmp_path / "mixed.gguf"
+    _write(path, np.random.default_rng(0))
+    with caplog.at_level(logging.INFO, logger="kvserve.model.loader"):
+        loaded = load_model(str(path), keep_quantized=True, weights_only=True)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("dequantized to float32" in m and "F16 x 1, Q2_K x 1" in m for m in warned), warned
+    assert loaded.weights["model.layers.0.self_attn.q_proj.weight"].qtype == formats.Q6_K  # kept
+
+
+@pytest.mark.skipif(kernels.isa() is None, reason=str(kernels.unavailable_reason()))
+def test_weight_formats_line_names_paths_and_exactness():
+    rng = np.random.default_rng(1)
+    q6 = QuantTensor("a", formats.Q6_K, quantize_q6_k(rng.standard_normal((32, 256)).astype(np.float32)), (32, 256))
+    q8 = QuantTensor("b", formats.Q8_0, gguf.quants.quantize(rng.standard_normal((16, 256)).astype(np.float32),
+                                                             formats.Q8_0), (16, 256))
+    mixed = [q6, q8]
+    records = weight_formats(mixed, make_linear_method(mixed))  # a ConcatLinear: each part its own path
+    records += weight_formats([q6], make_linear_method([q6], "int8"))
+    path = kernels.default_path()
+    suffix = f"{path.isa}{'+a16' if path.activations == 'int8x2' else ''}"
+    assert describe_weight_formats(records) == (
+        f"Q6_K: 1 tensor on int8/{suffix} (re-quantized to int8 per 32 weights, not the file's values); "
+        f"Q6_K: 1 tensor on q6_k/{suffix} (exact); Q8_0: 1 tensor on q8/{suffix} (exact)")
