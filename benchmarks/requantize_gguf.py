@@ -19,7 +19,15 @@ import gguf
 from kvserve.quant import formats
 from kvserve.quant.kquantize import quantize_q5_k, quantize_q6_k
 
-QUANTIZERS = {"Q6_K": quantize_q6_k, "Q5_K": quantize_q5_k}
+def _bf16_bits(w: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits as uint8 ``[N, 2K]`` (round to nearest even; the values here are finite)."""
+    u = np.asarray(w, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").view(np.uint8)
+
+
+QUANTIZERS = {"Q6_K": quantize_q6_k, "Q5_K": quantize_q5_k,
+              "F16": lambda w: np.ascontiguousarray(np.asarray(w, np.float16)).view(np.uint8), "BF16": _bf16_bits}
+_BLOCK = {"Q6_K": 256, "Q5_K": 256, "F16": 1, "BF16": 1}
 _SKIP_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture")
 
 
@@ -32,7 +40,8 @@ def _float(t) -> np.ndarray:
 
 def requantize(src: Path, dst: Path, qtype: str, only: Optional[Sequence[str]] = None) -> dict:
     """Write ``dst``: ``src`` with its 2-D weights named by ``only`` (all if ``None``) and of rows a multiple of
-    256 re-quantized to ``qtype`` (``"Q6_K"`` or ``"Q5_K"``). Returns ``{tensor name: type name}`` of the result.
+    256 re-quantized to ``qtype`` (``"Q6_K"``, ``"Q5_K"``; or stored as ``"F16"`` / ``"BF16"``). Returns
+    ``{tensor name: type name}`` of the result.
 
     Raises:
         ValueError: an unknown ``qtype``.
@@ -51,7 +60,7 @@ def requantize(src: Path, dst: Path, qtype: str, only: Optional[Sequence[str]] =
     types = {}
     for t in reader.tensors:
         shape = [int(s) for s in reversed(t.shape)]  # row-major
-        pick = len(shape) == 2 and shape[1] % 256 == 0 and (only is None or any(o in t.name for o in only))
+        pick = len(shape) == 2 and shape[1] % _BLOCK[qtype] == 0 and (only is None or any(o in t.name for o in only))
         if pick:
             raw = QUANTIZERS[qtype](_float(t).reshape(shape))
             writer.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])

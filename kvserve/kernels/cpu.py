@@ -65,6 +65,8 @@ def load():
             lib = ctypes.CDLL(str(_build()))
             lib.kvserve_gemm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
             lib.kvserve_gemm_f32.restype = None
+            lib.kvserve_gemm_w16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+            lib.kvserve_gemm_w16.restype = None
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             for suffix in (f"{t}_{i}" for t in KV_SUFFIX.values() for i in ATTENTION_ISAS):
                 attend = getattr(lib, "kvserve_paged_attention_" + suffix)
@@ -109,7 +111,8 @@ def unavailable_reason() -> Optional[str]:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` float32 -> panels ``[ceil(N / 16), K, 16]`` (zero rows pad N up to a multiple of 16)."""
+    """``weight [N, K]`` (float32, float16 or bfloat16) -> panels ``[ceil(N / 16), K, 16]`` of its dtype (zero rows
+    pad N up to a multiple of 16)."""
     n, k = weight.shape
     n_pad = -(-n // PANEL) * PANEL
     if n_pad != n:
@@ -118,7 +121,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x [M, K]`` float32 times the packed weight -> ``[M, out_features]`` float32 (``x @ W.T``).
+    """``x [M, K]`` float32 times the packed weight -> ``[M, out_features]`` float32 (``x @ W.T``). ``packed``:
+    ``pack``'s float32 panels, or float16 / bfloat16 ones (the weight kept in 16 bits, widened in registers: the
+    outputs equal the float32 panels' of the widened weight, bit for bit).
 
     Requires ``load()`` to have returned the library. ``x`` is made contiguous if it is not.
     """
@@ -126,8 +131,11 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tens
     m, k = x.shape
     n_pad = packed.shape[0] * PANEL
     y = torch.empty(m, n_pad, dtype=torch.float32)
-    if m:
+    if m and packed.dtype == torch.float32:
         _lib.kvserve_gemm_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n_pad, k)
+    elif m:
+        _lib.kvserve_gemm_w16(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n_pad, k,
+                              int(packed.dtype == torch.bfloat16))
     return y if n_pad == out_features else y[:, :out_features]
 
 

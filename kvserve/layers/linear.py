@@ -96,6 +96,39 @@ class Linear:
         return torch.mm(self.weight, x.t()).t().contiguous()
 
 
+def linear_16bit(weight: torch.Tensor, use_kernels: bool = True):
+    """A bias-free linear layer over a float16 or bfloat16 ``weight [out_features, in_features]`` (GGUF F16 / BF16)
+    with float32 activations and sums: kvserve's matmul on the weight kept in 16 bits (``Linear16``, path
+    ``f16/kvserve`` or ``bf16/kvserve``: half the bytes of float32, outputs equal to the float32 kernel's on the
+    widened weight, bit for bit), or, without the kernels, a float32 ``Linear`` on the widened weight.
+
+    Raises:
+        ValueError: a weight of another dtype.
+    """
+    if weight.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"linear_16bit takes a float16 or bfloat16 weight, got {weight.dtype}")
+    if use_kernels and cpu_kernels.load() is not None:
+        return Linear16(weight)
+    return Linear(weight.float(), use_kernels=use_kernels)
+
+
+class Linear16:
+    """``linear_16bit``'s kernel layer: ``x [T, in_features]`` (converted to float32) -> ``[T, out_features]``
+    float32. Attributes: ``path`` (``"f16/kvserve"`` / ``"bf16/kvserve"``), ``packed`` (16-bit panels)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        self.packed = cpu_kernels.pack(weight.contiguous())
+        self.path = f"{'bf16' if weight.dtype == torch.bfloat16 else 'f16'}/kvserve"
+
+    def numel(self) -> int:
+        """Weights (= multiply-adds per row): ``out_features * in_features``."""
+        return self.out_features * self.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.gemm(x.to(torch.float32), self.packed, self.out_features)
+
+
 # ------------------------------------------------------------------------------------------- tensor parallelism
 # Megatron-LM's split of a transformer's matmuls (Shoeybi et al. 2019, sec. 3): a column-parallel layer keeps a
 # slice of the output features (rows of ``W``) on each rank, so its output is the rank's slice and needs no

@@ -23,6 +23,8 @@
   output channel (``pack.quantize_q8_blocks``, llama.cpp's Q8_0); ``int8/<isa>``. With exact activations one scale
   per whole output channel measured 97.1% top-1 agreement with ``"fp32"`` on SmolLM2 and per-32-block scales 98.6%
   (docs/quantization.md, "Accuracy"), at the same 8.5 bits per weight the packed layout stored anyway.
+- ``QuantTensor`` F16 / BF16 (a GGUF's 16-bit weights), ``"auto"``: ``kvserve.layers.linear.linear_16bit``, the
+  16 bits kept, float32 activations and sums; ``f16/kvserve``, ``bf16/kvserve``.
 - a float ``[N, K]`` tensor / array, ``"auto"`` / ``"fp32"``: ``kvserve.layers.linear.Linear``.
 - a list of the above: one fused layer (``make_linear_method``).
 
@@ -45,7 +47,7 @@ import numpy as np
 import torch
 
 from kvserve.kernels import qgemm as kernels
-from kvserve.layers.linear import Linear
+from kvserve.layers.linear import Linear, linear_16bit
 from kvserve.quant import formats
 from kvserve.quant import pack as P
 from kvserve.quant.gguf_io import QuantTensor
@@ -299,6 +301,12 @@ def make_linear_method(weight, quantization: Optional[str] = None, path: Optiona
             raise ValueError(f"fused parts differ in in_features: {[p.shape for p in parts]}")
         if quantization == "fp32":
             return Linear(torch.from_numpy(np.concatenate([p.dequantize() for p in parts])), use_kernels=use_kernels)
+        if quantization == "auto" and any(p.qtype in formats.FLOAT16_TYPES for p in parts):
+            if len({p.qtype for p in parts}) > 1:
+                return ConcatLinear([make_linear_method(p, quantization, path, use_kernels) for p in parts])
+            bits = np.concatenate([p.raw for p in parts]).view("<u2")  # F16 / BF16: the file's 16 bits, as they are
+            dtype = torch.bfloat16 if parts[0].qtype == formats.BF16 else torch.float16
+            return linear_16bit(torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(dtype), use_kernels)
         canon = [_canonical(p, quantization) for p in parts]
         kinds = {(c[1], c[0] == "int8") for c in canon}
         if len(kinds) > 1:

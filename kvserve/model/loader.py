@@ -315,15 +315,11 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
             w = np.array(w, copy=True, order="C")
         weights[hf] = torch.from_numpy(w)
 
-    for t in meta["tensors"]:  # 16-bit float weights (norms are float32 anyway): no 16-bit kernel yet
-        if len(t["shape"]) == 2 and t["type"] in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):
-            name = gguf.GGMLQuantizationType(t["type"]).name
-            widened[name] = widened.get(name, 0) + 1
     if widened:  # what each format runs as, said once per load (the kept formats: weight_cache's "weights:" line)
         formats = ", ".join(f"{k} x {n}" for k, n in sorted(widened.items()))
         (logger.warning if keep_quantized else logger.info)(
             "GGUF tensors dequantized to float32 (4 bytes a weight): %s%s", formats,
-            " -- no quantized or 16-bit kernel reads these formats yet" if keep_quantized else " (quantization fp32)")
+            " -- no quantized kernel reads these formats yet" if keep_quantized else " (quantization fp32)")
     tokenizer = _gguf_tokenizer(path, source_hash) if with_tokenizer else None
     eos = {int(field("tokenizer.ggml.eos_token_id"))} if field("tokenizer.ggml.eos_token_id") is not None else set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:

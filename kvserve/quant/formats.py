@@ -33,8 +33,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 Q4_K, Q5_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K
 Q5_0, Q5_1, IQ4_NL = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.IQ4_NL
-#: The block formats kvserve keeps quantized.
-QUANTIZED_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K)
+F16, BF16 = GGMLQuantizationType.F16, GGMLQuantizationType.BF16
+#: 16-bit float weights, kept in 16 bits (``kvserve.layers.linear.linear_16bit``).
+FLOAT16_TYPES = (F16, BF16)
+#: The formats kvserve keeps in their own bits (block formats, and 2-D F16 / BF16 weights).
+QUANTIZED_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K, F16, BF16)
 #: IQ4_NL's non-linear 4-bit grid (llama.cpp ``kvalues_iq4nl``, ``ggml-common.h``).
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
@@ -178,6 +181,10 @@ def dequantize(raw: np.ndarray, qtype, k: int) -> np.ndarray:
     """
     qtype = GGMLQuantizationType(qtype)
     n = np.asarray(raw).shape[0]
+    if qtype == F16:
+        return _blocks(raw, qtype, k).view("<f2").astype(np.float32).reshape(n, k)
+    if qtype == BF16:
+        return (_blocks(raw, qtype, k).view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(n, k)
     if qtype in (Q4_0, Q4_1):
         blk = _blocks(raw, qtype, k)
         d = _f16(blk[..., 0:2]).astype(np.float32)[..., None]

@@ -226,10 +226,12 @@ def read_gguf_tensors(path: Union[str, Path]) -> dict:
 
 def _as_tensor(name: str, qtype: GGMLQuantizationType, shape: tuple,
                data: np.ndarray) -> Union["QuantTensor", np.ndarray]:
-    """One tensor's bytes (``data`` uint8) as ``gguf_tensors`` returns it: float32 for F32 / F16 / BF16, else a
-    ``QuantTensor`` (``ValueError`` unless 2-D)."""
+    """One tensor's bytes (``data`` uint8) as ``gguf_tensors`` returns it: float32 for F32 and for 1-D F16 / BF16
+    (norms), else a ``QuantTensor`` (2-D F16 / BF16 weights too; ``ValueError`` for a block format unless 2-D)."""
     if qtype == GGMLQuantizationType.F32:
         return np.asarray(data).view("<f4").reshape(shape)
+    elif qtype in formats.FLOAT16_TYPES and len(shape) == 2:  # a weight: kept in 16 bits (the loader decides)
+        return QuantTensor(name, qtype, np.asarray(data).reshape(shape[0], -1), shape)
     elif qtype == GGMLQuantizationType.F16:
         return np.asarray(data).view("<f2").astype(np.float32).reshape(shape)
     elif qtype == GGMLQuantizationType.BF16:

@@ -201,6 +201,21 @@ def test_float32_matmul_is_row_wise():
     assert_row_invariant(lambda idx: layer(x[idx]), 300)
 
 
+@_no_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16bit_weight_matmul_is_row_wise(dtype):
+    """GGUF F16 / BF16 weights kept in 16 bits (``linear_16bit``): row-wise, and each row's bits equal the float32
+    kernel's on the widened weight."""
+    from kvserve.layers.linear import linear_16bit
+
+    w = (torch.randn(72, 200, generator=torch.Generator().manual_seed(7)) * 0.1).to(dtype)
+    layer = linear_16bit(w)
+    assert layer.path == f"{'bf16' if dtype == torch.bfloat16 else 'f16'}/kvserve"
+    x = _x(300, 200, seed=8)
+    assert_row_invariant(lambda idx: layer(x[idx]), 300)
+    assert torch.equal(layer(x), cpu_kernels.gemm(x, cpu_kernels.pack(w.float()), 72))
+
+
 # ------------------------------------------------------------------------------------------------ element-wise
 
 

@@ -1,11 +1,12 @@
 """The load log says, per weight format, what it runs as (issue 40, items 1 and 5): the loader warns about every
-format widened to float32 (a block format no kernel reads, F16 / BF16 weights), and the packed-weight build names
-each kept format's kernel path and whether it holds the file's values."""
+format widened to float32 (a block format no kernel reads), and the packed-weight build names each kept format's
+kernel path (F16 weights: kept in 16 bits) and whether it holds the file's values."""
 
 import logging
 
 import numpy as np
 import pytest
+import torch
 
 import gguf
 from kvserve.kernels import qgemm as kernels
@@ -48,8 +49,14 @@ def test_loader_names_every_format_widened_to_float32(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="kvserve.model.loader"):
         loaded = load_model(str(path), keep_quantized=True, weights_only=True)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("dequantized to float32" in m and "F16 x 1, Q2_K x 1" in m for m in warned), warned
+    assert any("dequantized to float32 (4 bytes a weight): Q2_K x 1 --" in m for m in warned), warned
     assert loaded.weights["model.layers.0.self_attn.q_proj.weight"].qtype == formats.Q6_K  # kept
+    assert loaded.weights["model.layers.0.mlp.down_proj.weight"].qtype == formats.F16  # kept in 16 bits
+    with caplog.at_level(logging.INFO, logger="kvserve.model.loader"):
+        fp32 = load_model(str(path), keep_quantized=False, weights_only=True)
+    assert fp32.weights["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+    assert any("F16 x 1, Q2_K x 1, Q6_K x 1, Q8_0 x 5 (quantization fp32)" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.skipif(kernels.isa() is None, reason=str(kernels.unavailable_reason()))
@@ -58,11 +65,13 @@ def test_weight_formats_line_names_paths_and_exactness():
     q6 = QuantTensor("a", formats.Q6_K, quantize_q6_k(rng.standard_normal((32, 256)).astype(np.float32)), (32, 256))
     q8 = QuantTensor("b", formats.Q8_0, gguf.quants.quantize(rng.standard_normal((16, 256)).astype(np.float32),
                                                              formats.Q8_0), (16, 256))
-    mixed = [q6, q8]
+    f16 = QuantTensor("c", formats.F16, rng.standard_normal((16, 256)).astype(np.float16).view(np.uint8), (16, 256))
+    mixed = [q6, q8, f16]
     records = weight_formats(mixed, make_linear_method(mixed))  # a ConcatLinear: each part its own path
     records += weight_formats([q6], make_linear_method([q6], "int8"))
     path = kernels.default_path()
     suffix = f"{path.isa}{'+a16' if path.activations == 'int8x2' else ''}"
     assert describe_weight_formats(records) == (
+        "F16: 1 tensor on f16/kvserve (exact); "
         f"Q6_K: 1 tensor on int8/{suffix} (re-quantized to int8 per 32 weights, not the file's values); "
         f"Q6_K: 1 tensor on q6_k/{suffix} (exact); Q8_0: 1 tensor on q8/{suffix} (exact)")

@@ -163,6 +163,33 @@ def test_q5_0_q5_1_iq4_nl_kept_exactly(isa, qtype, kind, fmt, rows):
     _check(layer, x, w.astype(np.float64))
 
 
+@pytest.mark.parametrize("qtype", [formats.F16, formats.BF16])
+def test_16bit_gguf_weights_stay_16bit(qtype):
+    """GGUF F16 / BF16 weights (and a fused list of them) on kvserve's matmul with the 16 bits kept: the outputs equal
+    the float32 kernel's on ``gguf.quants.dequantize``'s values, bit for bit; ``"fp32"`` and ``"int8"`` still take
+    them; mixed with a block format: a ``ConcatLinear``."""
+    from kvserve.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip(str(cpu_kernels.unavailable_reason()))
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((40, 96)) * 0.1).astype(np.float32)
+    raw = np.ascontiguousarray(w.astype(np.float16)).view(np.uint8) if qtype == formats.F16 else \
+        (w.view(np.uint32) >> 16).astype("<u2").view(np.uint8)
+    parts = [QuantTensor("a", qtype, raw[:24], (24, 96)), QuantTensor("b", qtype, raw[24:], (16, 96))]
+    ref = gguf.quants.dequantize(raw, qtype).reshape(40, 96)
+    np.testing.assert_array_equal(np.concatenate([p.dequantize() for p in parts]), ref)
+    layer = make_linear_method(parts)
+    assert layer.path == f"{qtype.name.lower()}/kvserve" and layer.packed.dtype != torch.float32
+    x = torch.from_numpy(rng.standard_normal((7, 96)).astype(np.float32))
+    assert torch.equal(layer(x), cpu_kernels.gemm(x, cpu_kernels.pack(torch.from_numpy(ref)), 40))
+    torch.testing.assert_close(make_linear_method(parts, "fp32")(x), x @ torch.from_numpy(ref).T, rtol=1e-5,
+                               atol=1e-5)
+    assert make_linear_method(parts, "int8").path.startswith("int8/")
+    mixed = make_linear_method([parts[0], _gguf_tensor(formats.Q8_0, 16, 96, 1)])
+    assert isinstance(mixed, ConcatLinear) and mixed.parts[0].path == layer.path
+
+
 def test_q6_k_extreme_blocks_do_not_overflow(isa):
     """The largest integer sums a Q6 block can make (q - 32 = -32, sub-block scale -128, activations at +-127,
     both halves; 254 a1 + a2 would pass 2^31 in int32): still within the bound."""
