@@ -544,3 +544,21 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_tile(isa, qtype):
         assert torch.equal(layer(x[i: i + 2])[:1], whole[i: i + 1]) or i == 52
         assert torch.equal(layer(x[i: i + 16])[:1], whole[i: i + 1])  # first row of a full 16-row tile (or fewer)
         assert torch.equal(layer(x[max(0, i - 16): i + 1])[-1:], whole[i: i + 1])  # a tile's tail
+
+
+def test_tied_q6_k_embedding_decodes_the_heads_bytes():
+    """A tied Q6_K embedding (a Q4_K_M file's token_embd) looks rows up from the LM head's packed Q6 bytes, in C
+    and in numpy, bit for bit as ``gguf.quants.dequantize``."""
+    from kvserve.layers.quant_linear import QuantEmbedding
+
+    if kernels.isa() is None:
+        pytest.skip(str(kernels.unavailable_reason()))
+    emb = _gguf_tensor(formats.Q6_K, 40, 256, seed=4)
+    head = make_linear_method(emb)
+    tied = QuantEmbedding(emb, head)
+    assert tied.head is head.packed and tied._kernel is not None
+    ids = torch.tensor([0, 39, 17, 17])
+    want = gguf.quants.dequantize(np.asarray(emb.raw[ids.numpy()]), formats.Q6_K).reshape(4, 256)
+    np.testing.assert_array_equal(tied(ids).numpy().view(np.uint32), want.view(np.uint32))
+    tied._kernel = None
+    np.testing.assert_array_equal(tied(ids).numpy().view(np.uint32), want.view(np.uint32))
