@@ -1,9 +1,11 @@
 """GGUF quantized weights: block formats, reading them from a file, and packing them for the int8 kernels.
 
-- ``formats``: GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) decoded exactly as ``gguf.quants``.
+- ``formats``: GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K; and 2-D F16 / BF16
+  weights) decoded exactly as ``gguf.quants``.
+- ``kquantize``: simple Q6_K / Q5_K quantizers (``gguf.quants`` has none), for tests and benchmarks.
 - ``gguf_io``: ``read_gguf_tensors(path)``: every tensor of a GGUF file, quantized ones as ``QuantTensor`` views.
-- ``pack``: weights -> the kernels' packed layout (``kvserve.kernels.qgemm``); per-channel int8 and per-block int8
-  quantizers.
+- ``pack``: weights -> the kernels' packed layouts (Q4, Q4F, Q5F, Q6, Q8: ``kvserve.kernels.qgemm``); per-channel
+  int8 and per-block int8 quantizers.
 
 The linear methods that compute with them are ``kvserve.layers.quant_linear``.
 """

@@ -9,7 +9,8 @@ merges -- and is the slowest step of a first start-up; docs/performance.md, "Sta
 
 ``read_gguf_tensors(path)`` maps each tensor name (GGUF naming, e.g. ``blk.0.attn_q.weight``) to a ``QuantTensor``
 for the block formats of ``formats.QUANTIZED_TYPES`` -- a read-only view of the file's memory-mapped bytes, so
-nothing is read until used -- and to a float32 ``numpy`` array for F32, F16 and BF16 tensors (norms: small).
+nothing is read until used -- and to a float32 ``numpy`` array for F32 tensors and 1-D F16 / BF16 ones (norms:
+small); 2-D F16 / BF16 weights are ``QuantTensor`` views too (kept 16-bit by ``quant_linear``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvserve.quant import formats
 
 @dataclass(frozen=True)
 class QuantTensor:
-    """A 2-D tensor in a GGUF block format.
+    """A 2-D tensor in a GGUF block format (or F16 / BF16: blocks of one value).
 
     Attributes:
         name: the tensor's name in the file.
@@ -210,7 +211,8 @@ def _tensors_of(f, mm: np.ndarray, meta: dict) -> dict:
 
 def read_gguf_tensors(path: Union[str, Path]) -> dict:
     """Every tensor of a GGUF file (read with ``gguf.GGUFReader``): name -> ``QuantTensor`` (block formats,
-    memory-mapped bytes) or float32 ``numpy`` array (F32 / F16 / BF16, shape in row-major order).
+    memory-mapped bytes; 2-D F16 / BF16 too) or float32 ``numpy`` array (F32, 1-D F16 / BF16; shape in row-major
+    order).
 
     Raises:
         ValueError: the file cannot be parsed, or holds a tensor in a format kvserve does not read (name and type
