@@ -126,3 +126,39 @@ def test_a_qwen2_gguf_with_a_window_is_refused(tmp_path_factory, tokenizer, tmp_
     path = _write_gguf(tmp_path / "q.gguf", hf, "qwen2", False, extra_fields=[("qwen2.attention.sliding_window", 12)])
     with pytest.raises(ValueError, match=r"qwen2.attention.sliding_window=12"):
         load_model(str(path), weights_only=True)
+
+
+def test_blocks_behind_the_window_go_back_and_every_engine_feature_gives_the_same_tokens(mistral):
+    """The engine frees the blocks a windowed Mistral has left behind (window 8, blocks of 4: a decoding request
+    holds at most 3 blocks however long it runs), and greedy tokens are the same with prefix caching on and off,
+    after prefix-cache hits, after a preemption and with speculative decoding (n-gram drafts, rolled back when
+    rejected; the random model accepts none)."""
+    path, _ = mistral
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    base = LLM(model=str(path), num_kv_blocks=256, block_size=4, enable_prefix_caching=False, quantization="fp32")
+    engine = base.llm_engine
+    assert engine.kv_cache_manager.sliding_window == 8
+    ids = [engine.add_request(p, sp) for p in PROMPTS]
+    finals, step = {}, 0
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step())
+        step += 1
+        if step == 5:  # all three decoding: 3 blocks each (without the window: 12-22 each)
+            assert engine.kv_cache_manager.block_pool.num_used_blocks == 9
+            engine.scheduler._preempt(engine.scheduler.running[1])  # recomputed from its prompt and outputs
+    assert engine.stats.num_preemptions == 1
+    reference = [o.outputs[0].token_ids for o in base.generate(PROMPTS, sp)]
+    assert [finals[i].outputs[0].token_ids for i in ids] == reference
+    for kw in (dict(enable_prefix_caching=True),
+               dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                        "prompt_lookup_max": 2})):  # drafts the random model rejects: rollbacks
+        llm = LLM(model=str(path), num_kv_blocks=256, block_size=4, quantization="fp32", **kw)
+        for _ in range(2):  # the second round hits the prefix cache where it is on
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == reference, kw
+        e = llm.llm_engine
+        assert not e.has_unfinished_requests() and e.kv_cache_manager.block_pool.num_free_blocks == e.num_blocks
+        e.kv_cache_manager.check_integrity()
+        if "enable_prefix_caching" in kw:
+            assert e.kv_cache_manager.prefix_cache_hits > 0
+        else:
+            assert e.speculator.stats.num_draft_tokens > 0  # (accepted drafts: tests/core/test_sliding_window_blocks.py)
