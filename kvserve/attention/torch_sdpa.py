@@ -131,7 +131,7 @@ def window_mask(g: AttentionGroup, sliding_window: Optional[int]) -> torch.Tenso
     mask = g.window_masks.get(sliding_window)
     if mask is None:
         b, q_max = g.q_pos.shape
-        keys = torch.arange(g.attn_mask.shape[-1])
+        keys = torch.arange(g.attn_mask.shape[-1], device=g.q_pos.device)
         mask = g.attn_mask & (keys[None, None, :] > g.q_pos[:, :, None] - sliding_window)[:, None]
         mask[:, 0, :, 0] |= ~g.query_valid.view(b, q_max)  # padded rows: a finite (discarded) softmax
         g.window_masks[sliding_window] = mask

@@ -181,4 +181,6 @@ def _window(cfg: dict, architecture: str) -> dict:
         return {}
     n, first = cfg["num_hidden_layers"], cfg.get("max_window_layers", 28)
     types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if "sliding_attention" not in types:  # (max_window_layers >= the layer count: no layer is windowed)
+        return {}
     return {"sliding_window": int(window), "layer_types": tuple(types)}

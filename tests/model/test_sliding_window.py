@@ -103,6 +103,11 @@ def test_qwen2_use_sliding_window_windows_the_layers_from_max_window_layers(tmp_
     assert (arch.layer_window(0), arch.layer_window(1)) == (None, 12)
     _prompt_logprobs_match(path, hf, tokenizer)
     _prompt_logprobs_match(path, hf, tokenizer, cpu_kernels=False)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(max_window_layers=2, layer_types=None)  # no layer windowed: the plain model (and its fused loop)
+    (path / "config.json").write_text(json.dumps(cfg))
+    arch = load_model(str(path), weights_only=True).arch
+    assert (arch.sliding_window, arch.layer_types) == (None, None)
 
 
 @pytest.mark.parametrize("edit, message", [
