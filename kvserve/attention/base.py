@@ -19,6 +19,15 @@ from kvserve.layers.rotary import apply_rotary
 from kvserve.batch import InputBatch
 
 
+def check_mask(sliding_window: Optional[int], logit_softcap: Optional[float]) -> None:
+    """Raise ``ValueError`` unless ``sliding_window`` is ``None`` or a positive int and ``logit_softcap`` ``None`` or
+    a positive float (``AttentionBackend.forward``'s arguments)."""
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window!r}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be a positive float or None, got {logit_softcap!r}")
+
+
 class AttentionBackend(abc.ABC):
     """Paged attention over a flat token batch (PagedAttention, Kwon et al., SOSP 2023, §4.1).
 
@@ -55,7 +64,8 @@ class AttentionBackend(abc.ABC):
         kv_cache[1].view(-1, h, d).index_copy_(0, batch.slot_mapping, v.to(kv_cache.dtype))
 
     @abc.abstractmethod
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: object, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: object, scale: float,
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
         """Causal attention of the batch's queries over each request's paged K/V (this step's already written).
 
         Args:
@@ -64,15 +74,25 @@ class AttentionBackend(abc.ABC):
                 keys and values are widened to ``q``'s dtype as they are read).
             meta: what ``build_metadata`` returned for this step.
             scale: softmax scale, usually ``D ** -0.5``.
+            sliding_window: the layer's window in tokens: the query at position ``p`` sees only the keys ``j`` with
+                ``p - sliding_window < j <= p`` (Hugging Face's ``sliding_window``; Mistral, Gemma); ``None``: all
+                keys up to ``p``.
+            logit_softcap: each score ``s`` (after ``scale``) becomes ``logit_softcap * tanh(s / logit_softcap)``
+                before the masked softmax (Gemma 2's ``attn_logit_softcapping``); ``None``: no capping.
 
         Returns:
             ``[T, H_q, D]``, the dtype of ``q``. Query ``i`` of a request with ``q_len`` queries and ``seq_len``
-            keys sits at position ``seq_len - q_len + i`` and sees keys ``0 ..`` that position.
+            keys sits at position ``seq_len - q_len + i`` and sees keys ``0 ..`` that position (those of its
+            window).
+
+        Raises:
+            ValueError: ``sliding_window < 1`` or ``logit_softcap <= 0``.
         """
 
     def forward_qkv(self, qkv: torch.Tensor, num_heads: int, kv_cache: torch.Tensor, meta: object,
                     rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
+                    logit_softcap: Optional[float] = None) -> torch.Tensor:
         """One layer's attention from its fused Q/K/V projection: RoPE on the queries and keys, ``write_kv``, then
         ``forward``. This default runs them as PyTorch ops; a backend may fuse them.
 
@@ -87,6 +107,7 @@ class AttentionBackend(abc.ABC):
             scale: softmax scale.
             out: a ``[T, H_q * D]`` buffer the result may be written into (a backend that can, does); ``None``: a
                 new tensor.
+            sliding_window, logit_softcap: the layer's mask and score cap, as ``forward``'s.
 
         Returns:
             ``[T, H_q * D]``, as ``forward``'s output with the heads flattened.
@@ -94,4 +115,5 @@ class AttentionBackend(abc.ABC):
         h_kv, d = kv_cache.shape[-2:]
         qk = apply_rotary(qkv[:, : (num_heads + h_kv) * d].view(-1, num_heads + h_kv, d), *rope)  # q and k at once
         self.write_kv(kv_cache, qk[:, num_heads:], qkv[:, (num_heads + h_kv) * d :].view(-1, h_kv, d), batch)
-        return self.forward(qk[:, :num_heads], kv_cache, meta, scale).reshape(-1, num_heads * d)
+        return self.forward(qk[:, :num_heads], kv_cache, meta, scale, sliding_window,
+                            logit_softcap).reshape(-1, num_heads * d)

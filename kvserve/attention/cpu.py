@@ -17,11 +17,12 @@ other requests. The kernel is as fast as the gather + SDPA path it replaced on l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from kvserve.attention.base import check_mask
 from kvserve.attention.torch_sdpa import AttentionMetadata, TorchSDPABackend
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.batch import InputBatch
@@ -34,12 +35,13 @@ class CPUAttentionMetadata(AttentionMetadata):
     Attributes:
         kernel: the step's requests, read in place by the kernel:
             ``(block_tables [b, max_blocks], q_start [b], q_len [b], seq_len [b])`` int64 contiguous.
-        fused: ``(rope, num_heads, scale, cpu_kernels.RopeWriteAttend)``: the kernel's arguments that are the same
-            for every layer of the step, resolved by its first ``forward_qkv`` and reused by the others.
+        fused: ``(num_heads, scale, kv dtype, sliding window, soft-cap) -> (rope, cpu_kernels.RopeWriteAttend)``:
+            the kernel's arguments that are the same for every layer of the step with those settings (a model with
+            local and global layers has two), resolved by the first such ``forward_qkv`` and reused by the others.
     """
 
     kernel: Optional[tuple] = None
-    fused: Optional[tuple] = None
+    fused: dict = field(default_factory=dict)
 
 
 class CPUKernelAttentionBackend(TorchSDPABackend):
@@ -68,24 +70,28 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
         kernel = (batch.block_tables.contiguous(), qsl[:-1], qsl[1:] - qsl[:-1], batch.seq_lens)
         return CPUAttentionMetadata(groups=[], kernel=kernel, whole_step_in_kernel=True)
 
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CPUAttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CPUAttentionMetadata, scale: float,
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
+        check_mask(sliding_window, logit_softcap)
         out = torch.empty_like(q)
-        if not cpu_kernels.paged_attention(q, kv_cache, *meta.kernel, scale, out, self.isa):
+        if not cpu_kernels.paged_attention(q, kv_cache, *meta.kernel, scale, out, self.isa, sliding_window,
+                                           logit_softcap):
             raise RuntimeError(f"the paged-attention kernel refused q {list(q.shape)} {q.dtype} over a "
                                f"{kv_cache.dtype} cache, or could not allocate its scratch memory")
         return out
 
     def forward_qkv(self, qkv: torch.Tensor, num_heads: int, kv_cache: torch.Tensor, meta: CPUAttentionMetadata,
                     rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        fused = meta.fused
-        if (fused is None or fused[0] is not rope or fused[1] != num_heads or fused[2] != scale
-                or fused[3].kv_dtype != kv_cache.dtype):
+                    out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
+                    logit_softcap: Optional[float] = None) -> torch.Tensor:
+        key = (num_heads, scale, kv_cache.dtype, sliding_window, logit_softcap)
+        fused = meta.fused.get(key)
+        if fused is None or fused[0] is not rope:
+            check_mask(sliding_window, logit_softcap)
             plan = cpu_kernels.RopeWriteAttend(num_heads, kv_cache.shape, kv_cache.dtype, *rope, batch.slot_mapping,
-                                               meta.kernel, scale, self.isa)
-            fused = meta.fused = (rope, num_heads, scale, plan)
-        res = fused[3](qkv, kv_cache, out)
+                                               meta.kernel, scale, self.isa, sliding_window, logit_softcap)
+            fused = meta.fused[key] = (rope, plan)
+        res = fused[1](qkv, kv_cache, out)
         if res is None:
             raise ValueError(f"the fused attention kernel cannot take qkv {list(qkv.shape)} {qkv.dtype} over a "
                              f"{list(kv_cache.shape)} {kv_cache.dtype} cache (head width not a multiple of "

@@ -11,13 +11,13 @@ through its block tables into a padded copy first (``index_select`` over whole b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.base import AttentionBackend
+from kvserve.attention.base import AttentionBackend, check_mask
 from kvserve.batch import InputBatch
 
 # Queries of at most this many tokens (speculative verification spans: last token + drafts, short prompt tails)
@@ -41,7 +41,10 @@ class AttentionGroup:
             gather/scatter copies; else ``None``.
         is_causal: every member is a whole fresh prompt (no earlier context), so the mask is plain top-left
             causal and SDPA can use ``is_causal=True`` (its kernel then skips the masked half) instead of
-            ``attn_mask``.
+            ``attn_mask`` (without a sliding window).
+        q_pos: ``[b, q_max]`` int64, each (padded) query row's position.
+        window_masks: sliding window -> ``attn_mask`` with that window applied (``window_mask``), built by the
+            first layer that uses it and reused by the others.
     """
 
     query_index: torch.Tensor
@@ -51,6 +54,8 @@ class AttentionGroup:
     attn_mask: torch.Tensor
     rows: Optional[tuple] = None
     is_causal: bool = False
+    q_pos: Optional[torch.Tensor] = None
+    window_masks: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -114,7 +119,23 @@ def build_group(members: list[int], batch: InputBatch) -> AttentionGroup:
         attn_mask=mask[:, None, :, :],
         rows=(first, first + len(out_index)) if dense else None,
         is_causal=q_max > 1 and bool((s_len == q_len).all()),
+        q_pos=q_pos,
     )
+
+
+def window_mask(g: AttentionGroup, sliding_window: Optional[int]) -> torch.Tensor:
+    """``g.attn_mask`` narrowed to a sliding window: query row at position ``p`` sees keys ``p - sliding_window < j
+    <= p`` (Hugging Face's ``sliding_window_overlay``); padded rows keep key 0. ``None``: ``g.attn_mask``."""
+    if sliding_window is None:
+        return g.attn_mask
+    mask = g.window_masks.get(sliding_window)
+    if mask is None:
+        b, q_max = g.q_pos.shape
+        keys = torch.arange(g.attn_mask.shape[-1], device=g.q_pos.device)
+        mask = g.attn_mask & (keys[None, None, :] > g.q_pos[:, :, None] - sliding_window)[:, None]
+        mask[:, 0, :, 0] |= ~g.query_valid.view(b, q_max)  # padded rows: a finite (discarded) softmax
+        g.window_masks[sliding_window] = mask
+    return mask
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -125,19 +146,24 @@ class TorchSDPABackend(AttentionBackend):
     def build_metadata(self, batch: InputBatch) -> AttentionMetadata:
         return build_groups(batch)
 
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
+        check_mask(sliding_window, logit_softcap)
         out = torch.empty_like(q)
         for g in meta.groups:
-            sdpa_group(q, kv_cache, g, scale, out)
+            sdpa_group(q, kv_cache, g, scale, out, sliding_window, logit_softcap)
         return out
 
 
-def sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale: float, out: torch.Tensor) -> None:
+def sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale: float, out: torch.Tensor,
+               sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> None:
     """One group: gather its blocks into a padded copy, one SDPA call, scatter the real rows into ``out``.
 
     ``q``: ``[T, H_q, D]`` (rows may be strided); ``kv_cache``: one layer's ``[2, num_blocks, block_size, H_kv, D]``
     (any dtype: read as ``q``'s);
-    ``out``: ``[T, H_q, D]``, only the group's rows are written."""
+    ``out``: ``[T, H_q, D]``, only the group's rows are written. ``sliding_window`` narrows the mask
+    (``window_mask``); with ``logit_softcap`` the scores are computed, capped (``c * tanh(s / c)``, Gemma 2) and
+    softmaxed as PyTorch ops (SDPA has no cap)."""
     h_q, d = q.shape[1:]
     h_kv = kv_cache.shape[-2]
     b, q_max = g.query_index.shape
@@ -149,10 +175,15 @@ def sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale
     # (a cache of another dtype, kv_cache_dtype, is widened to the queries' dtype on the gathered copy)
     k = kv_cache[0].index_select(0, g.block_tables).to(q.dtype).view(b, -1, h_kv, d).transpose(1, 2)  # [b,H_kv,L,D]
     v = kv_cache[1].index_select(0, g.block_tables).to(q.dtype).view(b, -1, h_kv, d).transpose(1, 2)
-    if g.is_causal:  # row i sees keys 0..i (top-left aligned); padded rows' outputs are discarded
+    if logit_softcap is not None:
+        k, v = (x.repeat_interleave(h_q // h_kv, 1) for x in (k, v))
+        s = torch.tanh((qg @ k.transpose(2, 3)) * scale / logit_softcap) * logit_softcap
+        o = s.masked_fill(~window_mask(g, sliding_window), float("-inf")).softmax(-1) @ v
+    elif g.is_causal and sliding_window is None:  # row i sees keys 0..i (top-left); padded rows' outputs discarded
         o = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=scale, enable_gqa=h_q != h_kv)
     else:
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.attn_mask, scale=scale, enable_gqa=h_q != h_kv)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=window_mask(g, sliding_window), scale=scale,
+                                           enable_gqa=h_q != h_kv)
     o = o.transpose(1, 2).reshape(b * q_max, h_q, d)
     if g.rows is not None:
         out[g.rows[0] : g.rows[1]] = o

@@ -8,6 +8,20 @@ With ``enable_prefix_caching``, ``get_computed_blocks`` finds the longest chain 
 request's tokens; admission takes references to them and starts ``num_computed_tokens`` after them. Full blocks
 enter the cache once their tokens have been computed (``cache_computed_blocks``, after each step), never
 partial blocks.
+
+Sliding window (vLLM's ``SlidingWindowManager``; Mistral 7B v0.1, every layer windowed): with ``sliding_window``
+``w``, the token at position ``p`` reads only the keys ``p - w < j <= p``. Before each allocation, the blocks
+wholly before the window of the request's next token (position ``num_computed_tokens``) -- the first
+``skipped_blocks(num_computed_tokens)`` -- go back to the pool; their table entries become placeholders
+(``None`` here, block id ``NULL_BLOCK_ID`` in ``get_block_ids``), which the kernel never reads (it starts at a
+row's window) and the reference backend reads only under its mask. ``num_computed_tokens`` never falls below the
+count a block was freed at (rejected drafts roll back only tokens scheduled after it; preemption frees everything),
+so a freed block is never needed again. Prefix caching: blocks are freed only after they were computed, so they
+were entered in the cache first and wait in the free queue with their hashes; a later request's lookup still walks
+the chain from the first block (a hit needs every leading block still cached), and the hit's blocks wholly before
+its window are not referenced at all (placeholders from the start). vLLM instead looks for the window's worth of
+cached blocks ending at the hit and lets earlier ones be evicted; here such a hit is shorter, never wrong. A model
+with some full-attention layers keeps every block (the engine passes no window).
 """
 
 from __future__ import annotations
@@ -28,6 +42,10 @@ class SeqLike(Protocol):
 
     request_id: str
     num_computed_tokens: int
+
+
+#: The block id a freed (skipped) table entry shows in ``get_block_ids``: the same as the batch's padding.
+NULL_BLOCK_ID = 0
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -78,13 +96,22 @@ class KVCacheManager:
         num_blocks: size of the pool.
         block_size: tokens per block.
         enable_prefix_caching: reuse cached full blocks across requests.
+        sliding_window: every layer's attention window in tokens (``shared_window``), so blocks before a request's
+            window go back to the pool (module docstring); ``None``: keep every block.
 
     Attributes:
         prefix_cache_queries, prefix_cache_hits: tokens looked up / found in the cache at admissions.
+
+    Raises:
+        ValueError: ``sliding_window`` below 1.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: Optional[int] = None):
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -99,6 +126,34 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
+
+    @staticmethod
+    def shared_window(layer_windows: Iterable[Optional[int]]) -> Optional[int]:
+        """The window to free blocks by for a model whose layers have windows ``layer_windows`` (``None``: a full
+        attention layer): their common window when every layer has the same one, else ``None`` (keep every block:
+        a full layer reads every key; with different windows, the widest would do, but no family has that)."""
+        windows = set(layer_windows)
+        return windows.pop() if len(windows) == 1 and None not in windows else None
+
+    def skipped_blocks(self, num_computed_tokens: int) -> int:
+        """How many leading blocks no layer reads any more once the next token is at position
+        ``num_computed_tokens``: those wholly before its window, ``(p - w + 1) // block_size`` (0 without a
+        window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _free_skipped(self, rid: str, held: list, n: int) -> None:
+        """Return the first ``n`` blocks of table ``held`` (request ``rid``) to the pool, leaving placeholders;
+        tail first, like ``free``, so the first block of a cached chain is the last of them evicted."""
+        freed = [b for b in reversed(held[:n]) if b is not None]
+        if not freed:
+            return
+        ids = self._block_ids[rid]
+        for i in range(n):
+            held[i] = None
+            ids[i] = NULL_BLOCK_ID
+        self.block_pool.free_blocks(freed)
 
     def block_hashes(self, request: SeqLike) -> list[BlockHash]:
         """Chained ``BlockHash`` of each full block of the request's known tokens (extended incrementally and
@@ -145,6 +200,8 @@ class KVCacheManager:
         pool = self.block_pool
         computed = request.num_computed_tokens
         held = self.req_to_blocks.get(rid)
+        if held is not None and self.sliding_window is not None:
+            self._free_skipped(rid, held, min(len(held), self.skipped_blocks(computed)))
         if held is not None and not computed_blocks:  # a running request's next tokens: the per-step path
             need = -(-(computed + num_new_tokens) // bs) - len(held)  # blocks_needed(total) - held
             i, offset = divmod(computed, bs)
@@ -161,10 +218,14 @@ class KVCacheManager:
         first = held is None  # (a static batch member is allocated before its first chunk runs)
         if first:
             held = []
+        computed_blocks = list(computed_blocks)
         n_hit = len(computed_blocks)
         total = computed + n_hit * bs + num_new_tokens
         need = -(-total // bs) - len(held) - n_hit  # blocks_needed(total); total >= 0
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0) if n_hit else 0  # leave the free queue
+        # hits wholly before the window of the first token to compute are not referenced (placeholders)
+        n_skip = min(n_hit, self.skipped_blocks(computed + n_hit * bs)) if first else 0
+        kept = computed_blocks[n_skip:]
+        reclaimed = sum(1 for b in kept if b.ref_cnt == 0) if kept else 0  # leave the free queue
         # the partially filled block the next token goes into, if other tables share it (copy-on-write)
         i, offset = divmod(computed, bs)
         cow = i if offset and i < len(held) and held[i].ref_cnt > 1 else None
@@ -177,9 +238,9 @@ class KVCacheManager:
             self._block_ids[rid] = []
         ids = self._block_ids[rid]
         if computed_blocks:
-            pool.touch(computed_blocks)
-            held.extend(computed_blocks)
-            ids.extend([b.block_id for b in computed_blocks])
+            pool.touch(kept)
+            held.extend([None] * n_skip + kept)
+            ids.extend([NULL_BLOCK_ID] * n_skip + [b.block_id for b in kept])
             self.num_cached_blocks[rid] = n_hit
         if first and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
@@ -211,7 +272,7 @@ class KVCacheManager:
         """Give ``child`` the same block table as ``parent`` (every block gains a reference): the ``n`` samples of
         one prompt share its blocks; a later write into a shared partial block is copied first (copy-on-write)."""
         blocks = self.req_to_blocks[parent.request_id]
-        self.block_pool.touch(blocks)
+        self.block_pool.touch([b for b in blocks if b is not None])
         self.req_to_blocks[child.request_id] = list(blocks)
         self._block_ids[child.request_id] = list(self._block_ids[parent.request_id])
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
@@ -227,7 +288,8 @@ class KVCacheManager:
             return
         blocks, hashes = self.req_to_blocks[rid], self.block_hashes(request)
         for i in range(start, n_full):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+            if blocks[i] is not None:  # (a freed block was entered before it was freed)
+                self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[rid] = n_full
 
     def trim(self, request: SeqLike) -> None:
@@ -247,10 +309,11 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks([b for b in reversed(blocks) if b is not None])
 
     def get_block_ids(self, request: SeqLike) -> list[int]:
-        """The request's block table: physical block ids in logical order."""
+        """The request's block table: physical block ids in logical order (``NULL_BLOCK_ID`` for a block freed
+        behind its sliding window)."""
         return list(self._block_ids.get(request.request_id, ()))
 
     def stats(self, running: Iterable = ()) -> KVCacheStats:
@@ -272,15 +335,19 @@ class KVCacheManager:
         bs = self.block_size
         for r in running:
             for i, b in enumerate(self.req_to_blocks.get(r.request_id, ())):
+                if b is None:
+                    continue
                 n = min(bs, r.num_computed_tokens - i * bs)
                 if n > fill.get(b.block_id, 0):
                     fill[b.block_id] = n
         return sum(fill.values())
 
     def check_integrity(self) -> None:
-        """Assert the DESIGN.md invariants: sum(ref_cnt) == block-table entries; free + used == total."""
+        """Assert the DESIGN.md invariants: sum(ref_cnt) == block-table entries (placeholders of freed blocks not
+        counted); free + used == total."""
         self.block_pool.check_integrity()
-        entries = sum(len(b) for b in self.req_to_blocks.values())
-        assert self._block_ids == {rid: [b.block_id for b in t] for rid, t in self.req_to_blocks.items()}
+        entries = sum(sum(b is not None for b in t) for t in self.req_to_blocks.values())
+        assert self._block_ids == {rid: [NULL_BLOCK_ID if b is None else b.block_id for b in t]
+                                   for rid, t in self.req_to_blocks.items()}
         assert sum(b.ref_cnt for b in self.block_pool.blocks) == entries
         assert self.block_pool.num_free_blocks + self.block_pool.num_used_blocks == self.num_blocks

@@ -93,8 +93,10 @@ class LLMEngine:
             self.num_blocks * self.model.bytes_per_block(self.block_size, self.kv_cache_dtype) / 2**20,
             kv_dtype_name, self.max_model_len,
         )
+        window = KVCacheManager.shared_window(loaded.arch.layer_window(i)
+                                              for i in range(loaded.arch.num_hidden_layers))
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size,
-                                               config.cache_config.enable_prefix_caching)
+                                               config.cache_config.enable_prefix_caching, sliding_window=window)
         sampler = Sampler(self.eos_token_ids)
         spec = config.speculative_config
         self.speculator = self._make_speculator(spec, mc, sc, sampler) if spec is not None else None

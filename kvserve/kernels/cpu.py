@@ -70,13 +70,15 @@ def load():
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             for suffix in (f"{t}_{i}" for t in KV_SUFFIX.values() for i in ATTENTION_ISAS):
                 attend = getattr(lib, "kvserve_paged_attention_" + suffix)
-                attend.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [ctypes.c_float, ptr,
-                                                                                                  i64]
+                attend.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [
+                    ctypes.c_float, ptr, i64, i64, ctypes.c_float]  # ..., scale, out, out_stride, window, softcap
                 attend.restype = ctypes.c_int
-                fused = getattr(lib, "kvserve_rope_write_attend_" + suffix)
-                fused.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [
+                head = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [
                     ctypes.c_float, ptr, i64]
-                fused.restype = ctypes.c_int
+                fused = getattr(lib, "kvserve_rope_write_attend_" + suffix)
+                fused.argtypes, fused.restype = head, ctypes.c_int
+                fused_sw = getattr(lib, "kvserve_rope_write_attend_sw_" + suffix)
+                fused_sw.argtypes, fused_sw.restype = head + [i64, ctypes.c_float], ctypes.c_int
             lib.kvserve_rms_norm_f32.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
             lib.kvserve_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
             lib.kvserve_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
@@ -97,10 +99,12 @@ def attention_isa(cpu_isa: str = "auto") -> str:
     return "avx512"
 
 
-def attention_fn(kv_dtype: torch.dtype, isa: str, fused: bool = True):
-    """The library's ``kvserve_rope_write_attend_<type>_<isa>`` (``fused``) or ``kvserve_paged_attention_<...>``
-    function for a cache of ``kv_dtype`` (a key of ``KV_SUFFIX``) and an ``ATTENTION_ISAS`` build."""
-    name = "kvserve_rope_write_attend_" if fused else "kvserve_paged_attention_"
+def attention_fn(kv_dtype: torch.dtype, isa: str, fused: bool = True, windowed: bool = False):
+    """The library's ``kvserve_rope_write_attend_<type>_<isa>`` (``fused``; ``..._sw_...`` with ``windowed``: it
+    takes a sliding window and a soft-cap after the others) or ``kvserve_paged_attention_<...>`` function for a
+    cache of ``kv_dtype`` (a key of ``KV_SUFFIX``) and an ``ATTENTION_ISAS`` build."""
+    name = ("kvserve_rope_write_attend_sw_" if windowed else "kvserve_rope_write_attend_") if fused else \
+        "kvserve_paged_attention_"
     return getattr(_lib, f"{name}{KV_SUFFIX[kv_dtype]}_{isa}")
 
 
@@ -141,10 +145,11 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tens
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, q_start: torch.Tensor,
                     q_len: torch.Tensor, seq_len: torch.Tensor, scale: float, out: torch.Tensor,
-                    isa: str = "avx2") -> bool:
+                    isa: str = "avx2", sliding_window: Optional[int] = None,
+                    logit_softcap: Optional[float] = None) -> bool:
     """Causal attention of B requests' query rows over their paged K/V, written into ``out`` (``paged_attention.c``:
-    each row's result depends only on its query and the keys and values up to its position, never on the other rows,
-    the batch or the thread count).
+    each row's result depends only on its query and the keys and values in its window up to its position, never on
+    the other rows, the batch or the thread count).
 
     Args:
         q: ``[T, H_q, D]`` float32 (rows may be strided; each head's D floats contiguous).
@@ -155,6 +160,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             ``seq_len[b]`` keys, this step's included.
         out: ``[T, H_q, D]`` float32 contiguous; only the requests' rows are written.
         isa: the kernel's build, a key of ``ATTENTION_ISAS`` this CPU runs (``attention_isa``).
+        sliding_window: the row at position ``p`` sees keys ``p - sliding_window < j <= p`` (Hugging Face's
+            meaning); ``None``: every key up to ``p``.
+        logit_softcap: scores ``s`` become ``logit_softcap * tanh(s / logit_softcap)`` before the softmax (Gemma 2);
+            ``None``: no cap.
 
     Returns:
         ``False`` (nothing written) when the kernel cannot take these tensors (dtype, layout, D not a multiple of
@@ -170,8 +179,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     rc = attention_fn(kv_cache.dtype, isa, fused=False)(
         q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
         max_blocks, q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), b, h_q, h_kv, d, bs, scale,
-        out.data_ptr(), out.stride(0))
+        out.data_ptr(), out.stride(0), *mask_args(sliding_window, logit_softcap))
     return rc == 0
+
+
+def mask_args(sliding_window: Optional[int], logit_softcap: Optional[float]) -> tuple[int, float]:
+    """The kernels' ``(window, softcap)`` arguments: 0 for "none" (callers check the values:
+    ``kvserve.attention.base.check_mask``)."""
+    return int(sliding_window or 0), float(logit_softcap or 0.0)
 
 
 class RopeWriteAttend:
@@ -190,6 +205,7 @@ class RopeWriteAttend:
             requests to attend (as ``paged_attention``), or ``None`` for none.
         scale: softmax scale.
         isa: the kernel's build, a key of ``ATTENTION_ISAS`` this CPU runs (``attention_isa``).
+        sliding_window, logit_softcap: as ``paged_attention``'s (the same for every layer that uses this plan).
 
     Attributes:
         ok: whether the kernel can take this step (float32 tables, ``D`` a multiple of the build's width, ...); when
@@ -197,7 +213,8 @@ class RopeWriteAttend:
     """
 
     def __init__(self, num_heads: int, kv_shape: tuple, kv_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,
-                 slot_mapping: torch.Tensor, requests: Optional[tuple], scale: float, isa: str = "avx2"):
+                 slot_mapping: torch.Tensor, requests: Optional[tuple], scale: float, isa: str = "avx2",
+                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None):
         t = slot_mapping.shape[0]
         _, _, bs, h_kv, d = kv_shape
         tensors = (slot_mapping,) + (requests or ())
@@ -211,12 +228,14 @@ class RopeWriteAttend:
         self.kv_dtype = kv_dtype
         self._kv_half = kv_shape[1] * bs * h_kv * d * kv_dtype.itemsize  # bytes from a layer's K to its V
         self.isa = isa
-        self._fn = attention_fn(kv_dtype, isa) if self.ok else None
+        mask = mask_args(sliding_window, logit_softcap)
+        self._fn = attention_fn(kv_dtype, isa, windowed=mask != (0, 0)) if self.ok else None
         tables, q_start, q_len, seq_len = requests or (slot_mapping,) * 4  # not read without requests
         b, max_blocks = (0, 0) if requests is None else tables.shape
         self._head = (t, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr())
         self._tail = (tables.data_ptr(), max_blocks, q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), b,
                       num_heads, h_kv, d, bs, scale)
+        self._mask = mask if mask != (0, 0) else ()
 
     def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor,
                  out: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, bool]]:
@@ -237,7 +256,7 @@ class RopeWriteAttend:
             out = torch.empty(self.out_shape, dtype=torch.float32)
         k = kv_cache.data_ptr()
         rc = self._fn(qkv.data_ptr(), qkv.stride(0), *self._head, k, k + self._kv_half, *self._tail, out.data_ptr(),
-                      self.out_shape[1])
+                      self.out_shape[1], *self._mask)
         return out, rc == 0
 
 

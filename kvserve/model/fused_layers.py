@@ -132,6 +132,8 @@ class FusedLayerLoop:
         if d % 8 or hidden % 8 or inter % 8 or model.num_heads % model.num_kv_heads:
             return no("shapes the kernels do not take")
         nope = a.no_rope_layers is not None and not all(a.no_rope_layers)
+        if a.sliding_window is not None or a.attn_logit_softcapping is not None:
+            return no("a sliding window or attention-logit soft-capping: the Python loop passes them per layer")
         if a.hidden_act != "silu" or a.o_proj_bias or a.mlp_bias or a.qk_norm or a.scaled or nope:
             return no(f"{a.hidden_act} MLP, o_proj bias {a.o_proj_bias}, MLP bias {a.mlp_bias}, Q/K norm {a.qk_norm}, "
                       f"Granite multipliers {a.scaled}, NoPE layers {nope}: "

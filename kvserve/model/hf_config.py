@@ -15,14 +15,18 @@ from typing import Optional
 from kvserve.layers.rotary import ROPE_TYPES, RopeScaling
 from kvserve.model.base import HIDDEN_ACTS, ModelArch
 
+#: Qwen2 / Qwen3's window: with ``use_sliding_window``, ``sliding_window`` on the layers ``layer_types`` names, by
+#: default those from ``max_window_layers`` on (transformers' ``Qwen2Config``); without it, no window anywhere.
+_QWEN_WINDOW = {"use_sliding_window": (False, True), "sliding_window": None, "max_window_layers": None,
+                "layer_types": None}
 #: Per family: the math-changing fields it implements -> the values it takes (``None``: any value of the field's
 #: type; the loader reads it). RoPE fields are read by ``parse_rope``.
 FAMILY_FIELDS = {
     "LlamaForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True)},
-    "Qwen2ForCausalLM": {"hidden_act": HIDDEN_ACTS, "use_sliding_window": (False,)},
-    "Qwen3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "use_sliding_window": (False,)},
-    # Mistral 7B v0.2+ (no window): the Llama decoder; a sliding window is not implemented yet
-    "MistralForCausalLM": {"hidden_act": HIDDEN_ACTS, "sliding_window": (None,)},
+    "Qwen2ForCausalLM": {"hidden_act": HIDDEN_ACTS, **_QWEN_WINDOW},
+    "Qwen3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), **_QWEN_WINDOW},
+    # the Llama decoder; Mistral 7B v0.1's sliding window (4096) on every layer, v0.2+ none
+    "MistralForCausalLM": {"hidden_act": HIDDEN_ACTS, "sliding_window": None},
     "SmolLM3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True),
                            "use_sliding_window": (False,), "no_rope_layers": None, "no_rope_layer_interval": None},
     "GraniteForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True),
@@ -161,4 +165,22 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
         no_rope_layers=(tuple(int(x) for x in cfg["no_rope_layers"])
                         if architecture == "SmolLM3ForCausalLM" and cfg.get("no_rope_layers") else None),
+        **_window(cfg, architecture),
     )
+
+
+def _window(cfg: dict, architecture: str) -> dict:
+    """``ModelArch``'s ``sliding_window`` and ``layer_types`` as transformers reads them: Mistral windows every layer
+    (transformers ignores a Mistral's ``layer_types``; ``check_fields`` refuses one that is not all full); Qwen2/3
+    only with ``use_sliding_window``, on the layers of ``layer_types``, by default those with index
+    ``>= max_window_layers`` (default 28); other families: no window (``check_fields`` refused one)."""
+    window = cfg.get("sliding_window")
+    if architecture == "MistralForCausalLM":
+        return {"sliding_window": window}
+    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not (cfg.get("use_sliding_window") and window):
+        return {}
+    n, first = cfg["num_hidden_layers"], cfg.get("max_window_layers", 28)
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if "sliding_attention" not in types:  # (max_window_layers >= the layer count: no layer is windowed)
+        return {}
+    return {"sliding_window": int(window), "layer_types": tuple(types)}

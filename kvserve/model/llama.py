@@ -186,7 +186,8 @@ class LlamaModel:
             if w["qk_norm"] is not None:
                 qkv = self._qk_norm(qkv, *w["qk_norm"])
             attn = self.attn.forward_qkv(qkv, n_q, caches[i], meta, rope if uses_rope[i] else no_rope, batch, scale,
-                                         attn_buf)
+                                         attn_buf, sliding_window=a.layer_window(i),
+                                         logit_softcap=a.attn_logit_softcapping)
             o = w["o"](attn)
             if w["o_bias"] is not None:
                 o = o + w["o_bias"]

@@ -49,6 +49,9 @@ _GGUF_PERMUTED_QK = ("llama", "granite")
 #: Granite's scalars in a GGUF (``<arch>.`` key -> ``ModelArch`` field), read instead of refused.
 _GGUF_GRANITE_KEYS = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
                       "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
+#: Architectures whose ``<arch>.attention.sliding_window`` is read (a window on every layer: Mistral 7B v0.1, which
+#: llama.cpp converts as ``llama``); elsewhere it is refused (a Qwen2 GGUF does not say which layers it covers).
+_GGUF_WINDOWED = ("llama",)
 #: GGUF metadata keys (after ``<arch>.``) that change the math and are not implemented, with their "off" values.
 _GGUF_OFF_KEYS = {
     "attention.sliding_window": (None, 0),
@@ -244,7 +247,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         )
     a, where = arch_name, repr(str(path))
     for key, off in _GGUF_OFF_KEYS.items():
-        if a == "granite" and key in _GGUF_GRANITE_KEYS:
+        if (a == "granite" and key in _GGUF_GRANITE_KEYS) or (a in _GGUF_WINDOWED and key == "attention.sliding_window"):
             continue
         if field(f"{a}.{key}") not in off:
             raise ValueError(f"unsupported GGUF {a}.{key}={field(f'{a}.{key}')!r} in {where}: kvserve does not "
@@ -282,6 +285,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         mlp_bias=has("ffn_down"),
         rope_scaling=_gguf_rope_scaling(field, a, tensors, where),
         qk_norm=has("attn_q_norm", "weight"),
+        sliding_window=int(field(f"{a}.attention.sliding_window", 0)) or None if a in _GGUF_WINDOWED else None,
         **({f: float(field(f"{a}.{k}")) for k, f in _GGUF_GRANITE_KEYS.items() if field(f"{a}.{k}") is not None}
            if a == "granite" else {}),
     )

@@ -12,7 +12,7 @@ _MODELS = {
     "LlamaForCausalLM": "kvserve.model.llama:LlamaModel",
     "Qwen2ForCausalLM": "kvserve.model.qwen2:Qwen2Model",
     "Qwen3ForCausalLM": "kvserve.model.qwen3:Qwen3Model",
-    "MistralForCausalLM": "kvserve.model.llama:LlamaModel",  # v0.2+: Llama's math (a sliding window is refused)
+    "MistralForCausalLM": "kvserve.model.llama:LlamaModel",  # Llama's math with v0.1's sliding window
     "GraniteForCausalLM": "kvserve.model.granite:GraniteModel",
     "SmolLM3ForCausalLM": "kvserve.model.smollm3:SmolLM3Model",
 }

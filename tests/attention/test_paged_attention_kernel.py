@@ -24,8 +24,9 @@ def _pool(reqs, h_kv, d, bs, kv_dtype, seed=7):
     return cache, tables
 
 
-def _attend(q, cache, tables, rows, isa, threads=None):
-    """``rows``: per request ``(table index, first query row's position, query rows)``; q: those rows in order."""
+def _attend(q, cache, tables, rows, isa, threads=None, window=None, cap=None):
+    """``rows``: per request ``(table index, first query row's position, query rows)``; q: those rows in order;
+    ``window``, ``cap``: the kernel's sliding window and logit soft-cap."""
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i, _, _ in rows])
     q_len = torch.tensor([n for _, _, n in rows])
@@ -37,7 +38,7 @@ def _attend(q, cache, tables, rows, isa, threads=None):
         torch.set_num_threads(threads)  # the same OpenMP runtime as the kernels
     try:
         assert cpu_kernels.paged_attention(q, cache, block_tables, q_start, q_len, seq_len, q.shape[-1] ** -0.5,
-                                           out, isa)
+                                           out, isa, window, cap)
     finally:
         torch.set_num_threads(before)
     return out

@@ -275,15 +275,11 @@ def test_q5_0_tensors_stay_quantized(tmp_path, llama3, caplog):
     assert not any("dequantized to float32" in r.getMessage() for r in caplog.records)
 
 
-def test_mistral_without_a_window_is_llama_and_a_window_is_refused(tmp_path_factory, tokenizer):
+def test_mistral_without_a_window_is_llama(tmp_path_factory, tokenizer):
+    """(With a window: tests/model/test_sliding_window.py.)"""
     path, hf = _tiny(tmp_path_factory, tokenizer, "mistral", cls="Mistral", sliding_window=None, head_dim=16)
     assert load_model(str(path)).arch.architecture == "MistralForCausalLM"
     _check_parity(path, hf, tokenizer)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["sliding_window"] = 4096
-    (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"unsupported sliding_window=4096 for MistralForCausalLM"):
-        load_model(str(path))  # the cached load is keyed on config.json, rewritten above
 
 
 def test_granite_multipliers_match_transformers_from_hf_and_gguf(tmp_path_factory, tokenizer):
@@ -320,10 +316,9 @@ def test_a_qwen2_gguf_keeps_its_rows_and_biases(tmp_path_factory, tokenizer):
 
 @pytest.mark.parametrize("extra_tensors, extra_fields, message", [
     ([("blk.0.attn_q_norm.weight", np.ones(16, np.float32))], [], r"unknown GGUF tensor\(s\) \['blk.0.attn_q_norm"),
-    ([], [("llama.attention.sliding_window", 4096)], r"llama.attention.sliding_window=4096"),
     ([], [("llama.rope.dimension_count", 8)], r"rope.dimension_count=8"),
     ([], [("llama.expert_count", 8)], r"llama.expert_count=8"),
-], ids=["unknown-tensor", "sliding-window", "partial-rotary", "moe"])
+], ids=["unknown-tensor", "partial-rotary", "moe"])
 def test_gguf_fields_and_tensors_kvserve_does_not_implement_are_refused(tmp_path, llama3, extra_tensors,
                                                                         extra_fields, message):
     path = _write_gguf(tmp_path / "x.gguf", llama3[1], "llama", True, extra_tensors, extra_fields)

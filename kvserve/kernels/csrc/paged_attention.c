@@ -10,22 +10,33 @@
  * product (paged_attention_isa.h, qk_rows); then each row's softmax, exact and in float32 over all its keys (no
  * online rescaling), then the weighted sums of the values, a tile of rows and columns at a time (pv_rows).
  *
+ * Masks. Causal, optionally with a sliding window (Mistral, Gemma; Beltagy et al. 2020, Longformer): the row at
+ * position p sees the keys lo .. p, lo = max(0, p - window + 1) (Hugging Face's sliding_window: p - window < j <= p;
+ * window 0: lo = 0). Keys outside are never read for that row: no score, no exponential, no term in any sum -- not a
+ * masked value that could round to something other than nothing. Optional attention-logit soft-capping (Gemma 2):
+ * each score s becomes cap * tanh(s / cap) before the softmax (cap 0: none).
+ *
  * Batch invariance. Every number a query row produces is one fixed sequence of float operations on that row's query
- * and the keys and values at positions 0 .. its own:
+ * and the keys and values at positions lo .. its own:
  *   score_j  = sum over k = 0 .. d-1 in order of (q_k * scale) * K_jk, one FMA per term from zero;
- *   p_j      = e^(score_j - max) * (1 / sum), the sum over lanes (j mod W) in ascending j, then a fixed lane tree;
- *   out_c    = sum over j = 0 .. position in order of p_j * V_jc, one FMA per term from zero.
+ *              with a cap, then cap * tanh(score_j / cap) (simd.h's tanh, each lane on its own);
+ *   p_j      = e^(score_j - max) * (1 / sum), the sum over lanes ((j - lo) mod W) in ascending j, then a fixed lane
+ *              tree;
+ *   out_c    = sum over j = lo .. position in order of p_j * V_jc, one FMA per term from zero.
+ * lo depends on the row's position and the window only, so a key tile outside the windows of all a task's rows is
+ * not computed, and a task starts its key walk at its first row's lo: neither changes any row's sequence.
  * No reduction is split across tiles, tasks or threads, so the result does not depend on the chunk the row arrived
  * in, the other rows of its request or of the step, the batch, the tiling or the thread count. With row-wise
  * matmuls, norms and RoPE, a token's logits are then bit-identical however it is scheduled. The two builds round
  * differently (W = 8 or 16 lanes in the softmax sum), so results are identical per ISA, not across ISAs.
  *
- * kvserve_rope_write_attend_<type>_<isa> is a decoder layer's whole attention step after the fused Q/K/V
+ * kvserve_rope_write_attend_sw_<type>_<isa> (and kvserve_rope_write_attend_<...>, the same without a window or a
+ * cap) is a decoder layer's whole attention step after the fused Q/K/V
  * projection in one call (RoPE on q and k, the K/V write into the cache slots, this kernel), so a layer makes one
  * call instead of a dozen PyTorch ops (each a dispatch and a new tensor) and a kernel call.
  *
  * Causality: query row i of a request with q_len rows and seq_len keys sits at position seq_len - q_len + i and
- * sees keys 0..that position.
+ * sees keys lo..that position (Masks, above).
  *
  * Layout: k_cache, v_cache: [num_blocks, block_size, H_kv, D] (one layer's K or V); q: row t, head h at
  * q + t * q_stride + h * D; out: row t, head h at out + t * out_stride + h * D. D must be a multiple of 8 (AVX2) or
@@ -33,7 +44,7 @@
  *
  * The cache's element type and the ISA are template parameters: paged_attention_isa.h is included once per ISA and
  * paged_attention_kv.h once per (ISA, type), defining kvserve_paged_attention_<type>_<isa> and
- * kvserve_rope_write_attend_<type>_<isa> (type f32, bf16; isa avx2, avx512). A bfloat16 cache halves the bytes a
+ * kvserve_rope_write_attend[_sw]_<type>_<isa> (type f32, bf16; isa avx2, avx512). A bfloat16 cache halves the bytes a
  * decode step reads (attention of many long contexts is bound by reading them): keys and values are rounded to
  * bfloat16 when written (round to nearest even, as PyTorch's float -> bfloat16 cast, so the reference path reads
  * the same values) and widened to float32 exactly when read.
@@ -113,6 +124,11 @@ __attribute__((optimize("fp-contract=off"))) static void rope_heads(float *x, in
 
 #define PARALLEL_MIN_ROPE_FLOATS 65536
 
+/* The first key the query at position pos sees: pos - window + 1, or 0 (window 0: no window; Masks, above). */
+static inline int64_t first_key(int64_t pos, int64_t window) {
+    return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+}
+
 /* Tasks with at least this many multiply-adds (queries x keys x D) in all are split over OpenMP threads; below it
  * one thread does them all (a decode step of one short request: waking a second thread costs more than it saves). */
 #define PARALLEL_MIN_MACS (256 * 1024)
@@ -159,8 +175,10 @@ static inline void transpose8(__m256 *r) {
 #define VADD _mm256_add_ps
 #define VSUB _mm256_sub_ps
 #define VMUL _mm256_mul_ps
+#define VDIV _mm256_div_ps
 #define VMAX _mm256_max_ps
 #define VEXP exp256
+#define VTANH tanh256
 #define VHSUM hsum
 #define VHMAX hmax8
 #define VKEEP keep8
@@ -191,8 +209,10 @@ static inline void transpose8(__m256 *r) {
 #undef VADD
 #undef VSUB
 #undef VMUL
+#undef VDIV
 #undef VMAX
 #undef VEXP
+#undef VTANH
 #undef VHSUM
 #undef VHMAX
 #undef VKEEP
@@ -217,6 +237,11 @@ T512 static inline float hsum16(__m512 v) {
 T512 static inline float hmax16(__m512 v) { return _mm512_reduce_max_ps(v); }
 /* e^x for 16 floats (simd.h's method). */
 KVSERVE_DEFINE_EXP(exp512, T512, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
+T512 static inline __m512 select_lt512(__m512 a, __m512 c, __m512 lt, __m512 ge) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, c, _CMP_LT_OQ), ge, lt);
+}
+/* tanh x for 16 floats (simd.h's method). */
+KVSERVE_DEFINE_TANH(tanh512, T512, __m512, _mm512, exp512, select_lt512)
 /* r[0..16) transposed in place (16 x 16 floats): 4 x 4 blocks within each 128-bit lane, then the lanes. */
 T512 static inline void transpose16(__m512 *r) {
     __m512 t[16];
@@ -254,8 +279,10 @@ T512 static inline void transpose16(__m512 *r) {
 #define VADD _mm512_add_ps
 #define VSUB _mm512_sub_ps
 #define VMUL _mm512_mul_ps
+#define VDIV _mm512_div_ps
 #define VMAX _mm512_max_ps
 #define VEXP exp512
+#define VTANH tanh512
 #define VHSUM hsum16
 #define VHMAX hmax16
 #define VKEEP keep16

@@ -3,8 +3,8 @@
  *   TGT           the functions' attribute (a target("...") for AVX-512; empty for AVX2, the library's baseline);
  *   ISA(x)        x with the ISA's suffix (x##_avx2, x##_avx512);
  *   W             float lanes per vector (8, 16); V the vector type;
- *   VZERO, VSET1(x), VLOAD(p), VSTORE(p, v), VFMA(a, b, c) (= a * b + c, one rounding), VADD, VSUB, VMUL, VMAX,
- *   VEXP(v) (e^v per lane), VHSUM(v) (the lanes' sum in a fixed tree), VHMAX(v) (the largest lane),
+ *   VZERO, VSET1(x), VLOAD(p), VSTORE(p, v), VFMA(a, b, c) (= a * b + c, one rounding), VADD, VSUB, VMUL, VDIV,
+ *   VMAX, VEXP(v) (e^v per lane), VTANH(v) (tanh v per lane), VHSUM(v) (the lanes' sum in a fixed tree), VHMAX(v) (the largest lane),
  *   VKEEP(v, n)   v with lanes n.. set to 0 (0 <= n <= W), VTRANSPOSE(r) (an array of W vectors transposed in place).
  *
  * Every function below computes each output element with one fixed sequence of float operations that depends only
@@ -53,11 +53,15 @@ TGT static void ISA(qk_tile)(const float *q, int64_t rows, const float *kt, int6
     }
 }
 
-/* p[0..n) = softmax(p[0..n)) in place (n >= 1; p readable up to n rounded up to W): m = max p, e_j = e^(p_j - m),
- * sum = the lane sums (lane l adds e_j for j = l mod W in ascending j, from zero) in VHSUM's tree, p_j = e_j * (1 / sum).
- */
-TGT static void ISA(softmax)(float *p, int64_t n) {
+/* p[0..n) = softmax(p[0..n)) in place (n >= 1; p readable and writable up to n rounded up to W): with cap > 0,
+ * first p_j = cap * tanh(p_j / cap) (soft-capping); then m = max p, e_j = e^(p_j - m), sum = the lane sums (lane l
+ * adds e_j for j = l mod W in ascending j, from zero) in VHSUM's tree, p_j = e_j * (1 / sum). */
+TGT static void ISA(softmax)(float *p, int64_t n, float cap) {
     const int64_t full = n / W * W;
+    if (cap > 0) {
+        const V c = VSET1(cap);
+        for (int64_t j = 0; j < n; j += W) VSTORE(p + j, VMUL(c, VTANH(VDIV(VLOAD(p + j), c))));
+    }
     V mv = VSET1(-INFINITY);
     for (int64_t j = 0; j < full; j += W) mv = VMAX(mv, VLOAD(p + j));
     float m = VHMAX(mv);

@@ -22,18 +22,26 @@ TGT static void FN(load_kt)(const KV_T *k_cache, const int64_t *slot, int64_t j0
 
 /* Weighted sums of nr (<= PV_ROWS) rows over columns [c, c + nv W) (nv <= PV_VECS; both compile-time constants
  * where inlined):
- * out_r[c'] = sum over keys j = 0 .. n[r]-1, in order, of p_r[j] * v[j][c'] (one FMA per term, from zero), with
- * p_r = p + r * p_stride, out_r = out[r], v[j] = v_cache + slot[j]. n is ascending (n[0] the least): the keys all
- * rows see are taken together (each value vector loaded once for nr rows), then each row's remaining keys alone;
- * each element's chain is the same either way. */
+ * out_r[c'] = sum over keys j = lo[r] .. n[r]-1, in order, of p_r[j] * v[j][c'] (one FMA per term, from zero), with
+ * p_r = p + r * p_stride, out_r = out[r], v[j] = v_cache + slot[j]. lo and n are ascending (a = lo[nr-1] the
+ * greatest first key, b = n[0] the least end): each row's keys before a alone, then the keys [a, b) all rows see
+ * together (each value vector loaded once for nr rows), then each row's keys from max(a, b) alone; each element's
+ * chain is the same either way. */
 TGT static inline __attribute__((always_inline)) void FN(pv_rows)(const float *p, int64_t p_stride, int nr,
-                                                                   const int64_t *n, const KV_T *v_cache,
-                                                                   const int64_t *slot, int64_t c, int nv,
-                                                                   float **out) {
+                                                                   const int64_t *lo, const int64_t *n,
+                                                                   const KV_T *v_cache, const int64_t *slot,
+                                                                   int64_t c, int nv, float **out) {
     V acc[PV_ROWS][PV_VECS];
-    for (int r = 0; r < nr; r++)
+    const int64_t a = lo[nr - 1], b = n[0];
+    for (int r = 0; r < nr; r++) {
         for (int u = 0; u < nv; u++) acc[r][u] = VZERO;
-    for (int64_t j = 0; j < n[0]; j++) {
+        for (int64_t j = lo[r], e = a < n[r] ? a : n[r]; j < e; j++) {
+            const KV_T *v = v_cache + slot[j] + c;
+            const V w = VSET1(p[r * p_stride + j]);
+            for (int u = 0; u < nv; u++) acc[r][u] = VFMA(w, KV_LOADV(v + u * W), acc[r][u]);
+        }
+    }
+    for (int64_t j = a; j < b; j++) {
         const KV_T *v = v_cache + slot[j] + c;
         V x[PV_VECS];
         for (int u = 0; u < nv; u++) x[u] = KV_LOADV(v + u * W);
@@ -42,8 +50,8 @@ TGT static inline __attribute__((always_inline)) void FN(pv_rows)(const float *p
             for (int u = 0; u < nv; u++) acc[r][u] = VFMA(b, x[u], acc[r][u]);
         }
     }
-    for (int r = 1; r < nr; r++)
-        for (int64_t j = n[0]; j < n[r]; j++) {
+    for (int r = 0; r < nr; r++)
+        for (int64_t j = a > b ? a : b; j < n[r]; j++) {
             const KV_T *v = v_cache + slot[j] + c;
             const V b = VSET1(p[r * p_stride + j]);
             for (int u = 0; u < nv; u++) acc[r][u] = VFMA(b, KV_LOADV(v + u * W), acc[r][u]);
@@ -53,15 +61,15 @@ TGT static inline __attribute__((always_inline)) void FN(pv_rows)(const float *p
 }
 
 /* pv_rows over every column of d (a multiple of W) for nr rows: tiles of PV_VECS vectors, then single vectors. */
-#define PV_CASES(c, nv)                                                          \
-    switch (nr) {                                                                \
-    case 4: FN(pv_rows)(p, p_stride, 4, n, v_cache, slot, c, nv, out); break;    \
-    case 3: FN(pv_rows)(p, p_stride, 3, n, v_cache, slot, c, nv, out); break;    \
-    case 2: FN(pv_rows)(p, p_stride, 2, n, v_cache, slot, c, nv, out); break;    \
-    default: FN(pv_rows)(p, p_stride, 1, n, v_cache, slot, c, nv, out); break;   \
+#define PV_CASES(c, nv)                                                              \
+    switch (nr) {                                                                    \
+    case 4: FN(pv_rows)(p, p_stride, 4, lo, n, v_cache, slot, c, nv, out); break;    \
+    case 3: FN(pv_rows)(p, p_stride, 3, lo, n, v_cache, slot, c, nv, out); break;    \
+    case 2: FN(pv_rows)(p, p_stride, 2, lo, n, v_cache, slot, c, nv, out); break;    \
+    default: FN(pv_rows)(p, p_stride, 1, lo, n, v_cache, slot, c, nv, out); break;   \
     }
-TGT static void FN(pv_tile)(const float *p, int64_t p_stride, int64_t nr, const int64_t *n, const KV_T *v_cache,
-                            const int64_t *slot, int64_t d, float **out) {
+TGT static void FN(pv_tile)(const float *p, int64_t p_stride, int64_t nr, const int64_t *lo, const int64_t *n,
+                            const KV_T *v_cache, const int64_t *slot, int64_t d, float **out) {
     int64_t c = 0;
     for (; c + PV_VECS * W <= d; c += PV_VECS * W) PV_CASES(c, PV_VECS)
     for (; c < d; c += W) PV_CASES(c, 1)
@@ -69,21 +77,25 @@ TGT static void FN(pv_tile)(const float *p, int64_t p_stride, int64_t nr, const 
 #undef PV_CASES
 
 /* One task: KV head kh of request r, its query tokens i0 .. i1-1 (of n, the first at position first = L - n, so
- * token i sees keys 0 .. first + i), all G query heads of kh: rows (i - i0) * G + e. The keys of each key tile are
- * transposed once for all the task's rows; the scores of a row stay in scratch until its softmax, then its weighted
- * sum. Scratch: slots [L1], scaled queries [R][d], the key tile [d][KT], scores [R][L1 rounded up to KT], with
- * L1 = first + i1 the keys the last row sees. Returns 0, or -1 when the scratch could not be allocated. */
+ * token i sees keys lo_i .. first + i, lo_i = first_key(first + i, window)), all G query heads of kh: rows
+ * (i - i0) * G + e. The task's keys are base = lo_i0 .. L1 - 1 with L1 = first + i1 (the keys the last row sees);
+ * below, key j is at index j - base of slot and of each row's scores. The keys of each key tile are transposed once
+ * for the task's rows whose windows reach it; the scores of a row stay in scratch until its softmax (soft-capped
+ * when cap > 0), then its weighted sum. Scratch: slots [L1 - base], scaled queries [R][d], the key tile [d][KT],
+ * scores [R][Lp] (Lp: L1 - base plus a vector's slack, rounded up to KT). Returns 0, or -1 when the scratch could
+ * not be allocated. */
 TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,
                                const int64_t *table, int64_t n, int64_t L, int64_t i0, int64_t i1, int64_t kh,
-                               int64_t G, int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
-                               int64_t out_stride) {
-    const int64_t first = L - n, L1 = first + i1, Lp = (L1 + KT - 1) / KT * KT, R = (i1 - i0) * G;
-    int64_t *slot = malloc(sizeof(int64_t) * (size_t)L1 + 64 +
-                           sizeof(float) * (size_t)(R * d + d * KT + R * Lp));
+                               int64_t G, int64_t h_kv, int64_t d, int64_t block_size, float scale, int64_t window,
+                               float cap, float *out, int64_t out_stride) {
+    const int64_t first = L - n, L1 = first + i1, R = (i1 - i0) * G, base = first_key(first + i0, window);
+    const int64_t nk = L1 - base, Lp = (nk + W + KT - 1) / KT * KT;
+    int64_t *slot = malloc(sizeof(int64_t) * (size_t)nk + 64 + sizeof(float) * (size_t)(R * d + d * KT + R * Lp));
     if (!slot) return -1;
-    float *qs = (float *)(((uintptr_t)(slot + L1) + 63) & ~(uintptr_t)63), *kt = qs + R * d, *s = kt + d * KT;
+    float *qs = (float *)(((uintptr_t)(slot + nk) + 63) & ~(uintptr_t)63), *kt = qs + R * d, *s = kt + d * KT;
     const int64_t row = h_kv * d;
-    for (int64_t j = 0, b = 0, o = 0; j < L1; j++) { /* the block table walked once, without a division per key */
+    /* the block table walked once from key base, without a division per key */
+    for (int64_t j = 0, b = base / block_size, o = base % block_size; j < nk; j++) {
         slot[j] = (table[b] * block_size + o) * row + kh * d;
         if (++o == block_size) { o = 0; b++; }
     }
@@ -93,23 +105,31 @@ TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_c
             float *dst = qs + ((i - i0) * G + e) * d;
             for (int64_t k = 0; k < d; k++) dst[k] = src[k] * scale;
         }
-    for (int64_t j0 = 0; j0 < L1; j0 += KT) {
-        FN(load_kt)(k_cache, slot, j0, L1 - j0 < KT ? L1 - j0 : KT, d, kt);
-        /* the rows that see key j0: tokens from max(i0, j0 - first) */
-        const int64_t i_lo = j0 - first > i0 ? j0 - first : i0, r0 = (i_lo - i0) * G;
-        ISA(qk_tile)(qs + r0 * d, R - r0, kt, d, s + r0 * Lp + j0, Lp);
+    for (int64_t j0 = 0; j0 < nk; j0 += KT) {
+        /* the rows that see a key of j0 .. j0 + KT - 1 (absolute: + base): tokens from max(i0, first key - first)
+         * up to those whose window starts at or before the tile's last key */
+        const int64_t ja = base + j0, i_lo = ja - first > i0 ? ja - first : i0;
+        const int64_t i_hi = window > 0 && ja + KT - 1 + window - first < i1 ? ja + KT - 1 + window - first : i1;
+        if (i_hi <= i_lo) continue;
+        FN(load_kt)(k_cache, slot, j0, nk - j0 < KT ? nk - j0 : KT, d, kt);
+        const int64_t r0 = (i_lo - i0) * G;
+        ISA(qk_tile)(qs + r0 * d, (i_hi - i_lo) * G, kt, d, s + r0 * Lp + j0, Lp);
     }
-    int64_t nn[PV_ROWS];
+    int64_t ll[PV_ROWS], nn[PV_ROWS];
     float *o[PV_ROWS];
-    for (int64_t r = 0; r < R; r++) ISA(softmax)(s + r * Lp, first + i0 + r / G + 1);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t pos = first + i0 + r / G, lo = first_key(pos, window) - base;
+        ISA(softmax)(s + r * Lp + lo, pos + 1 - base - lo, cap);
+    }
     for (int64_t r = 0; r < R; r += PV_ROWS) {
         const int64_t nr = R - r < PV_ROWS ? R - r : PV_ROWS;
         for (int64_t t = 0; t < nr; t++) {
             const int64_t i = i0 + (r + t) / G, e = (r + t) % G;
-            nn[t] = first + i + 1;
+            ll[t] = first_key(first + i, window) - base;
+            nn[t] = first + i + 1 - base;
             o[t] = out + i * out_stride + (kh * G + e) * d;
         }
-        FN(pv_tile)(s + r * Lp, Lp, nr, nn, v_cache, slot, d, o);
+        FN(pv_tile)(s + r * Lp, Lp, nr, ll, nn, v_cache, slot, d, o);
     }
     free(slot);
     return 0;
@@ -120,16 +140,18 @@ TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_c
 TGT static int FN(attend)(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,
                           const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
                           const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q, int64_t h_kv,
-                          int64_t d, int64_t block_size, float scale, float *out, int64_t out_stride) {
+                          int64_t d, int64_t block_size, float scale, int64_t window, float cap, float *out,
+                          int64_t out_stride) {
     const int64_t G = h_q / h_kv;
     int64_t macs = 0, n_tasks = 0, max_len = 1;
     for (int64_t r = 0; r < num_reqs; r++) max_len = seq_len[r] > max_len ? seq_len[r] : max_len;
-    /* query tokens per task: about TASK_ROWS rows, fewer where the scores would pass TASK_SCORE_FLOATS */
-    int64_t qb = TASK_ROWS / G;
-    if (qb * G * max_len > TASK_SCORE_FLOATS) qb = TASK_SCORE_FLOATS / (G * max_len);
+    /* query tokens per task: about TASK_ROWS rows, fewer where the scores would pass TASK_SCORE_FLOATS (a task's
+     * keys: at most its tokens plus the window) */
+    int64_t qb = TASK_ROWS / G, keys = window > 0 && window + TASK_ROWS < max_len ? window + TASK_ROWS : max_len;
+    if (qb * G * keys > TASK_SCORE_FLOATS) qb = TASK_SCORE_FLOATS / (G * keys);
     qb = qb < 1 ? 1 : qb;
     for (int64_t r = 0; r < num_reqs; r++) {
-        macs += q_len[r] * seq_len[r];
+        macs += q_len[r] * (window > 0 && window + q_len[r] < seq_len[r] ? window + q_len[r] : seq_len[r]);
         n_tasks += (q_len[r] + qb - 1) / qb * h_kv;
     }
     macs *= h_q * d;
@@ -148,20 +170,21 @@ TGT static int FN(attend)(const float *q, int64_t q_stride, const KV_T *k_cache,
         const int64_t i0 = blk * qb, i1 = i0 + qb < q_len[r] ? i0 + qb : q_len[r];
         failed |= FN(attend_task)(q + q_start[r] * q_stride, q_stride, k_cache, v_cache,
                                   block_tables + r * max_blocks, q_len[r], seq_len[r], i0, i1, local % h_kv, G, h_kv,
-                                  d, block_size, scale, out + q_start[r] * out_stride, out_stride) != 0;
+                                  d, block_size, scale, window, cap, out + q_start[r] * out_stride, out_stride) != 0;
     }
     free(task0);
     return failed ? -1 : 0;
 }
 
-/* The kernel above for rows q (row stride q_stride floats) written to out (row stride out_stride). */
+/* The kernel above for rows q (row stride q_stride floats) written to out (row stride out_stride); window: the
+ * sliding window in keys (0: none), softcap: the attention-logit cap (0: none). */
 int FN(kvserve_paged_attention)(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                 const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
                                 const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
                                 int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
-                                int64_t out_stride) {
+                                int64_t out_stride, int64_t window, float softcap) {
     return FN(attend)(q, q_stride, (const KV_T *)k_cache, (const KV_T *)v_cache, block_tables, max_blocks, q_start,
-                      q_len, seq_len, num_reqs, h_q, h_kv, d, block_size, scale, out, out_stride);
+                      q_len, seq_len, num_reqs, h_q, h_kv, d, block_size, scale, window, softcap, out, out_stride);
 }
 
 /* One attention layer's work after the fused Q/K/V projection, in one call:
@@ -170,14 +193,15 @@ int FN(kvserve_paged_attention)(const float *q, int64_t q_stride, const void *k_
  *   2. each row's key and value heads stored (KV_STORE_ROW) into cache slot slot_mapping[t] (k_cache, v_cache:
  *      [slots, H_kv, d] of KV_T);
  *   3. attention of the num_reqs requests given (0: none) over their paged K/V into out (row stride out_stride),
- *      as kvserve_paged_attention_<type>_<isa>. Rows of other requests are not written.
+ *      as kvserve_paged_attention_<type>_<isa> (with its window and softcap). Rows of other requests are not
+ *      written.
  * Returns 0, or -1 when step 3 could not allocate scratch memory (steps 1 and 2 are then done, out not written). */
-int FN(kvserve_rope_write_attend)(float *qkv, int64_t qkv_stride, int64_t T, const float *cos, const float *sin,
-                                  const int64_t *slot_mapping, void *k_cache, void *v_cache,
-                                  const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
-                                  const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
-                                  int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
-                                  int64_t out_stride) {
+int FN(kvserve_rope_write_attend_sw)(float *qkv, int64_t qkv_stride, int64_t T, const float *cos, const float *sin,
+                                     const int64_t *slot_mapping, void *k_cache, void *v_cache,
+                                     const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
+                                     const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
+                                     int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
+                                     int64_t out_stride, int64_t window, float softcap) {
     const int64_t row = h_kv * d;
 #pragma omp parallel for schedule(static) if (T * (h_q + h_kv) * d >= PARALLEL_MIN_ROPE_FLOATS)
     for (int64_t t = 0; t < T; t++) {
@@ -188,7 +212,20 @@ int FN(kvserve_rope_write_attend)(float *qkv, int64_t qkv_stride, int64_t T, con
     }
     if (num_reqs == 0) return 0;
     return FN(attend)(qkv, qkv_stride, (const KV_T *)k_cache, (const KV_T *)v_cache, block_tables, max_blocks,
-                      q_start, q_len, seq_len, num_reqs, h_q, h_kv, d, block_size, scale, out, out_stride);
+                      q_start, q_len, seq_len, num_reqs, h_q, h_kv, d, block_size, scale, window, softcap, out,
+                      out_stride);
+}
+
+/* kvserve_rope_write_attend_sw with no window and no cap (the signature decoder.c's layer loop calls). */
+int FN(kvserve_rope_write_attend)(float *qkv, int64_t qkv_stride, int64_t T, const float *cos, const float *sin,
+                                  const int64_t *slot_mapping, void *k_cache, void *v_cache,
+                                  const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
+                                  const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
+                                  int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
+                                  int64_t out_stride) {
+    return FN(kvserve_rope_write_attend_sw)(qkv, qkv_stride, T, cos, sin, slot_mapping, k_cache, v_cache,
+                                            block_tables, max_blocks, q_start, q_len, seq_len, num_reqs, h_q, h_kv, d,
+                                            block_size, scale, out, out_stride, 0, 0.0f);
 }
 
 #undef KV_T

@@ -36,4 +36,29 @@ static inline float hsum(__m256 v) {
 /* e^x for 8 floats (AVX2 + FMA). */
 KVSERVE_DEFINE_EXP(exp256, , __m256, __m256i, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
 
+/* tanh x per lane, by Cephes tanhf's method: with a = |x|, a + a^3 P(a^2) (a degree-4 polynomial in a^2) for
+ * a < 0.625, else 1 - 2 / (e^(2a) + 1) (EXP, the e^x above: saturates to 1 for large a), the sign of x put back.
+ * Relative error a few float32 ulps; one fixed sequence of operations per lane. SELECT_LT(a, c, lt, ge): per lane,
+ * lt where a < c, else ge. Other parameters as KVSERVE_DEFINE_EXP's. */
+#define KVSERVE_DEFINE_TANH(NAME, ATTR, V, P, EXP, SELECT_LT)                                                      \
+    ATTR static inline V NAME(V x) {                                                                                \
+        const V sign = P##_set1_ps(-0.0f), one = P##_set1_ps(1.0f);                                                 \
+        const V a = P##_andnot_ps(sign, x), z = P##_mul_ps(a, a);                                                   \
+        V p = P##_set1_ps(-5.70498872745e-3f);                                                                       \
+        p = P##_fmadd_ps(p, z, P##_set1_ps(2.06390887954e-2f));                                                     \
+        p = P##_fmadd_ps(p, z, P##_set1_ps(-5.37397155531e-2f));                                                    \
+        p = P##_fmadd_ps(p, z, P##_set1_ps(1.33314422036e-1f));                                                     \
+        p = P##_fmadd_ps(p, z, P##_set1_ps(-3.33332819422e-1f));                                                    \
+        const V small = P##_fmadd_ps(P##_mul_ps(p, z), a, a);                                                       \
+        const V e = EXP(P##_add_ps(a, a));                                                                          \
+        const V large = P##_sub_ps(one, P##_div_ps(P##_set1_ps(2.0f), P##_add_ps(e, one)));                         \
+        return P##_or_ps(SELECT_LT(a, P##_set1_ps(0.625f), small, large), P##_and_ps(sign, x));                     \
+    }
+
+static inline __m256 select_lt256(__m256 a, __m256 c, __m256 lt, __m256 ge) {
+    return _mm256_blendv_ps(ge, lt, _mm256_cmp_ps(a, c, _CMP_LT_OQ));
+}
+/* tanh x for 8 floats (AVX2 + FMA). */
+KVSERVE_DEFINE_TANH(tanh256, , __m256, _mm256, exp256, select_lt256)
+
 #endif
