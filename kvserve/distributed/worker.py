@@ -41,6 +41,8 @@ class ShardSpec:
         port: the rendezvous port on 127.0.0.1.
         kv_cache_dtype: the pool's element type, ``"float32"`` / ``"bfloat16"`` (resolved: never ``"auto"``).
         kernel_config: the engine's ``KernelConfig`` (every rank computes as rank 0 does).
+        max_model_len: the engine's configured ``max_model_len`` (``None``: the model's context): it fixes the
+            RoPE schemes that depend on it, the same on every rank (``registry.build_model``).
     """
 
     model: str
@@ -55,6 +57,7 @@ class ShardSpec:
     port: int
     kv_cache_dtype: str = "float32"
     kernel_config: Optional[KernelConfig] = None
+    max_model_len: Optional[int] = None
 
     def group(self, rank: int) -> TensorParallelGroup:
         """Rank ``rank``'s (not yet joined) ``TensorParallelGroup``."""
@@ -70,7 +73,7 @@ def build_shard(spec: ShardSpec, group: TensorParallelGroup) -> CausalLM:
     loaded = load_model(spec.model, spec.dtype, keep_quantized=spec.quantization != "fp32", weights_only=True)
     backends = select_backends(spec.device, loaded.weights["model.norm.weight"].dtype, spec.quantization,
                                spec.kernel_config, parallel=group)
-    return build_model(loaded, backends)
+    return build_model(loaded, backends, spec.max_model_len)
 
 
 def worker_plan(plan: SchedulerOutput) -> SchedulerOutput:

@@ -76,7 +76,7 @@ class LLMEngine:
             tp_group = TensorParallelGroup(0, tp, timedelta(seconds=pc.distributed_timeout_seconds))
         self.backends = select_backends(mc.device, loaded.weights["model.norm.weight"].dtype, quantization,
                                         config.kernel_config, parallel=tp_group)
-        self.model = build_model(loaded, self.backends)
+        self.model = build_model(loaded, self.backends, mc.max_model_len)
         logger.info("%s: %s", self.arch.architecture,
                     self.backends.describe(self.model.layers[0]["qkv"], self.model.lm_head))
         lim = self.limits = derive_limits(  # the model's dtype is mc.dtype (load_model casts)
@@ -108,7 +108,7 @@ class LLMEngine:
 
             shard_spec = ShardSpec(str(loaded.path), mc.dtype, quantization, mc.device, mc.num_threads,
                                    self.num_blocks, self.block_size, tp, pc.distributed_timeout_seconds, free_port(),
-                                   kv_dtype_name, config.kernel_config)
+                                   kv_dtype_name, config.kernel_config, mc.max_model_len)
             self.model_runner = TensorParallelExecutor(self.model, sampler, shard_spec, tp_group)
         else:
             self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, device=mc.device,
@@ -163,7 +163,7 @@ class LLMEngine:
                     f"(vocab_size {loaded.arch.vocab_size}) from the target {str(self.model_path)!r} "
                     f"(vocab_size {self.arch.vocab_size}); a draft model must share the target's tokenizer"
                 )
-            draft = build_model(loaded, self.backends)
+            draft = build_model(loaded, self.backends, mc.max_model_len)
         num_blocks = draft_pool_blocks(self.num_blocks, sc.max_num_seqs, spec.num_speculative_tokens, self.block_size)
         cost = relative_cost(draft, self.model)
         logger.info("draft model: %d layers, %.2f of the target's cost per token; draft KV pool %d blocks",

@@ -32,9 +32,21 @@ FAMILY_FIELDS = {
     "GraniteForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True),
                            "embedding_multiplier": None, "residual_multiplier": None, "attention_multiplier": None,
                            "logits_scaling": None},
+    # Phi-3 / 3.5 / Phi-4-mini: fused qkv_proj and gate_up_proj, LongRoPE, partial rotary; a sliding_window is
+    # taken only when it covers max_position_embeddings (arch_from_config)
+    "Phi3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "partial_rotary_factor": None, "sliding_window": None},
+    # OLMo 2: post-attention and post-MLP norms, Q/K RMSNorm over the whole projection
+    "Olmo2ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True)},
 }
+#: Mixture-of-experts architectures (Hugging Face names), refused as such (``check_not_moe``).
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                     "PhimoeForCausalLM", "PhiMoEForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DbrxForCausalLM", "JambaForCausalLM",
+                     "GptOssForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
+                     "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM")
 #: Families with Llama's ``attention_bias`` (Q/K/V and o_proj) and ``mlp_bias``.
-_LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
+_LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
+                 "Olmo2ForCausalLM")
 
 #: Fields of other families (or of features not built yet) that change the math, and the values that mean "off";
 #: any other value is refused.
@@ -63,18 +75,35 @@ _ROPE_KEYS = {
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
     "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
              "mscale_all_dim", "truncate"},
+    "dynamic": {"factor"},
+    "longrope": {"short_factor", "long_factor", "factor", "original_max_position_embeddings", "attention_factor"},
 }
-_ROPE_REQUIRED = {"linear": {"factor"}, "llama3": _ROPE_KEYS["llama3"], "yarn": {"factor"}}
+_ROPE_REQUIRED = {"linear": {"factor"}, "llama3": _ROPE_KEYS["llama3"], "yarn": {"factor"}, "dynamic": {"factor"},
+                  "longrope": {"short_factor", "long_factor"}}
+#: Families that implement ``partial_rotary_factor`` (their model reorders the Q/K rows: ``partial_rotary_rows``).
+_PARTIAL_ROTARY = ("Phi3ForCausalLM",)
+#: Older Phi-3 configs' names of LongRoPE, read as transformers' ``Phi3Config`` reads them.
+_PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
 
 
-def parse_rope(cfg: dict, where: str) -> tuple[float, Optional[RopeScaling]]:
+def check_not_moe(architectures, where: str) -> None:
+    """Raise ``ValueError`` naming the architecture when ``architectures`` (a config's list) holds a
+    mixture-of-experts model (``MOE_ARCHITECTURES``)."""
+    moe = [a for a in architectures or () if a in MOE_ARCHITECTURES]
+    if moe:
+        raise ValueError(f"unsupported architecture {moe[0]!r} in {where}: mixture-of-experts models are not "
+                         f"supported yet")
+
+
+def parse_rope(cfg: dict, where: str, architecture: str = "") -> tuple[float, Optional[RopeScaling]]:
     """``(rope_theta, RopeScaling or None)`` of a config: ``rope_theta`` at the top level or inside
-    ``rope_parameters`` (default 10000); the scheme from ``rope_scaling`` or ``rope_parameters``.
+    ``rope_parameters`` (default 10000); the scheme from ``rope_scaling`` or ``rope_parameters``; for the families
+    in ``_PARTIAL_ROTARY`` the ``partial_rotary_factor`` (inside the scheme or at the top level).
 
     Raises:
-        ValueError: a scheme other than default / linear / llama3 / yarn (dynamic NTK, longrope, ...), a key the
-            scheme does not take or a required one missing, per-layer-type parameters, or a partial rotary factor;
-            the message names the field, the value and ``where`` (the file).
+        ValueError: a scheme other than default / linear / dynamic / llama3 / yarn / longrope, a key the scheme
+            does not take or a required one missing, per-layer-type parameters, or a partial rotary factor outside
+            ``_PARTIAL_ROTARY``; the message names the field, the value and ``where`` (the file).
     """
     params = cfg.get("rope_parameters")
     field, spec = ("rope_scaling", cfg["rope_scaling"]) if cfg.get("rope_scaling") else ("rope_parameters", params)
@@ -85,11 +114,12 @@ def parse_rope(cfg: dict, where: str) -> tuple[float, Optional[RopeScaling]]:
         raise ValueError(f"unsupported {field} {spec!r} in {where}: one scheme for every layer is supported")
     type_key = "rope_type" if "rope_type" in spec else "type"  # the Hub's older configs say "type"
     rope_type = spec.get(type_key, "default")
+    if architecture == "Phi3ForCausalLM":
+        rope_type = _PHI3_ROPE_ALIASES.get(rope_type, rope_type)
     spec = {k: v for k, v in spec.items() if k not in ("rope_theta", "type", "rope_type")}
-    if spec.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"unsupported {field}.partial_rotary_factor={spec['partial_rotary_factor']!r} in {where}; "
-                         f"supported: 1.0")
-    spec.pop("partial_rotary_factor", None)
+    partial = float(spec.pop("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
+    if partial != 1.0 and architecture not in _PARTIAL_ROTARY:
+        raise ValueError(f"unsupported {field}.partial_rotary_factor={partial!r} in {where}; supported: 1.0")
     if rope_type not in _ROPE_KEYS:
         raise ValueError(f"unsupported {field}.{type_key}={rope_type!r} in {where}; supported: "
                          f"{('default',) + ROPE_TYPES}")
@@ -101,10 +131,20 @@ def parse_rope(cfg: dict, where: str) -> tuple[float, Optional[RopeScaling]]:
     if missing:
         raise ValueError(f"{field} of rope_type {rope_type!r} in {where} lacks {missing}")
     if rope_type == "default":
-        return float(theta), None
+        return float(theta), RopeScaling(partial_rotary_factor=partial) if partial != 1.0 else None
     if rope_type == "yarn" and not spec.get("original_max_position_embeddings"):
         spec["original_max_position_embeddings"] = cfg.get("max_position_embeddings")
-    return float(theta), RopeScaling(rope_type=rope_type, **spec)
+    if rope_type == "longrope":
+        spec["original_max_position_embeddings"] = (spec.get("original_max_position_embeddings")
+                                                    or cfg.get("original_max_position_embeddings"))
+        if not spec["original_max_position_embeddings"]:
+            raise ValueError(f"{field} of rope_type 'longrope' in {where} lacks original_max_position_embeddings")
+        if not spec.get("factor"):  # transformers: the ratio of the two contexts
+            spec["factor"] = cfg.get("max_position_embeddings", 2048) / spec["original_max_position_embeddings"]
+        spec["short_factor"], spec["long_factor"] = tuple(spec["short_factor"]), tuple(spec["long_factor"])
+    if rope_type in ("dynamic", "longrope"):
+        spec["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
+    return float(theta), RopeScaling(rope_type=rope_type, partial_rotary_factor=partial, **spec)
 
 
 def check_fields(cfg: dict, architecture: str, where: str) -> None:
@@ -136,7 +176,12 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         ValueError: a field or value kvserve does not implement (named), or a missing size field.
     """
     check_fields(cfg, architecture, where)
-    theta, scaling = parse_rope(cfg, where)
+    theta, scaling = parse_rope(cfg, where, architecture)
+    window = cfg.get("sliding_window")
+    if architecture == "Phi3ForCausalLM" and window is not None and window < cfg.get("max_position_embeddings", 2048):
+        raise ValueError(f"unsupported sliding_window={window!r} for {architecture} in {where}: a window shorter than "
+                         f"max_position_embeddings={cfg.get('max_position_embeddings', 2048)} is not implemented yet; "
+                         f"supported: None or >= max_position_embeddings")
     n_head = cfg["num_attention_heads"]
     llama_bias = architecture in _LLAMA_BIASES and bool(cfg.get("attention_bias", False))
     granite = architecture == "GraniteForCausalLM"

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvserve.model.base import ModelArch
-from kvserve.model.hf_config import arch_from_config
+from kvserve.model.hf_config import arch_from_config, check_not_moe
 from kvserve.kernels.build import cache_root
 from kvserve.quant.formats import QUANTIZED_TYPES
 from kvserve.quant.gguf_io import QuantTensor, rope_unpermute_index
@@ -42,7 +42,10 @@ logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` values read, and the registry architecture each maps to.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "granite": "GraniteForCausalLM"}
+                      "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+#: llama.cpp's mixture-of-experts architectures, refused as such (as is any file with ``<arch>.expert_count``).
+GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "olmoe", "phimoe", "granitemoe", "deepseek2", "dbrx", "llama4",
+                          "gpt-oss", "arctic", "grok", "ernie4_5-moe", "hunyuan-moe", "bailingmoe")
 #: Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (llama.cpp's rope type
 #: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
 _GGUF_PERMUTED_QK = ("llama", "granite")
@@ -180,43 +183,101 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-#: Per-layer tensors only some architectures have (any other architecture refuses them as unknown).
-_GGUF_ARCH_LAYER_NAMES = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}}
+#: Per-layer tensors only some architectures have (any other architecture refuses them as unknown); ``None``: a
+#: name of the common table this architecture does not have.
+_GGUF_ARCH_LAYER_NAMES = {
+    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    # Phi-3: fused Q/K/V (or separate), gate and up in one ffn_up (gate rows first), as Hugging Face's gate_up_proj
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj", "ffn_gate": None},
+    # OLMo 2: norms after the sub-layers, none before; Q/K norms over the whole projection
+    "olmo2": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_norm": None,
+              "ffn_norm": None, "post_attention_norm": "post_attention_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"},
+}
+#: Whole-model tensors beyond the embedding, final norm and LM head, per architecture (read into the RoPE scheme).
+_GGUF_ROPE_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
+#: GGUF YaRN keys (after ``<arch>.rope.scaling.``) and the values kvserve implements (llama.cpp's defaults).
+_GGUF_YARN_OFF = {"yarn_ext_factor": (None, -1.0, 1.0), "yarn_attn_factor": (None, 1.0),
+                  "yarn_log_multiplier": (None, 0.0), "attn_factor": (None, 1.0)}
 
 
-def _gguf_tensor_known(name: str, layer_names: dict) -> bool:
+def _gguf_tensor_known(name: str, layer_names: dict, arch: str = "") -> bool:
     """Whether kvserve knows the math of GGUF tensor ``name`` (``blk.N.<kind>.weight|bias`` of ``layer_names``,
-    the embedding, final norm, LM head and ``rope_freqs``)."""
-    if name in ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"):
+    the embedding, final norm, LM head, ``rope_freqs`` and ``arch``'s ``_GGUF_ROPE_TENSORS``)."""
+    if name in ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight",
+                *_GGUF_ROPE_TENSORS.get(arch, ())):
         return True
     parts = name.split(".")
     return (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names
             and parts[3] in ("weight", "bias"))
 
 
-def _gguf_rope_scaling(field, a: str, tensors: dict, where: str):
-    """The ``RopeScaling`` of a GGUF: ``<a>.rope.scaling.type`` none or linear (``.factor``), and llama.cpp's
-    ``rope_freqs.weight`` (per-frequency divisors: Llama 3.1's scaling as the converter stores it); ``None`` for
-    plain RoPE.
+def _gguf_rope_scaling(field, a: str, tensors: dict, where: str, head_dim: int):
+    """The ``RopeScaling`` of a GGUF; ``None`` for plain RoPE:
+
+    - ``<a>.rope.scaling.type`` none or linear (``.factor``), and llama.cpp's ``rope_freqs.weight`` (per-frequency
+      divisors: Llama 3.1's scaling as the converter stores it);
+    - ``yarn``: ``.factor``, ``.original_context_length`` (default: the context length), ``.yarn_beta_fast``,
+      ``.yarn_beta_slow``; the other YaRN keys only at llama.cpp's defaults (``_GGUF_YARN_OFF``);
+    - LongRoPE (Phi-3): ``rope_factors_long.weight`` and ``rope_factors_short.weight``, ``.original_context_length``
+      and ``.attn_factor`` (the cos/sin scale);
+    - partial rotary (Phi-3 only): ``<a>.rope.dimension_count`` below the head width.
 
     Raises:
-        ValueError: another scaling type (yarn: not read from GGUF yet), naming the key and value.
+        ValueError: another scaling type, a YaRN key at a value not implemented, rope factors without their
+            original context, or partial rotary outside Phi-3, naming the key and value.
     """
     from kvserve.layers.rotary import RopeScaling
 
-    kind = field(f"{a}.rope.scaling.type", "none") or "none"
-    factors = None
-    if "rope_freqs.weight" in tensors:
-        w = tensors["rope_freqs.weight"]
+    def floats(name):
+        w = tensors[name]
         if isinstance(w, QuantTensor):
-            raise ValueError(f"rope_freqs.weight in {where} is quantized ({w.qtype}); expected float32")
-        factors = tuple(float(x) for x in np.asarray(w, dtype=np.float32).reshape(-1))
-    if kind == "none":
-        return RopeScaling(freq_factors=factors) if factors is not None else None
-    if kind == "linear" and factors is None:
-        return RopeScaling(rope_type="linear", factor=float(field(f"{a}.rope.scaling.factor", 1.0)))
-    raise ValueError(f"unsupported GGUF {a}.rope.scaling.type={kind!r}" + (" with rope_freqs" if factors else "")
-                     + f" in {where}; supported: none, linear, and rope_freqs.weight")
+            raise ValueError(f"{name} in {where} is quantized ({w.qtype}); expected float32")
+        return tuple(float(x) for x in np.asarray(w, dtype=np.float32).reshape(-1))
+
+    kind = field(f"{a}.rope.scaling.type", "none") or "none"
+    ctx = int(field(f"{a}.context_length"))
+    orig = field(f"{a}.rope.scaling.original_context_length")
+    dims = int(field(f"{a}.rope.dimension_count", head_dim))
+    partial = dims / head_dim
+    if partial != 1.0 and a != "phi3":
+        raise ValueError(f"unsupported GGUF {a}.rope.dimension_count={dims} in {where} (partial rotary); supported: "
+                         f"the head width {head_dim}")
+    factors = floats("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
+    long_rope = "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors
+    for key, off in _GGUF_YARN_OFF.items():
+        value = field(f"{a}.rope.scaling.{key}")
+        if key == "attn_factor" and long_rope:
+            continue
+        if value not in off:
+            raise ValueError(f"unsupported GGUF {a}.rope.scaling.{key}={value!r} in {where}: kvserve does not "
+                             f"implement it; supported: {off}")
+    if long_rope and kind in ("none", "longrope") and factors is None:
+        if not orig:
+            raise ValueError(f"GGUF {where} holds rope_factors_long/short but no {a}.rope.scaling.original_context_"
+                             f"length")
+        attention = field(f"{a}.rope.scaling.attn_factor")
+        return RopeScaling(rope_type="longrope", factor=ctx / int(orig), original_max_position_embeddings=int(orig),
+                           short_factor=floats("rope_factors_short.weight"),
+                           long_factor=floats("rope_factors_long.weight"), max_position_embeddings=ctx,
+                           attention_factor=None if attention is None else float(attention),
+                           partial_rotary_factor=partial)
+    if kind == "none" and not long_rope:
+        if factors is not None or partial != 1.0:
+            return RopeScaling(freq_factors=factors, partial_rotary_factor=partial)
+        return None
+    if kind == "linear" and factors is None and not long_rope:
+        return RopeScaling(rope_type="linear", factor=float(field(f"{a}.rope.scaling.factor", 1.0)),
+                           partial_rotary_factor=partial)
+    if kind == "yarn" and factors is None and not long_rope:
+        return RopeScaling(rope_type="yarn", factor=float(field(f"{a}.rope.scaling.factor", 1.0)),
+                           original_max_position_embeddings=int(orig or ctx),
+                           beta_fast=float(field(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+                           beta_slow=float(field(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+                           partial_rotary_factor=partial)
+    extra = " with rope_freqs" if factors else " with rope_factors_long/short" if long_rope else ""
+    raise ValueError(f"unsupported GGUF {a}.rope.scaling.type={kind!r}{extra} in {where}; supported: none, linear, "
+                     f"yarn, rope_freqs.weight, and (phi3) rope_factors_long/short.weight")
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -241,6 +302,10 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         return meta["fields"].get(key, default)
 
     arch_name = field("general.architecture")
+    if arch_name in GGUF_MOE_ARCHITECTURES or (field(f"{arch_name}.expert_count") or 0) > 0:
+        raise ValueError(f"unsupported GGUF architecture {arch_name!r} with {arch_name}.expert_count="
+                         f"{field(f'{arch_name}.expert_count')} in {str(path)!r}: mixture-of-experts models are not "
+                         f"supported yet")
     if arch_name not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch_name!r} in {str(path)!r}; supported: {tuple(GGUF_ARCHITECTURES)}"
@@ -249,6 +314,9 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     for key, off in _GGUF_OFF_KEYS.items():
         if (a == "granite" and key in _GGUF_GRANITE_KEYS) or (a in _GGUF_WINDOWED and key == "attention.sliding_window"):
             continue
+        if a == "phi3" and key == "attention.sliding_window" and (field(f"{a}.{key}") or 0) >= int(
+                field(f"{a}.context_length")):
+            continue  # Phi-3's window covers its whole context: no window
         if field(f"{a}.{key}") not in off:
             raise ValueError(f"unsupported GGUF {a}.{key}={field(f'{a}.{key}')!r} in {where}: kvserve does not "
                              f"implement it; supported: {off}")
@@ -257,14 +325,12 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     hidden = int(field(f"{a}.embedding_length"))
     vocab = int(field(f"{a}.vocab_size", tensors["token_embd.weight"].shape[0]))
     head_dim = int(field(f"{a}.attention.key_length", hidden // n_head))
-    if int(field(f"{a}.rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError(f"unsupported GGUF {a}.rope.dimension_count={field(f'{a}.rope.dimension_count')} in {where} "
-                         f"(partial rotary); supported: the head width {head_dim}")
-    layer_names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(a, {})}
-    unknown = sorted(n for n in tensors if not _gguf_tensor_known(n, layer_names))
+    layer_names = {k: v for k, v in {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(a, {})}.items() if v}
+    unknown = sorted(n for n in tensors if not _gguf_tensor_known(n, layer_names, a))
     if unknown:
         raise ValueError(f"unknown GGUF tensor(s) {unknown[:8]} in {where}: kvserve does not know their math for "
                          f"{a} (known: token_embd, output_norm, output, rope_freqs, "
+                         f"{''.join(n.split('.')[0] + ', ' for n in _GGUF_ROPE_TENSORS.get(a, ()))}"
                          f"blk.N.{{{', '.join(layer_names)}}})")
     has = lambda kind, suffix="bias": f"blk.0.{kind}.{suffix}" in tensors  # noqa: E731
     arch = ModelArch(
@@ -283,8 +349,8 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         attention_bias=has("attn_q"),
         o_proj_bias=has("attn_output"),
         mlp_bias=has("ffn_down"),
-        rope_scaling=_gguf_rope_scaling(field, a, tensors, where),
-        qk_norm=has("attn_q_norm", "weight"),
+        rope_scaling=_gguf_rope_scaling(field, a, tensors, where, head_dim),
+        qk_norm=has("attn_q_norm", "weight") and a != "olmo2",  # OLMo 2's span the projection (its own model)
         sliding_window=int(field(f"{a}.attention.sliding_window", 0)) or None if a in _GGUF_WINDOWED else None,
         **({f: float(field(f"{a}.{k}")) for k, f in _GGUF_GRANITE_KEYS.items() if field(f"{a}.{k}") is not None}
            if a == "granite" else {}),
@@ -311,7 +377,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
                     w = _unpermute_rope_rows(w, heads)
             hf = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
         else:
-            continue  # rope_freqs.weight: read into arch.rope_scaling
+            continue  # rope_freqs.weight, rope_factors_*: read into arch.rope_scaling
         if isinstance(w, QuantTensor):
             weights[hf] = w
             continue
@@ -393,6 +459,7 @@ def _load_hf_dir(path: Path, with_tokenizer: bool = True) -> LoadedModel:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {str(cfg_path)!r}: {e}") from e
+    check_not_moe(cfg.get("architectures"), repr(str(cfg_path)))
     archs = [a for a in cfg.get("architectures") or () if a in SUPPORTED_ARCHITECTURES]
     if not archs:
         raise ValueError(f"unsupported architecture {cfg.get('architectures')} in {str(cfg_path)!r}; "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from typing import Optional
 
 from kvserve.model.backends import ModelBackends
 from kvserve.model.base import CausalLM
@@ -15,6 +17,8 @@ _MODELS = {
     "MistralForCausalLM": "kvserve.model.llama:LlamaModel",  # Llama's math with v0.1's sliding window
     "GraniteForCausalLM": "kvserve.model.granite:GraniteModel",
     "SmolLM3ForCausalLM": "kvserve.model.smollm3:SmolLM3Model",
+    "Phi3ForCausalLM": "kvserve.model.phi3:Phi3Model",
+    "Olmo2ForCausalLM": "kvserve.model.olmo2:Olmo2Model",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 
@@ -31,14 +35,19 @@ def model_class(architecture: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def build_model(loaded, backends: ModelBackends) -> CausalLM:
+def build_model(loaded, backends: ModelBackends, max_model_len: Optional[int] = None) -> CausalLM:
     """Build the model of a ``LoadedModel`` (``kvserve.model.loader``) with the chosen backends.
 
     ``loaded.weights`` is read, not consumed: fused copies are made (several engines in one process share a load).
     Quantized projections are served from ``loaded.weight_cache`` (packed once, on disk) when the load has one.
+    ``max_model_len``: the engine's serving length (``None``: the model's context), which fixes the RoPE schemes
+    that depend on it (dynamic NTK, LongRoPE: ``kvserve.layers.rotary``).
     """
     cls = model_class(loaded.arch.architecture)
+    arch = loaded.arch
+    if arch.rope_scaling is not None and arch.rope_scaling.depends_on_max_model_len:
+        arch = dataclasses.replace(arch, rope_scaling=arch.rope_scaling.for_max_model_len(max_model_len))
     cache = getattr(loaded, "weight_cache", None)
     if cache is None or backends.quantization == "fp32":
-        return cls(loaded.arch, loaded.weights, backends)
-    return cache.build_model(lambda b: cls(loaded.arch, loaded.weights, b), backends)
+        return cls(arch, loaded.weights, backends)
+    return cache.build_model(lambda b: cls(arch, loaded.weights, b), backends)

@@ -127,16 +127,17 @@ def test_llama_variants_match_transformers(tmp_path_factory, tokenizer, kw):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-     r"unsupported rope_parameters.rope_type='dynamic'"),
+    (lambda c: c.update(rope_parameters={"rope_type": "mrope", "factor": 2.0, "rope_theta": 1e4}),
+     r"unsupported rope_parameters.rope_type='mrope'"),
     (lambda c: c.update(rope_parameters={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0],
-                                         "rope_theta": 1e4}), r"rope_type='longrope'"),
+                                         "original_max_position_embeddings": 16, "rope_theta": 1e4}),
+     r"short_factor have 1 entries; the rotated width 16 needs 8"),
     (lambda c: c.update(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
      r"lacks \['high_freq_factor'"),
     (lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": 2.0, "beta": 3, "rope_theta": 5e5}),
      r"key\(s\) \['beta'\]"),
     (lambda c: c["rope_parameters"].update(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5"),
-    (lambda c: c.update(rope_scaling={"type": "dynamic", "factor": 2.0}), r"unsupported rope_scaling.type='dynamic'"),
+    (lambda c: c.update(rope_scaling={"type": "su", "factor": 2.0}), r"unsupported rope_scaling.type='su'"),
     (lambda c: c.update(sliding_window=4096), r"unsupported sliding_window=4096 for LlamaForCausalLM"),
     (lambda c: c.update(final_logit_softcapping=30.0), r"final_logit_softcapping=30.0"),
     (lambda c: c.update(residual_multiplier=0.22), r"residual_multiplier=0.22"),
@@ -144,7 +145,7 @@ def test_llama_variants_match_transformers(tmp_path_factory, tokenizer, kw):
     (lambda c: c.update(hidden_act="relu"), r"unsupported hidden_act='relu' for LlamaForCausalLM"),
     (lambda c: c.update(mlp_bias=True), r"sets mlp_bias=true but the weights lack"),
     (lambda c: c.update(layer_types=["full_attention", "sliding_attention"]), r"layer_types="),
-], ids=["dynamic", "longrope", "llama3-missing-key", "unknown-key", "partial-rotary", "hub-type-key", "sliding-window",
+], ids=["unknown-type", "longrope-length", "llama3-missing-key", "unknown-key", "partial-rotary", "hub-type-key", "sliding-window",
         "softcap", "granite", "moe", "relu", "bias-missing", "layer-types"])
 def test_fields_kvserve_does_not_implement_are_refused_by_name(tmp_path, llama3, edit, message):
     import shutil
