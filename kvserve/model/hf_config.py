@@ -29,8 +29,24 @@ FAMILY_FIELDS = {
                            "embedding_multiplier": None, "residual_multiplier": None, "attention_multiplier": None,
                            "logits_scaling": None},
 }
+#: Gemma 2 / 3 (text): their fields (read by ``_gemma_arch``); Gemma 3 does not soft-cap attention logits.
+_GEMMA_FIELDS = {"hidden_activation": HIDDEN_ACTS, "attention_bias": (False, True), "sliding_window": None,
+                 "layer_types": None, "sliding_window_pattern": None, "query_pre_attn_scalar": None,
+                 "final_logit_softcapping": None, "use_bidirectional_attention": (None, False)}
+FAMILY_FIELDS["Gemma2ForCausalLM"] = {**_GEMMA_FIELDS, "attn_logit_softcapping": None}
+FAMILY_FIELDS["Gemma3ForCausalLM"] = {**_GEMMA_FIELDS, "attn_logit_softcapping": (None,), "rope_local_base_freq": None}
+#: ``transformers``' defaults for the Gemma fields a config.json may leave out (they differ from Llama's).
+_GEMMA_DEFAULTS = {
+    "Gemma2ForCausalLM": dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                              sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              tie_word_embeddings=True, max_position_embeddings=8192),
+    "Gemma3ForCausalLM": dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                              sliding_window=4096, attn_logit_softcapping=None, final_logit_softcapping=None,
+                              tie_word_embeddings=True, max_position_embeddings=131072),
+}
 #: Families with Llama's ``attention_bias`` (Q/K/V and o_proj) and ``mlp_bias``.
-_LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
+_LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
+                 "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 #: Fields of other families (or of features not built yet) that change the math, and the values that mean "off";
 #: any other value is refused.
@@ -131,12 +147,24 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
     Raises:
         ValueError: a field or value kvserve does not implement (named), or a missing size field.
     """
+    if architecture in _GEMMA_DEFAULTS:
+        cfg = {**_GEMMA_DEFAULTS[architecture], **cfg}
     check_fields(cfg, architecture, where)
-    theta, scaling = parse_rope(cfg, where)
+    if architecture == "Gemma3ForCausalLM":
+        theta, scaling, local = _gemma3_rope(cfg, where)
+    else:
+        theta, scaling = parse_rope(cfg, where)
     n_head = cfg["num_attention_heads"]
     llama_bias = architecture in _LLAMA_BIASES and bool(cfg.get("attention_bias", False))
     granite = architecture == "GraniteForCausalLM"
-    return ModelArch(
+    gemma = architecture in _GEMMA_DEFAULTS
+    cls, extra = ModelArch, {}
+    if gemma:
+        from kvserve.model.gemma import GemmaArch
+
+        cls = GemmaArch
+        extra = _gemma_fields(cfg, architecture, local if architecture == "Gemma3ForCausalLM" else None)
+    return cls(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -152,13 +180,56 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         attention_bias=architecture == "Qwen2ForCausalLM" or llama_bias,
         o_proj_bias=llama_bias,
         mlp_bias=architecture in _LLAMA_BIASES and bool(cfg.get("mlp_bias", False)),
-        hidden_act=cfg.get("hidden_act", "silu"),
+        hidden_act=cfg["hidden_activation"] if gemma else cfg.get("hidden_act", "silu"),
         rope_scaling=scaling,
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
-        attention_multiplier=float(cfg.get("attention_multiplier", 1.0)) if granite else None,
+        attention_multiplier=(float(cfg.get("attention_multiplier", 1.0)) if granite
+                              else float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None),
         logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
         no_rope_layers=(tuple(int(x) for x in cfg["no_rope_layers"])
                         if architecture == "SmolLM3ForCausalLM" and cfg.get("no_rope_layers") else None),
+        **extra,
     )
+
+
+def _gemma3_rope(cfg: dict, where: str) -> tuple[float, Optional[RopeScaling], tuple]:
+    """Gemma 3's per-layer RoPE: ``(global theta, global scaling, (local theta, local scaling))``, from the Hub's
+    ``rope_theta`` (default 1e6) + ``rope_scaling`` (global layers only) + ``rope_local_base_freq`` (default 1e4),
+    or transformers 5's ``rope_parameters`` keyed by ``full_attention`` / ``sliding_attention``.
+
+    Raises:
+        ValueError: as ``parse_rope``, for either layer kind.
+    """
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and set(params) & {"full_attention", "sliding_attention"}:
+        if set(params) - {"full_attention", "sliding_attention"}:
+            raise ValueError(f"unsupported rope_parameters keys {sorted(params)} in {where}; supported: "
+                             f"'full_attention', 'sliding_attention'")
+        kinds = {}
+        for kind, default in (("full_attention", 1e6), ("sliding_attention", 1e4)):
+            spec = dict(params.get(kind) or {})
+            spec.setdefault("rope_theta", default)
+            sub = {"rope_parameters": spec, "max_position_embeddings": cfg.get("max_position_embeddings")}
+            kinds[kind] = parse_rope(sub, f"{where} (rope_parameters.{kind})")
+        return (*kinds["full_attention"], kinds["sliding_attention"])
+    given = cfg.get("rope_theta") or (params or {}).get("rope_theta")
+    theta, scaling = parse_rope(cfg if given else {**cfg, "rope_theta": 1e6}, where)
+    return theta, scaling, (float(cfg.get("rope_local_base_freq", 1e4)), None)
+
+
+def _gemma_fields(cfg: dict, architecture: str, local: Optional[tuple]) -> dict:
+    """The ``GemmaArch`` fields of a Gemma config (defaults applied): the soft-caps, per-layer
+    window kinds (transformers' pattern when ``layer_types`` is absent: Gemma 2 every other layer, Gemma 3
+    ``sliding_window_pattern`` (6): five of six) and Gemma 3's local RoPE."""
+    n = cfg["num_hidden_layers"]
+    pattern = 2 if architecture == "Gemma2ForCausalLM" else int(cfg.get("sliding_window_pattern") or 6)
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(n)]
+    fields = dict(sliding_window=cfg["sliding_window"], layer_types=tuple(types),
+                  attn_logit_softcapping=cfg["attn_logit_softcapping"],
+                  final_logit_softcapping=cfg["final_logit_softcapping"])
+    if local is not None:
+        fields.update(local_rope_theta=local[0], local_rope_scaling=local[1])
+    return fields

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` values read, and the registry architecture each maps to.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "granite": "GraniteForCausalLM"}
+                      "granite": "GraniteForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 #: Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (llama.cpp's rope type
 #: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
 _GGUF_PERMUTED_QK = ("llama", "granite")
@@ -179,6 +179,15 @@ _GGUF_LAYER_NAMES = {
 }
 #: Per-layer tensors only some architectures have (any other architecture refuses them as unknown).
 _GGUF_ARCH_LAYER_NAMES = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}}
+#: Gemma's four norms per layer (llama.cpp's ``ffn_norm`` is Gemma's pre-feed-forward norm).
+_GGUF_ARCH_LAYER_NAMES["gemma2"] = {"post_attention_norm": "post_attention_layernorm",
+                                    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GGUF_ARCH_LAYER_NAMES["gemma3"] = {**_GGUF_ARCH_LAYER_NAMES["gemma2"], **_GGUF_ARCH_LAYER_NAMES["qwen3"]}
+#: Per Gemma architecture: the metadata keys read instead of refused, and llama.cpp's window pattern (every
+#: ``n``-th layer global) and the layer count of the 27B model (whose softmax scale llama.cpp takes as
+#: ``(hidden / heads) ** -0.5`` instead of ``head_dim ** -0.5``: Gemma's ``query_pre_attn_scalar``).
+_GGUF_GEMMA = {"gemma2": (("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"), 2, 46),
+               "gemma3": (("attention.sliding_window", "final_logit_softcapping"), 6, 62)}
 
 
 def _gguf_tensor_known(name: str, layer_names: dict) -> bool:
@@ -216,6 +225,33 @@ def _gguf_rope_scaling(field, a: str, tensors: dict, where: str):
                      + f" in {where}; supported: none, linear, and rope_freqs.weight")
 
 
+def _gguf_gemma_fields(field, a: str, hidden: int, n_head: int, head_dim: int) -> dict:
+    """The ``GemmaArch`` fields of a ``gemma2`` / ``gemma3`` GGUF, as llama.cpp reads them: the window
+    (``attention.sliding_window``; absent: none) on all but every ``n``-th layer (``attention.sliding_window_pattern``
+    when given: an int or per-layer booleans), the soft-caps, the softmax scale (llama.cpp's rule: ``head_dim``,
+    or ``hidden / heads`` for the 27B models), and Gemma 3's local RoPE base (``rope.freq_base_swa``, default 1e4;
+    the file's RoPE scaling applies to the global layers only)."""
+    _, every, layers_27b = _GGUF_GEMMA[a]
+    n = int(field(f"{a}.block_count"))
+    window = field(f"{a}.attention.sliding_window")
+    window = int(window) if window else None
+    pattern = field(f"{a}.attention.sliding_window_pattern", every)
+    if isinstance(pattern, (list, tuple)):
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) if int(pattern) else False for i in range(n)]
+    if window is None:
+        sliding = [False] * n
+    scalar = hidden // n_head if n == layers_27b else head_dim
+    fields = dict(hidden_act="gelu_pytorch_tanh", attention_multiplier=float(scalar) ** -0.5, sliding_window=window,
+                  layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+                  attn_logit_softcapping=field(f"{a}.attn_logit_softcapping"),
+                  final_logit_softcapping=field(f"{a}.final_logit_softcapping"))
+    if a == "gemma3" and window is not None:
+        fields["local_rope_theta"] = float(field(f"{a}.rope.freq_base_swa", 10000.0))
+    return fields
+
+
 def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> Hugging Face rotate-half halves).
 
@@ -244,7 +280,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         )
     a, where = arch_name, repr(str(path))
     for key, off in _GGUF_OFF_KEYS.items():
-        if a == "granite" and key in _GGUF_GRANITE_KEYS:
+        if a == "granite" and key in _GGUF_GRANITE_KEYS or key in _GGUF_GEMMA.get(a, ((),))[0]:
             continue
         if field(f"{a}.{key}") not in off:
             raise ValueError(f"unsupported GGUF {a}.{key}={field(f'{a}.{key}')!r} in {where}: kvserve does not "
@@ -264,7 +300,15 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
                          f"{a} (known: token_embd, output_norm, output, rope_freqs, "
                          f"blk.N.{{{', '.join(layer_names)}}})")
     has = lambda kind, suffix="bias": f"blk.0.{kind}.{suffix}" in tensors  # noqa: E731
-    arch = ModelArch(
+    rope_scaling = _gguf_rope_scaling(field, a, tensors, where)
+    arch_cls, extra = ModelArch, {}
+    if a == "granite":
+        extra = {f: float(field(f"{a}.{k}")) for k, f in _GGUF_GRANITE_KEYS.items() if field(f"{a}.{k}") is not None}
+    elif a in _GGUF_GEMMA:
+        from kvserve.model.gemma import GemmaArch
+
+        arch_cls, extra = GemmaArch, _gguf_gemma_fields(field, a, hidden, n_head, head_dim)
+    arch = arch_cls(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(field(f"{a}.feed_forward_length")),
@@ -280,10 +324,9 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         attention_bias=has("attn_q"),
         o_proj_bias=has("attn_output"),
         mlp_bias=has("ffn_down"),
-        rope_scaling=_gguf_rope_scaling(field, a, tensors, where),
+        rope_scaling=rope_scaling,
         qk_norm=has("attn_q_norm", "weight"),
-        **({f: float(field(f"{a}.{k}")) for k, f in _GGUF_GRANITE_KEYS.items() if field(f"{a}.{k}") is not None}
-           if a == "granite" else {}),
+        **extra,
     )
 
     weights, widened = {}, {}
@@ -307,6 +350,10 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
                     w = _unpermute_rope_rows(w, heads)
             hf = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
         else:
+            hf = None
+        if a in _GGUF_GEMMA and name.endswith("norm.weight"):
+            w = np.asarray(w, dtype=np.float32) - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w
+        if hf is None:
             continue  # rope_freqs.weight: read into arch.rope_scaling
         if isinstance(w, QuantTensor):
             weights[hf] = w

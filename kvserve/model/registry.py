@@ -15,6 +15,8 @@ _MODELS = {
     "MistralForCausalLM": "kvserve.model.llama:LlamaModel",  # v0.2+: Llama's math (a sliding window is refused)
     "GraniteForCausalLM": "kvserve.model.granite:GraniteModel",
     "SmolLM3ForCausalLM": "kvserve.model.smollm3:SmolLM3Model",
+    "Gemma2ForCausalLM": "kvserve.model.gemma:GemmaModel",
+    "Gemma3ForCausalLM": "kvserve.model.gemma:GemmaModel",  # the text model (Gemma 3 1B, or a text-only export)
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 
