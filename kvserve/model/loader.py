@@ -187,11 +187,12 @@ _GGUF_ARCH_LAYER_NAMES = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_n
 _GGUF_ARCH_LAYER_NAMES["gemma2"] = {"post_attention_norm": "post_attention_layernorm",
                                     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_ARCH_LAYER_NAMES["gemma3"] = {**_GGUF_ARCH_LAYER_NAMES["gemma2"], **_GGUF_ARCH_LAYER_NAMES["qwen3"]}
-#: Per Gemma architecture: the metadata keys read instead of refused, and llama.cpp's window pattern (every
-#: ``n``-th layer global) and the layer count of the 27B model (whose softmax scale llama.cpp takes as
-#: ``(hidden / heads) ** -0.5`` instead of ``head_dim ** -0.5``: Gemma's ``query_pre_attn_scalar``).
-_GGUF_GEMMA = {"gemma2": (("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"), 2, 46),
-               "gemma3": (("attention.sliding_window", "final_logit_softcapping"), 6, 62)}
+#: Per Gemma architecture, as llama.cpp reads it: the metadata keys read instead of refused, with the values an
+#: absent key means (Gemma 2's paper values), the window pattern (every ``n``-th layer global) and the layer count
+#: of the 27B model (whose softmax scale is ``(hidden / heads) ** -0.5``, not ``head_dim ** -0.5``).
+_GGUF_GEMMA = {"gemma2": ({"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                           "final_logit_softcapping": 30.0}, 2, 46),
+               "gemma3": ({"attention.sliding_window": None, "final_logit_softcapping": None}, 6, 62)}
 
 
 def _gguf_tensor_known(name: str, layer_names: dict) -> bool:
@@ -231,26 +232,20 @@ def _gguf_rope_scaling(field, a: str, tensors: dict, where: str):
 
 def _gguf_gemma_fields(field, a: str, hidden: int, n_head: int, head_dim: int) -> dict:
     """The ``GemmaArch`` fields of a ``gemma2`` / ``gemma3`` GGUF, as llama.cpp reads them: the window
-    (``attention.sliding_window``; absent: none) on all but every ``n``-th layer (``attention.sliding_window_pattern``
-    when given: an int or per-layer booleans), the soft-caps, the softmax scale (llama.cpp's rule: ``head_dim``,
-    or ``hidden / heads`` for the 27B models), and Gemma 3's local RoPE base (``rope.freq_base_swa``, default 1e4;
+    (``attention.sliding_window``) on all but every ``n``-th layer (llama.cpp's fixed pattern: it reads no pattern
+    key for these), the soft-caps (absent keys: ``_GGUF_GEMMA``'s values), the softmax scale (``head_dim``, or
+    ``hidden / heads`` for the 27B models), and Gemma 3's local RoPE base (``rope.freq_base_swa``, default 1e4;
     the file's RoPE scaling applies to the global layers only)."""
-    _, every, layers_27b = _GGUF_GEMMA[a]
+    keys, every, layers_27b = _GGUF_GEMMA[a]
+    value = {k: field(f"{a}.{k}", default) for k, default in keys.items()}
     n = int(field(f"{a}.block_count"))
-    window = field(f"{a}.attention.sliding_window")
-    window = int(window) if window else None
-    pattern = field(f"{a}.attention.sliding_window_pattern", every)
-    if isinstance(pattern, (list, tuple)):
-        sliding = [bool(x) for x in pattern]
-    else:
-        sliding = [bool((i + 1) % int(pattern)) if int(pattern) else False for i in range(n)]
-    if window is None:
-        sliding = [False] * n
+    window = int(value["attention.sliding_window"]) if value["attention.sliding_window"] else None
+    sliding = [window is not None and bool((i + 1) % every) for i in range(n)]
     scalar = hidden // n_head if n == layers_27b else head_dim
     fields = dict(hidden_act="gelu_pytorch_tanh", attention_multiplier=float(scalar) ** -0.5, sliding_window=window,
                   layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
-                  attn_logit_softcapping=field(f"{a}.attn_logit_softcapping"),
-                  final_logit_softcapping=field(f"{a}.final_logit_softcapping"))
+                  attn_logit_softcapping=value.get("attn_logit_softcapping") or None,  # 0: none
+                  final_logit_softcapping=value["final_logit_softcapping"] or None)
     if a == "gemma3" and window is not None:
         fields["local_rope_theta"] = float(field(f"{a}.rope.freq_base_swa", 10000.0))
     return fields
@@ -284,7 +279,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         )
     a, where = arch_name, repr(str(path))
     for key, off in _GGUF_OFF_KEYS.items():
-        if a == "granite" and key in _GGUF_GRANITE_KEYS or key in _GGUF_GEMMA.get(a, ((),))[0]:
+        if a == "granite" and key in _GGUF_GRANITE_KEYS or key in _GGUF_GEMMA.get(a, ({},))[0]:
             continue
         if field(f"{a}.{key}") not in off:
             raise ValueError(f"unsupported GGUF {a}.{key}={field(f'{a}.{key}')!r} in {where}: kvserve does not "
@@ -356,6 +351,8 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         else:
             hf = None
         if a in _GGUF_GEMMA and name.endswith("norm.weight"):
+            if isinstance(w, QuantTensor):
+                raise ValueError(f"{name} in {where} is quantized ({w.qtype}); expected float32")
             w = np.asarray(w, dtype=np.float32) - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w
         if hf is None:
             continue  # rope_freqs.weight: read into arch.rope_scaling

@@ -1,7 +1,8 @@
 """Gemma 2 and Gemma 3 text (issue 40, item 3): tiny random checkpoints written by ``transformers`` (norm weights
 random, so a missed ``1 + w`` shows) give ``transformers``' logits (within 1e-4), prompt logprobs (within 1e-4) and
 32 greedy tokens on the float32 path; the same weights written as llama.cpp writes a ``gemma2`` / ``gemma3`` GGUF
-(its tensor names, norms stored as ``1 + w``) in F32 and Q8_0 give the same 12 greedy tokens; the default quantized path runs
+(its tensor names, norms stored as ``1 + w``) in F32 and Q8_0 give the same 12 greedy tokens (gemma2: once the
+window branch is in, as llama.cpp's gemma2 always soft-caps attention logits); the default quantized path runs
 a Q8_0 Gemma with 256-wide heads; every field kvserve does not implement is refused by name.
 
 The checkpoints of the parity tests switch the attention window and attention soft-cap off (a window as long as
@@ -147,13 +148,23 @@ def test_query_pre_attn_scalar_is_the_softmax_scale(tmp_path_factory, tokenizer)
 # ------------------------------------------------------------------------------------ window and soft-cap on
 
 
+@pytest.fixture(scope="module")
+def gemma2_windowed(tmp_path_factory, tokenizer):
+    """As ``gemma2``, with a window of 8 tokens and attention logits soft-capped at 50."""
+    return _gemma(tmp_path_factory, tokenizer, "gemma2w", "Gemma2", 4, sliding_window=8, attn_logit_softcapping=50.0)
+
+
+@pytest.fixture(scope="module")
+def gemma3_windowed(tmp_path_factory, tokenizer):
+    """6 layers, a window of 12 tokens on the five local ones."""
+    return _gemma(tmp_path_factory, tokenizer, "gemma3w", "Gemma3", 6, sliding_window=12, rope_theta=1e6,
+                  rope_local_base_freq=1e4)
+
+
 @needs_window
-@pytest.mark.parametrize("family, kw", [
-    ("Gemma2", dict(sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
-    ("Gemma3", dict(sliding_window=12, final_logit_softcapping=30.0, rope_theta=1e6, rope_local_base_freq=1e4)),
-], ids=["gemma2", "gemma3"])
-def test_windows_and_soft_caps_match_transformers(tmp_path_factory, tokenizer, family, kw):
-    path, hf = _gemma(tmp_path_factory, tokenizer, f"{family}-window", family, 6 if family == "Gemma3" else 4, **kw)
+@pytest.mark.parametrize("family", ["gemma2_windowed", "gemma3_windowed"])
+def test_windows_and_soft_caps_match_transformers(request, tokenizer, family):
+    path, hf = request.getfixturevalue(family)
     _check_parity(path, hf, tokenizer)  # the short prompts
     model = build_model(load_model(str(path)), select_backends("cpu", torch.float32, "fp32"))
     for prompt in LONG_PROMPTS:
@@ -260,7 +271,9 @@ def _hf_greedy(hf, ids, n):
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("family", [
+    "gemma3", pytest.param("gemma2_windowed", marks=needs_window),  # llama.cpp's gemma2 always soft-caps
+])
 def test_a_gemma_gguf_gives_transformers_tokens(tmp_path, request, tokenizer, family, qtype):
     _, hf = request.getfixturevalue(family)
     path = _write_gemma_gguf(tmp_path / f"{family}.gguf", hf, qtype)
@@ -275,6 +288,19 @@ def test_a_gemma_gguf_gives_transformers_tokens(tmp_path, request, tokenizer, fa
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
         assert _greedy(model, ids, 12) == _hf_greedy(reference, ids, 12), prompt
+
+
+def test_a_gemma2_gguf_without_its_soft_caps_has_llama_cpps_defaults(tmp_path, gemma2):
+    """llama.cpp's gemma2 reads both soft-caps as optional, 50 and 30 (the Gemma 2 paper's values) when absent."""
+    _, hf = gemma2
+    hf.config.final_logit_softcapping = None  # neither key written
+    try:
+        path = _write_gemma_gguf(tmp_path / "g2.gguf", hf)
+    finally:
+        hf.config.final_logit_softcapping = 30.0
+    arch = load_model(str(path), weights_only=True).arch
+    assert (arch.attn_logit_softcapping, arch.final_logit_softcapping, arch.sliding_window) == (50.0, 30.0, 512)
+    assert arch.layer_types == ("sliding_attention", "full_attention") * 2 and arch.attention_scale == 32**-0.5
 
 
 def test_the_default_quantized_path_runs_a_q8_0_gemma(tmp_path, gemma3, tokenizer):
