@@ -185,7 +185,8 @@ _GGUF_LAYER_NAMES = {
 _GGUF_ARCH_LAYER_NAMES = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}}
 #: Gemma's four norms per layer (llama.cpp's ``ffn_norm`` is Gemma's pre-feed-forward norm).
 _GGUF_ARCH_LAYER_NAMES["gemma2"] = {"post_attention_norm": "post_attention_layernorm",
-                                    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+                                    "ffn_norm": "pre_feedforward_layernorm",
+                                    "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_ARCH_LAYER_NAMES["gemma3"] = {**_GGUF_ARCH_LAYER_NAMES["gemma2"], **_GGUF_ARCH_LAYER_NAMES["qwen3"]}
 #: Per Gemma architecture, as llama.cpp reads it: the metadata keys read instead of refused, with the values an
 #: absent key means (Gemma 2's paper values), the window pattern (every ``n``-th layer global) and the layer count

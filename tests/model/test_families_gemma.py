@@ -33,8 +33,8 @@ LONG_PROMPTS = [" ".join([p] * 4) for p in PROMPTS]
 
 
 def _gemma(tmp_path_factory, tokenizer, name, family, layers, **kw):
-    """A random ``family`` ("Gemma2" / "Gemma3") checkpoint written by ``transformers``, every norm weight drawn
-    from N(0, 0.5) (``transformers`` starts them at 0: ``1 + w`` would be 1)."""
+    """A random ``family`` ("Gemma2" / "Gemma3") checkpoint written by ``transformers``, every norm weight and bias
+    drawn from N(0, 0.5) (``transformers`` starts them at 0: ``1 + w`` would be 1, a dropped bias would not show)."""
     import transformers
 
     torch.manual_seed(0)
@@ -48,7 +48,7 @@ def _gemma(tmp_path_factory, tokenizer, name, family, layers, **kw):
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "norm" in n:
+            if "norm" in n or n.endswith(".bias"):
                 p.normal_(0, 0.5)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(str(path), safe_serialization=True)
@@ -139,9 +139,11 @@ def test_gemma3_in_the_hub_config_layout(tmp_path, gemma3, tokenizer):
     _check_parity(tmp_path, hf, tokenizer)
 
 
-def test_query_pre_attn_scalar_is_the_softmax_scale(tmp_path_factory, tokenizer):
-    path, hf = _gemma(tmp_path_factory, tokenizer, "qpas", "Gemma2", 2, query_pre_attn_scalar=24)
-    assert load_model(str(path)).arch.attention_scale == 24**-0.5
+def test_query_pre_attn_scalar_and_attention_bias(tmp_path_factory, tokenizer):
+    path, hf = _gemma(tmp_path_factory, tokenizer, "qpas", "Gemma2", 2, query_pre_attn_scalar=24,
+                      attention_bias=True)
+    arch = load_model(str(path)).arch
+    assert arch.attention_scale == 24**-0.5 and arch.attention_bias and arch.o_proj_bias
     _check_parity(path, hf, tokenizer)
 
 
