@@ -44,6 +44,16 @@ _GEMMA_DEFAULTS = {
                               sliding_window=4096, attn_logit_softcapping=None, final_logit_softcapping=None,
                               tie_word_embeddings=True, max_position_embeddings=131072),
 }
+#: Multimodal architectures whose text model kvserve runs (text prompts only: the same math as the text model) ->
+#: (the text model's architecture, ``transformers``' defaults of the fields a Hub ``text_config`` leaves out,
+#: weight-name prefixes of the text model -> the text model's names; the vision tower and projector are not read).
+TEXT_PARTS = {
+    "Gemma3ForConditionalGeneration": (
+        "Gemma3ForCausalLM",
+        dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+             num_key_value_heads=4, rms_norm_eps=1e-6),
+        {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}),
+}
 #: Families with Llama's ``attention_bias`` (Q/K/V and o_proj) and ``mlp_bias``.
 _LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
                  "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -192,6 +202,29 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
                         if architecture == "SmolLM3ForCausalLM" and cfg.get("no_rope_layers") else None),
         **extra,
     )
+
+
+def text_part(cfg: dict) -> tuple[dict, Optional[dict]]:
+    """``(config, renames)``: for a multimodal config in ``TEXT_PARTS``, its text model's config (``text_config``
+    over ``transformers``' defaults, the top level's ``eos_token_id`` and ``tie_word_embeddings`` kept) and the
+    weight-name prefixes to rename (tensors under none of them are left out); else ``(cfg, None)``.
+
+    Raises:
+        ValueError: a Gemma 3 ``text_config`` with a final-logit soft-cap (ambiguous: see the message).
+    """
+    archs = cfg.get("architectures") or ()
+    part = next((TEXT_PARTS[a] for a in archs if a in TEXT_PARTS), None)
+    if part is None:
+        return cfg, None
+    architecture, defaults, renames = part
+    text = {**defaults, **(cfg.get("text_config") or {}), "architectures": [architecture]}
+    if text.get("final_logit_softcapping") is not None:  # Gemma 3's text class applies it, its multimodal one not
+        raise ValueError(f"unsupported text_config.final_logit_softcapping={text['final_logit_softcapping']!r} for "
+                         f"{archs[0]} (transformers' multimodal class ignores it); supported: None")
+    for key in ("eos_token_id", "tie_word_embeddings"):
+        if key in cfg:
+            text[key] = cfg[key]
+    return text, renames
 
 
 def _gemma3_rope(cfg: dict, where: str) -> tuple[float, Optional[RopeScaling], tuple]:

