@@ -32,8 +32,7 @@ FAMILY_FIELDS = {
     "GraniteForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True),
                            "embedding_multiplier": None, "residual_multiplier": None, "attention_multiplier": None,
                            "logits_scaling": None},
-    # Phi-3 / 3.5 / Phi-4-mini: fused qkv_proj and gate_up_proj, LongRoPE, partial rotary; a sliding_window is
-    # taken only when it covers max_position_embeddings (arch_from_config)
+    # Phi-3 / 3.5 / Phi-4-mini: fused qkv_proj and gate_up_proj, LongRoPE, partial rotary, a window on every layer
     "Phi3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "partial_rotary_factor": None, "sliding_window": None},
     # OLMo 2: post-attention and post-MLP norms, Q/K RMSNorm over the whole projection
     "Olmo2ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True)},
@@ -45,8 +44,34 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "GptOssForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
                      "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM")
 #: Families with Llama's ``attention_bias`` (Q/K/V and o_proj) and ``mlp_bias``.
+#: Gemma 2 / 3 (text): their fields (read by ``_gemma_arch``); Gemma 3 does not soft-cap attention logits.
+_GEMMA_FIELDS = {"hidden_activation": HIDDEN_ACTS, "attention_bias": (False, True), "sliding_window": None,
+                 "layer_types": None, "sliding_window_pattern": None, "query_pre_attn_scalar": None,
+                 "final_logit_softcapping": None, "use_bidirectional_attention": (None, False)}
+FAMILY_FIELDS["Gemma2ForCausalLM"] = {**_GEMMA_FIELDS, "attn_logit_softcapping": None}
+FAMILY_FIELDS["Gemma3ForCausalLM"] = {**_GEMMA_FIELDS, "attn_logit_softcapping": (None,), "rope_local_base_freq": None}
+#: ``transformers``' defaults for the Gemma fields a config.json may leave out (they differ from Llama's).
+_GEMMA_DEFAULTS = {
+    "Gemma2ForCausalLM": dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                              sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              tie_word_embeddings=True, max_position_embeddings=8192),
+    "Gemma3ForCausalLM": dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                              sliding_window=4096, attn_logit_softcapping=None, final_logit_softcapping=None,
+                              tie_word_embeddings=True, max_position_embeddings=131072),
+}
+#: Multimodal architectures whose text model kvserve runs (text prompts only: the same math as the text model) ->
+#: (the text model's architecture, ``transformers``' defaults of the fields a Hub ``text_config`` leaves out,
+#: weight-name prefixes of the text model -> the text model's names; the vision tower and projector are not read).
+TEXT_PARTS = {
+    "Gemma3ForConditionalGeneration": (
+        "Gemma3ForCausalLM",
+        dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+             num_key_value_heads=4, rms_norm_eps=1e-6),
+        {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}),
+}
+#: Families with Llama's ``attention_bias`` (Q/K/V and o_proj) and ``mlp_bias``.
 _LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
-                 "Olmo2ForCausalLM")
+                 "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 #: Fields of other families (or of features not built yet) that change the math, and the values that mean "off";
 #: any other value is refused.
@@ -175,17 +200,24 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
     Raises:
         ValueError: a field or value kvserve does not implement (named), or a missing size field.
     """
+    if architecture in _GEMMA_DEFAULTS:
+        cfg = {**_GEMMA_DEFAULTS[architecture], **cfg}
     check_fields(cfg, architecture, where)
-    theta, scaling = parse_rope(cfg, where, architecture)
-    window = cfg.get("sliding_window")
-    if architecture == "Phi3ForCausalLM" and window is not None and window < cfg.get("max_position_embeddings", 2048):
-        raise ValueError(f"unsupported sliding_window={window!r} for {architecture} in {where}: a window shorter than "
-                         f"max_position_embeddings={cfg.get('max_position_embeddings', 2048)} is not implemented yet; "
-                         f"supported: None or >= max_position_embeddings")
+    if architecture == "Gemma3ForCausalLM":
+        theta, scaling, local = _gemma3_rope(cfg, where)
+    else:
+        theta, scaling = parse_rope(cfg, where, architecture)
     n_head = cfg["num_attention_heads"]
     llama_bias = architecture in _LLAMA_BIASES and bool(cfg.get("attention_bias", False))
     granite = architecture == "GraniteForCausalLM"
-    return ModelArch(
+    gemma = architecture in _GEMMA_DEFAULTS
+    cls, extra = ModelArch, {}
+    if gemma:
+        from kvserve.model.gemma import GemmaArch
+
+        cls = GemmaArch
+        extra = _gemma_fields(cfg, architecture, local if architecture == "Gemma3ForCausalLM" else None)
+    return cls(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -201,16 +233,18 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         attention_bias=architecture == "Qwen2ForCausalLM" or llama_bias,
         o_proj_bias=llama_bias,
         mlp_bias=architecture in _LLAMA_BIASES and bool(cfg.get("mlp_bias", False)),
-        hidden_act=cfg.get("hidden_act", "silu"),
+        hidden_act=cfg["hidden_activation"] if gemma else cfg.get("hidden_act", "silu"),
         rope_scaling=scaling,
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
-        attention_multiplier=float(cfg.get("attention_multiplier", 1.0)) if granite else None,
+        attention_multiplier=(float(cfg.get("attention_multiplier", 1.0)) if granite
+                              else float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None),
         logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
         no_rope_layers=(tuple(int(x) for x in cfg["no_rope_layers"])
                         if architecture == "SmolLM3ForCausalLM" and cfg.get("no_rope_layers") else None),
         **_window(cfg, architecture),
+        **extra,
     )
 
 
@@ -222,6 +256,9 @@ def _window(cfg: dict, architecture: str) -> dict:
     window = cfg.get("sliding_window")
     if architecture == "MistralForCausalLM":
         return {"sliding_window": window}
+    if architecture == "Phi3ForCausalLM":  # every layer, as Mistral; a window covering the whole context is none
+        covers = window is None or window >= cfg.get("max_position_embeddings", 2048)
+        return {} if covers else {"sliding_window": window}
     if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not (cfg.get("use_sliding_window") and window):
         return {}
     n, first = cfg["num_hidden_layers"], cfg.get("max_window_layers", 28)
@@ -229,3 +266,67 @@ def _window(cfg: dict, architecture: str) -> dict:
     if "sliding_attention" not in types:  # (max_window_layers >= the layer count: no layer is windowed)
         return {}
     return {"sliding_window": int(window), "layer_types": tuple(types)}
+
+
+def text_part(cfg: dict) -> tuple[dict, Optional[dict]]:
+    """``(config, renames)``: for a multimodal config in ``TEXT_PARTS``, its text model's config (``text_config``
+    over ``transformers``' defaults, the top level's ``eos_token_id`` and ``tie_word_embeddings`` kept) and the
+    weight-name prefixes to rename (tensors under none of them are left out); else ``(cfg, None)``.
+
+    Raises:
+        ValueError: a Gemma 3 ``text_config`` with a final-logit soft-cap (ambiguous: see the message).
+    """
+    archs = cfg.get("architectures") or ()
+    part = next((TEXT_PARTS[a] for a in archs if a in TEXT_PARTS), None)
+    if part is None:
+        return cfg, None
+    architecture, defaults, renames = part
+    text = {**defaults, **(cfg.get("text_config") or {}), "architectures": [architecture]}
+    if text.get("final_logit_softcapping") is not None:  # Gemma 3's text class applies it, its multimodal one not
+        raise ValueError(f"unsupported text_config.final_logit_softcapping={text['final_logit_softcapping']!r} for "
+                         f"{archs[0]} (transformers' multimodal class ignores it); supported: None")
+    for key in ("eos_token_id", "tie_word_embeddings"):
+        if key in cfg:
+            text[key] = cfg[key]
+    return text, renames
+
+
+def _gemma3_rope(cfg: dict, where: str) -> tuple[float, Optional[RopeScaling], tuple]:
+    """Gemma 3's per-layer RoPE: ``(global theta, global scaling, (local theta, local scaling))``, from the Hub's
+    ``rope_theta`` (default 1e6) + ``rope_scaling`` (global layers only) + ``rope_local_base_freq`` (default 1e4),
+    or transformers 5's ``rope_parameters`` keyed by ``full_attention`` / ``sliding_attention``.
+
+    Raises:
+        ValueError: as ``parse_rope``, for either layer kind.
+    """
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and set(params) & {"full_attention", "sliding_attention"}:
+        if set(params) - {"full_attention", "sliding_attention"}:
+            raise ValueError(f"unsupported rope_parameters keys {sorted(params)} in {where}; supported: "
+                             f"'full_attention', 'sliding_attention'")
+        kinds = {}
+        for kind, default in (("full_attention", 1e6), ("sliding_attention", 1e4)):
+            spec = dict(params.get(kind) or {})
+            spec.setdefault("rope_theta", default)
+            sub = {"rope_parameters": spec, "max_position_embeddings": cfg.get("max_position_embeddings")}
+            kinds[kind] = parse_rope(sub, f"{where} (rope_parameters.{kind})")
+        return (*kinds["full_attention"], kinds["sliding_attention"])
+    given = cfg.get("rope_theta") or (params or {}).get("rope_theta")
+    theta, scaling = parse_rope(cfg if given else {**cfg, "rope_theta": 1e6}, where)
+    return theta, scaling, (float(cfg.get("rope_local_base_freq", 1e4)), None)
+
+
+def _gemma_fields(cfg: dict, architecture: str, local: Optional[tuple]) -> dict:
+    """The ``GemmaArch`` fields of a Gemma config (defaults applied): the soft-caps, per-layer
+    window kinds (transformers' pattern when ``layer_types`` is absent: Gemma 2 every other layer, Gemma 3
+    ``sliding_window_pattern`` (6): five of six) and Gemma 3's local RoPE."""
+    n = cfg["num_hidden_layers"]
+    pattern = 2 if architecture == "Gemma2ForCausalLM" else int(cfg.get("sliding_window_pattern") or 6)
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(n)]
+    fields = dict(sliding_window=cfg["sliding_window"], layer_types=tuple(types),
+                  attn_logit_softcapping=cfg["attn_logit_softcapping"],
+                  final_logit_softcapping=cfg["final_logit_softcapping"])
+    if local is not None:
+        fields.update(local_rope_theta=local[0], local_rope_scaling=local[1])
+    return fields

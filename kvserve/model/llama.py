@@ -159,10 +159,14 @@ class LlamaModel:
     def _qk_norm(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
         """``qkv [T, (H_q + 2 H_kv) D]`` with every query and key head RMS-normed over its ``D`` values (weights
         ``q_norm``, ``k_norm`` ``[D]``; Qwen3), values unchanged: a new ``[T, (H_q + 2 H_kv) D]`` tensor."""
-        t, d, nq, nk, eps = qkv.shape[0], self.arch.head_dim, self.num_heads, self.num_kv_heads, self.arch.rms_norm_eps
-        q = self.ops.rms_norm(qkv[:, : nq * d].reshape(t * nq, d), q_norm, eps).view(t, nq * d)
-        k = self.ops.rms_norm(qkv[:, nq * d: (nq + nk) * d].reshape(t * nk, d), k_norm, eps).view(t, nk * d)
+        t, d, nq, nk = qkv.shape[0], self.arch.head_dim, self.num_heads, self.num_kv_heads
+        q = self._norm(qkv[:, : nq * d].reshape(t * nq, d), q_norm).view(t, nq * d)
+        k = self._norm(qkv[:, nq * d: (nq + nk) * d].reshape(t * nk, d), k_norm).view(t, nk * d)
         return torch.cat([q, k, qkv[:, (nq + nk) * d:]], dim=1)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of ``x [N, H]`` with ``weight [H]`` (``ops.rms_norm``; a family may compute it its own way)."""
+        return self.ops.rms_norm(x, weight, self.arch.rms_norm_eps)
 
     def _layer_loop(self, h: torch.Tensor, batch: InputBatch, meta, rope: tuple, kv_cache: torch.Tensor) -> torch.Tensor:
         """Every decoder layer on the residual stream ``h [T, hidden]`` (updated in place where the ops allow);

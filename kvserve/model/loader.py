@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvserve.model.base import ModelArch
-from kvserve.model.hf_config import arch_from_config, check_not_moe
+from kvserve.model.hf_config import arch_from_config, check_not_moe, text_part
 from kvserve.kernels.build import cache_root
 from kvserve.quant.formats import QUANTIZED_TYPES
 from kvserve.quant.gguf_io import QuantTensor, rope_unpermute_index
@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` values read, and the registry architecture each maps to.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                      "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 #: llama.cpp's mixture-of-experts architectures, refused as such (as is any file with ``<arch>.expert_count``).
 GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "olmoe", "phimoe", "granitemoe", "deepseek2", "dbrx", "llama4",
                           "gpt-oss", "arctic", "grok", "ernie4_5-moe", "hunyuan-moe", "bailingmoe")
@@ -54,7 +55,7 @@ _GGUF_GRANITE_KEYS = {"embedding_scale": "embedding_multiplier", "residual_scale
                       "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
 #: Architectures whose ``<arch>.attention.sliding_window`` is read (a window on every layer: Mistral 7B v0.1, which
 #: llama.cpp converts as ``llama``); elsewhere it is refused (a Qwen2 GGUF does not say which layers it covers).
-_GGUF_WINDOWED = ("llama",)
+_GGUF_WINDOWED = ("llama", "phi3")
 #: GGUF metadata keys (after ``<arch>.``) that change the math and are not implemented, with their "off" values.
 _GGUF_OFF_KEYS = {
     "attention.sliding_window": (None, 0),
@@ -199,6 +200,17 @@ _GGUF_ROPE_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.w
 #: GGUF YaRN keys (after ``<arch>.rope.scaling.``) and the values kvserve implements (llama.cpp's defaults).
 _GGUF_YARN_OFF = {"yarn_ext_factor": (None, -1.0, 1.0), "yarn_attn_factor": (None, 1.0),
                   "yarn_log_multiplier": (None, 0.0), "attn_factor": (None, 1.0)}
+#: Gemma's four norms per layer (llama.cpp's ``ffn_norm`` is Gemma's pre-feed-forward norm).
+_GGUF_ARCH_LAYER_NAMES["gemma2"] = {"post_attention_norm": "post_attention_layernorm",
+                                    "ffn_norm": "pre_feedforward_layernorm",
+                                    "post_ffw_norm": "post_feedforward_layernorm"}
+_GGUF_ARCH_LAYER_NAMES["gemma3"] = {**_GGUF_ARCH_LAYER_NAMES["gemma2"], **_GGUF_ARCH_LAYER_NAMES["qwen3"]}
+#: Per Gemma architecture, as llama.cpp reads it: the metadata keys read instead of refused, with the values an
+#: absent key means (Gemma 2's paper values), the window pattern (every ``n``-th layer global) and the layer count
+#: of the 27B model (whose softmax scale is ``(hidden / heads) ** -0.5``, not ``head_dim ** -0.5``).
+_GGUF_GEMMA = {"gemma2": ({"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                           "final_logit_softcapping": 30.0}, 2, 46),
+               "gemma3": ({"attention.sliding_window": None, "final_logit_softcapping": None}, 6, 62)}
 
 
 def _gguf_tensor_known(name: str, layer_names: dict, arch: str = "") -> bool:
@@ -280,6 +292,35 @@ def _gguf_rope_scaling(field, a: str, tensors: dict, where: str, head_dim: int):
                      f"yarn, rope_freqs.weight, and (phi3) rope_factors_long/short.weight")
 
 
+def _gguf_gemma_fields(field, a: str, hidden: int, n_head: int, head_dim: int) -> dict:
+    """The ``GemmaArch`` fields of a ``gemma2`` / ``gemma3`` GGUF, as llama.cpp reads them: the window
+    (``attention.sliding_window``) on all but every ``n``-th layer (llama.cpp's fixed pattern: it reads no pattern
+    key for these), the soft-caps (absent keys: ``_GGUF_GEMMA``'s values), the softmax scale (``head_dim``, or
+    ``hidden / heads`` for the 27B models), and Gemma 3's local RoPE base (``rope.freq_base_swa``, default 1e4;
+    the file's RoPE scaling applies to the global layers only)."""
+    keys, every, layers_27b = _GGUF_GEMMA[a]
+    value = {k: field(f"{a}.{k}", default) for k, default in keys.items()}
+    n = int(field(f"{a}.block_count"))
+    window = int(value["attention.sliding_window"]) if value["attention.sliding_window"] else None
+    sliding = [window is not None and bool((i + 1) % every) for i in range(n)]
+    scalar = hidden // n_head if n == layers_27b else head_dim
+    fields = dict(hidden_act="gelu_pytorch_tanh", attention_multiplier=float(scalar) ** -0.5, sliding_window=window,
+                  layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+                  attn_logit_softcapping=value.get("attn_logit_softcapping") or None,  # 0: none
+                  final_logit_softcapping=value["final_logit_softcapping"] or None)
+    if a == "gemma3" and window is not None:
+        fields["local_rope_theta"] = float(field(f"{a}.rope.freq_base_swa", 10000.0))
+    return fields
+
+
+def _gguf_window(field, a: str) -> Optional[int]:
+    """Every layer's attention window (tokens) from ``<arch>.attention.sliding_window`` for the architectures in
+    ``_GGUF_WINDOWED``; ``None`` for 0, for a window that covers ``context_length`` (no token is ever outside it),
+    and for the other architectures (their window keys are read or refused elsewhere)."""
+    window = int(field(f"{a}.attention.sliding_window", 0) or 0) if a in _GGUF_WINDOWED else 0
+    return window if 0 < window < int(field(f"{a}.context_length")) else None
+
+
 def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> Hugging Face rotate-half halves).
 
@@ -312,11 +353,9 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         )
     a, where = arch_name, repr(str(path))
     for key, off in _GGUF_OFF_KEYS.items():
-        if (a == "granite" and key in _GGUF_GRANITE_KEYS) or (a in _GGUF_WINDOWED and key == "attention.sliding_window"):
+        if (a == "granite" and key in _GGUF_GRANITE_KEYS) or (a in _GGUF_WINDOWED and key == "attention.sliding_window") \
+                or key in _GGUF_GEMMA.get(a, ({},))[0]:
             continue
-        if a == "phi3" and key == "attention.sliding_window" and (field(f"{a}.{key}") or 0) >= int(
-                field(f"{a}.context_length")):
-            continue  # Phi-3's window covers its whole context: no window
         if field(f"{a}.{key}") not in off:
             raise ValueError(f"unsupported GGUF {a}.{key}={field(f'{a}.{key}')!r} in {where}: kvserve does not "
                              f"implement it; supported: {off}")
@@ -333,7 +372,15 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
                          f"{''.join(n.split('.')[0] + ', ' for n in _GGUF_ROPE_TENSORS.get(a, ()))}"
                          f"blk.N.{{{', '.join(layer_names)}}})")
     has = lambda kind, suffix="bias": f"blk.0.{kind}.{suffix}" in tensors  # noqa: E731
-    arch = ModelArch(
+    rope_scaling = _gguf_rope_scaling(field, a, tensors, where, head_dim)
+    arch_cls, extra = ModelArch, {}
+    if a == "granite":
+        extra = {f: float(field(f"{a}.{k}")) for k, f in _GGUF_GRANITE_KEYS.items() if field(f"{a}.{k}") is not None}
+    elif a in _GGUF_GEMMA:
+        from kvserve.model.gemma import GemmaArch
+
+        arch_cls, extra = GemmaArch, _gguf_gemma_fields(field, a, hidden, n_head, head_dim)
+    arch = arch_cls(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(field(f"{a}.feed_forward_length")),
@@ -349,11 +396,9 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         attention_bias=has("attn_q"),
         o_proj_bias=has("attn_output"),
         mlp_bias=has("ffn_down"),
-        rope_scaling=_gguf_rope_scaling(field, a, tensors, where, head_dim),
+        rope_scaling=rope_scaling,
         qk_norm=has("attn_q_norm", "weight") and a != "olmo2",  # OLMo 2's span the projection (its own model)
-        sliding_window=int(field(f"{a}.attention.sliding_window", 0)) or None if a in _GGUF_WINDOWED else None,
-        **({f: float(field(f"{a}.{k}")) for k, f in _GGUF_GRANITE_KEYS.items() if field(f"{a}.{k}") is not None}
-           if a == "granite" else {}),
+        **{"sliding_window": _gguf_window(field, a), **extra},  # (Gemma's windows come in extra)
     )
 
     weights, widened = {}, {}
@@ -377,6 +422,12 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
                     w = _unpermute_rope_rows(w, heads)
             hf = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
         else:
+            hf = None
+        if a in _GGUF_GEMMA and name.endswith("norm.weight"):
+            if isinstance(w, QuantTensor):
+                raise ValueError(f"{name} in {where} is quantized ({w.qtype}); expected float32")
+            w = np.asarray(w, dtype=np.float32) - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w
+        if hf is None:
             continue  # rope_freqs.weight, rope_factors_*: read into arch.rope_scaling
         if isinstance(w, QuantTensor):
             weights[hf] = w
@@ -460,6 +511,7 @@ def _load_hf_dir(path: Path, with_tokenizer: bool = True) -> LoadedModel:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {str(cfg_path)!r}: {e}") from e
     check_not_moe(cfg.get("architectures"), repr(str(cfg_path)))
+    cfg, renames = text_part(cfg)  # a multimodal checkpoint whose text model kvserve runs
     archs = [a for a in cfg.get("architectures") or () if a in SUPPORTED_ARCHITECTURES]
     if not archs:
         raise ValueError(f"unsupported architecture {cfg.get('architectures')} in {str(cfg_path)!r}; "
@@ -474,6 +526,9 @@ def _load_hf_dir(path: Path, with_tokenizer: bool = True) -> LoadedModel:
             weights.update({k: v.float() for k, v in load_file(str(f)).items()})
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"cannot read {str(f)!r}: {e}") from e
+    if renames is not None:  # the text model's tensors under its own names; the vision tower's are not read
+        weights = {new + k[len(old):]: w for k, w in weights.items() for old, new in renames.items()
+                   if k.startswith(old)}
     if arch.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     tokenizer = None

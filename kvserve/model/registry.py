@@ -19,6 +19,8 @@ _MODELS = {
     "SmolLM3ForCausalLM": "kvserve.model.smollm3:SmolLM3Model",
     "Phi3ForCausalLM": "kvserve.model.phi3:Phi3Model",
     "Olmo2ForCausalLM": "kvserve.model.olmo2:Olmo2Model",
+    "Gemma2ForCausalLM": "kvserve.model.gemma:GemmaModel",
+    "Gemma3ForCausalLM": "kvserve.model.gemma:GemmaModel",  # the text model (Gemma 3 1B, or a text-only export)
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 

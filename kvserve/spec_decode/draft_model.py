@@ -67,7 +67,9 @@ def early_exit_model(target: LlamaModel, num_layers: int) -> LlamaModel:
         )
     view = copy.copy(target)
     view.layers = target.layers[:num_layers]
-    view.arch = dataclasses.replace(target.arch, num_hidden_layers=num_layers)
+    per_layer = {f: getattr(target.arch, f)[:num_layers] for f in ("layer_types", "no_rope_layers")
+                 if getattr(target.arch, f) is not None}  # (windows, NoPE layers: the first num_layers')
+    view.arch = dataclasses.replace(target.arch, num_hidden_layers=num_layers, **per_layer)
     view.fused_layers = FusedLayerLoop.build(view)  # the target's would run all its layers on the draft's cache
     return view
 

@@ -275,9 +275,6 @@ def llama(tmp_path_factory, tokenizer):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda c: c.update(sliding_window=256),
-     r"unsupported sliding_window=256 for Phi3ForCausalLM in .*: a window shorter than max_position_embeddings=512 "
-     r"is not implemented yet; supported: None or >= max_position_embeddings"),
     (lambda c: c["rope_parameters"].pop("original_max_position_embeddings") and c.pop(
         "original_max_position_embeddings"),
      r"rope_parameters of rope_type 'longrope' in .* lacks original_max_position_embeddings"),
@@ -288,7 +285,7 @@ def llama(tmp_path_factory, tokenizer):
     (lambda c: c.update(architectures=["MixtralForCausalLM"]),
      r"unsupported architecture 'MixtralForCausalLM' in .*: mixture-of-experts models are not supported yet"),
     (lambda c: c.update(architectures=["Qwen3MoeForCausalLM"]), r"'Qwen3MoeForCausalLM' .* mixture-of-experts"),
-], ids=["window", "longrope-no-original", "longrope-no-long", "longrope-key", "mixtral", "qwen3-moe"])
+], ids=["longrope-no-original", "longrope-no-long", "longrope-key", "mixtral", "qwen3-moe"])
 def test_phi3_fields_and_moe_architectures_are_refused(tmp_path, phi3, edit, message):
     import shutil
 
@@ -338,8 +335,20 @@ def test_gguf_moe_and_rope_fields_are_refused(tmp_path, llama, arch, fields, mes
         load_model(str(path), weights_only=True)
 
 
-def test_phi3_gguf_window_shorter_than_the_context_is_refused(tmp_path, phi3):
+def test_phi3_gguf_window_shorter_than_the_context_is_read(tmp_path, phi3):
     path = _write_gguf(tmp_path / "w.gguf", phi3[1], "phi3", PHI3_NAMES,
                        [("phi3.attention.sliding_window", 256), ("phi3.rope.dimension_count", 12)])
-    with pytest.raises(ValueError, match=r"unsupported GGUF phi3.attention.sliding_window=256"):
-        load_model(str(path), weights_only=True)
+    arch = load_model(str(path), weights_only=True).arch
+    assert (arch.sliding_window, arch.layer_window(0), arch.layer_window(1)) == (256, 256, 256)
+
+
+def test_phi3_with_a_sliding_window_matches_transformers(tmp_path_factory, tokenizer):
+    """Phi-3-mini-4k style (its window, 2047, is shorter than its context): every layer windowed, here 5 tokens,
+    so the prompts run past it."""
+    path, hf = _randomize(*_tiny(tmp_path_factory, tokenizer, "phi3w", cls="Phi3", pad_token_id=0, sliding_window=5,
+                                 original_max_position_embeddings=16, partial_rotary_factor=0.75,
+                                 rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG}))
+    assert load_model(str(path), weights_only=True).arch.sliding_window == 5
+    assert max(len(tokenizer.encode(p)) for p in PROMPTS) > 5
+    _check_parity(path, hf, tokenizer)
+    _engine_matches(path, hf, tokenizer)

@@ -36,7 +36,8 @@ def tiny_qwen2(tmp_path_factory, tokenizer):
 def test_registry_lists_both_families():
     assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                        "MistralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
-                                       "Phi3ForCausalLM", "Olmo2ForCausalLM")
+                                       "Phi3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM",
+                                       "Gemma3ForCausalLM")
     assert model_class("Qwen2ForCausalLM") is Qwen2Model
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         model_class("GPT2LMHeadModel")
