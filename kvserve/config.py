@@ -57,6 +57,10 @@ class ModelConfig:
             (for float/HF models too). With
             ``dtype="bfloat16"``, ``"auto"`` means ``"fp32"`` (dequantized, then cast) and ``"int8"`` is refused.
             ``None`` (default): ``$KVSERVE_QUANTIZATION`` if set, else ``"auto"``.
+        chat_template: the chat template for ``LLM.chat`` and ``/v1/chat/completions`` instead of the model's own
+            (vLLM's ``--chat-template``): a Jinja file's path, or the template text; ``None`` = the model's
+            (``tokenizer_config.json`` / ``chat_template.jinja`` / the GGUF's ``tokenizer.chat_template``). Read
+            and checked when the engine starts (``kvserve.model.chat_config.load_chat_template``).
     """
 
     model: Optional[str] = _field(None, "a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
@@ -68,6 +72,8 @@ class ModelConfig:
     quantization: Optional[str] = _field(None, "weights: the file's own format (auto), dequantized (fp32), or int8 "
                                                "per 32-weight block (default: $KVSERVE_QUANTIZATION, else auto)",
                                          SUPPORTED_QUANTIZATION)
+    chat_template: Optional[str] = _field(None, "chat template file (or the Jinja text) for chat requests "
+                                                "(default: the model's own)")
 
     @property
     def effective_quantization(self) -> str:

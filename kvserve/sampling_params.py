@@ -37,8 +37,10 @@ class SamplingParams:
             cut from the text unless ``include_stop_str_in_output``. With ``min_tokens``, only a stop string
             completed by a token after the first ``min_tokens`` counts (the same rule as EOS and
             ``stop_token_ids``). Must be valid Unicode (no lone surrogates).
-        stop_token_ids: token ids that end generation (the token is kept in ``token_ids``, not in the text).
-        ignore_eos: keep generating past EOS (for benchmarks).
+        stop_token_ids: token ids that end generation (the token is kept in ``token_ids``, not in the text;
+            ``RequestOutput.stop_reason`` is the token), with or without ``ignore_eos``.
+        ignore_eos: keep generating past the model's end tokens (its EOS and the end-of-turn tokens its files
+            declare: ``LLMEngine.eos_token_ids``), as vLLM does (for benchmarks); ``stop_token_ids`` still end it.
         seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
         repetition_penalty: ``(0, 2]``; >1 discourages tokens already in prompt or output (CTRL, Keskar et al.
             2019: positive logits divided, negative multiplied).

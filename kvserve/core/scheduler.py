@@ -57,13 +57,17 @@ class Scheduler:
     Args:
         config: limits and policy.
         kv_cache_manager: the block tables and pool.
-        eos_token_ids: tokens that end a request unless ``ignore_eos``.
+        eos_token_ids: the model's end tokens: each ends a request unless ``ignore_eos``.
+        eos_token_id: the primary one among them (the tokenizer's EOS): it ends a request with ``stop_reason``
+            ``None``; the others set ``stop_reason`` to the token, as vLLM's (merged into its ``stop_token_ids``).
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, eos_token_ids: tuple = ()):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, eos_token_ids: tuple = (),
+                 eos_token_id: Optional[int] = None):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_id = eos_token_id
         self.waiting: list[Request] = []
         self._seq = itertools.count()
         self.running: list[Request] = []
@@ -249,9 +253,9 @@ class Scheduler:
         A request that verified ``k`` drafts and got ``a + 1`` tokens (``a`` accepted + the recovered or bonus one)
         is rolled back by the ``k - a`` rejected drafts, and blocks only they needed are released. Tokens are
         appended one by one; the first that finishes the request ends it and the rest are dropped with their K/V.
-        A request finishes with ``"stop"`` on EOS (unless ``ignore_eos``) or a ``stop_token_ids`` token (both only
-        after ``min_tokens``), and with ``"length"`` at ``max_tokens`` or ``max_model_len``. Finished requests'
-        blocks are freed here, so the next step can reuse them.
+        A request finishes with ``"stop"`` on a model end token (unless ``ignore_eos``) or a ``stop_token_ids``
+        token (both only after ``min_tokens``), and with ``"length"`` at ``max_tokens`` or ``max_model_len``.
+        Finished requests' blocks are freed here, so the next step can reuse them.
 
         Returns:
             the requests that received tokens this step (finished ones and newly started forks included), in
@@ -325,6 +329,7 @@ class Scheduler:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if not sp.ignore_eos and token in self.eos_token_ids:
+                req.stop_reason = None if token == self.eos_token_id else token
                 return RequestStatus.FINISHED_STOPPED
         grammar = req.grammar
         if grammar is not None:  # structured outputs: the matcher takes the appended token

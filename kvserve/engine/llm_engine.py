@@ -24,6 +24,7 @@ from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.stats import EngineStats
 from kvserve.model.backends import select_backends
+from kvserve.model.chat_config import describe_end_tokens, load_chat_template
 from kvserve.model.loader import load_model
 from kvserve.model.registry import build_model
 from kvserve.request import Request, RequestStatus
@@ -86,7 +87,13 @@ class LLMEngine:
         self.kv_cache_dtype = getattr(torch, kv_dtype_name)
         self.block_size, self.num_blocks, self.pool_tokens = lim.block_size, lim.num_blocks, lim.pool_tokens
         self.max_model_len, self.max_total_tokens = lim.max_model_len, lim.max_total_tokens
-        self.eos_token_ids = loaded.eos_token_ids
+        self.eos_token_ids, self.eos_token_id = loaded.eos_token_ids, loaded.eos_token_id
+        self.chat_template = load_chat_template(mc.chat_template)  # None: the tokenizer's own
+        logger.info("generation ends on token ids %s unless ignore_eos; chat template: %s",
+                    describe_end_tokens(self.eos_token_ids, self.tokenizer),
+                    "--chat-template" if self.chat_template is not None else
+                    "the model's" if getattr(self.tokenizer, "chat_template", None) else
+                    "none (chat requests are refused; pass --chat-template)")
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
             self.num_blocks, self.block_size, self.pool_tokens,
@@ -100,7 +107,7 @@ class LLMEngine:
         sampler = Sampler(self.eos_token_ids)
         spec = config.speculative_config
         self.speculator = self._make_speculator(spec, mc, sc, sampler) if spec is not None else None
-        self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids)
+        self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids, self.eos_token_id)
         if tp > 1:  # rank 0 of the group: ships each plan to the workers, samples on the gathered logits
             from kvserve.distributed.executor import TensorParallelExecutor
             from kvserve.distributed.parallel_state import free_port
@@ -180,8 +187,9 @@ class LLMEngine:
         return cls(EngineConfig.from_kwargs(**engine_args))
 
     # ------------------------------------------------------------------------------------------------ requests
-    def tokenize(self, prompt: PromptType) -> list:
-        """Token ids of a text prompt (the tokenizer's own special-token rule), or validated ids as given.
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list:
+        """Token ids of a text prompt (the tokenizer's own special-token rule, e.g. a BOS, unless
+        ``add_special_tokens`` is false: a chat template's text carries its own), or validated ids as given.
 
         Raises:
             ValueError: empty prompt, text that is not valid Unicode (a lone surrogate), wrong type, or ids outside
@@ -191,7 +199,7 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             check_text("prompt", prompt)
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
@@ -210,8 +218,10 @@ class LLMEngine:
         request_id: Optional[str] = None,
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        add_special_tokens: bool = True,
     ) -> str:
-        """Validate and queue a request; returns its id.
+        """Validate and queue a request; returns its id. A text prompt is tokenized by ``tokenize`` (with
+        ``add_special_tokens``).
 
         Raises:
             ValueError: empty or invalid prompt; prompt longer than ``max_model_len``; prompt needing more KV blocks
@@ -225,7 +235,7 @@ class LLMEngine:
         bad_stop = [t for t in sp.stop_token_ids if t >= self.arch.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {self.arch.vocab_size}), got {bad_stop[:5]}")
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt, add_special_tokens)
         n = len(ids)
         if n > self.max_model_len:
             raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")

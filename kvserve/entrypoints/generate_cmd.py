@@ -123,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(**engine_kwargs(args))
     if probe is not None:
         probe.mark("LLM() start-up")
-    prompts = [llm.apply_chat_template(v) if kind == "messages" else v for kind, v in items]
+    # a chat template writes its own special tokens (BOS): tokenized without the tokenizer's, as LLM.chat does
+    prompts = [llm.llm_engine.tokenize(llm.apply_chat_template(v), add_special_tokens=False) if kind == "messages"
+               else v for kind, v in items]
     start = time.monotonic()
     outputs = llm.generate(prompts, sp, use_tqdm=not args.no_progress and not args.json)
     summary = summarize(outputs, llm.llm_engine.stats, time.monotonic() - start)

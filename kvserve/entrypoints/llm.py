@@ -51,8 +51,9 @@ class LLM:
         return self._run(list(prompts), sampling_params, use_tqdm, priority)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False, add_generation_prompt: bool = True,
-             tools: Optional[list] = None):
-        """Apply the model's chat template, then ``generate``.
+             tools: Optional[list] = None, chat_template: Optional[str] = None):
+        """Apply the model's chat template, then ``generate``. The rendered text is tokenized without the
+        tokenizer's own special tokens (the template writes its BOS itself), as vLLM's ``LLM.chat`` does.
 
         Args:
             messages: one conversation (a list of ``{"role", "content"}`` dicts) or a list of conversations.
@@ -60,6 +61,8 @@ class LLM:
                 vLLM's parameter), rendered into the prompt exactly as the server does for ``tool_choice`` "auto"
                 (``apply_chat_template``). There is no ``tool_choice`` offline (as in vLLM's ``LLM.chat``): to
                 force a call, pass ``SamplingParams(structured_outputs=...)`` with the tool's schema.
+            chat_template: a Jinja template (text) for this call instead of the engine's (``chat_template``
+                engine argument, else the model's own).
 
         Returns:
             ``list[RequestOutput]``, one per conversation.
@@ -68,11 +71,11 @@ class LLM:
             ValueError: a malformed message or tool (see ``apply_chat_template``) or a bad parameter.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt, tools) for c in conversations]
-        return self._run(prompts, sampling_params, use_tqdm)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools, chat_template) for c in conversations]
+        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
     def apply_chat_template(self, conversation: list, add_generation_prompt: bool = True,
-                            tools: Optional[list] = None) -> str:
+                            tools: Optional[list] = None, chat_template: Optional[str] = None) -> str:
         """The prompt text of one conversation (and ``tools``) under the model's chat template: the server's
         rendering (``chat_utils.render_chat``; a template that ignores tools, as SmolLM2's does, gets them in the
         system message, tool calls and tool results in the Hermes convention).
@@ -81,15 +84,21 @@ class LLM:
         assistant, tool; content a string or a list of ``{"type": "text", "text": str}`` parts, ``None`` only in
         an assistant message; valid Unicode. ``tools`` follow the server's ``tools`` (``chat_utils.check_tools``).
 
+        The template is ``chat_template`` if given, else the engine's ``chat_template`` argument, else the
+        model's own (``chat_utils.chat_template_for``).
+
         Raises:
             ValueError: a malformed conversation or tool (the message names the field, e.g.
-                ``messages[0].content``, ``tools[0].function.name``).
+                ``messages[0].content``, ``tools[0].function.name``); no chat template at all
+                (``chat_utils.NoChatTemplateError``, saying how to pass one).
         """
         messages = conversation_from_messages(conversation)
         return render_chat(self.get_tokenizer(), messages, check_tools(tools),
+                           chat_template or self.llm_engine.chat_template,
                            add_generation_prompt=add_generation_prompt)
 
-    def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority=None) -> list:
+    def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority=None,
+             add_special_tokens: bool = True) -> list:
         n = len(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -103,7 +112,7 @@ class LLM:
         ids = []
         try:
             for p, sp, prio in zip(prompts, params, priorities):
-                ids.append(engine.add_request(p, sp, priority=prio))
+                ids.append(engine.add_request(p, sp, priority=prio, add_special_tokens=add_special_tokens))
         except Exception:
             engine.abort_request(ids)
             raise

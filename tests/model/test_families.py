@@ -188,7 +188,7 @@ def _permute(w, n_head):
 def _write_gguf(path, hf, arch, permute, extra_tensors=(), extra_fields=(), q5_0=()):
     """``hf``'s weights as a float32 GGUF of ``arch`` with llama.cpp's tensor names (Q/K rows permuted when
     ``permute``; the tensors named in ``q5_0`` as Q5_0 blocks), plus ``extra_tensors`` ``[(name, array)]`` and
-    ``extra_fields`` ``[(key, value)]``."""
+    ``extra_fields`` ``[(key, value)]`` (int, float, bool, str or a list of them)."""
     import gguf
 
     c = hf.config
@@ -204,8 +204,11 @@ def _write_gguf(path, hf, arch, permute, extra_tensors=(), extra_fields=(), q5_0
         w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    for key, value in extra_fields:
-        w.add_float32(key, value) if isinstance(value, float) else w.add_uint32(key, value)
+    for key, value in extra_fields:  # an int as uint32 (llama.cpp's counts and token ids); else by its type
+        if isinstance(value, int) and not isinstance(value, bool):
+            w.add_uint32(key, value)
+        else:
+            w.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
     for name, t in hf.state_dict().items():
         x, g = t.float().numpy(), _GGUF_TOP.get(name)
         if g is None:

@@ -23,7 +23,8 @@ from typing import AsyncIterator, Optional
 
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError, RequestStream
 from kvserve.engine.detokenizer import TokenVocab
-from kvserve.entrypoints.chat_utils import MessageError, conversation_from_messages, render_chat
+from kvserve.entrypoints.chat_utils import (MessageError, NoChatTemplateError, chat_template_for,
+                                            conversation_from_messages, render_chat)
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.structured import StructuredOutputsParams
@@ -198,7 +199,8 @@ class OpenAIServing:
 
         Raises:
             OpenAIError: no messages, a bad role or content (``param`` names it, e.g. ``messages[0].content``), a
-                lone surrogate in a string, or a conversation the template rejects.
+                lone surrogate in a string, a conversation the template rejects, or no chat template at all
+                (neither the model's nor ``--chat-template``: the message says how to pass one).
         """
         try:
             conversation = conversation_from_messages([m.model_dump(exclude_unset=True) for m in messages])
@@ -208,16 +210,22 @@ class OpenAIServing:
             raise OpenAIError("continue_final_message needs the last message to be an assistant message",
                               param="continue_final_message")
 
+        try:
+            template = chat_template_for(self.tokenizer, self.llm.engine.chat_template, tools)
+        except NoChatTemplateError as e:
+            raise OpenAIError(str(e)) from None
+
         def render() -> str:
-            return render_chat(self.tokenizer, conversation, tools, add_generation_prompt=add_generation_prompt,
+            return render_chat(self.tokenizer, conversation, tools, template,
+                               add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message)
 
         try:
             text = await asyncio.to_thread(render)
         except Exception as e:  # a template's raise_exception (jinja2 TemplateError) and the like: bad input
             raise OpenAIError(f"messages: the chat template rejected the conversation: {e}", param="messages") from None
-        try:  # the same tokenization as the offline LLM.chat
-            ids = await asyncio.to_thread(self.llm.engine.tokenize, text)
+        try:  # the same tokenization as the offline LLM.chat: the template's text carries its special tokens
+            ids = await asyncio.to_thread(self.llm.engine.tokenize, text, False)
         except ValueError as e:
             raise OpenAIError(f"messages: {e}", param="messages") from None
         return PreparedPrompt(ids, text)
