@@ -38,7 +38,9 @@ from fastapi.openapi.utils import get_openapi
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.detokenizer import TokenVocab
 from kvserve.entrypoints.dashboard import hub as dash
+from kvserve.entrypoints.openai import limits as request_limits
 from kvserve.entrypoints.openai.errors import add_exception_handlers, error_response
+from kvserve.entrypoints.openai.limits import RequestBodyMiddleware, RequestLimits
 from kvserve.entrypoints.openai.metrics import PrometheusStatLogger
 from kvserve.entrypoints.openai.routes import router
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -100,7 +102,8 @@ def freeze_gc_heap() -> int:
 
 def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None,
               api_key: Optional[str] = None, metrics_auth: bool = True,
-              dashboard: bool = False, dashboard_show_prompts: bool = False) -> FastAPI:
+              dashboard: bool = False, dashboard_show_prompts: bool = False,
+              limits: Optional[RequestLimits] = None) -> FastAPI:
     """The FastAPI app. Its lifespan starts ``llm`` and shuts it down.
 
     Args:
@@ -111,6 +114,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
         metrics_auth: with ``api_key``, whether ``/metrics`` needs it too (default yes).
         dashboard: add ``/dashboard`` and ``/v1/engine/state`` (``kvserve.entrypoints.dashboard``).
         dashboard_show_prompts: the dashboard shows prompt text (else ids and token counts only).
+        limits: the request bounds (``limits.RequestLimits``; default its defaults); an unset ``max_prompt_chars``
+            is derived from ``llm.max_model_len`` and the vocabulary's longest token.
     """
 
     @asynccontextmanager
@@ -128,9 +133,12 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
     state.engine_client = llm
     state.served_model_name = served_model_name
     state.stat_logger = stat_logger or llm.stat_logger
-    state.openai_serving_completion = OpenAIServingCompletion(llm, served_model_name, vocab)
-    state.openai_serving_chat = OpenAIServingChat(llm, served_model_name, vocab)
-    state.openai_serving_tokenization = OpenAIServingTokenization(llm, served_model_name, vocab)
+    limits = (limits or RequestLimits()).resolve(llm.max_model_len, request_limits.longest_token_chars(llm.tokenizer))
+    state.limits = limits
+    state.openai_serving_completion = OpenAIServingCompletion(llm, served_model_name, vocab, limits)
+    state.openai_serving_chat = OpenAIServingChat(llm, served_model_name, vocab, limits)
+    state.openai_serving_tokenization = OpenAIServingTokenization(llm, served_model_name, vocab, limits)
+    app.add_middleware(RequestBodyMiddleware, limits=limits)  # inside the key check: no body read without a key
     if api_key is not None:
         exempt = {"/health"} | (set() if metrics_auth else {"/metrics"}) | (dash.page_paths() if dashboard else set())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, exempt=frozenset(exempt))
@@ -197,12 +205,12 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: Optional[str] = None, log_level: str = "info",
                  access_log: bool = True, api_key: Optional[str] = None, metrics_auth: bool = True,
                  sock: Optional[socket.socket] = None, dashboard: Optional[bool] = None,
-                 dashboard_show_prompts: bool = False) -> KVServeServer:
+                 dashboard_show_prompts: bool = False, limits: Optional[RequestLimits] = None) -> KVServeServer:
     """Load the model and build the server (not started). ``served_model_name`` defaults to the model file's stem;
     ``dashboard`` (``/dashboard`` and ``/v1/engine/state``) defaults to on iff ``host`` is a loopback address.
 
     Args:
-        api_key, metrics_auth: see ``build_app``.
+        api_key, metrics_auth, limits: see ``build_app``.
         sock: an already bound socket (``bind_socket``) to serve on; ``host`` and ``port`` then only name it.
 
     Raises:
@@ -214,7 +222,7 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
     if dashboard is None:
         dashboard = dash.is_loopback(host)
     app = build_app(llm, name, api_key=api_key, metrics_auth=metrics_auth, dashboard=dashboard,
-                    dashboard_show_prompts=dashboard_show_prompts)
+                    dashboard_show_prompts=dashboard_show_prompts, limits=limits)
     if dashboard:
         logger.info("dashboard on: /dashboard (prompt text %s)", "shown" if dashboard_show_prompts else "hidden")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
@@ -273,6 +281,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-metrics-auth", action="store_true",
                         help="with an API key, serve /metrics without it (for a Prometheus scraper)")
     dash.add_args(parser)
+    request_limits.add_args(parser)
 
 
 def run(args: argparse.Namespace, engine_args: dict) -> int:
@@ -288,7 +297,8 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
         server = build_server(engine_args, host=args.host, port=args.port, served_model_name=args.served_model_name,
                               log_level=args.uvicorn_log_level, access_log=not args.no_access_log, api_key=api_key,
                               metrics_auth=not args.no_metrics_auth, sock=sock, dashboard=args.dashboard,
-                              dashboard_show_prompts=args.dashboard_show_prompts)
+                              dashboard_show_prompts=args.dashboard_show_prompts,
+                              limits=RequestLimits.from_args(args))
     except BaseException:
         sock.close()
         raise
