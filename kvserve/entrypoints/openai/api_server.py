@@ -41,7 +41,7 @@ from kvserve.entrypoints.dashboard import hub as dash
 from kvserve.entrypoints.openai import limits as request_limits
 from kvserve.entrypoints.openai.errors import add_exception_handlers, error_response
 from kvserve.entrypoints.openai.limits import RequestBodyMiddleware, RequestLimits
-from kvserve.entrypoints.openai.metrics import PrometheusStatLogger
+from kvserve.entrypoints.openai.metrics import HTTPMetrics, HTTPMetricsMiddleware, PrometheusStatLogger
 from kvserve.entrypoints.openai.routes import router
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -142,12 +142,27 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
     if api_key is not None:
         exempt = {"/health"} | (set() if metrics_auth else {"/metrics"}) | (dash.page_paths() if dashboard else set())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, exempt=frozenset(exempt))
+    http_metrics = _http_metrics(state.stat_logger, served_model_name)
+    if http_metrics is not None:  # outermost: counts the 401s and 413s of the checks inside it
+        app.add_middleware(HTTPMetricsMiddleware, metrics=http_metrics, routes=app.routes)
     add_exception_handlers(app)
     app.include_router(router)
     app.openapi = lambda: _openapi_schema(app)
     if dashboard:
-        dash.mount_dashboard(app, llm, served_model_name, show_prompts=dashboard_show_prompts)
+        hub = dash.mount_dashboard(app, llm, served_model_name, show_prompts=dashboard_show_prompts)
+        if http_metrics is not None:
+            hub.http_totals = http_metrics.error_totals
     return app
+
+
+def _http_metrics(stat_logger, model_name: str) -> Optional[HTTPMetrics]:
+    """The ``HTTPMetrics`` in ``stat_logger``'s registry (made once per stat logger), or ``None`` without one."""
+    registry = getattr(stat_logger, "registry", None)
+    if registry is None:
+        return None
+    if getattr(stat_logger, "http_metrics", None) is None:
+        stat_logger.http_metrics = HTTPMetrics(registry, model_name)
+    return stat_logger.http_metrics
 
 
 def _openapi_schema(app: FastAPI) -> dict:
