@@ -125,7 +125,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        """True while the loop is alive and new requests are accepted."""
+        """True while the loop is alive and new requests are accepted (false while draining)."""
         return self._task is not None and not self._task.done() and self._accepting and self.dead_error is None
 
     @property
@@ -153,6 +153,12 @@ class AsyncLLM:
             await self._task
         if self._executor is not None:
             self._executor.shutdown(wait=False)  # the loop has ended: nothing runs on it any more
+
+    def drain(self) -> None:
+        """Refuse new requests from now on (``add_request`` raises ``EngineShutdownError``; ``is_running`` turns
+        false) and let the ones in flight run to their end; ``abort_all`` or ``shutdown`` ends those left. Only sets a
+        flag: safe from a signal handler or another thread."""
+        self._accepting = False
 
     def abort_all(self) -> None:
         """Abort every in-flight request; their streams raise ``EngineShutdownError``."""

@@ -28,9 +28,10 @@ class OpenAIError(Exception):
     """An error answered with ``{"error": {"message", "type", "param", "code"}}`` and ``status`` (400 by default)."""
 
     def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
-                 type: str = "invalid_request_error", code=None):
+                 type: str = "invalid_request_error", code=None, headers: Optional[dict] = None):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+        self.headers = headers  # sent with the answer (a 503's Retry-After)
 
     def body(self) -> dict:
         info = p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
@@ -46,8 +47,8 @@ class ErrorJSONResponse(JSONResponse):
 
 
 def error_response(e: OpenAIError, headers: Optional[dict] = None) -> ErrorJSONResponse:
-    """The HTTP response of ``e``: its body with status ``e.status`` and ``headers``."""
-    return ErrorJSONResponse(e.body(), status_code=e.status, headers=headers)
+    """The HTTP response of ``e``: its body with status ``e.status``, ``e.headers`` and ``headers``."""
+    return ErrorJSONResponse(e.body(), status_code=e.status, headers={**(e.headers or {}), **(headers or {})})
 
 
 def add_exception_handlers(app: FastAPI) -> None:

@@ -416,10 +416,15 @@ def _param_of(message: str, req) -> Optional[str]:
     return name if name in type(req).model_fields else None
 
 
+#: ``Retry-After`` (seconds) of a 503 while the server shuts down or drains: retry soon, on another replica.
+RETRY_AFTER_S = 1
+
+
 def engine_error(e: BaseException) -> OpenAIError:
-    """The HTTP error for an engine that is shutting down (503) or dead (500)."""
+    """The HTTP error for an engine that is shutting down or draining (503 with ``Retry-After``) or dead (500)."""
     if isinstance(e, EngineShutdownError):
-        return OpenAIError(str(e), status=503, type="server_shutdown", code="aborted")
+        return OpenAIError(str(e), status=503, type="server_shutdown", code="aborted",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
     return OpenAIError(f"internal engine error: {e}", status=500, type="internal_server_error")
 
 
