@@ -181,7 +181,9 @@ class AsyncLLM:
         """Queue a request in the engine and return its stream.
 
         Args:
-            prompt: text or a list of token ids (see ``LLMEngine.add_request``).
+            prompt: text or a list of token ids (see ``LLMEngine.add_request``). Text is tokenized on the engine's
+                thread, between steps; the server tokenizes (and renders chat templates) in worker threads and passes
+                ids, so a long prompt never holds up the other requests' steps.
             sampling_params: a validated ``SamplingParams``.
             request_id: unique id; default a fresh one.
             arrival_time: ``time.monotonic()`` seconds when the request reached the server (TTFT counts from here);
