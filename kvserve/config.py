@@ -11,11 +11,14 @@ flag (``kvserve.engine.arg_utils``).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
 from kvserve.validation import check_bool, check_choice, check_int, check_number
+
+logger = logging.getLogger(__name__)
 
 #: Share of the machine's available RAM given to the KV cache when neither ``kv_cache_memory_bytes`` nor
 #: ``num_kv_blocks`` is set, and the cap on that default (bytes).
@@ -47,7 +50,8 @@ class ModelConfig:
         dtype: weight and activation dtype, ``"float32"`` (default; this CPU has no native bf16) or ``"bfloat16"``;
             also the KV cache's under ``CacheConfig.kv_cache_dtype="auto"``.
         max_model_len: longest sequence (prompt + output, tokens) a request may reach; ``None`` = the model's
-            context length (further capped to what the KV pool holds).
+            context length, lowered to what the KV pool holds with a warning; a value the pool cannot hold is
+            refused at start-up (``derive_limits``).
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
         device: where weights, the KV pool and the step's tensors live: ``"cpu"`` (no other backend is built).
         quantization: how projection weights are kept and multiplied (vLLM's name): ``"auto"`` (default) = the
@@ -400,10 +404,11 @@ class EngineLimits:
     """What the configuration means once the model is known, derived once (``derive_limits``).
 
     Attributes:
-        max_model_len: longest sequence (tokens): the configured value or the model's context length.
+        max_model_len: longest sequence (tokens): the configured value, else the model's context length lowered
+            to what the pool holds (``derive_limits``).
         num_blocks: blocks in the KV pool; ``block_size`` tokens each; ``pool_tokens`` = their product.
-        max_total_tokens: the longest a sequence may grow (tokens): ``max_model_len``, never more than the pool
-            holds, and (without chunked prefill) never more than the token budget, or its recompute after a
+        max_total_tokens: the longest a sequence may grow (tokens): ``max_model_len`` (which the pool holds), and
+            (without chunked prefill) never more than the token budget, or its recompute after a
             preemption could never be scheduled again.
         kv_cache_dtype: the pool's element type by name (``"float32"`` or ``"bfloat16"``).
     """
@@ -421,15 +426,34 @@ def derive_limits(config: EngineConfig, max_position_embeddings: int,
     """``EngineLimits`` of ``config`` for a model of ``max_position_embeddings`` tokens whose KV block takes
     ``bytes_per_block(kv_cache_dtype name)`` bytes over all layers.
 
+    The start-up check (vLLM's ``check_enough_kv_cache_memory``): the pool must hold one request of
+    ``max_model_len`` tokens, or a request the server accepted could be cut short for lack of blocks. A
+    ``max_model_len`` given explicitly that the pool cannot hold is refused, as vLLM refuses it; left unset (the
+    model's context length), it is lowered to what the pool holds, with a warning naming both numbers.
+
     Raises:
-        ValueError: the memory budget holds no block.
+        ValueError: the memory budget holds no block; or an explicit ``max_model_len`` needs more blocks than the
+            pool has (the message names both numbers and the flags that fix it).
     """
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
     kv_dtype = cc.resolve_kv_cache_dtype(mc.dtype)
-    num_blocks = cc.resolve_num_blocks(bytes_per_block(kv_dtype))
+    block_bytes = bytes_per_block(kv_dtype)
+    num_blocks = cc.resolve_num_blocks(block_bytes)
     pool_tokens = num_blocks * cc.block_size
     max_model_len = mc.max_model_len or max_position_embeddings
-    max_total = min(max_model_len, pool_tokens)
+    if max_model_len > pool_tokens:
+        needed = -(-max_model_len // cc.block_size)
+        what = (f"max_model_len={max_model_len} tokens needs {needed} KV blocks of block_size={cc.block_size}, "
+                f"but the KV pool has num_kv_blocks={num_blocks} ({pool_tokens} tokens, "
+                f"{num_blocks * block_bytes / 2**20:.1f} MiB)")
+        if mc.max_model_len is not None:
+            raise ValueError(f"{what}: one request of max_model_len tokens would not fit. Lower --max-model-len to "
+                             f"at most {pool_tokens}, or enlarge the pool: --num-kv-blocks {needed} or "
+                             f"--kv-cache-memory-bytes {needed * block_bytes}")
+        logger.warning("%s: max_model_len lowered from the model's %d to %d tokens (set --max-model-len, "
+                       "--num-kv-blocks or --kv-cache-memory-bytes to choose)", what, max_model_len, pool_tokens)
+        max_model_len = pool_tokens
+    max_total = max_model_len
     if not sc.enable_chunked_prefill:
         max_total = min(max_total, sc.max_num_batched_tokens)
     return EngineLimits(max_model_len, num_blocks, cc.block_size, pool_tokens, max_total, kv_dtype)

@@ -125,7 +125,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        """True while the loop is alive and new requests are accepted."""
+        """True while the loop is alive and new requests are accepted (false while draining)."""
         return self._task is not None and not self._task.done() and self._accepting and self.dead_error is None
 
     @property
@@ -154,6 +154,12 @@ class AsyncLLM:
         if self._executor is not None:
             self._executor.shutdown(wait=False)  # the loop has ended: nothing runs on it any more
 
+    def drain(self) -> None:
+        """Refuse new requests from now on (``add_request`` raises ``EngineShutdownError``; ``is_running`` turns
+        false) and let the ones in flight run to their end; ``abort_all`` or ``shutdown`` ends those left. Only sets a
+        flag: safe from a signal handler or another thread."""
+        self._accepting = False
+
     def abort_all(self) -> None:
         """Abort every in-flight request; their streams raise ``EngineShutdownError``."""
         for rid, stream in list(self._streams.items()):
@@ -175,7 +181,9 @@ class AsyncLLM:
         """Queue a request in the engine and return its stream.
 
         Args:
-            prompt: text or a list of token ids (see ``LLMEngine.add_request``).
+            prompt: text or a list of token ids (see ``LLMEngine.add_request``). Text is tokenized on the engine's
+                thread, between steps; the server tokenizes (and renders chat templates) in worker threads and passes
+                ids, so a long prompt never holds up the other requests' steps.
             sampling_params: a validated ``SamplingParams``.
             request_id: unique id; default a fresh one.
             arrival_time: ``time.monotonic()`` seconds when the request reached the server (TTFT counts from here);

@@ -153,6 +153,16 @@ def test_metrics_history():
     assert len(h.points) == 3  # window_s / interval_s
 
 
+def test_metrics_history_counts_http_errors_per_interval():
+    h = MetricsHistory(interval_s=1.0, window_s=10.0)
+    h.close(0.0, {"generation_tokens": 0}, 0.0, None, 0, 0, wall_time=1000.0)
+    p = h.close(1.0, {"generation_tokens": 0}, 0.0, None, 0, 0, wall_time=1001.0)
+    assert (p["http_4xx"], p["http_5xx"]) == (0, 0)  # without the server's counts
+    h.close(2.0, {"http_4xx": 3, "http_5xx": 0}, 0.0, None, 0, 0, wall_time=1002.0)
+    p = h.close(3.0, {"http_4xx": 7, "http_5xx": 1}, 0.0, None, 0, 0, wall_time=1003.0)
+    assert (p["http_4xx"], p["http_5xx"]) == (4, 1)
+
+
 def test_percentile():
     assert percentile([], 50) is None
     assert percentile([1.0], 99) == 1.0

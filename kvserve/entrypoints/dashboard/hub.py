@@ -129,6 +129,8 @@ class DashboardHub:
         self._last_build = -1e9
         self._engine_info: Optional[dict] = None
         self._failed = False
+        #: optional ``() -> {"http_4xx": n, "http_5xx": n}``, error answers since start (``HTTPMetrics.error_totals``)
+        self.http_totals = None
 
     # ------------------------------------------------------------------------------------------- engine side
     def observe(self, outputs: list, engine, now: float) -> None:
@@ -147,7 +149,10 @@ class DashboardHub:
         hist.record_outputs(outputs, now)
         if hist.due(now):
             kv = engine.kv_cache_stats()
-            hist.close(now, _totals(engine), kv.usage, kv.waste if kv.tokens_allocated else None,
+            totals = _totals(engine)
+            if self.http_totals is not None:
+                totals.update(self.http_totals())
+            hist.close(now, totals, kv.usage, kv.waste if kv.tokens_allocated else None,
                        engine.scheduler.num_running, engine.scheduler.num_waiting)
         if not self.viewers:
             return

@@ -216,7 +216,8 @@ class MetricsHistory:
     the latency window), ``output_tok_s`` and ``prompt_tok_s`` (tokens/s over the interval), ``kv_usage`` and
     ``kv_waste`` (0..1 at the point; waste ``None`` with nothing allocated), ``prefix_hit_rate`` (0..1 over the
     prompt tokens looked up in the interval, ``None`` with none), ``preemptions`` (count in the interval),
-    ``spec_acceptance`` (0..1 over the draft tokens of the interval, ``None`` with none), ``running``, ``waiting``.
+    ``spec_acceptance`` (0..1 over the draft tokens of the interval, ``None`` with none), ``running``, ``waiting``,
+    ``http_4xx`` and ``http_5xx`` (error answers in the interval; 0 without the server's counts).
     """
 
     def __init__(self, interval_s: float = 1.0, window_s: float = 300.0, latency_window_s: float = 10.0,
@@ -271,7 +272,8 @@ class MetricsHistory:
             now: ``time.monotonic()`` seconds.
             totals: cumulative counters since start: ``prompt_tokens``, ``generation_tokens``,
                 ``num_preemptions``, ``prefix_cache_queries``, ``prefix_cache_hits`` (tokens),
-                ``spec_draft_tokens``, ``spec_accepted_tokens``.
+                ``spec_draft_tokens``, ``spec_accepted_tokens``; optionally ``http_4xx``, ``http_5xx`` (error
+                answers).
             kv_usage: fraction of blocks in use, 0..1; kv_waste: allocated-but-unused slots / allocated, or ``None``.
             running, waiting: queue lengths.
             wall_time: ``time.time()`` of the point; default now.
@@ -310,6 +312,8 @@ class MetricsHistory:
             "spec_acceptance": round(delta.get("spec_accepted_tokens", 0) / drafts, 4) if drafts > 0 else None,
             "running": running,
             "waiting": waiting,
+            "http_4xx": delta.get("http_4xx", 0),
+            "http_5xx": delta.get("http_5xx", 0),
         }
         self.points.append(point)
         return point

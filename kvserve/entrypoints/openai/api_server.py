@@ -12,7 +12,8 @@ added later included — needs ``Authorization: Bearer <key>``, except ``/health
 from ``/dashboard#key=...``.
 
 SIGINT / SIGTERM: stop accepting connections, abort in-flight requests (a stream ends with an error event, a
-pending JSON response is a 503), free their KV blocks, stop the engine loop, exit 0.
+pending JSON response is a 503), free their KV blocks, stop the engine loop, exit 0. With ``--shutdown-timeout``
+the requests in flight first get up to that many seconds to finish while new ones get a 503 (``KVServeServer``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Optional
@@ -38,13 +40,16 @@ from fastapi.openapi.utils import get_openapi
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.detokenizer import TokenVocab
 from kvserve.entrypoints.dashboard import hub as dash
+from kvserve.entrypoints.openai import limits as request_limits
 from kvserve.entrypoints.openai.errors import add_exception_handlers, error_response
-from kvserve.entrypoints.openai.metrics import PrometheusStatLogger
+from kvserve.entrypoints.openai.limits import RequestBodyMiddleware, RequestLimits
+from kvserve.entrypoints.openai.metrics import HTTPMetrics, HTTPMetricsMiddleware, PrometheusStatLogger
 from kvserve.entrypoints.openai.routes import router
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvserve.entrypoints.openai.serving_engine import OpenAIError
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kvserve.validation import check_number
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +105,8 @@ def freeze_gc_heap() -> int:
 
 def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None,
               api_key: Optional[str] = None, metrics_auth: bool = True,
-              dashboard: bool = False, dashboard_show_prompts: bool = False) -> FastAPI:
+              dashboard: bool = False, dashboard_show_prompts: bool = False,
+              limits: Optional[RequestLimits] = None) -> FastAPI:
     """The FastAPI app. Its lifespan starts ``llm`` and shuts it down.
 
     Args:
@@ -111,6 +117,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
         metrics_auth: with ``api_key``, whether ``/metrics`` needs it too (default yes).
         dashboard: add ``/dashboard`` and ``/v1/engine/state`` (``kvserve.entrypoints.dashboard``).
         dashboard_show_prompts: the dashboard shows prompt text (else ids and token counts only).
+        limits: the request bounds (``limits.RequestLimits``; default its defaults); an unset ``max_prompt_chars``
+            is derived from ``llm.max_model_len`` and the vocabulary's longest token.
     """
 
     @asynccontextmanager
@@ -128,18 +136,36 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
     state.engine_client = llm
     state.served_model_name = served_model_name
     state.stat_logger = stat_logger or llm.stat_logger
-    state.openai_serving_completion = OpenAIServingCompletion(llm, served_model_name, vocab)
-    state.openai_serving_chat = OpenAIServingChat(llm, served_model_name, vocab)
-    state.openai_serving_tokenization = OpenAIServingTokenization(llm, served_model_name, vocab)
+    limits = (limits or RequestLimits()).resolve(llm.max_model_len, request_limits.longest_token_chars(llm.tokenizer))
+    state.limits = limits
+    state.openai_serving_completion = OpenAIServingCompletion(llm, served_model_name, vocab, limits)
+    state.openai_serving_chat = OpenAIServingChat(llm, served_model_name, vocab, limits)
+    state.openai_serving_tokenization = OpenAIServingTokenization(llm, served_model_name, vocab, limits)
+    app.add_middleware(RequestBodyMiddleware, limits=limits)  # inside the key check: no body read without a key
     if api_key is not None:
         exempt = {"/health"} | (set() if metrics_auth else {"/metrics"}) | (dash.page_paths() if dashboard else set())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, exempt=frozenset(exempt))
+    http_metrics = _http_metrics(state.stat_logger, served_model_name)
+    if http_metrics is not None:  # outermost: counts the 401s and 413s of the checks inside it
+        app.add_middleware(HTTPMetricsMiddleware, metrics=http_metrics, routes=app.routes)
     add_exception_handlers(app)
     app.include_router(router)
     app.openapi = lambda: _openapi_schema(app)
     if dashboard:
-        dash.mount_dashboard(app, llm, served_model_name, show_prompts=dashboard_show_prompts)
+        hub = dash.mount_dashboard(app, llm, served_model_name, show_prompts=dashboard_show_prompts)
+        if http_metrics is not None:
+            hub.http_totals = http_metrics.error_totals
     return app
+
+
+def _http_metrics(stat_logger, model_name: str) -> Optional[HTTPMetrics]:
+    """The ``HTTPMetrics`` in ``stat_logger``'s registry (made once per stat logger), or ``None`` without one."""
+    registry = getattr(stat_logger, "registry", None)
+    if registry is None:
+        return None
+    if getattr(stat_logger, "http_metrics", None) is None:
+        stat_logger.http_metrics = HTTPMetrics(registry, model_name)
+    return stat_logger.http_metrics
 
 
 def _openapi_schema(app: FastAPI) -> dict:
@@ -158,13 +184,26 @@ def _openapi_schema(app: FastAPI) -> dict:
 class KVServeServer(uvicorn.Server):
     """uvicorn's server with kvserve's shutdown: on SIGINT / SIGTERM (or ``should_exit``), abort in-flight requests
     before waiting for connections to close, and return normally (exit code 0; uvicorn would re-raise the signal).
-    ``sock``: a socket bound before the model loaded (``bind_socket``), served on by ``serve()``.
+
+    With ``shutdown_timeout`` > 0 (vLLM's ``--shutdown-timeout``) the first signal drains instead: new generation
+    requests get a 503 with ``Retry-After`` and ``/health`` a 503 (``AsyncLLM.drain``), the requests in flight run
+    on, and the server shuts down as above once none is left or ``shutdown_timeout`` seconds have passed (those
+    left are aborted). A second signal ends the drain at once (a third SIGINT: no more waiting at all).
+
+    Args:
+        config: uvicorn's configuration (the app).
+        llm: the engine the app serves.
+        sock: a socket bound before the model loaded (``bind_socket``), served on by ``serve()``.
+        shutdown_timeout: seconds to drain after the first signal; 0 (default): abort at once.
     """
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, sock: Optional[socket.socket] = None):
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, sock: Optional[socket.socket] = None,
+                 shutdown_timeout: float = 0.0):
         super().__init__(config)
         self.llm = llm
         self.sock = sock
+        self.shutdown_timeout = shutdown_timeout
+        self.drain_deadline: Optional[float] = None  # time.monotonic() when the drain ends, once it has begun
 
     async def serve(self, sockets=None) -> None:
         """Serve on ``sockets``, else on the socket given at construction, else on ``config.host:port``."""
@@ -178,10 +217,26 @@ class KVServeServer(uvicorn.Server):
                 "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", f"[{host}]" if ":" in host else host, port)
 
     def handle_exit(self, sig: int, frame) -> None:
+        """The signal handler (only sets flags: ``on_tick`` acts on them)."""
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True  # a second Ctrl-C: do not wait any more
+        elif self.shutdown_timeout > 0 and self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.shutdown_timeout
+            self.llm.drain()
+            logger.info("draining: no new requests; %d in flight may run for up to %g s", self.llm.num_streams,
+                        self.shutdown_timeout)
         else:
             self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (every 0.1 s); while draining, shut down once nothing is in flight or time is up."""
+        if self.drain_deadline is not None and not self.should_exit:
+            left = self.llm.num_streams
+            if left == 0 or time.monotonic() >= self.drain_deadline:
+                if left:
+                    logger.warning("drain: %g s passed, aborting the %d requests left", self.shutdown_timeout, left)
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None) -> None:
         self.llm.abort_all()
@@ -197,29 +252,32 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: Optional[str] = None, log_level: str = "info",
                  access_log: bool = True, api_key: Optional[str] = None, metrics_auth: bool = True,
                  sock: Optional[socket.socket] = None, dashboard: Optional[bool] = None,
-                 dashboard_show_prompts: bool = False) -> KVServeServer:
+                 dashboard_show_prompts: bool = False, limits: Optional[RequestLimits] = None,
+                 shutdown_timeout: float = 0.0) -> KVServeServer:
     """Load the model and build the server (not started). ``served_model_name`` defaults to the model file's stem;
     ``dashboard`` (``/dashboard`` and ``/v1/engine/state``) defaults to on iff ``host`` is a loopback address.
 
     Args:
-        api_key, metrics_auth: see ``build_app``.
+        api_key, metrics_auth, limits: see ``build_app``.
+        shutdown_timeout: seconds in-flight requests may run on after SIGTERM / SIGINT (``KVServeServer``).
         sock: an already bound socket (``bind_socket``) to serve on; ``host`` and ``port`` then only name it.
 
     Raises:
-        ValueError: bad engine arguments or an unloadable model.
+        ValueError: bad engine arguments, an unloadable model or a negative ``shutdown_timeout``.
     """
+    check_number("shutdown_timeout", shutdown_timeout, 0, 24 * 3600)
     llm = AsyncLLM.from_engine_args(**engine_args)
     name = served_model_name or Path(llm.engine.model_path).stem
     llm.stat_logger = PrometheusStatLogger(name)
     if dashboard is None:
         dashboard = dash.is_loopback(host)
     app = build_app(llm, name, api_key=api_key, metrics_auth=metrics_auth, dashboard=dashboard,
-                    dashboard_show_prompts=dashboard_show_prompts)
+                    dashboard_show_prompts=dashboard_show_prompts, limits=limits)
     if dashboard:
         logger.info("dashboard on: /dashboard (prompt text %s)", "shown" if dashboard_show_prompts else "hidden")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_keep_alive=5, timeout_graceful_shutdown=30)
-    return KVServeServer(config, llm, sock)
+    return KVServeServer(config, llm, sock, shutdown_timeout=shutdown_timeout)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -272,7 +330,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              f"${API_KEY_ENV} if set, else no authentication)")
     parser.add_argument("--no-metrics-auth", action="store_true",
                         help="with an API key, serve /metrics without it (for a Prometheus scraper)")
+    parser.add_argument("--shutdown-timeout", type=float, default=0.0,
+                        help="on SIGTERM / SIGINT, seconds to let requests in flight finish while new ones get 503 "
+                             "and /health is not ready; then the rest are aborted (default: 0, abort at once, as "
+                             "vLLM)")
     dash.add_args(parser)
+    request_limits.add_args(parser)
 
 
 def run(args: argparse.Namespace, engine_args: dict) -> int:
@@ -288,7 +351,8 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
         server = build_server(engine_args, host=args.host, port=args.port, served_model_name=args.served_model_name,
                               log_level=args.uvicorn_log_level, access_log=not args.no_access_log, api_key=api_key,
                               metrics_auth=not args.no_metrics_auth, sock=sock, dashboard=args.dashboard,
-                              dashboard_show_prompts=args.dashboard_show_prompts)
+                              dashboard_show_prompts=args.dashboard_show_prompts,
+                              limits=RequestLimits.from_args(args), shutdown_timeout=args.shutdown_timeout)
     except BaseException:
         sock.close()
         raise

@@ -1,10 +1,10 @@
-"""Every error as OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: the exception handlers of the
-app (``add_exception_handlers``) and the mapping of pydantic's validation errors to one 400 naming the field
+"""Every error as OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: ``OpenAIError``, the exception
+handlers of the app (``add_exception_handlers``) and the mapping of pydantic's validation errors to one 400 naming the field
 (``validation_error``, ``field_path``).
 
-Status codes: 400 for bad input (bad JSON, unknown model, invalid or unsupported parameter, prompt too long), 401 for
-a missing or wrong API key, 404 for an unknown route, 405 for a wrong method, 503 while shutting down; 500 only for a
-server bug.
+Status codes: 400 for bad input (bad JSON, unknown model, invalid or unsupported parameter, prompt too long, a bound
+of ``limits.RequestLimits``), 401 for a missing or wrong API key, 404 for an unknown route, 405 for a wrong method,
+413 for a body over ``--max-request-body-bytes``, 503 while shutting down; 500 only for a server bug.
 """
 
 from __future__ import annotations
@@ -19,9 +19,23 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.entrypoints.openai.serving_engine import OpenAIError
+from kvserve.entrypoints.openai import protocol as p
 
 logger = logging.getLogger(__name__)
+
+
+class OpenAIError(Exception):
+    """An error answered with ``{"error": {"message", "type", "param", "code"}}`` and ``status`` (400 by default)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 type: str = "invalid_request_error", code=None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+        self.headers = headers  # sent with the answer (a 503's Retry-After)
+
+    def body(self) -> dict:
+        info = p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return p.ErrorResponse(error=info).model_dump()
 
 
 class ErrorJSONResponse(JSONResponse):
@@ -33,8 +47,8 @@ class ErrorJSONResponse(JSONResponse):
 
 
 def error_response(e: OpenAIError, headers: Optional[dict] = None) -> ErrorJSONResponse:
-    """The HTTP response of ``e``: its body with status ``e.status`` and ``headers``."""
-    return ErrorJSONResponse(e.body(), status_code=e.status, headers=headers)
+    """The HTTP response of ``e``: its body with status ``e.status``, ``e.headers`` and ``headers``."""
+    return ErrorJSONResponse(e.body(), status_code=e.status, headers={**(e.headers or {}), **(headers or {})})
 
 
 def add_exception_handlers(app: FastAPI) -> None:
@@ -90,6 +104,15 @@ def field_path(loc) -> str:
     return path
 
 
+def content_type_hint(content_type: Optional[str]) -> str:
+    """``""`` for a JSON ``Content-Type``, else a hint to send one (naming what the request sent)."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media == "application/json" or media.endswith("+json"):
+        return ""
+    return (f"; send a JSON object with the header Content-Type: application/json (this request has "
+            f"{'no Content-Type' if not media else 'Content-Type: ' + media})")
+
+
 def validation_error(e: RequestValidationError, content_type: Optional[str] = None) -> OpenAIError:
     """One 400 ``OpenAIError`` from pydantic's errors: the first offending top-level field as ``param``; a body
     that is not a JSON object sent without ``Content-Type: application/json`` says so."""
@@ -99,10 +122,7 @@ def validation_error(e: RequestValidationError, content_type: Optional[str] = No
     first = errors[0]
     kind = first.get("type")
     loc = [x for x in first.get("loc", ()) if x != "body"]
-    media = (content_type or "").split(";")[0].strip().lower()
-    hint = "" if media == "application/json" or media.endswith("+json") else (
-        f"; send a JSON object with the header Content-Type: application/json (this request has "
-        f"{'no Content-Type' if not media else 'Content-Type: ' + media})")
+    hint = content_type_hint(content_type)
     if kind == "json_invalid":
         return OpenAIError(f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}{hint}",
                            code="json_invalid")

@@ -1,22 +1,42 @@
 """Prometheus metrics of the server, with vLLM-like names (``kvserve:`` prefix).
 
-Histograms (seconds): ``kvserve:time_to_first_token_seconds``, ``kvserve:inter_token_latency_seconds``,
-``kvserve:e2e_request_latency_seconds``. Gauges: ``kvserve:num_requests_running``, ``kvserve:num_requests_waiting``,
+Engine (``PrometheusStatLogger``). Histograms (seconds): ``kvserve:time_to_first_token_seconds``,
+``kvserve:inter_token_latency_seconds``, ``kvserve:e2e_request_latency_seconds``, and the phases of a finished
+request as vLLM splits them: ``kvserve:request_queue_time_seconds`` (arrival to first scheduled),
+``kvserve:request_prefill_time_seconds`` (first scheduled to first token), ``kvserve:request_decode_time_seconds``
+(first token to finish), ``kvserve:request_inference_time_seconds`` (first scheduled to finish). Gauges: ``kvserve:num_requests_running``, ``kvserve:num_requests_waiting``,
 ``kvserve:kv_cache_usage_perc`` (fraction of KV blocks in use, 0..1, as in vLLM). Counters:
 ``kvserve:num_preemptions_total``, ``kvserve:prompt_tokens_total``, ``kvserve:generation_tokens_total``,
 ``kvserve:request_success_total{finished_reason="stop"|"length"|"abort"}``, ``kvserve:prefix_cache_queries_total``,
 ``kvserve:prefix_cache_hits_total`` (tokens), ``kvserve:spec_decode_num_drafts_total``,
 ``kvserve:spec_decode_num_draft_tokens_total``, ``kvserve:spec_decode_num_accepted_tokens_total``. Every series
 carries ``model_name``.
+
+HTTP (``HTTPMetrics``, fed by ``HTTPMetricsMiddleware`` around the whole app, so 401s and 413s count too):
+``http_requests_total{route,method,status}`` and ``http_request_duration_seconds{route,method}`` (until the last
+byte of the response, a stream's included); ``route`` is the route's template (``/v1/models/{model_id:path}``) or
+``other`` for an unknown path (never the raw path: bounded label values). With them, prometheus_client's process
+(``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ``process_open_fds``, ...), platform
+(``python_info``) and garbage-collector (``python_gc_*``) collectors.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Optional
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from starlette.routing import Match
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+                 320.0, 640.0)
+HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class PrometheusStatLogger:
@@ -47,6 +67,12 @@ class PrometheusStatLogger:
                         ITL_BUCKETS)
         self.e2e = hist("kvserve:e2e_request_latency_seconds", "Arrival to finish of finished requests, s.",
                         E2E_BUCKETS)
+        self.queue_time = hist("kvserve:request_queue_time_seconds", "Arrival to first scheduled, s.", PHASE_BUCKETS)
+        self.prefill_time = hist("kvserve:request_prefill_time_seconds", "First scheduled to first token, s.",
+                                 PHASE_BUCKETS)
+        self.decode_time = hist("kvserve:request_decode_time_seconds", "First token to finish, s.", PHASE_BUCKETS)
+        self.inference_time = hist("kvserve:request_inference_time_seconds", "First scheduled to finish, s.",
+                                   PHASE_BUCKETS)
         self.running = gauge("kvserve:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("kvserve:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kvserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use, 0..1.")
@@ -83,8 +109,7 @@ class PrometheusStatLogger:
                 self._last_token_time[rid] = now
             if out.finished:
                 self._last_token_time.pop(rid, None)
-                if out.metrics.e2e is not None:
-                    self.e2e.observe(out.metrics.e2e)
+                self._observe_phases(out.metrics)
                 self._success.labels(self.model_name, out.outputs[0].finish_reason or "stop").inc()
         sched = engine.scheduler
         self.running.set(sched.num_running)
@@ -104,6 +129,17 @@ class PrometheusStatLogger:
                 counter.inc(delta)
             self._seen[id(counter)] = value
 
+    def _observe_phases(self, m) -> None:
+        """A finished request's ``RequestMetrics``: e2e latency and vLLM's queue / prefill / decode / inference
+        split (a phase whose timestamps are missing is skipped)."""
+        for hist, start, end in ((self.e2e, m.arrival_time, m.finish_time),
+                                 (self.queue_time, m.arrival_time, m.first_scheduled_time),
+                                 (self.prefill_time, m.first_scheduled_time, m.first_token_time),
+                                 (self.decode_time, m.first_token_time, m.finish_time),
+                                 (self.inference_time, m.first_scheduled_time, m.finish_time)):
+            if start is not None and end is not None:
+                hist.observe(max(0.0, end - start))
+
     def record_aborts(self, request_ids: list) -> None:
         """Count requests aborted before they finished (client gone or shutdown) and drop their state."""
         for rid in request_ids:
@@ -113,3 +149,94 @@ class PrometheusStatLogger:
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
         return generate_latest(self.registry)
+
+
+class HTTPMetrics:
+    """``http_requests_total{route,method,status}`` and ``http_request_duration_seconds{route,method}`` (both with
+    ``model_name``) in ``registry``, with prometheus_client's process, platform and GC collectors; plain totals of
+    4xx and 5xx answers for the dashboard (``error_totals``).
+
+    Args:
+        registry: the registry ``/metrics`` exposes.
+        model_name: the ``model_name`` label.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.model_name = model_name
+        labels = ["model_name", "route", "method"]
+        self.requests = Counter("http_requests", "HTTP requests answered, by route template, method and status.",
+                                labels + ["status"], registry=registry)
+        self.duration = Histogram("http_request_duration_seconds", "Time to answer an HTTP request (the whole "
+                                  "response, a stream's included), s.", labels, buckets=HTTP_BUCKETS,
+                                  registry=registry)
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=registry)
+        self.errors = {"4xx": 0, "5xx": 0}
+
+    def observe(self, route: str, method: str, status: int, seconds: float) -> None:
+        """Count one answered request."""
+        self.requests.labels(self.model_name, route, method, str(status)).inc()
+        self.duration.labels(self.model_name, route, method).observe(seconds)
+        if status >= 400:
+            self.errors["5xx" if status >= 500 else "4xx"] += 1
+
+    def error_totals(self) -> dict:
+        """``{"http_4xx": n, "http_5xx": n}``: error answers since start."""
+        return {"http_4xx": self.errors["4xx"], "http_5xx": self.errors["5xx"]}
+
+
+class HTTPMetricsMiddleware:
+    """ASGI middleware around the whole app (outside the API-key and body checks): times every HTTP request to
+    the end of its response and counts it in ``metrics`` by route template, method and status (500 when the app
+    raised before answering).
+
+    Args:
+        app: the ASGI app; its ``routes`` name the route of a request refused before routing (401, 413).
+        metrics: an ``HTTPMetrics``.
+        routes: the app's routes (``FastAPI.routes``), matched in order.
+    """
+
+    def __init__(self, app, metrics: HTTPMetrics, routes: list):
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status: Optional[int] = None
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        except BaseException:
+            status = status or 500
+            raise
+        finally:
+            if status is not None:
+                self.metrics.observe(self._route(scope), scope["method"], status, time.perf_counter() - start)
+
+    def _route(self, scope) -> str:
+        route = scope.get("route")
+        if route is None:  # refused before routing; a wrong method (405) matches partly
+            matches = [(r.matches(scope)[0], r) for r in _flat(self.routes)]
+            route = next((r for m, r in matches if m == Match.FULL), None) or \
+                next((r for m, r in matches if m == Match.PARTIAL), None)
+        return getattr(route, "path", None) or "other"
+
+
+def _flat(routes: list) -> list:
+    """The leaf routes of ``routes``: those of an included router (FastAPI keeps one as a single entry holding the
+    ``original_router``) or a mount are listed in its place."""
+    out = []
+    for r in routes:
+        inner = getattr(getattr(r, "original_router", None), "routes", None) or getattr(r, "routes", None)
+        out.extend(_flat(inner) if inner else [r])
+    return out

@@ -17,7 +17,8 @@ from pydantic import BaseModel
 
 import kvserve
 from kvserve.entrypoints.openai import protocol as p
-from kvserve.entrypoints.openai.serving_engine import OpenAIError
+from kvserve.engine.async_llm import EngineShutdownError
+from kvserve.entrypoints.openai.serving_engine import OpenAIError, engine_error
 
 router = APIRouter()
 
@@ -83,14 +84,24 @@ async def get_model(model_id: str, request: Request):
     return _card(request)
 
 
+def _check_accepting(request: Request) -> None:
+    """503 with ``Retry-After`` for a new generation request while the server drains or shuts down (before any
+    work is done for it); a dead engine's requests fail later with its 500."""
+    llm = request.app.state.engine_client
+    if not llm.is_running and getattr(llm, "dead_error", None) is None:
+        raise engine_error(EngineShutdownError("the server is shutting down: no new requests"))
+
+
 @router.post("/v1/completions", response_model=p.CompletionResponse, responses={200: _STREAM_DOC, **_ERRORS})
 async def completions(body: p.CompletionRequest, request: Request):
+    _check_accepting(request)
     serving = request.app.state.openai_serving_completion
     return _to_response(await serving.create_completion(body, request.receive))
 
 
 @router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses={200: _STREAM_DOC, **_ERRORS})
 async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+    _check_accepting(request)
     serving = request.app.state.openai_serving_chat
     return _to_response(await serving.create_chat_completion(body, request.receive))
 

@@ -21,6 +21,7 @@ class OpenAIServingChat(OpenAIServing):
         """``POST /v1/chat/completions``; returns like ``create_completion`` (``ChatCompletionResponse``)."""
         arrival = now_s()
         self.check_model(req.model)
+        self.check_bounds(req)
         self.check_unsupported(req)
         tools = ToolChoice.of(req)
         structured = await self.structured_outputs(req, tools.schema)

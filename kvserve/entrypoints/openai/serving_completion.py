@@ -26,6 +26,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         arrival = now_s()
         self.check_model(req.model)
+        self.check_bounds(req)
         self.check_unsupported(req)
         structured = await self.structured_outputs(req)
         prompts = await self.completion_prompts(req.prompt)

@@ -26,22 +26,11 @@ from kvserve.engine.detokenizer import TokenVocab
 from kvserve.entrypoints.chat_utils import (MessageError, NoChatTemplateError, chat_template_for,
                                             conversation_from_messages, render_chat)
 from kvserve.entrypoints.openai import protocol as p
+from kvserve.entrypoints.openai.errors import OpenAIError
+from kvserve.entrypoints.openai.limits import RequestLimits, longest_token_chars
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.structured import StructuredOutputsParams
 from kvserve.validation import check_int
-
-
-class OpenAIError(Exception):
-    """An error answered with ``{"error": {"message", "type", "param", "code"}}`` and ``status`` (400 by default)."""
-
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
-                 type: str = "invalid_request_error", code=None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
-
-    def body(self) -> dict:
-        info = p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        return p.ErrorResponse(error=info).model_dump()
 
 
 class ClientDisconnected(Exception):
@@ -64,10 +53,15 @@ class OpenAIServing:
         served_model_name: the only model name accepted in requests (``model`` may also be omitted).
         vocab: the tokens' names and bytes in logprobs answers; built from the tokenizer when not given (the app
             builds one and shares it: building it reads the whole vocabulary).
+        limits: the request bounds (``limits.RequestLimits``; default: its defaults, ``max_prompt_chars`` derived
+            from ``llm.max_model_len``).
     """
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str, vocab: Optional[TokenVocab] = None):
+    def __init__(self, llm: AsyncLLM, served_model_name: str, vocab: Optional[TokenVocab] = None,
+                 limits: Optional[RequestLimits] = None):
         self.llm = llm
+        self.limits = limits if limits is not None else RequestLimits().resolve(
+            llm.max_model_len, longest_token_chars(llm.tokenizer))
         self.model_name = served_model_name
         self.tokenizer = llm.tokenizer
         self.vocab_size = llm.engine.arch.vocab_size
@@ -79,6 +73,11 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise OpenAIError(f"The model {model!r} does not exist; this server serves {self.model_name!r}",
                               param="model", code="model_not_found")
+
+    def check_bounds(self, req) -> None:
+        """400 for a request over the server's bounds (``RequestLimits.check_request``: stop strings, tools,
+        schemas); prompts are bounded where they are read (``completion_prompts``, ``chat_prompt``)."""
+        self.limits.check_request(req)
 
     def check_unsupported(self, req) -> None:
         """400 for every parameter set to something the engine cannot do (never silently ignored)."""
@@ -173,8 +172,12 @@ class OpenAIServing:
     async def completion_prompts(self, prompt) -> list:
         """Normalize ``prompt`` (str, list of str, token ids, list of token-id lists) into ``PreparedPrompt``s.
 
+        Text is tokenized off the engine's thread (``asyncio.to_thread``), after its length is checked against
+        ``limits.max_prompt_chars``.
+
         Raises:
-            OpenAIError: empty prompt list, an empty prompt, or token ids out of range.
+            OpenAIError: empty prompt list, an empty prompt, a text over ``max_prompt_chars``, or token ids out of
+                range.
         """
         if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
             prompts = [prompt]
@@ -182,6 +185,9 @@ class OpenAIServing:
             prompts = list(prompt)
         if not prompts:
             raise OpenAIError("prompt must not be an empty list", param="prompt")
+        for i, item in enumerate(prompts):
+            if isinstance(item, str):
+                self.limits.check_prompt_chars(item, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
         out = []
         for item in prompts:
             try:
@@ -195,17 +201,20 @@ class OpenAIServing:
     async def chat_prompt(self, messages: list, add_generation_prompt: bool = True,
                           continue_final_message: bool = False, tools: Optional[list] = None) -> PreparedPrompt:
         """Apply the chat template to ``messages`` (validated by ``conversation_from_messages``, the rule the
-        offline ``LLM.chat`` uses too) and ``tools`` (``chat_utils.render_chat``).
+        offline ``LLM.chat`` uses too) and ``tools`` (``chat_utils.render_chat``). The template is rendered and its
+        text tokenized off the engine's thread (``asyncio.to_thread``); the messages' text and then the rendered
+        text are checked against ``limits.max_prompt_chars`` first.
 
         Raises:
             OpenAIError: no messages, a bad role or content (``param`` names it, e.g. ``messages[0].content``), a
-                lone surrogate in a string, a conversation the template rejects, or no chat template at all
-                (neither the model's nor ``--chat-template``: the message says how to pass one).
+                lone surrogate in a string, text over ``max_prompt_chars``, a conversation the template rejects, or
+                no chat template at all (neither the model's nor ``--chat-template``: the message says how to pass one).
         """
         try:
             conversation = conversation_from_messages([m.model_dump(exclude_unset=True) for m in messages])
         except MessageError as e:
             raise OpenAIError(str(e), param=e.param) from None
+        self.limits.check_prompt_chars("".join(_texts(conversation)), "messages")
         if continue_final_message and conversation[-1]["role"] != "assistant":
             raise OpenAIError("continue_final_message needs the last message to be an assistant message",
                               param="continue_final_message")
@@ -224,6 +233,7 @@ class OpenAIServing:
             text = await asyncio.to_thread(render)
         except Exception as e:  # a template's raise_exception (jinja2 TemplateError) and the like: bad input
             raise OpenAIError(f"messages: the chat template rejected the conversation: {e}", param="messages") from None
+        self.limits.check_prompt_chars(text, "messages")
         try:  # the same tokenization as the offline LLM.chat: the template's text carries its special tokens
             ids = await asyncio.to_thread(self.llm.engine.tokenize, text, False)
         except ValueError as e:
@@ -367,6 +377,18 @@ class OpenAIServing:
                 s.abort()
 
 
+def _texts(value):
+    """Every string inside ``value`` (nested dicts and lists), e.g. a conversation's contents."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _texts(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _texts(v)
+
+
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -402,10 +424,15 @@ def _param_of(message: str, req) -> Optional[str]:
     return name if name in type(req).model_fields else None
 
 
+#: ``Retry-After`` (seconds) of a 503 while the server shuts down or drains: retry soon, on another replica.
+RETRY_AFTER_S = 1
+
+
 def engine_error(e: BaseException) -> OpenAIError:
-    """The HTTP error for an engine that is shutting down (503) or dead (500)."""
+    """The HTTP error for an engine that is shutting down or draining (503 with ``Retry-After``) or dead (500)."""
     if isinstance(e, EngineShutdownError):
-        return OpenAIError(str(e), status=503, type="server_shutdown", code="aborted")
+        return OpenAIError(str(e), status=503, type="server_shutdown", code="aborted",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
     return OpenAIError(f"internal engine error: {e}", status=500, type="internal_server_error")
 
 

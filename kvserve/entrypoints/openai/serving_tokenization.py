@@ -19,12 +19,14 @@ class OpenAIServingTokenization(OpenAIServing):
 
         Raises:
             pydantic.ValidationError: a body that fits neither shape (a 400 through the validation handler).
-            OpenAIError: unknown model, text that is not valid Unicode, a conversation the template rejects, or
-                both ``add_generation_prompt`` and ``continue_final_message``.
+            OpenAIError: unknown model, text that is not valid Unicode or over the server's bounds
+                (``limits.RequestLimits``), a conversation the template rejects, or both ``add_generation_prompt``
+                and ``continue_final_message``.
         """
         if "messages" in body:
             req = p.TokenizeChatRequest.model_validate(body)
             self.check_model(req.model)
+            self.check_bounds(req)
             if req.add_generation_prompt and req.continue_final_message:
                 raise OpenAIError("continue_final_message cannot be used with add_generation_prompt=true (the "
                                   "default); set add_generation_prompt to false", param="continue_final_message")
@@ -35,6 +37,7 @@ class OpenAIServingTokenization(OpenAIServing):
             req = p.TokenizeCompletionRequest.model_validate(body)
             self.check_model(req.model)
             text = req.prompt
+            self.limits.check_prompt_chars(text, "prompt")
             try:
                 check_text("prompt", text)
             except ValueError as e:

@@ -448,6 +448,7 @@
     { id: "preempt", title: "Preemptions", unit: "/s", digits: 1, bars: true, series: [["preemptions", (p) => (p.dt > 0 ? p.preemptions / p.dt : 0)]], colours: ["#d64545"] },
     { id: "spec", title: "Draft acceptance", unit: "%", max: 100, off: (e) => !e.num_speculative_tokens && "speculative decoding off", series: [["accepted", (p) => (p.spec_acceptance == null ? null : p.spec_acceptance * 100)]], colours: ["#8b5cf6"] },
     { id: "queues", title: "Queues", unit: "requests", series: [["running", (p) => p.running], ["waiting", (p) => p.waiting]], colours: ["#2f6fed", "#d9822b"] },
+    { id: "errors", title: "HTTP errors", unit: "/s", digits: 1, bars: true, series: [["4xx", (p) => (p.dt > 0 ? (p.http_4xx || 0) / p.dt : 0)], ["5xx", (p) => (p.dt > 0 ? (p.http_5xx || 0) / p.dt : 0)]], colours: ["#d9822b", "#d64545"] },
   ];
 
   function setupCharts() {
