@@ -121,7 +121,7 @@ def measure(engine_args: dict, quick: bool = False, warmup_s: float = WARMUP_S) 
         # simulator's default, so that a replay elsewhere does not size its pool from that other machine's free RAM
         "kv_cache_memory_bytes": serve_pool_bytes(engine_args, engine),
         "max_position_embeddings": engine.arch.max_position_embeddings,
-        "quantization": mc.effective_quantization(),
+        "quantization": mc.effective_quantization,
         "machine": machine_label(),
         "features": list(FEATURES),
         "cost_model": model.to_dict(),
