@@ -31,7 +31,7 @@ def _bench(base_url: str, args: argparse.Namespace, out: str, num_prompts: int) 
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url", base_url,
            "--dataset", "random", "--random-input-len", str(args.input_len), "--random-output-len",
            str(args.output_len), "--num-prompts", str(num_prompts), "--request-rate", str(args.request_rate),
-           "--seed", "1", "--quiet", "--output-json", out]
+           "--seed", "1", "--ignore-eos", "--quiet", "--output-json", out]
     subprocess.run(cmd, check=True)
     with open(out) as fh:
         return json.load(fh)

@@ -2,8 +2,8 @@
 ``vllm bench serve``).
 
 Requests are streamed from ``/v1/completions`` (``stream_options.include_usage``). Arrivals: a Poisson process at
-``--request-rate`` requests/s (``inf``: all at once), or, for ``--dataset azure``, the trace's own timestamps times
-``--time-scale``; ``--max-concurrency`` caps requests in flight. ``--dataset sharegpt-multiround`` is closed-loop:
+``--request-rate`` requests/s (``inf``: all at once), or, for ``--dataset-name azure``, the trace's own timestamps times
+``--time-scale``; ``--max-concurrency`` caps requests in flight. ``--dataset-name sharegpt-multiround`` is closed-loop:
 users arrive at ``--request-rate`` users/s and send their next round ``--think-time`` seconds after the previous
 answer ended (``kvserve.bench.multiround``). Per request it measures, on the client:
 
@@ -50,7 +50,7 @@ MAX_PROMPTS = 10_000
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only; default: %(default)s)")
     p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
-    p.add_argument("--dataset", choices=["random", "sharegpt", "azure", "sharegpt-multiround"], default="random",
+    p.add_argument("--dataset-name", "--dataset", dest="dataset", choices=["random", "sharegpt", "azure", "sharegpt-multiround"], default="random",
                    help="the prompts (default: %(default)s: random token ids, no data files needed)")
     p.add_argument("--num-prompts", type=int, default=20, help="requests (sharegpt-multiround: users)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
@@ -75,8 +75,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multiround-output-len", type=int, default=None,
                    help="sharegpt-multiround: max_tokens per round (default: the dataset's answer length)")
     p.add_argument("--data-dir", default=None, help="default: ../shared/data next to the repository")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="generate exactly max_tokens (default on)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                   help="generate exactly max_tokens, past EOS (default: off, as in vLLM; said in the output when on)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:2000 tpot:300 (metrics: ttft, tpot, e2el; milliseconds)")
@@ -85,7 +85,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "left in the server's prefix cache (see the printed hit rate)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--max-duration", type=float, default=3600.0, help="seconds for the whole run")
-    p.add_argument("--output-json", default=None, help="write the results here")
+    p.add_argument("--save-result", action="store_true",
+                   help="write the results as JSON to --result-dir/--result-filename (vLLM's names)")
+    p.add_argument("--result-dir", default=".", help="directory for --save-result (default: %(default)s)")
+    p.add_argument("--result-filename", default=None,
+                   help="file name for --save-result (default: kvserve-{rate}qps-{model}-{YYYYmmdd-HHMMSS}.json)")
+    p.add_argument("--output-json", default=None, metavar="PATH",
+                   help="write the results to PATH (the same JSON as --save-result; kvserve's older name)")
     p.add_argument("--quiet", action="store_true", help="no table on stdout")
     p.add_argument("--api-key", default=None,
                    help=f"key of a server started with --api-key, sent as a Bearer token on every request, "
@@ -186,6 +192,19 @@ def request_records(sessions: list, results: list, multiround: bool = False) -> 
                 rec.update(conversation=i, round=k)
             out.append(rec)
     return out
+
+
+def result_paths(args: argparse.Namespace, model: str) -> list:
+    """Where the report goes: ``--output-json`` and, with ``--save-result``, ``--result-dir`` /
+    ``--result-filename`` (default ``kvserve-{rate}qps-{model}-{YYYYmmdd-HHMMSS}.json``, vLLM's pattern); the
+    directory is created."""
+    paths = [args.output_json] if args.output_json else []
+    if args.save_result:
+        name = args.result_filename or (f"kvserve-{args.request_rate}qps-{model.replace('/', '_')}-"
+                                        f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+        os.makedirs(args.result_dir, exist_ok=True)
+        paths.append(os.path.join(args.result_dir, name))
+    return paths
 
 
 def write_report(report: dict, path) -> None:
@@ -430,9 +449,11 @@ def run(args: argparse.Namespace) -> int:
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": model, "config": config, **summary,
               "requests": request_records(sessions, results, multi)}
     if not args.quiet:
+        if args.ignore_eos:
+            print("ignore_eos: on (every request generates exactly its max_tokens, past EOS)")
         print(format_table(summary))
-    if args.output_json:
-        write_report(report, args.output_json)
+    for path in result_paths(args, model):
+        write_report(report, path)
     if summary["failed"]:
         print(f"{summary['failed']} requests failed: {summary['errors']}", file=sys.stderr)
         return 1

@@ -6,6 +6,7 @@ modules (``_COMMANDS``, ``_BENCH``). Experiments live outside the package, in ``
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import logging
 import sys
@@ -34,15 +35,52 @@ def _serve(p):
     from kvserve.entrypoints.ray import args as ray_serve_args
     from kvserve.entrypoints.openai import api_server
 
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vLLM's positional form (the same as --model; default: SmolLM2-135M-Instruct)")
     add_engine_args(p)
     api_server.add_args(p)
     ray_serve_args.add_args(p)
 
     def run(args):
+        args.model = model_from(args)
         if ray_serve_args.wants_ray(args):
             return ray_serve_args.run(args, engine_kwargs(args))
         return api_server.run(args, engine_kwargs(args))
     return run
+
+
+def model_from(args: argparse.Namespace):
+    """The model of ``kvserve serve [MODEL] [--model M]``: either form, or both when they agree.
+
+    Raises:
+        ValueError: both are given and differ.
+    """
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"model: the positional MODEL ({args.model_tag!r}) and --model ({args.model!r}) differ; "
+                         "give one")
+    return args.model if args.model is not None else args.model_tag
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (``(default: X)``) unless the help already names one, as
+    ``argparse.ArgumentDefaultsHelpFormatter`` does, without saying it twice."""
+
+    def _format_action(self, action):
+        if not action.help and _shows_default(action):  # argparse prints no help line for help=None
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or not _shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    """Whether ``--help`` should name ``action``'s default: an option with a value, not ``--help`` itself."""
+    return bool(action.option_strings) and action.default is not argparse.SUPPRESS
 
 
 def _bench(module: str, engine: bool = True):
@@ -63,7 +101,7 @@ def _sim(p):
     sim_cli.add_args(p)
     sim_sub = p.add_subparsers(dest="sim_command")
     sim_cli.add_profile_args(sim_sub.add_parser("profile", help="time real engine steps and save the cost-model "
-                                                                "profile (JSON)"))
+                                                                "profile (JSON)", formatter_class=HelpFormatter))
 
     def run(args):
         return sim_cli.run_profile(args) if args.sim_command == "profile" else sim_cli.run(args)
@@ -95,7 +133,7 @@ def _add_bench(bench: argparse.ArgumentParser, chosen):
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     runner = None
     for name, (help_text, setup) in _BENCH.items():
-        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        p = bench_sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         if name == chosen:
             runner = setup(p)
     return runner
@@ -111,17 +149,25 @@ def main(argv=None) -> int:
         return 2
 
 
-def _main(argv: list) -> int:
-    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: a paged-KV, continuously batched LLM engine")
+def build_parser(argv: list):
+    """The ``kvserve`` parser for ``argv`` and the runner of the command it names (``None`` if none): only that
+    command's flags are set up (a sibling command's parser is left empty)."""
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: a paged-KV, continuously batched LLM engine",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     command = argv[0] if argv else None
     runner = None
     for name, (help_text, setup) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
         if name == "bench":
             runner = _add_bench(p, argv[1] if command == "bench" and len(argv) > 1 else None) or runner
         elif name == command:
             runner = setup(p)
+    return parser, runner
+
+
+def _main(argv: list) -> int:
+    parser, runner = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if runner is None:

@@ -198,11 +198,15 @@ def run(args: argparse.Namespace) -> int:
     sim, prof = build_simulator(engine_kwargs(args), args.profile)
     trace = load_trace(args)
     from kvserve.sim import cluster
+    from kvserve.sim.simulator import overload_warning
 
     if cluster.wants_cluster(args):
         return cluster.run_cli(args, sim, trace, slos)
     res = sim.run(trace, slos, sample_every=max(1, len(trace) // 200))
     s = res.summary
+    warning = overload_warning(trace, s)
+    if warning:
+        print(warning, file=sys.stderr)
     if not args.quiet:
         print(f"simulated {len(trace)} requests ({args.dataset}) with profile {args.profile} "
               f"({prof['model']}, {prof.get('created', '?')}) in {s['sim_wall_s']:.1f} s wall")

@@ -121,13 +121,39 @@ def measure(engine_args: dict, quick: bool = False, warmup_s: float = WARMUP_S) 
         # simulator's default, so that a replay elsewhere does not size its pool from that other machine's free RAM
         "kv_cache_memory_bytes": serve_pool_bytes(engine_args, engine),
         "max_position_embeddings": engine.arch.max_position_embeddings,
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "quantization": mc.effective_quantization,
+        "machine": machine_label(),
         "features": list(FEATURES),
         "cost_model": model.to_dict(),
         "fit": fit_errors(model, samples),
         "samples": [{"features": list(f), "step_s": t} for f, t in samples],
     }
     return profile
+
+
+def machine_label() -> dict:
+    """What the profile was measured on: the CPU model (``/proc/cpuinfo``'s ``model name``; ``None`` where there is
+    none), logical CPUs, platform, and the kvserve commit (``git rev-parse HEAD`` of the source tree; ``None``
+    outside a git checkout): a profile is only valid for that machine and that code."""
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"cpu_model": cpu or platform.processor() or None, "cpus": os.cpu_count(),
+            "platform": platform.platform(), "kvserve_commit": _source_commit()}
+
+
+def _source_commit():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def check_warmup_s(seconds: float) -> float:

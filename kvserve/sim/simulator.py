@@ -191,6 +191,7 @@ class Simulator:
             "rejected": sum(1 for r in results if r.error.startswith("HTTP 400")),
             "truncated": self.num_truncated(trace, results),
             "num_blocks": self.num_blocks,
+            "busy_s": running_time,
             "sim_wall_s": time.perf_counter() - wall0,
         })
         return SimResult(summary, results, samples)
@@ -219,3 +220,26 @@ class Simulator:
             if res.output_tokens == self.output_tokens(trace[k]):
                 res.success = True
                 res.e2el = float(times[-1]) - arrival
+
+
+def overload_warning(trace: list[TraceRequest], summary: dict):
+    """A warning (``str``) when the trace offers more load than the simulated engine serves, else ``None``.
+
+    Offered: the arrivals' mean rate (``len(trace) - 1`` gaps over their span, req/s); served: completed requests over the
+    simulated duration. The engine is overloaded when it served under 80% of the offered rate while busy (stepping)
+    at least 90% of the time: its queue then grows for the whole trace, and latencies depend on the trace's length
+    more than on the engine. The capacity named is completed requests per busy second (the rate this mix of
+    requests can be served at, as batched in this run). A trace sent all at once (arrival span 0) is never flagged.
+    """
+    arrivals = [r.arrival_s for r in trace]
+    span = max(arrivals) - min(arrivals) if arrivals else 0.0
+    duration, busy = summary["duration_s"], summary.get("busy_s", 0.0)
+    if span <= 0 or duration <= 0 or busy <= 0 or not summary["completed"]:
+        return None
+    offered, served = (len(trace) - 1) / span, summary["completed"] / duration
+    if served >= 0.8 * offered or busy < 0.9 * duration:
+        return None
+    return (f"warning: the offered load ({offered:.3g} req/s) exceeds the simulated capacity (about "
+            f"{summary['completed'] / busy:.3g} req/s; busy {100 * busy / duration:.0f}% of "
+            f"{duration:.0f} s); requests queue for the whole trace, so its latencies grow with its length: "
+            f"slow the arrivals (--time-scale, --request-rate) or add capacity")

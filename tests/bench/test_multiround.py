@@ -44,7 +44,7 @@ def test_closed_loop_rounds(server, tmp_path, capsys):
     out = tmp_path / "mr.json"
     rc = main(["bench", "serve", "--base-url", server.url, "--dataset", "sharegpt-multiround", "--num-prompts", "2",
                "--max-rounds", "3", "--multiround-max-input-len", str(CAP), "--multiround-output-len", "2",
-               "--think-time", "0.05", "--output-json", str(out)])
+               "--think-time", "0.05", "--ignore-eos", "--output-json", str(out)])
     assert rc == 0, capsys.readouterr()
     assert "server prefix cache hit rate" in capsys.readouterr().out
     data = json.loads(out.read_text())

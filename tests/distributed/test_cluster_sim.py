@@ -129,7 +129,7 @@ def test_cli_sweep_and_bad_flags(tmp_path, capsys):
     from kvserve.entrypoints.cli import main
 
     trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(f'{{"arrival_s": {i}, "prompt_tokens": 40, "output_tokens": 2, '
+    trace.write_text("".join(f'{{"arrival_s": {i * 0.01}, "prompt_tokens": 40, "output_tokens": 2, '
                              f'"prefix_block_ids": [{i % 2}]}}\n' for i in range(6)))
     profile = str(Path(__file__).resolve().parents[2] / "docs" / "simulator_profile.json")
     out = tmp_path / "rows.json"

@@ -124,15 +124,36 @@ DOM_STATE = """() => {
 }"""
 
 
+# Every class the stream indicator takes, with whether a snapshot had arrived by then (set before the page's script)
+CONN_LOG = """window.addEventListener('DOMContentLoaded', () => {
+  window.connLog = [];
+  const conn = document.getElementById('conn');
+  new MutationObserver(() => window.connLog.push([conn.className,
+      !!(window.kvDashboard && window.kvDashboard.lastEventAt != null)])).observe(conn, {attributes: true});
+});"""
+
+# The running table's last column ("accept") against its panel's right edge, and whether the panel scrolls
+ACCEPT_FITS = """() => {
+  const panel = document.getElementById('sched-panel');
+  const th = [...panel.querySelectorAll('table.queue th')].find(e => e.textContent === 'accept');
+  return {thRight: th.getBoundingClientRect().right, panelRight: panel.getBoundingClientRect().right,
+          scroll: panel.scrollWidth, client: panel.clientWidth};
+}"""
+
+
 def test_dashboard_in_chromium(dash_server, browser):
     url = dash_server.url
     page = browser.new_page()
     page_errors = []
     page.on("pageerror", lambda e: page_errors.append(str(e)))
+    page.add_init_script(CONN_LOG)
     page.goto(url + "/dashboard")
     page.wait_for_function(f"() => document.querySelectorAll('#pool-grid .cell').length === {NUM_BLOCKS}",
                            timeout=30_000)
     assert page.eval_on_selector("#conn", "e => e.className") == "conn on"
+    log = page.evaluate("window.connLog")  # amber "waiting" once connected, green only once a snapshot arrived
+    assert log[0] == ["conn wait", False] and ["conn on", True] in log and ["conn on", False] not in log, log
+    assert "waiting" not in page.inner_text("#pool-summary")
 
     second = browser.new_page()  # a second viewer at the same time
     second.goto(url + "/dashboard")
@@ -146,6 +167,11 @@ def test_dashboard_in_chromium(dash_server, browser):
     page.wait_for_function("""() => document.querySelectorAll('#running-body tr.req').length >= 4
         && document.querySelectorAll('#pool-grid .cell.s-u, #pool-grid .cell.s-s').length > 8""", timeout=120_000)
     second.close()  # a viewer that goes away mid-run
+    page.set_viewport_size({"width": 1400, "height": 980})  # the running table's last column is not clipped
+    page.wait_for_timeout(200)
+    fit = page.evaluate(ACCEPT_FITS)
+    assert fit["thRight"] <= fit["panelRight"] and fit["scroll"] <= fit["client"], fit
+    page.set_viewport_size({"width": 1440, "height": 980})
     deadline = time.monotonic() + 10
     while len(hub.viewers) != 1 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -192,6 +218,20 @@ def test_dashboard_in_chromium(dash_server, browser):
         page.screenshot(path=str(SCREENSHOT), full_page=True)
     assert SCREENSHOT.stat().st_size > 20_000
     assert not page_errors, page_errors
+
+
+def test_before_the_first_snapshot_the_page_says_it_waits(dash_server, browser):
+    """No snapshot (the state stream refused): the page says it waits for the first step, and the dot is red, never
+    green."""
+    page = browser.new_page()
+    page.route("**/v1/engine/state*", lambda route: route.abort())
+    page.goto(dash_server.url + "/dashboard")
+    page.wait_for_function("() => document.getElementById('conn-text').textContent.startsWith('disconnected')",
+                           timeout=30_000)
+    assert page.eval_on_selector("#conn", "e => e.className") == "conn off"
+    assert page.inner_text("#pool-summary") == "waiting for the first engine step…"
+    assert page.evaluate("window.kvDashboard.renders") == 0
+    page.close()
 
 
 def test_hover_highlights_block_table(dash_server, browser):

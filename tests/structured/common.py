@@ -2,13 +2,12 @@
 standard JSON schemas, and a validator."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-BFCL_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "bfcl_multi_turn" / "multi_turn_func_doc"
-if not BFCL_DIR.is_dir():  # the worktree layout: /work/<tree>/tests -> /work/shared
-    BFCL_DIR = Path("/work/shared/data/bfcl_multi_turn/multi_turn_func_doc")
+from kvserve.bench.workloads import default_data_dir
+
+BFCL_DIR = default_data_dir() / "bfcl_multi_turn" / "multi_turn_func_doc"
 
 #: (file, function) pairs: strings, numbers, integers, arrays, booleans, optional fields
 BFCL_FUNCTIONS = [("message_api.json", "send_message"), ("posting_api.json", "post_tweet"),

@@ -46,11 +46,19 @@
     return key ? { Authorization: "Bearer " + key } : {};
   }
 
-  function setConn(on, text) {
-    st.connected = on;
-    $("conn").className = "conn " + (on ? "on" : "off");
+  // The dot says whether data arrives, not whether a socket is open: "wait" (amber) from the connection until the
+  // first snapshot, "on" (green) while snapshots arrive, "stale" (amber) after STALE_S without one, "off" (red).
+  const STALE_S = 5;
+  function setConn(state, text) {
+    st.connected = state !== "off";
+    $("conn").className = "conn " + state;
     $("conn-text").textContent = text;
   }
+  setInterval(() => {
+    if (!st.connected || st.lastEventAt == null) return;
+    const age = (performance.now() - st.lastEventAt) / 1000;
+    if (age >= STALE_S) setConn("stale", `no snapshot for ${Math.round(age)} s (a long engine step?)`);
+  }, 1000);
 
   let backoff = 500;
   async function connect() {
@@ -59,7 +67,8 @@
         headers: { Accept: "text/event-stream", ...authHeaders() }, cache: "no-store",
       });
       if (!res.ok) throw new Error("HTTP " + res.status);
-      setConn(true, "live");
+      st.lastEventAt = null;
+      setConn("wait", "connected · waiting for the first engine step…");
       backoff = 500;
       const reader = res.body.getReader();
       const dec = new TextDecoder();
@@ -74,9 +83,9 @@
           buf = buf.slice(i + 2);
         }
       }
-      setConn(false, "stream ended, reconnecting…");
+      setConn("off", "stream ended, reconnecting…");
     } catch (e) {
-      setConn(false, `disconnected (${e.message}), retrying…`);
+      setConn("off", `disconnected (${e.message}), retrying…`);
     }
     setTimeout(connect, backoff);
     backoff = Math.min(backoff * 2, 5000);
@@ -86,6 +95,8 @@
     const data = text.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
     if (!data) return;
     const msg = JSON.parse(data);
+    st.lastEventAt = performance.now();
+    setConn("on", "live");
     if (msg.history && msg.history.length) {
       const last = st.history.length ? st.history[st.history.length - 1].t : -Infinity;
       for (const p of msg.history) if (p.t > last) st.history.push(p);
