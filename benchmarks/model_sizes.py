@@ -65,7 +65,8 @@ SHAPES = {"1b": Shape(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192),
           "3b": Shape(layers=28, hidden=3072, heads=24, kv_heads=8, ffn=8192)}
 #: File format -> (GGUF ``general.file_type``, llama.cpp's name of it).
 FORMATS = {"q4_0": (2, "Q4_0"), "q4_k_m": (15, "Q4_K_M"), "q8_0": (7, "Q8_0")}
-LLAMA_PYTHON = "/tmp/llamacpp-venv/bin/python"
+#: The interpreter with ``llama_cpp`` (built outside the project): ``$KVSERVE_LLAMA_PYTHON`` or this venv's.
+LLAMA_PYTHON = os.environ.get("KVSERVE_LLAMA_PYTHON", "/tmp/llamacpp-venv/bin/python")
 
 
 # ---------------------------------------------------------------------------------------------------- the files
@@ -307,18 +308,32 @@ def kvserve_measure(path: Path, args, rng, num_threads: int) -> dict:
     return out
 
 
+def allow_amx() -> bool:
+    """Ask Linux (>= 5.16, x86-64) for the AMX tile state for this process: ``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, as kvserve's AMX kernels do. llama.cpp built natively on an AMX CPU runs tile
+    instructions without asking and dies of SIGILL otherwise. True when granted; a no-op elsewhere."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    return ctypes.CDLL(None, use_errno=True).syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
+
+
 def llama_worker(path: str, params: dict) -> dict:
     """llama.cpp's figures on one file (run under the interpreter with ``llama_cpp``; stdlib + ``llama_cpp`` only):
     ``decode_tps``/``step_ms`` (best of ``rounds``: a fresh context, ``prompt_tokens`` evaluated, then
     ``decode_tokens`` greedy tokens, timed from the first to the last) and ``prefill_tps``."""
     import random
 
+    amx = allow_amx()
     import llama_cpp
 
     t = time.perf_counter()
     llm = llama_cpp.Llama(model_path=path, n_ctx=params["n_ctx"], n_threads=params["threads"],
                           n_threads_batch=params["threads"], verbose=False)
-    out = {"load_s": time.perf_counter() - t, "version": llama_cpp.__version__,
+    out = {"load_s": time.perf_counter() - t, "version": llama_cpp.__version__, "amx_permission": amx,
            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}
     rnd = random.Random(params["seed"])
     vocab = llm.n_vocab()
