@@ -308,32 +308,18 @@ def kvserve_measure(path: Path, args, rng, num_threads: int) -> dict:
     return out
 
 
-def allow_amx() -> bool:
-    """Ask Linux (>= 5.16, x86-64) for the AMX tile state for this process: ``arch_prctl(ARCH_REQ_XCOMP_PERM,
-    XFEATURE_XTILEDATA)``, as kvserve's AMX kernels do. llama.cpp built natively on an AMX CPU runs tile
-    instructions without asking and dies of SIGILL otherwise. True when granted; a no-op elsewhere."""
-    import ctypes
-    import platform
-
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return False
-    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
-    return ctypes.CDLL(None, use_errno=True).syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
-
-
 def llama_worker(path: str, params: dict) -> dict:
     """llama.cpp's figures on one file (run under the interpreter with ``llama_cpp``; stdlib + ``llama_cpp`` only):
     ``decode_tps``/``step_ms`` (best of ``rounds``: a fresh context, ``prompt_tokens`` evaluated, then
     ``decode_tokens`` greedy tokens, timed from the first to the last) and ``prefill_tps``."""
     import random
 
-    amx = allow_amx()
     import llama_cpp
 
     t = time.perf_counter()
     llm = llama_cpp.Llama(model_path=path, n_ctx=params["n_ctx"], n_threads=params["threads"],
                           n_threads_batch=params["threads"], verbose=False)
-    out = {"load_s": time.perf_counter() - t, "version": llama_cpp.__version__, "amx_permission": amx,
+    out = {"load_s": time.perf_counter() - t, "version": llama_cpp.__version__,
            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}
     rnd = random.Random(params["seed"])
     vocab = llm.n_vocab()
@@ -499,6 +485,8 @@ def run(args: argparse.Namespace) -> int:
           f"before, {bw_after:.1f} after (bounds use the first); llama-cpp-python {lc.get('version', 'n/a')}; "
           f"decode: {args.prompt_tokens}-token prompt, {args.decode_tokens} tokens, best of {args.rounds}; prefill: "
           f"{args.prefill_tokens} tokens; throughput: {args.prompt_tokens}/{args.decode_tokens} tokens per request\n")
+    if lc.get("system_info"):
+        print(f"llama.cpp {lc['system_info'].strip()}\n")
     print(format_table(rows, args.concurrency if "throughput" in args.measure else []))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
