@@ -45,13 +45,16 @@ logger = logging.getLogger(__name__)
 #: GGUF ``general.architecture`` values read, and the registry architecture each maps to.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 #: llama.cpp's mixture-of-experts architectures, refused as such (as is any file with ``<arch>.expert_count``).
 GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "olmoe", "phimoe", "granitemoe", "deepseek2", "dbrx", "llama4",
                           "gpt-oss", "arctic", "grok", "ernie4_5-moe", "hunyuan-moe", "bailingmoe")
 #: Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (llama.cpp's rope type
 #: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
-_GGUF_PERMUTED_QK = ("llama", "granite")
+_GGUF_PERMUTED_QK = ("llama", "granite", "smollm3")
+#: llama.cpp's SmolLM3: every 4th layer applies no RoPE (a constant in llama.cpp, no GGUF key; Hugging Face's
+#: default ``no_rope_layer_interval``).
+_GGUF_SMOLLM3_NOPE_STEP = 4
 #: Granite's scalars in a GGUF (``<arch>.`` key -> ``ModelArch`` field), read instead of refused.
 _GGUF_GRANITE_KEYS = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
                       "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
@@ -404,6 +407,8 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         mlp_bias=has("ffn_down"),
         rope_scaling=rope_scaling,
         qk_norm=has("attn_q_norm", "weight") and a != "olmo2",  # OLMo 2's span the projection (its own model)
+        no_rope_layers=(tuple(int((i + 1) % _GGUF_SMOLLM3_NOPE_STEP != 0) for i in range(int(field(f"{a}.block_count"))))
+                        if a == "smollm3" else None),
         **{"sliding_window": _gguf_window(field, a), **extra},  # (Gemma's windows come in extra)
     )
 

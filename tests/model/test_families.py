@@ -34,9 +34,9 @@ def _tiny(tmp_path_factory, tokenizer, name, cls="Llama", rewrite=None, bias=Fal
 
     torch.manual_seed(0)
     config = getattr(transformers, f"{cls}Config")(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2,
-        bos_token_id=1, **kw)
+        **{"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+           "tie_word_embeddings": False, "eos_token_id": 2, "bos_token_id": 1, **kw})
     model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
     if bias:
         with torch.no_grad():
@@ -308,6 +308,18 @@ def test_smollm3_nope_layers_match_transformers(tmp_path_factory, tokenizer):
     assert load_model(str(path)).arch.no_rope_layers == (1, 0)
     assert _check_parity(path, hf, tokenizer).fused_layers is None
     _greedy_equal(path, hf, tokenizer)
+
+
+def test_a_smollm3_gguf_has_llama_cpps_nope_layers(tmp_path_factory, tokenizer):
+    """llama.cpp's smollm3 skips RoPE on every 4th layer (a constant there, no GGUF key): a 4-layer checkpoint with
+    Hugging Face's default interval of 4 (layer 3 without RoPE) gives the same logits from its GGUF."""
+    path, hf = _tiny(tmp_path_factory, tokenizer, "smollm3-4", cls="SmolLM3", num_hidden_layers=4, pad_token_id=0,
+                     rope_theta=10000.0)
+    assert list(hf.config.no_rope_layers) == [1, 1, 1, 0]
+    gguf_path = _write_gguf(path / "s.gguf", hf, "smollm3", True)
+    loaded = load_model(str(gguf_path), weights_only=True)
+    assert (loaded.arch.architecture, loaded.arch.no_rope_layers) == ("SmolLM3ForCausalLM", (1, 1, 1, 0))
+    _check_parity(gguf_path, hf, tokenizer, loaded)
 
 
 def test_a_qwen2_gguf_keeps_its_rows_and_biases(tmp_path_factory, tokenizer):
