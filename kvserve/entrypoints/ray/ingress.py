@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -31,6 +32,7 @@ from kvserve.config import EngineConfig
 from kvserve.distributed.router import ROUTERS
 from kvserve.engine.async_llm import EngineDeadError, EngineShutdownError
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.model.chat_config import load_chat_template
 from kvserve.entrypoints.openai.api_server import KVServeServer, api_key_from, bind_socket, build_app
 from kvserve.entrypoints.ray.replica import ACCEPTED, APP_NAME, DEPLOYMENT_NAME, MAX_ATTEMPTS, KVServeReplica
 from kvserve.entrypoints.ray.router import KVServeRequestRouter, get_router
@@ -93,7 +95,7 @@ def remote_error(e: BaseException, request_id: str) -> BaseException:
 
 class RayEngineClient:
     """Stands in for ``AsyncLLM`` under ``OpenAIServing``: the same ``add_request`` / ``abort_all`` / ``start`` /
-    ``shutdown`` and ``engine`` view (tokenizer, ``arch.vocab_size``, ``config``, ``tokenize``), generation forwarded
+    ``shutdown`` and ``engine`` view (tokenizer, ``arch.vocab_size``, ``config``, ``chat_template``, ``tokenize``), generation forwarded
     to the replicas through ``handle``.
 
     Args:
@@ -105,8 +107,9 @@ class RayEngineClient:
 
     def __init__(self, handle, config: EngineConfig, tokenizer, arch, info: dict):
         self.handle = handle
-        self.engine = SimpleNamespace(tokenizer=tokenizer, arch=arch, config=config)
-        self.engine.tokenize = lambda prompt: LLMEngine.tokenize(self.engine, prompt)  # the engine's own checks
+        self.engine = SimpleNamespace(tokenizer=tokenizer, arch=arch, config=config,
+                                      chat_template=load_chat_template(config.model_config.chat_template))
+        self.engine.tokenize = functools.partial(LLMEngine.tokenize, self.engine)  # the engine's own checks
         self.stat_logger = ReplicaMetrics(handle)
         self.state_observer = None
         self._max_model_len = info["max_model_len"]
