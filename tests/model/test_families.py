@@ -185,13 +185,12 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, hf, arch, permute, extra_tensors=(), extra_fields=(), q5_0=()):
-    """``hf``'s weights as a float32 GGUF of ``arch`` with llama.cpp's tensor names (Q/K rows permuted when
-    ``permute``; the tensors named in ``q5_0`` as Q5_0 blocks), plus ``extra_tensors`` ``[(name, array)]`` and
-    ``extra_fields`` ``[(key, value)]`` (int, float, bool, str or a list of them)."""
+def gguf_writer(path, c, arch: str):
+    """A ``gguf.GGUFWriter`` of ``arch`` at ``path`` holding the sizes of the ``transformers`` config ``c`` (layers,
+    context, widths, heads, a head width that is not hidden / heads, the RMSNorm epsilon), as llama.cpp's
+    converter writes them; the caller adds the rest."""
     import gguf
 
-    c = hf.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -203,6 +202,17 @@ def _write_gguf(path, hf, arch, permute, extra_tensors=(), extra_fields=(), q5_0
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    return w
+
+
+def _write_gguf(path, hf, arch, permute, extra_tensors=(), extra_fields=(), q5_0=()):
+    """``hf``'s weights as a float32 GGUF of ``arch`` with llama.cpp's tensor names (Q/K rows permuted when
+    ``permute``; the tensors named in ``q5_0`` as Q5_0 blocks), plus ``extra_tensors`` ``[(name, array)]`` and
+    ``extra_fields`` ``[(key, value)]`` (int, float, bool, str or a list of them)."""
+    import gguf
+
+    c = hf.config
+    w = gguf_writer(path, c, arch)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     for key, value in extra_fields:  # an int as uint32 (llama.cpp's counts and token ids); else by its type
         if isinstance(value, int) and not isinstance(value, bool):

@@ -20,7 +20,7 @@ from kvserve.model.backends import select_backends
 from kvserve.model.loader import load_model
 from kvserve.model.registry import build_model
 from tests.conftest import assert_greedy_matches_transformers, flat_batch
-from tests.model.test_families import PROMPTS, _check_parity, _logits
+from tests.model.test_families import PROMPTS, _check_parity, _logits, gguf_writer
 
 pytestmark = pytest.mark.real_model  # the real model's tokenizer
 
@@ -231,16 +231,10 @@ def _write_gemma_gguf(path, hf, qtype="F32", extra_fields=(), extra_tensors=()):
 
     c = hf.config
     arch = "gemma2" if c.model_type == "gemma2" else "gemma3"
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w = gguf_writer(path, c, arch)
+    if c.head_dim == c.hidden_size // c.num_attention_heads:  # llama.cpp's converter writes Gemma's always
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     w.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":

@@ -15,7 +15,7 @@ from kvserve.model.backends import select_backends
 from kvserve.model.loader import load_model
 from kvserve.model.registry import build_model
 from tests.conftest import assert_greedy_matches_transformers, flat_batch
-from tests.model.test_families import PROMPTS, _GGUF_TOP, _check_parity, _logits, _permute, _tiny
+from tests.model.test_families import PROMPTS, _GGUF_TOP, _check_parity, _logits, _permute, _tiny, gguf_writer
 
 pytestmark = pytest.mark.real_model  # the real model's tokenizer
 
@@ -83,14 +83,7 @@ def _write_gguf(path, hf, arch, names, fields=(), tensors=(), q8_0=False, permut
     import gguf
 
     c = hf.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w = gguf_writer(path, c, arch)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     for key, value in fields:
         (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(
