@@ -3,6 +3,8 @@ runs (``ATTENTION_ISAS``): the values of plain causal attention, and a query row
 keys and values up to its position alone -- the same whether the row arrives as a decode token, inside a chunk of
 any length, beside other requests, or with any thread count. No model: random Q/K/V in a scattered pool."""
 
+import math
+
 import pytest
 import torch
 
@@ -99,3 +101,24 @@ def test_a_row_gives_the_same_bits_however_it_is_scheduled(h_q, h_kv, d, bs, kv_
     rows = [(1, *others[0]), (0, ctx, n), (2, *others[1]), (3, *others[2])]
     mixed = _attend(torch.cat([q_others[0], q, *q_others[1:]]), cache, tables, rows, isa)
     assert torch.equal(mixed[50: 50 + n], whole)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_keys_scored_more_than_64_below_the_row_maximum_contribute_exactly_nothing(isa):
+    """A probability below e^-64 of the largest is 0, not a subnormal float (SOFTMAX_FLUSH): key 0 scored 80 below
+    key 1 has its value vector multiplied by exactly 0 (a value of 1e30 there changes no bit), while a key scored 60
+    below still counts (its 1e30 shows)."""
+    h, d, bs = 1, 16, 16
+    cache = torch.zeros(2, 1, bs, h, d)
+    q = torch.zeros(1, h, d)
+    q[0, 0, 0] = 4.0  # scale d ** -0.5 = 1/4: scores = K[:, 0]
+    cache[0, 0, 1, 0, 0] = 80.0  # key 1 the maximum, key 0 at 0 (80 below), key 2 at 20 (60 below)
+    cache[0, 0, 2, 0, 0] = 20.0
+    cache[1, 0, 1, 0, :] = 1.0
+    base = _attend(q, cache, [[0]], [(0, 2, 1)], isa)
+    assert torch.equal(base, torch.ones_like(base))  # keys 0..2: key 1 alone has weight (up to rounding: exactly 1)
+    cache[1, 0, 0, 0, :] = 1e30  # key 0's value: weight 0, no change
+    assert torch.equal(_attend(q, cache, [[0]], [(0, 2, 1)], isa), base)
+    cache[1, 0, 2, 0, :] = 1e30  # key 2's value: weight e^-60 ~ 8.8e-27, seen
+    got = _attend(q, cache, [[0]], [(0, 2, 1)], isa)
+    assert torch.allclose(got, torch.full_like(got, 1 + 1e30 * math.exp(-60)), rtol=1e-5)

@@ -21,7 +21,7 @@
  *   score_j  = sum over k = 0 .. d-1 in order of (q_k * scale) * K_jk, one FMA per term from zero;
  *              with a cap, then cap * tanh(score_j / cap) (simd.h's tanh, each lane on its own);
  *   p_j      = e^(score_j - max) * (1 / sum), the sum over lanes ((j - lo) mod W) in ascending j, then a fixed lane
- *              tree;
+ *              tree; exactly 0 where score_j - max < -SOFTMAX_FLUSH (paged_attention_isa.h);
  *   out_c    = sum over j = lo .. position in order of p_j * V_jc, one FMA per term from zero.
  * lo depends on the row's position and the window only, so a key tile outside the windows of all a task's rows is
  * not computed, and a task starts its key walk at its first row's lo: neither changes any row's sequence.
@@ -177,6 +177,7 @@ static inline void transpose8(__m256 *r) {
 #define VMUL _mm256_mul_ps
 #define VDIV _mm256_div_ps
 #define VMAX _mm256_max_ps
+#define VKEEP_GE(v, x, c) _mm256_and_ps(v, _mm256_cmp_ps(x, c, _CMP_GE_OQ))
 #define VEXP exp256
 #define VTANH tanh256
 #define VHSUM hsum
@@ -211,6 +212,7 @@ static inline void transpose8(__m256 *r) {
 #undef VMUL
 #undef VDIV
 #undef VMAX
+#undef VKEEP_GE
 #undef VEXP
 #undef VTANH
 #undef VHSUM
@@ -281,6 +283,7 @@ T512 static inline void transpose16(__m512 *r) {
 #define VMUL _mm512_mul_ps
 #define VDIV _mm512_div_ps
 #define VMAX _mm512_max_ps
+#define VKEEP_GE(v, x, c) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, c, _CMP_GE_OQ), v)
 #define VEXP exp512
 #define VTANH tanh512
 #define VHSUM hsum16

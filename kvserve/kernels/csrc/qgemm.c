@@ -421,8 +421,8 @@ T_AVX2 static void group_avx2(int fmt, int pair, const uint8_t *wg, int64_t nb, 
     }
 #define A5_Q4_END(i)                                                                                    \
     if (mr > i) {                                                                                       \
-        __m512i t = pair ? _mm512_add_epi32(_mm512_mullo_epi32(a##i, res32), c##i) : a##i;              \
-        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i); \
+        const __m512 t = pair ? pair_fold(a##i, c##i) : _mm512_cvtepi32_ps(a##i);                       \
+        f##i = _mm512_fmadd_ps(t, _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i);           \
         f##i = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[(i) * nb + b]), f##i);                             \
     }
 #define A5_Q8_STEP(i)                                                                                   \
@@ -433,9 +433,9 @@ T_AVX2 static void group_avx2(int fmt, int pair, const uint8_t *wg, int64_t nb, 
     }
 #define A5_Q8_END(i)                                                                                    \
     if (mr > i) {                                                                                       \
-        __m512i t = _mm512_sub_epi32(a##i, corr);                                                       \
-        if (pair) t = _mm512_add_epi32(_mm512_mullo_epi32(t, res32), _mm512_sub_epi32(c##i, corr));     \
-        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i); \
+        const __m512i t = _mm512_sub_epi32(a##i, corr);                                                 \
+        const __m512 tf = pair ? pair_fold(t, _mm512_sub_epi32(c##i, corr)) : _mm512_cvtepi32_ps(t);    \
+        f##i = _mm512_fmadd_ps(tf, _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + b])), f##i);          \
     }
 #define A5_STORE(i)                                                                                     \
     if (mr > i) _mm512_storeu_ps(y + (i) * ldy, oscale ? _mm512_mul_ps(f##i, _mm512_loadu_ps(oscale)) : f##i);
@@ -454,10 +454,15 @@ T_AVX512 INLINE void q4_unpack_avx512(const uint8_t *nib, const uint8_t *hbits, 
     }
 }
 
+/* RES a1 + a2 in float for the epilogues: a1, a2 below 2^24 convert exactly and the FMA rounds the exact
+ * RES a1 + a2 once, as converting that integer would (the same bits as the int32 sum, without vpmulld). */
+T_AVX512 INLINE __m512 pair_fold(__m512i a1, __m512i a2) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps((float)RES), _mm512_cvtepi32_ps(a2));
+}
+
 T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
                                     const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
                                     const int mr, const int f32s, const int pair) {
-    const __m512i res32 = _mm512_set1_epi32(RES);
     const int bb = f32s == 2 ? Q5F_BLOCK : f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64;
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A5_ROWS(A5_ZERO_F)
@@ -483,7 +488,7 @@ T_AVX512 INLINE void q8_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
                                     const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
                                     const int mr, const int f32s, const int pair) {
     (void)xs, (void)f32s;
-    const __m512i bias = _mm512_set1_epi8((char)0x80), res32 = _mm512_set1_epi32(RES);
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A5_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
@@ -516,12 +521,19 @@ T_AVX512 INLINE void q6_unpack_avx512(const uint8_t *blk, int j, __m512i *lo, __
 /* The float value of a Q6 block's dot products, before d_w d_x: the halves' exact integer sums (lo, hi; q2's in lo2,
  * hi2 with pair) times their sub-block scales, then 254 t1 + t2 in float. Shared by the VNNI and AMX tiles, so the
  * two give the same bits. */
-T_AVX512 INLINE __m512 q6_fold(__m512i lo, __m512i hi, __m512i lo2, __m512i hi2, __m512i slo, __m512i shi,
+T_AVX512 INLINE __m512 q6_fold(__m512i lo, __m512i hi, __m512i lo2, __m512i hi2, __m512 slo, __m512 shi,
                                const int pair) {
-    const __m512 t1 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(lo, slo), _mm512_mullo_epi32(hi, shi)));
+    /* sc_lo lo + sc_hi hi in float: each product and the sum are integers below 2^24, so exact -- the integer sum's
+     * bits, without vpmulld (two uops on one port, the epilogue's bottleneck) */
+    const __m512 t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), slo, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), shi));
     if (!pair) return t1;
-    const __m512 t2 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(lo2, slo), _mm512_mullo_epi32(hi2, shi)));
+    const __m512 t2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo2), slo, _mm512_mul_ps(_mm512_cvtepi32_ps(hi2), shi));
     return _mm512_fmadd_ps(t1, _mm512_set1_ps((float)RES), t2);
+}
+
+/* The 16 int8 sub-block scales at p as floats. */
+T_AVX512 INLINE __m512 q6_scales(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
 #define A6_ROWS(M) M(0) M(1) M(2) M(3)
@@ -562,8 +574,7 @@ T_AVX512 INLINE void q6_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
             chi = _mm512_dpbusd_epi32(chi, bias, whi);
             A6_ROWS(A6_STEP)
         }
-        const __m512i slo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32)));
-        const __m512i shi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 48)));
+        const __m512 slo = q6_scales(blk + 32), shi = q6_scales(blk + 48);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
         A6_ROWS(A6_END)
     }

@@ -124,9 +124,10 @@ T_AMX static void amx_unpack_q6(const uint8_t *w, int64_t n, uint8_t *bq) {
 /* Row i of block pb: as A5_Q4_END / A5_Q8_END (the m_w term only for 4-bit weights). */
 #define AX_END(i)                                                                                       \
     {                                                                                                   \
-        __m512i t = _mm512_load_si512((const void *)(cbuf + (i) * G));                                  \
-        if (pair) t = _mm512_add_epi32(_mm512_mullo_epi32(t, res32), _mm512_load_si512((const void *)(cbuf + (AMX_ROWS + (i)) * G))); \
-        f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + pb])), f##i); \
+        const __m512i t = _mm512_load_si512((const void *)(cbuf + (i) * G));                            \
+        const __m512 tf = pair ? pair_fold(t, _mm512_load_si512((const void *)(cbuf + (AMX_ROWS + (i)) * G))) \
+                               : _mm512_cvtepi32_ps(t);                                                 \
+        f##i = _mm512_fmadd_ps(tf, _mm512_mul_ps(dw, _mm512_set1_ps(xd[(i) * nb + pb])), f##i);         \
         if (fmt != FMT_Q8) f##i = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[(i) * nb + pb]), f##i);         \
     }
 #define AX_STORE(i) _mm512_storeu_ps(y + (i) * ldy, oscale ? _mm512_mul_ps(f##i, _mm512_loadu_ps(oscale)) : f##i);
@@ -151,7 +152,6 @@ T_AMX INLINE void amx_tile(const int fmt, const int pair, const uint8_t *wg, con
                            const int8_t *xq, const float *xd, const float *xs, int64_t K, float *y, int64_t ldy,
                            const float *oscale) {
     _Alignas(64) int32_t cbuf[2 * AMX_ROWS * G];
-    const __m512i res32 = _mm512_set1_epi32(RES);
     const int f32s = fmt == FMT_Q4F || fmt == FMT_Q5F, bb = (int)block_bytes(fmt);
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     AX_ROWS(AX_ZERO_F)
@@ -215,8 +215,7 @@ T_AMX INLINE void amx_tile_q6(const int pair, const uint8_t *wg, const uint8_t *
             _tile_stored(7, cbuf + 768, 4 * G);
         }
         const uint8_t *blk = wg + b * Q6_BLOCK;
-        const __m512i slo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32)));
-        const __m512i shi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 48)));
+        const __m512 slo = q6_scales(blk + 32), shi = q6_scales(blk + 48);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
         AX_ROWS(AX_Q6_END)
     }
