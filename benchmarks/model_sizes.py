@@ -17,6 +17,10 @@ interpreter, ``--llama-python``, in a subprocess) in turn, the same thread count
   (``benchmarks.roofline.bounds``: the weights' bytes plus the K/V of the mean context, over ``torch.sum``'s read
   bandwidth, ``benchmarks.quant_kernels.read_bandwidth_gbs``);
 - prefill: tokens/s of one ``--prefill-tokens`` prompt (best of ``--rounds``; a fresh random prompt each round);
+- with ``--prefill-activations int8``, kvserve's prefill again on an engine with ``quant_activations="int8"``:
+  llama.cpp's activation precision (one int8 per value and a scale per 32; kvserve's default on AVX-512 and AMX is
+  ``int8x2``, 15 bits a value, twice the integer products);
+- ``--cpu-isa avx2``: kvserve's AVX2 kernels (matmuls and attention) on a CPU that has more;
 - kvserve only (llama-cpp-python serialises requests): output tokens/s of ``--concurrency`` requests of
   ``--prompt-tokens`` / ``--decode-tokens`` submitted at once.
 
@@ -259,10 +263,10 @@ def _prompt(rng, n: int, vocab: int) -> list:
     return [int(t) for t in rng.integers(100, vocab - 100, n)]
 
 
-def kvserve_measure(path: Path, args, rng, num_threads: int) -> dict:
-    """kvserve's figures on one file (one engine, the default quantization): ``decode_tps``, ``step_ms``,
-    ``prefill_tps``, ``throughput`` (concurrency -> output tok/s), ``cost`` (``roofline.model_cost``),
-    ``load_s``."""
+def kvserve_measure(path: Path, args, rng, num_threads: int, measure=None, **engine_kw) -> dict:
+    """kvserve's figures on one file (one engine, the default quantization, ``args.cpu_isa``; ``engine_kw`` more
+    engine arguments): ``decode_tps``, ``step_ms``, ``prefill_tps``, ``throughput`` (concurrency -> output tok/s),
+    ``cost`` (``roofline.model_cost``), ``load_s``, for ``measure`` (default ``args.measure``)."""
     import torch
 
     from kvserve import LLM, SamplingParams
@@ -273,19 +277,21 @@ def kvserve_measure(path: Path, args, rng, num_threads: int) -> dict:
     t = time.perf_counter()
     llm = LLM(model=str(path), num_threads=num_threads, max_model_len=max(args.prefill_tokens, args.prompt_tokens
                                                                           + args.decode_tokens) + 16,
-              num_kv_blocks=need, max_num_seqs=max([1, *args.concurrency]), enable_prefix_caching=False)
+              num_kv_blocks=need, max_num_seqs=max([1, *args.concurrency]), enable_prefix_caching=False,
+              cpu_isa=None if args.cpu_isa == "auto" else args.cpu_isa, **engine_kw)
     out = {"load_s": time.perf_counter() - t}
+    measure = args.measure if measure is None else measure
     engine = llm.llm_engine
     out["cost"] = model_cost(engine.model, engine.kv_cache_dtype).__dict__
     vocab = engine.model.arch.vocab_size if hasattr(engine.model, "arch") else 49152
     llm.generate([_prompt(rng, 16, vocab)], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-    if "decode" in args.measure:
+    if "decode" in measure:
         sp = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
         tpots = [llm.generate([_prompt(rng, args.prompt_tokens, vocab)], sp)[0].metrics.tpot
                  for _ in range(args.rounds)]
         out["step_ms"] = 1e3 * min(tpots)
         out["decode_tps"] = 1 / min(tpots)
-    if "prefill" in args.measure:
+    if "prefill" in measure:
         sp = SamplingParams(temperature=0, max_tokens=1)
         best = float("inf")
         for _ in range(args.rounds):
@@ -294,7 +300,7 @@ def kvserve_measure(path: Path, args, rng, num_threads: int) -> dict:
             llm.generate([p], sp)
             best = min(best, time.perf_counter() - t)
         out["prefill_tps"] = args.prefill_tokens / best
-    if "throughput" in args.measure:
+    if "throughput" in measure:
         out["throughput"] = {}
         sp = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
         for c in args.concurrency:
@@ -369,11 +375,14 @@ def _f(x, spec=".1f", suffix=""):
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
 
 
-def format_table(rows: list, concurrency: list) -> str:
-    """Markdown table of ``run``'s per-file results."""
+def format_table(rows: list, concurrency: list, extra: tuple = ()) -> str:
+    """Markdown table of ``run``'s per-file results (``extra``: the ``--prefill-activations`` measured)."""
     head = ["file", "MB", "bw bound ms", "decode tok/s kvserve / llama.cpp", "kvserve step / bound",
             "llama.cpp step / bound", "decode kvserve / llama.cpp", "prefill tok/s kvserve / llama.cpp",
-            "prefill kvserve / llama.cpp"] + [f"{c} req. tok/s" for c in concurrency] + ["wall s"]
+            "prefill kvserve / llama.cpp"]
+    for act in extra:
+        head += [f"prefill tok/s kvserve {act}", f"prefill kvserve {act} / llama.cpp"]
+    head += [f"{c} req. tok/s" for c in concurrency] + ["wall s"]
     out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
         k, lc, bound = r["kvserve"], r["llama.cpp"], r.get("bandwidth_bound_ms")
@@ -384,6 +393,9 @@ def format_table(rows: list, concurrency: list) -> str:
                  _f(ratio(k.get("decode_tps"), lc.get("decode_tps")), ".2f", "x"),
                  f"{_f(k.get('prefill_tps'), '.0f')} / {_f(lc.get('prefill_tps'), '.0f')}",
                  _f(ratio(k.get("prefill_tps"), lc.get("prefill_tps")), ".2f", "x")]
+        for act in extra:
+            tps = k.get(f"prefill_tps_{act}")
+            cells += [_f(tps, ".0f"), _f(ratio(tps, lc.get("prefill_tps")), ".2f", "x")]
         cells += [_f((k.get("throughput") or {}).get(c)) for c in concurrency]
         cells.append(_f(r["wall_s"], ".0f"))
         out.append("| " + " | ".join(cells) + " |")
@@ -412,6 +424,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=_csv(int), default=[16, 64], help="kvserve throughput: requests at once")
     p.add_argument("--rounds", type=int, default=2, help="decode and prefill: best of this many")
     p.add_argument("--num-threads", type=int, default=None, help="both engines (None: torch's thread count)")
+    p.add_argument("--cpu-isa", default="auto", choices=("auto", "amx_int8", "avx512_vnni", "avx2"),
+                   help="kvserve's quantized-matmul path (e.g. avx2 to measure the AVX2 kernels on an AVX-512 CPU)")
+    p.add_argument("--prefill-activations", type=_csv(str), default=[],
+                   help="also measure kvserve's prefill with these quant_activations (e.g. int8: llama.cpp's "
+                        "activation precision), each on its own engine")
     p.add_argument("--llama-python", default=LLAMA_PYTHON, help="an interpreter with llama_cpp (llama-cpp-python)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument("--json", default=None, help="also write the raw numbers to this file")
@@ -419,7 +436,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name, vals, allowed in (("--sizes", args.sizes, SHAPES), ("--formats", args.formats, FORMATS),
                                 ("--measure", args.measure, ("decode", "prefill", "throughput")),
-                                ("--engines", args.engines, ("kvserve", "llama.cpp"))):
+                                ("--engines", args.engines, ("kvserve", "llama.cpp")),
+                                ("--prefill-activations", args.prefill_activations, ("int8", "int8x2"))):
         bad = [v for v in vals if v not in allowed]
         if bad:
             p.error(f"{name}: unknown {bad}; allowed: {', '.join(allowed)}")
@@ -470,6 +488,9 @@ def run(args: argparse.Namespace) -> int:
             cost = ModelCost(**row["kvserve"]["cost"])
             ctx = args.prompt_tokens + args.decode_tokens // 2
             row["bandwidth_bound_ms"] = bounds(cost, 1, ctx, bw, 1.0).bandwidth_ms
+            for act in args.prefill_activations if "prefill" in args.measure else ():
+                row["kvserve"][f"prefill_tps_{act}"] = kvserve_measure(
+                    path, args, rng, threads, ("prefill",), quant_activations=act)["prefill_tps"]
         if "llama.cpp" in args.engines:
             row["llama.cpp"] = llama_measure(path, args, threads)
             if "error" in row["llama.cpp"]:
@@ -487,7 +508,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.prefill_tokens} tokens; throughput: {args.prompt_tokens}/{args.decode_tokens} tokens per request\n")
     if lc.get("system_info"):
         print(f"llama.cpp {lc['system_info'].strip()}\n")
-    print(format_table(rows, args.concurrency if "throughput" in args.measure else []))
+    print(format_table(rows, args.concurrency if "throughput" in args.measure else [],
+                       tuple(args.prefill_activations) if "prefill" in args.measure else ()))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
     return 0

@@ -110,3 +110,12 @@ def test_command_line_and_table():
            "llama.cpp": {"decode_tps": 32.0, "step_ms": 31.25, "prefill_tps": 150.0}}
     assert format_table([row], [16]).splitlines()[-1] == (
         "| 1b-q4_0 | 700 | 20.0 | 40.0 / 32.0 | 1.25x | 1.56x | 1.25x | 300 / 150 | 2.00x | 200.0 | 61 |")
+    a = parse_args(["--prefill-activations", "int8", "--cpu-isa", "avx2"])
+    assert (a.prefill_activations, a.cpu_isa) == (["int8"], "avx2")
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill-activations", "int4"])
+    row["kvserve"]["prefill_tps_int8"] = 450.0
+    table = format_table([row], [16], ("int8",)).splitlines()
+    assert "prefill kvserve int8 / llama.cpp" in table[0]
+    assert table[-1] == ("| 1b-q4_0 | 700 | 20.0 | 40.0 / 32.0 | 1.25x | 1.56x | 1.25x | 300 / 150 | 2.00x | 450 | 3.00x "
+                         "| 200.0 | 61 |")
