@@ -77,9 +77,10 @@ def load():
     lib.kvserve_q_quantize_rows.restype = None
     lib.kvserve_q_unpack_rows.argtypes = [cint, ptr, i64, i64, ptr, ptr, i64, ptr]
     lib.kvserve_q_unpack_rows.restype = cint
-    layout = (ctypes.c_int64 * 7)()
+    layout = (ctypes.c_int64 * 9)()
     lib.kvserve_q_layout(layout)
-    if tuple(layout) != (P.QK, P.G, P.Q4_BLOCK, P.Q8_BLOCK, P.Q4F_BLOCK, P.Q6_BLOCK, P.Q5F_BLOCK):
+    if tuple(layout) != (P.QK, P.G, P.Q4_BLOCK, P.Q8_BLOCK, P.Q4F_BLOCK, P.Q6_BLOCK, P.Q5F_BLOCK, P.Q4K_BLOCK,
+                         P.Q4K_SUPER):
         _reason = f"layout mismatch between qgemm.c {tuple(layout)} and pack.py"
         return None
     return lib
@@ -247,7 +248,7 @@ def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray, activations: str = "in
 
 
 def self_check(name: str) -> bool:
-    """Run path ``name`` on small random Q4, Q4F, Q5F, Q8 (40 x 96) and Q6 (40 x 256) weights (1/5/13/53 rows: partial output groups, row
+    """Run path ``name`` on small random Q4, Q4F, Q5F, Q8 (40 x 96), Q6 and Q4K (40 x 256) weights (1/5/13/53 rows: partial output groups, row
     tiles, and full 16-row AMX tiles with a tail), with both ``ACTIVATIONS``, and compare with ``reference_qgemm``: relative error at most 1e-5 of
     ``sum |w| |x|`` (float32 rounding of the per-block sums). False if the CPU lacks it or any output is off."""
     if not cpu_supports(name):
@@ -274,6 +275,12 @@ def self_check(name: str) -> bool:
     q5 = rng.integers(0, 32, (n, k), dtype=np.uint8)
     d5, m5 = d4.astype(np.float32) / 2, m4.astype(np.float32)
     cases.append((P.pack_q5(q5, d5, m5), np.repeat(d5, 32, 1) * q5 + np.repeat(m5, 32, 1)))
+    q4k = rng.integers(0, 16, (n, 256), dtype=np.uint8)
+    scmn = rng.integers(0, 64, (n, 8, 2), dtype=np.uint8)
+    ddmin = (rng.random((n, 1, 2)) * 0.01 + 0.001).astype(np.float16)
+    dk = np.repeat(ddmin[..., 0].astype(np.float32) * scmn[..., 0], 32, 1)
+    mk = -np.repeat(ddmin[..., 1].astype(np.float32) * scmn[..., 1], 32, 1)
+    cases.append((P.pack_q4k(q4k, scmn, ddmin), dk * q4k + mk))
     for packed, wd in cases:
         k = packed.in_features
         for rows in (1, 5, 13, 53):

@@ -11,8 +11,8 @@
   (exact, 8.5 bits per weight against the file's 4.5); ``iq4_nl/<isa>``.
 - ``QuantTensor`` Q5_0 / Q5_1, ``"auto"``: ``QuantLinear``, the 5-bit values in Q5F blocks with float32 ``d``,
   ``m = -16 d`` / the file's ``m`` (exact, 7 bits per weight against 5.5 / 6); ``q5_0/<isa>``, ``q5_1/<isa>``.
-- ``QuantTensor`` Q4_K, ``"auto"``: ``QuantLinear``, nibbles with float32 sub-block scales and mins (exact, 6 bits
-  per weight); ``q4_k/<isa>``.
+- ``QuantTensor`` Q4_K, ``"auto"``: ``QuantLinear``, the file's nibbles, 6-bit sub-block scales and mins and float16
+  super-block scales (Q4K blocks: exact, 4.625 bits per weight against the file's 4.5); ``q4_k/<isa>``.
 - ``QuantTensor`` Q6_K, ``"auto"``: ``QuantLinear``, the file's 6-bit values, int8 sub-block scales and float16
   super-block scales (exact, 7 bits per weight); ``q6_k/<isa>``.
 - ``QuantTensor`` Q5_K, ``"auto"``: ``QuantLinear``, the file's 5-bit values with float32 sub-block scales and
@@ -91,8 +91,19 @@ def unpack_rows(w: P.PackedWeight, rows: np.ndarray) -> np.ndarray:
     if rows.size and (rows.min() < 0 or rows.max() >= w.out_features):
         raise IndexError(f"rows must be in [0, {w.out_features}), got {rows.min()}..{rows.max()}")
     data = w.data.numpy()  # [groups, nb, block bytes]; row r is output r % 16 of group r // 16
-    groups, nb, _ = data.shape
     g, o, t = rows // P.G, rows % P.G, len(rows)
+    if w.fmt == P.FMT_Q4K:  # [groups, K / 256, 2368]: d[16], dmin[16] float16, then 8 x (sc[16], mn[16], nibbles)
+        groups, ns, _ = data.shape
+        head = data[..., :64].view("<f2").reshape(groups, ns, 2, P.G)[g, :, :, o].astype(np.float32)  # [T, ns, 2]
+        blk = data[..., 64:].reshape(groups, ns, 8, P.Q4K_BLOCK)
+        sm = blk[..., :32].reshape(groups, ns, 8, 2, P.G)[g, :, :, :, o].astype(np.float32)  # [T, ns, 8, 2]
+        d = (head[:, :, None, 0] * sm[..., 0]).reshape(t, ns * 8)  # d * sc, as decode_q4_k
+        m = -(head[:, :, None, 1] * sm[..., 1]).reshape(t, ns * 8)  # -(dmin * mn)
+        nib = blk[..., 32:].reshape(groups, ns * 8, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
+        q = np.stack([nib & 0x0F, nib >> 4], axis=2).reshape(t, ns * 8, 32).astype(np.float32)
+        full = d[..., None] * q + m[..., None]
+        return np.ascontiguousarray(full.reshape(t, ns * 256)[:, : w.in_features])
+    groups, nb, _ = data.shape
 
     def scales(a: int, b: int, dtype: str) -> np.ndarray:  # [T, nb] float32: each row's scale per block
         return data[..., a:b].view(dtype).reshape(groups, nb, P.G)[g, :, o].astype(np.float32)
@@ -242,8 +253,8 @@ def _canonical(t: QuantTensor, quantization: str) -> tuple:
         return ("iq4_nl", P.FMT_Q8, *formats.decode_iq4_nl(t.raw, t.in_features), None)
     if t.qtype in (formats.Q5_0, formats.Q5_1):  # 5-bit values with exact float32 d, m: Q5F blocks
         return (t.qtype.name.lower(), P.FMT_Q5F, *formats.decode_q5(t.raw, t.qtype, t.in_features))
-    if t.qtype == formats.Q4_K:
-        return ("q4_k", P.FMT_Q4F, *formats.decode_q4_k(t.raw, t.in_features))
+    if t.qtype == formats.Q4_K:  # the stored 6-bit scales and float16 super-block scales (4.625 bits a weight)
+        return ("q4_k", P.FMT_Q4K, *formats.decode_q4_k_parts(t.raw, t.in_features))
     if t.qtype == formats.Q5_K:
         return ("q5_k", P.FMT_Q5F, *formats.decode_q5_k(t.raw, t.in_features))
     return ("q6_k", P.FMT_Q6, *formats.decode_q6_k(t.raw, t.in_features))  # Q6_K
@@ -337,6 +348,8 @@ def _pack(c: tuple, path: kernels.QuantPath, use_kernels: bool = True) -> QuantL
         return QuantLinear(P.pack_q6(q, d, extra), kind, **_path_args(path, use_kernels))
     if fmt == P.FMT_Q5F:
         return QuantLinear(P.pack_q5(q, d, extra), kind, **_path_args(path, use_kernels))
+    if fmt == P.FMT_Q4K:
+        return QuantLinear(P.pack_q4k(q, d, extra), kind, **_path_args(path, use_kernels))
     if fmt in (P.FMT_Q4, P.FMT_Q4F):
         return QuantLinear(P.pack_q4(q, d, extra), kind, **_path_args(path, use_kernels))
     return QuantLinear(P.pack_q8(q, d, extra), kind, **_path_args(path, use_kernels))

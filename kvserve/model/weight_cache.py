@@ -63,7 +63,7 @@ from kvserve.layers.quant_linear import ConcatLinear, QuantLinear, describe_weig
 logger = logging.getLogger(__name__)
 
 #: Bump when the entry format or the meaning of its fields changes (source changes are hashed anyway).
-PACK_VERSION = 2  # 2: Q6_K kept in its own packed format (FMT_Q6)
+PACK_VERSION = 3  # 2: Q6_K kept in its own packed format (FMT_Q6); 3: Q4_K as stored (FMT_Q4K)
 _MAGIC = b"KVSPACK1"
 _PREAMBLE = struct.Struct("<8sQI")
 _ALIGN = 64

@@ -135,6 +135,19 @@ def decode_q4_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.nda
     return q, d.reshape(n, k // 32), m.reshape(n, k // 32)
 
 
+def decode_q4_k_parts(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K rows -> ``(q uint8 [N, K] in 0..15, scmn uint8 [N, K/32, 2], ddmin float16 [N, K/256, 2])``: the
+    6-bit sub-block scale and min of each 32 values and the super-block's ``d`` and ``dmin``, as stored (the parts of
+    ``decode_q4_k``'s ``d = d_sb * sc``, ``m = -(dmin_sb * mn)``): ``pack.pack_q4k``'s input."""
+    blk = _blocks(raw, Q4_K, k)
+    n = blk.shape[0]
+    sc, mn = _k_scales(blk[..., 4:16])
+    scmn = np.stack([sc, mn], axis=-1).reshape(n, k // 32, 2)
+    ddmin = np.stack([_f16(blk[..., 0:2]), _f16(blk[..., 2:4])], axis=-1).reshape(n, k // 256, 2)
+    q = _nibbles(blk[..., 16:144], _QK4_BYTE, _QK4_SHIFT).reshape(n, k)
+    return q, scmn.astype(np.uint8), ddmin
+
+
 def decode_q8(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 rows -> ``(q int8 [N, K], d float16 [N, K/32])`` with ``w = d * q``."""
     blk = _blocks(raw, Q8_0, k)

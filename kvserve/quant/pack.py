@@ -5,7 +5,10 @@ group padded with zero weights, zero scales), each group's 32-value blocks conti
 float16 ``d[16]``, float16 ``m[16]``, 256 bytes of nibbles; Q8 blocks (544 bytes): float16 ``d[16]``, 512 int8; Q6
 blocks (448 bytes, GGUF Q6_K's values): float16 ``d[16]``, int8 sub-block scales ``sc_lo[16]``, ``sc_hi[16]``, 256
 bytes of low nibbles, 128 bytes of high 2-bit fields (7 bits a weight, the file's 6.56); Q5F blocks (448 bytes,
-GGUF Q5_K's values): a Q4F block then 64 bytes of fifth bits (7 bits a weight, the file's 5.5). The
+GGUF Q5_K's values): a Q4F block then 64 bytes of fifth bits (7 bits a weight, the file's 5.5); Q4K (GGUF Q4_K's
+stored parts, 296 bytes a block on average: 4.625 bits a weight, the file's 4.5): per group and super-block of 8 blocks
+(256 inputs) float16 ``d[16]``, ``dmin[16]``, then 8 blocks of uint8 ``sc[16]``, ``mn[16]`` (6-bit) and 256 bytes of
+nibbles as Q4's; the kernels form ``d * sc`` and ``-(dmin * mn)`` per block (exact in float32: the Q4F values). The
 packed bytes per weight equal the GGUF file's for Q4_1 (5 bits) and Q8_0 (8.5 bits); Q4_0 takes 5 bits instead of
 4.5 (the stored ``m = -8 d``). Interleaving several outputs' consecutive inputs into one vector follows llama.cpp's
 ``ggml-cpu`` repacked formats (``block_q4_0x8``); the block contents follow the GGUF spec (``formats.py``).
@@ -21,7 +24,8 @@ import torch
 
 QK, G = 32, 16
 Q4_BLOCK, Q8_BLOCK, Q4F_BLOCK, Q6_BLOCK, Q5F_BLOCK = 320, 544, 384, 448, 448
-FMT_Q4, FMT_Q8, FMT_Q4F, FMT_Q6, FMT_Q5F = 0, 1, 2, 3, 4
+Q4K_BLOCK, Q4K_SUPER = 288, 64 + 8 * 288  # a Q4K block; a Q4K super-block (8 blocks and their d, dmin)
+FMT_Q4, FMT_Q8, FMT_Q4F, FMT_Q6, FMT_Q5F, FMT_Q4K = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -32,8 +36,10 @@ class PackedWeight:
         fmt: ``FMT_Q4`` (``w = d * q + m``, q in 0..15, float16 d, m), ``FMT_Q4F`` (the same with float32 d, m:
             Q4_K), ``FMT_Q8`` (``w = d * q``, q int8) or ``FMT_Q6`` (``w = (d * sc) * (q - 32)``, q in 0..63, int8
             sc per 16 inputs, float16 d per 256: Q6_K) or ``FMT_Q5F`` (``w = d * q + m``, q in 0..31, float32 d, m:
-            Q5_K).
-        data: ``uint8 [ceil(N / 16), K / 32, 320, 384, 448 or 544]`` torch tensor, contiguous.
+            Q5_K) or ``FMT_Q4K`` (Q4_K as stored: ``w = (d * sc) * q - (dmin * mn)``, 6-bit sc, mn per 32 inputs,
+            float16 d, dmin per 256).
+        data: ``uint8 [ceil(N / 16), K / 32, 320, 384, 448 or 544]`` torch tensor, contiguous; ``FMT_Q4K``:
+            ``uint8 [ceil(N / 16), K / 256, 2368]`` (a super-block's 64 bytes of d, dmin and its 8 blocks).
         out_features, in_features: ``N``, ``K`` (``K`` a multiple of 32).
         oscale: ``None`` or float32 ``[ceil(N / 16) * 16]``: a per-output factor applied after the sum
             (per-channel int8).
@@ -81,6 +87,23 @@ def pack_q5(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> PackedWeight:
     hb = bits.transpose(0, 2, 1, 3).reshape(groups, nb, 64)  # [g, b, o, i]
     data = np.concatenate([data, hb.astype(np.uint8)], axis=-1)
     return PackedWeight(FMT_Q5F, torch.from_numpy(np.ascontiguousarray(data)), n, k)
+
+
+def pack_q4k(q: np.ndarray, scmn: np.ndarray, ddmin: np.ndarray) -> PackedWeight:
+    """GGUF Q4_K's stored parts (``formats.decode_q4_k_parts``) -> ``PackedWeight`` (FMT_Q4K): ``q uint8 [N, K]``
+    (0..15), ``scmn uint8 [N, K/32, 2]`` (6-bit scale, min), ``ddmin float16 [N, K/256, 2]`` (super-block d, dmin);
+    K a multiple of 256. Per group and super-block: ``d[16]``, ``dmin[16]`` (float16), then per block ``sc[16]``,
+    ``mn[16]`` and the nibbles as ``pack_q4``'s (4.625 bits a weight)."""
+    n, k = q.shape
+    nb, groups, ns = k // QK, -(-n // G), k // 256
+    q, scmn, ddmin = (_pad_rows(np.asarray(a), groups * G) for a in (q, scmn, ddmin))
+    q6 = q.reshape(groups, G, nb, 2, 4, 4).transpose(0, 2, 4, 1, 5, 3)  # [g, b, j, o, i, half]
+    nib = ((q6[..., 0] & 0x0F) | ((q6[..., 1] & 0x0F) << 4)).reshape(groups, ns, 8, 256).astype(np.uint8)
+    sm = scmn.reshape(groups, G, ns, 8, 2).transpose(0, 2, 3, 4, 1).reshape(groups, ns, 8, 32).astype(np.uint8)
+    blocks = np.concatenate([sm, nib], axis=-1).reshape(groups, ns, 8 * Q4K_BLOCK)
+    head = ddmin.astype("<f2").reshape(groups, G, ns, 2).transpose(0, 2, 3, 1).reshape(groups, ns, 2 * G)
+    data = np.concatenate([np.ascontiguousarray(head).view(np.uint8), blocks], axis=-1)
+    return PackedWeight(FMT_Q4K, torch.from_numpy(np.ascontiguousarray(data)), n, k)
 
 
 def _pack_nibbles(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple:

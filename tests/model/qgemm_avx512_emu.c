@@ -35,5 +35,12 @@ static inline __attribute__((always_inline)) simde__m512i emu_mm512_cvtepi8_epi3
     return simde_mm512_loadu_si512(out);
 }
 #define _mm512_cvtepi8_epi32(a) emu_mm512_cvtepi8_epi32(a)
+static inline __attribute__((always_inline)) simde__m512i emu_mm512_cvtepu8_epi32(simde__m128i a) {
+    uint8_t in[16]; int32_t out[16];
+    memcpy(in, &a, 16);
+    for (int i = 0; i < 16; i++) out[i] = in[i];
+    return simde_mm512_loadu_si512(out);
+}
+#define _mm512_cvtepu8_epi32(a) emu_mm512_cvtepu8_epi32(a)
 #define KVSERVE_Q_EMULATE_AVX512 1
 #include "../../kvserve/kernels/csrc/qgemm.c"

@@ -108,10 +108,12 @@ def test_gguf_formats_match_float64_reference(isa, qtype, n, k, rows):
 
 @pytest.mark.parametrize("rows", ROWS)
 def test_q4_k_kept_exactly(isa, rows):
-    """Q4_K: the file's nibbles with float32 sub-block scales (d * sc) and mins (-dmin * mn): exact values."""
+    """Q4_K: the file's nibbles, 6-bit sub-block scales and mins and float16 super-block scales (FMT_Q4K, 296 bytes
+    a block of 16 x 32: 4.625 bits a weight); the values d * sc and -(dmin * mn) are exact."""
     t = _gguf_tensor(formats.Q4_K, 40, 512, seed=rows)
     layer = make_linear_method(t)
-    assert layer.path == _path("q4_k", isa) and layer.packed.fmt == P.FMT_Q4F
+    assert layer.path == _path("q4_k", isa) and layer.packed.fmt == P.FMT_Q4K
+    assert layer.packed.data.numel() == 3 * (512 // 32) * 296
     w = t.dequantize()
     np.testing.assert_array_equal(layer.dequantized(), w)
     q, d, m = formats.decode_q4_k(t.raw, 512)
@@ -120,15 +122,15 @@ def test_q4_k_kept_exactly(isa, rows):
     _check(layer, x, w.astype(np.float64))
 
 
-K_FORMATS = {formats.Q6_K: ("q6_k", P.FMT_Q6), formats.Q5_K: ("q5_k", P.FMT_Q5F)}
+K_FORMATS = {formats.Q6_K: ("q6_k", P.FMT_Q6), formats.Q5_K: ("q5_k", P.FMT_Q5F), formats.Q4_K: ("q4_k", P.FMT_Q4K)}
 
 
 @pytest.mark.parametrize("qtype", list(K_FORMATS))
 @pytest.mark.parametrize("n,k", [(40, 512), (33, 256), (16, 768)])
 @pytest.mark.parametrize("rows", ROWS)
 def test_k_quants_kept_exactly(isa, qtype, n, k, rows):
-    """Q6_K and Q5_K on their own kernels: the file's 6-bit values, int8 sub-block scales and float16 d (FMT_Q6),
-    or 5-bit values with float32 sub-block scales and mins (FMT_Q5F), decoding to ``gguf.quants.dequantize`` bit for
+    """Q6_K, Q5_K and Q4_K on their own kernels: the file's 6-bit values, int8 sub-block scales and float16 d
+    (FMT_Q6), 5-bit values with float32 sub-block scales and mins (FMT_Q5F), or Q4_K's stored parts (FMT_Q4K), decoding to ``gguf.quants.dequantize`` bit for
     bit (in Python and in C), and the product within the activation rounding of a float64 matmul with those
     weights; 33 outputs: a padded last group."""
     t = _gguf_tensor(qtype, n, k, seed=rows)
@@ -145,6 +147,22 @@ def test_k_quants_kept_exactly(isa, qtype, n, k, rows):
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
     x[0, 7] = 25.0
     _check(layer, x, w.astype(np.float64))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 53, 97])
+@pytest.mark.parametrize("n,k", [(40, 256), (33, 512), (16, 2048)])
+def test_q4_k_compact_blocks_give_the_q4f_bits(isa, n, k, rows):
+    """FMT_Q4K forms d * sc and -(dmin * mn) in the kernel: the same floats FMT_Q4F stores, so the same outputs bit
+    for bit, on every path, both activations, row counts across the row tiles, the AMX tiles and the Q4F expansion
+    of many rows (Q4K_EXPAND_TILES)."""
+    t = _gguf_tensor(formats.Q4_K, n, k, seed=rows)
+    q, scmn, ddmin = formats.decode_q4_k_parts(t.raw, k)
+    compact = P.pack_q4k(q, scmn, ddmin)
+    wide = P.pack_q4(*formats.decode_q4_k(t.raw, k))
+    assert wide.fmt == P.FMT_Q4F and compact.data.numel() == -(-n // 16) * (k // 32) * 296
+    x = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32))
+    for act in kernels.ACTIVATIONS:
+        assert torch.equal(kernels.qgemm(x, compact, isa, act), kernels.qgemm(x, wide, isa, act))
 
 
 @pytest.mark.parametrize("qtype,kind,fmt", [(formats.Q5_0, "q5_0", P.FMT_Q5F), (formats.Q5_1, "q5_1", P.FMT_Q5F),
@@ -443,7 +461,8 @@ def emulated(tmp_path_factory):
 
 def _random_packed(kind, n, k, rng):
     """A random packed weight of ``kind`` (``q4``: float16 scales and mins, ``q4f``: float32 ones, ``q8``, ``int8``:
-    q8 with per-output scales, ``q6``: Q6_K's values, k a multiple of 256, ``q5f``: Q5_K's) ``[n, k]``, and its dequantized float64
+    q8 with per-output scales, ``q6``: Q6_K's values, k a multiple of 256, ``q5f``: Q5_K's, ``q4k``: Q4_K's
+    stored parts, k a multiple of 256) ``[n, k]``, and its dequantized float64
     values."""
     nb = k // 32
     if kind in ("q4", "q4f"):
@@ -455,6 +474,10 @@ def _random_packed(kind, n, k, rng):
         q = rng.integers(0, 32, (n, k), dtype=np.uint8)
         d, m = (rng.random((n, nb)) * 0.05 + 0.01).astype(np.float32), (-rng.random((n, nb)) * 0.5).astype(np.float32)
         packed = P.pack_q5(q, d, m)
+    elif kind == "q4k":
+        q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+        packed = P.pack_q4k(q, rng.integers(0, 64, (n, nb, 2), dtype=np.uint8),
+                            (rng.random((n, k // 256, 2)) * 0.01 + 0.001).astype(np.float16))
     elif kind == "q6":
         q = rng.integers(0, 64, (n, k), dtype=np.uint8)
         sc = rng.integers(-128, 128, (n, k // 16)).astype(np.int8)
@@ -478,7 +501,7 @@ def _run(lib, packed, isa_id, act, x):
     return y[:, : packed.out_features].numpy()
 
 
-EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6", "q5f"]
+EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6", "q5f", "q4k"]
 
 
 @pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
@@ -487,7 +510,7 @@ EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6", "q5f"]
 def test_avx512_vnni_path_logic_under_emulation(emulated, kind, rows, act):
     """The AVX-512 VNNI code (isa 2) run through SIMDe on this CPU: equal to the exact-activation reference."""
     rng = np.random.default_rng(rows)
-    k = 256 if kind == "q6" else 96
+    k = 256 if kind in ("q6", "q4k") else 96
     packed, w = _random_packed(kind, 40, k, rng)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     got = _run(emulated, packed, 2, act, x).astype(np.float64)
@@ -506,7 +529,7 @@ def test_amx_path_logic_under_emulation(emulated, kind, rows, act):
     bit for bit to the (emulated) AVX-512 VNNI path, at 5 output groups (the threads' shares differ in size)."""
     assert emulated.kvserve_q_isa_supported(3) == 1
     rng = np.random.default_rng(100 + rows)
-    k = 256 if kind == "q6" else 128
+    k = 256 if kind in ("q6", "q4k") else 128
     packed, w = _random_packed(kind, 72, k, rng)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[0, :3] = (40.0, -40.0, 0.0)

@@ -27,8 +27,14 @@
  *       4 (j & 1) + 2. 7 bits a weight (the file's 6.56).
  *   Q5F block (448 bytes; GGUF Q5_K, w = d q + m, q in 0..31): the Q4F block, then 64 bytes of high bits: byte
  *       o*4 + i holds bit 4 of input 4j + i at bit 2j and of input 16 + 4j + i at bit 2j + 1. 7 bits a weight (the
- *       file's 5.5). The tiles are the Q4 tiles (their `f32s` argument: 0 Q4, 1 Q4F, 2 Q5F) with that bit ORed in;
- *       on AVX2 each step's 16-bit sums go to 32 bits at once (a 5-bit block's would pass 2^15).
+ *       file's 5.5). The tiles are the Q4 tiles (their `f32s` argument: 0 Q4, 1 Q4F, 2 Q5F, 3 Q4K) with that bit
+ *       ORed in; on AVX2 each step's 16-bit sums go to 32 bits at once (a 5-bit block's would pass 2^15).
+ *   Q4K (GGUF Q4_K as stored, 4.625 bits a weight against the file's 4.5): per group, super-blocks of 8 blocks (256
+ *       inputs, 2368 bytes): fp16 d[16], fp16 dmin[16], then 8 blocks of 288 bytes: uint8 sc[16], uint8 mn[16]
+ *       (6-bit), 256 bytes of nibbles as the Q4 block's. K is a multiple of 256, so a group is nb / 8 whole
+ *       super-blocks (nb * 296 bytes: block_bytes) and block i of a run of groups is at q4k_block(w, i). The tiles
+ *       form d_w = d * sc and m_w = -(dmin * mn) per block and 16 outputs: products of an 11-bit and a 6-bit value,
+ *       exact in float32, so the same floats as Q4F's stored ones and the same outputs bit for bit.
  * Four consecutive input features of 16 (AVX-512) or 8 (AVX2, half a group) outputs are one vector, and one
  * broadcast 4-byte group of the activation multiplies all of them (the interleaved layout of llama.cpp's
  * ggml-cpu repack "q4_0_8x8"): each output's sum lands in its own 32-bit lane, so no horizontal sums, and the
@@ -65,6 +71,8 @@
 #define Q8_BLOCK 544
 #define Q6_BLOCK 448
 #define Q5F_BLOCK 448
+#define Q4K_BLOCK 288                    /* one Q4K block: sc[16], mn[16], 256 bytes of nibbles */
+#define Q4K_SUPER (64 + 8 * Q4K_BLOCK)   /* a Q4K super-block: d[16], dmin[16] (fp16) and 8 blocks */
 #define MR6 4 /* rows per AVX-512 Q6 tile (four accumulators per row) */
 #define MR2 4 /* rows per AVX2 tile */
 #define MR5 6 /* rows per AVX-512 tile */
@@ -72,8 +80,9 @@
 #define SERIAL_MACS (64 * 1024)  /* products below this many multiply-adds run on the calling thread */
 #define STACK_BYTES (16 * 1024)  /* quantized activations up to this many bytes go to a stack buffer */
 #define RES 254                  /* ACT_PAIR: x ~= d (RES q1 + q2) */
+#define Q4K_EXPAND_TILES 8       /* Q4K over more row tiles than this: each group expanded to Q4F blocks first */
 
-enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2, FMT_Q6 = 3, FMT_Q5F = 4 };
+enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2, FMT_Q6 = 3, FMT_Q5F = 4, FMT_Q4K = 5 };
 enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AMX_INT8 = 3 };
 enum { ACT_INT8 = 0, ACT_PAIR = 1 }; /* activation precision: one int8 per value, or a pair (15 bits) */
 
@@ -89,6 +98,12 @@ enum { ACT_INT8 = 0, ACT_PAIR = 1 }; /* activation precision: one int8 per value
 #define PF_DIST 2048
 #define PREFETCH(blk, bytes) \
     for (int _l = 0; _l < (bytes); _l += 64) _mm_prefetch((const char *)(blk) + PF_DIST + _l, _MM_HINT_T0);
+
+/* Q4K: block i of a run of whole super-blocks at w, and its super-block's d[16], dmin[16]. */
+static inline const uint8_t *q4k_block(const uint8_t *w, int64_t i) {
+    return w + (i >> 3) * Q4K_SUPER + 64 + (i & 7) * Q4K_BLOCK;
+}
+static inline const uint8_t *q4k_super(const uint8_t *w, int64_t i) { return w + (i >> 3) * Q4K_SUPER; }
 
 /* ---- activations: per-32-block int8 (or int8 pairs), round half to even like np.rint; scalar and AVX2 ---- */
 
@@ -251,12 +266,13 @@ T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
                                 const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr,
                                 const int f32s, const int pair) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), res16 = _mm256_set1_epi16(RES);
-    const int bb = f32s == 2 ? Q5F_BLOCK : f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64; /* offset of the nibbles */
+    const int bb = f32s == 3 ? Q4K_SUPER / 8 : f32s == 2 ? Q5F_BLOCK : f32s ? Q4F_BLOCK : Q4_BLOCK;
+    const int qo = f32s == 3 ? 32 : f32s ? 128 : 64; /* offset of the nibbles */
     const __m256i m1 = _mm256_set1_epi8(0x10);
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A2_ROWS(A2_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + b * bb;
+        const uint8_t *blk = f32s == 3 ? q4k_block(wg, b) : wg + b * bb;
         if (!half) PREFETCH(blk, bb)
         A2_ROWS(A2_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
@@ -271,10 +287,20 @@ T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
                 A2_ROWS(A2_Q4_STEP)
             }
         }
-        __m256 dw = f32s ? _mm256_loadu_ps((const float *)blk + half * 8)
-                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + half * 16)));
-        __m256 mw = f32s ? _mm256_loadu_ps((const float *)(blk + 64) + half * 8)
-                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + half * 16)));
+        __m256 dw, mw;
+        if (f32s == 3) { /* d * sc, -(dmin * mn): exact, Q4F's floats */
+            const uint8_t *sb = q4k_super(wg, b);
+            dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + half * 16))),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + half * 8)))));
+            mw = _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + half * 16))),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 16 + half * 8))))));
+        } else {
+            dw = f32s ? _mm256_loadu_ps((const float *)blk + half * 8)
+                      : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + half * 16)));
+            mw = f32s ? _mm256_loadu_ps((const float *)(blk + 64) + half * 8)
+                      : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + half * 16)));
+        }
         if (f32s == 2) {
             A2_ROWS(A2_Q5_END)
         } else {
@@ -382,6 +408,8 @@ T_AVX2 INLINE void q6_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
         if (pair) { switch (mr) { SW(q4, 1, 1, __VA_ARGS__) } } else { switch (mr) { SW(q4, 1, 0, __VA_ARGS__) } } \
     } else if (fmt == FMT_Q5F) {                                                                        \
         if (pair) { switch (mr) { SW(q4, 2, 1, __VA_ARGS__) } } else { switch (mr) { SW(q4, 2, 0, __VA_ARGS__) } } \
+    } else if (fmt == FMT_Q4K) {                                                                        \
+        if (pair) { switch (mr) { SW(q4, 3, 1, __VA_ARGS__) } } else { switch (mr) { SW(q4, 3, 0, __VA_ARGS__) } } \
     } else {                                                                                            \
         if (pair) { switch (mr) { SW(q4, 0, 1, __VA_ARGS__) } } else { switch (mr) { SW(q4, 0, 0, __VA_ARGS__) } } \
     }
@@ -454,6 +482,24 @@ T_AVX512 INLINE void q4_unpack_avx512(const uint8_t *nib, const uint8_t *hbits, 
     }
 }
 
+/* A 4-bit block's d_w and m_w of 16 outputs: f32s 0 (Q4: fp16 at blk, blk + 32), 1 and 2 (Q4F, Q5F: float32 at blk,
+ * blk + 64) or 3 (Q4K: d * sc and -(dmin * mn) from the block's 6-bit sc, mn and the super-block's fp16 d, dmin at
+ * sb; exact, Q4F's floats). Shared by the VNNI and AMX tiles. */
+T_AVX512 INLINE void q4_scales_avx512(const int f32s, const uint8_t *blk, const uint8_t *sb, __m512 *dw, __m512 *mw) {
+    if (f32s == 3) {
+        *dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb)),
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk))));
+        const __m512 m = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32))),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)))));
+        *mw = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32((int)0x80000000u)));
+    } else if (f32s) {
+        *dw = _mm512_loadu_ps((const void *)blk), *mw = _mm512_loadu_ps((const void *)(blk + 64));
+    } else {
+        *dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        *mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+    }
+}
+
 /* RES a1 + a2 in float for the epilogues: a1, a2 below 2^24 convert exactly and the FMA rounds the exact
  * RES a1 + a2 once, as converting that integer would (the same bits as the int32 sum, without vpmulld). */
 T_AVX512 INLINE __m512 pair_fold(__m512i a1, __m512i a2) {
@@ -463,11 +509,12 @@ T_AVX512 INLINE __m512 pair_fold(__m512i a1, __m512i a2) {
 T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
                                     const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
                                     const int mr, const int f32s, const int pair) {
-    const int bb = f32s == 2 ? Q5F_BLOCK : f32s ? Q4F_BLOCK : Q4_BLOCK, qo = f32s ? 128 : 64;
+    const int bb = f32s == 3 ? Q4K_SUPER / 8 : f32s == 2 ? Q5F_BLOCK : f32s ? Q4F_BLOCK : Q4_BLOCK;
+    const int qo = f32s == 3 ? 32 : f32s ? 128 : 64;
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A5_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + b * bb;
+        const uint8_t *blk = f32s == 3 ? q4k_block(wg, b) : wg + b * bb;
         PREFETCH(blk, bb)
         A5_ROWS(A5_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
@@ -475,10 +522,8 @@ T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
             q4_unpack_avx512(blk + qo + j * 64, f32s == 2 ? blk + 384 : NULL, j, &lo, &hi);
             A5_ROWS(A5_Q4_STEP)
         }
-        __m512 dw = f32s ? _mm512_loadu_ps((const void *)blk)
-                         : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        __m512 mw = f32s ? _mm512_loadu_ps((const void *)(blk + 64))
-                         : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        __m512 dw, mw;
+        q4_scales_avx512(f32s, blk, f32s == 3 ? q4k_super(wg, b) : NULL, &dw, &mw);
         A5_ROWS(A5_Q4_END)
     }
     A5_ROWS(A5_STORE)
@@ -607,11 +652,33 @@ static int64_t block_bytes(int fmt) {
     case FMT_Q4F: return Q4F_BLOCK;
     case FMT_Q6: return Q6_BLOCK;
     case FMT_Q5F: return Q5F_BLOCK;
+    case FMT_Q4K: return Q4K_SUPER / 8; /* per block on average: the group stride is nb * this */
     default: return 0;
     }
 }
 
 #include "qgemm_amx.h"
+
+/* One group's Q4K blocks (nb of them) rewritten as Q4F blocks at out (nb * Q4F_BLOCK bytes): d * sc and -(dmin * mn)
+ * as float32 (the floats the Q4K tiles form), the nibbles copied. For many rows the tiles then read ready scales
+ * instead of forming them once per row tile: the same bits, the scale work done once per group and call. */
+T_AVX2 static void q4k_group_to_q4f(const uint8_t *wg, int64_t nb, uint8_t *out) {
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = q4k_block(wg, b);
+        const uint16_t *sb = (const uint16_t *)q4k_super(wg, b);
+        uint8_t *o = out + b * Q4F_BLOCK;
+        for (int h = 0; h < 2; h++) { /* 8 outputs at a time: the AVX2 tile's d_w, m_w */
+            const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 8 * h))),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * h)))));
+            const __m256 m = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + G + 8 * h))),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + G + 8 * h)))));
+            _mm256_store_ps((float *)o + 8 * h, d);
+            _mm256_store_ps((float *)(o + 64) + 8 * h, _mm256_xor_ps(_mm256_set1_ps(-0.0f), m));
+        }
+        for (int c = 0; c < 256; c += 32)
+            _mm256_store_si256((__m256i *)(o + 128 + c), _mm256_loadu_si256((const __m256i *)(blk + 32 + c)));
+    }
+}
 
 /* ---- entry points ---- */
 
@@ -633,13 +700,13 @@ int kvserve_q_isa_supported(int isa) {
     return 0;
 }
 
-/* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F, FMT_Q5F, FMT_Q8 or FMT_Q6, N a
- * multiple of 16, K of 32), activations quantized as `act` (ACT_INT8 or ACT_PAIR). oscale: NULL, or N floats
+/* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F, FMT_Q5F, FMT_Q8, FMT_Q6 or
+ * FMT_Q4K, N a multiple of 16, K of 32 (FMT_Q4K: of 256)), activations quantized as `act` (ACT_INT8 or ACT_PAIR). oscale: NULL, or N floats
  * multiplied into the outputs (per-channel int8). Returns 0, or -1 for bad arguments / an unsupported isa, -2 when
  * scratch memory could not be allocated (nothing written). */
 int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                   const float *oscale, float *y, int64_t ldy) {
-    if (!block_bytes(fmt) || (act != ACT_INT8 && act != ACT_PAIR) || K % QK ||
+    if (!block_bytes(fmt) || (act != ACT_INT8 && act != ACT_PAIR) || K % (fmt == FMT_Q4K ? 8 * QK : QK) ||
         N % G || M < 0 || ldy < N || !kvserve_q_isa_supported(isa))
         return -1;
     if (M == 0 || N == 0) return 0;
@@ -672,15 +739,22 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
         if (isa == ISA_AMX_INT8 && M >= AMX_ROWS) { /* fewer rows: all of them on the VNNI tiles */
             amx_rows(fmt, pair, w, nb, groups, xq, xd, xs, M, K, y, ldy, oscale);
         } else {
+            /* Q4K over more than Q4K_EXPAND_TILES row tiles: each group first as Q4F blocks (q4k_group_to_q4f) */
+            const int avx512 = isa == ISA_AVX512_VNNI || isa == ISA_AMX_INT8;
+            uint8_t *q4f = fmt == FMT_Q4K && M > Q4K_EXPAND_TILES * (avx512 ? MR5 : MR2)
+                               ? aligned_alloc(64, (size_t)(nb * Q4F_BLOCK)) : NULL;
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; g++) {
                 const uint8_t *wg = w + g * nb * bb;
                 const float *os = oscale ? oscale + g * G : NULL;
-                if (isa == ISA_AVX512_VNNI || isa == ISA_AMX_INT8)
-                    group_avx512(fmt, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
+                int f = fmt;
+                if (q4f) q4k_group_to_q4f(wg, nb, q4f), wg = q4f, f = FMT_Q4F;
+                if (avx512)
+                    group_avx512(f, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
                 else
-                    group_avx2(fmt, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
+                    group_avx2(f, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
             }
+            free(q4f);
         }
     }
     if (!on_stack) { free(xq); free(xd); free(xs); }
@@ -688,7 +762,7 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
 }
 
 /* out[t, K] = row rows[t] of a packed weight (fmt, K as for kvserve_qgemm), decoded to float32 as
- * kvserve/layers/quant_linear.py's unpack does: d q + m (FMT_Q4, FMT_Q4F, FMT_Q5F), d q times oscale[row] when given (FMT_Q8),
+ * kvserve/layers/quant_linear.py's unpack does: d q + m (FMT_Q4, FMT_Q4F, FMT_Q5F, FMT_Q4K), d q times oscale[row] when given (FMT_Q8),
  * (d sc) (q - 32) (FMT_Q6),
  * each product and sum rounded on its own (no fused multiply-add), so the bits equal numpy's. An embedding lookup
  * from a tied LM head. Returns 0; -1 for a bad fmt or K, -2 for a row outside [0, N) (nothing written). */
@@ -696,14 +770,14 @@ T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(in
                                                                               int64_t K, const float *oscale,
                                                                               const int64_t *rows, int64_t T,
                                                                               float *out) {
-    if (!block_bytes(fmt) || K <= 0 || K % QK) return -1;
+    if (!block_bytes(fmt) || K <= 0 || K % (fmt == FMT_Q4K ? 8 * QK : QK)) return -1;
     for (int64_t t = 0; t < T; t++)
         if (rows[t] < 0 || rows[t] >= N) return -2;
     const int64_t nb = K / QK, bb = block_bytes(fmt);
     for (int64_t t = 0; t < T; t++) {
         const int64_t r = rows[t], g = r / G, o = r % G;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + (g * nb + b) * bb;
+            const uint8_t *blk = fmt == FMT_Q4K ? q4k_block(w, g * nb + b) : w + (g * nb + b) * bb;
             float *y = out + t * K + b * QK;
             if (fmt == FMT_Q8) {
                 const float d = _cvtsh_ss(((const uint16_t *)blk)[o]);
@@ -725,9 +799,14 @@ T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(in
                     }
             } else {
                 const int f32 = fmt == FMT_Q4F || fmt == FMT_Q5F;
-                const float d = f32 ? ((const float *)blk)[o] : _cvtsh_ss(((const uint16_t *)blk)[o]);
-                const float m = f32 ? ((const float *)(blk + 64))[o] : _cvtsh_ss(((const uint16_t *)(blk + 32))[o]);
+                float d = f32 ? ((const float *)blk)[o] : _cvtsh_ss(((const uint16_t *)blk)[o]);
+                float m = f32 ? ((const float *)(blk + 64))[o] : _cvtsh_ss(((const uint16_t *)(blk + 32))[o]);
                 const uint8_t *nib = blk + (f32 ? 128 : 64);
+                if (fmt == FMT_Q4K) { /* d * sc, -(dmin * mn), as formats.decode_q4_k */
+                    const uint16_t *sb = (const uint16_t *)q4k_super(w, g * nb + b);
+                    d = _cvtsh_ss(sb[o]) * (float)blk[o], m = -(_cvtsh_ss(sb[16 + o]) * (float)blk[16 + o]);
+                    nib = blk + 32;
+                }
                 for (int j = 0; j < 4; j++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t byte = nib[j * 64 + o * 4 + i];
@@ -741,8 +820,9 @@ T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(in
     return 0;
 }
 
-/* Layout constants, so Python and C cannot disagree: out[7] = {QK, G, Q4, Q8, Q4F, Q6, Q5F block bytes}. */
+/* Layout constants, so Python and C cannot disagree: out[9] = {QK, G, Q4, Q8, Q4F, Q6, Q5F block bytes, Q4K block
+ * and super-block bytes}. */
 void kvserve_q_layout(int64_t *out) {
     out[0] = QK; out[1] = G; out[2] = Q4_BLOCK; out[3] = Q8_BLOCK; out[4] = Q4F_BLOCK; out[5] = Q6_BLOCK;
-    out[6] = Q5F_BLOCK;
+    out[6] = Q5F_BLOCK; out[7] = Q4K_BLOCK; out[8] = Q4K_SUPER;
 }

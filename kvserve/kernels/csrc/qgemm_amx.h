@@ -93,15 +93,16 @@ T_AMX static void amx_configure(int fmt) {
 
 T_AMX static void amx_release(void) { _tile_release(); }
 
-/* The B tiles of n consecutive 4-bit blocks (Q4: 320 bytes each, Q4F: 384, Q5F: 448 with the fifth bit) unpacked to
- * bq (512 bytes each), by the VNNI tile's q4_unpack_avx512. */
+/* The B tiles of n consecutive 4-bit blocks (Q4: 320 bytes each, Q4F: 384, Q5F: 448 with the fifth bit, Q4K: in
+ * whole super-blocks) unpacked to bq (512 bytes each), by the VNNI tile's q4_unpack_avx512. */
 T_AMX static void amx_unpack_q4(const uint8_t *w, int64_t n, int fmt, uint8_t *bq) {
     const int64_t bb = block_bytes(fmt);
+    const int qo = fmt == FMT_Q4K ? 32 : fmt == FMT_Q4 ? 64 : 128;
     for (int64_t i = 0; i < n; i++) {
-        const uint8_t *blk = w + i * bb;
+        const uint8_t *blk = fmt == FMT_Q4K ? q4k_block(w, i) : w + i * bb;
         for (int j = 0; j < 4; j++) {
             __m512i lo, hi;
-            q4_unpack_avx512(blk + (fmt == FMT_Q4 ? 64 : 128) + j * 64, fmt == FMT_Q5F ? blk + 384 : NULL, j, &lo, &hi);
+            q4_unpack_avx512(blk + qo + j * 64, fmt == FMT_Q5F ? blk + 384 : NULL, j, &lo, &hi);
             _mm512_store_si512((void *)(bq + i * 512 + j * 64), lo);
             _mm512_store_si512((void *)(bq + i * 512 + (4 + j) * 64), hi);
         }
@@ -152,7 +153,7 @@ T_AMX INLINE void amx_tile(const int fmt, const int pair, const uint8_t *wg, con
                            const int8_t *xq, const float *xd, const float *xs, int64_t K, float *y, int64_t ldy,
                            const float *oscale) {
     _Alignas(64) int32_t cbuf[2 * AMX_ROWS * G];
-    const int f32s = fmt == FMT_Q4F || fmt == FMT_Q5F, bb = (int)block_bytes(fmt);
+    const int f32s = fmt == FMT_Q4K ? 3 : fmt == FMT_Q4F || fmt == FMT_Q5F, bb = (int)block_bytes(fmt);
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     AX_ROWS(AX_ZERO_F)
     for (int64_t b = 0; b <= nb; b++) {
@@ -162,12 +163,13 @@ T_AMX INLINE void amx_tile(const int fmt, const int pair, const uint8_t *wg, con
         if (b > 0) { /* ... while block b - 1 is stored from the other and scaled */
             const int64_t pb = b - 1;
             if (pb & 1) { AX_STORE_C(6, 7) } else { AX_STORE_C(4, 5) }
-            const uint8_t *blk = wg + pb * bb;
-            const __m512 dw = f32s ? _mm512_loadu_ps((const void *)blk)
-                                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-            const __m512 mw = fmt == FMT_Q8 ? _mm512_setzero_ps()
-                              : f32s ? _mm512_loadu_ps((const void *)(blk + 64))
-                                     : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+            __m512 dw, mw;
+            if (fmt == FMT_Q8) {
+                dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wg + pb * bb))), mw = _mm512_setzero_ps();
+            } else {
+                q4_scales_avx512(f32s, f32s == 3 ? q4k_block(wg, pb) : wg + pb * bb,
+                                 f32s == 3 ? q4k_super(wg, pb) : NULL, &dw, &mw);
+            }
             AX_ROWS(AX_END)
         }
     }
@@ -244,6 +246,9 @@ T_AMX static void group_amx(int fmt, int pair, const uint8_t *wg, int64_t nb, co
         } else if (fmt == FMT_Q5F) {
             if (pair) amx_tile(FMT_Q5F, 1, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
             else amx_tile(FMT_Q5F, 0, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
+        } else if (fmt == FMT_Q4K) {
+            if (pair) amx_tile(FMT_Q4K, 1, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
+            else amx_tile(FMT_Q4K, 0, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
         } else {
             if (pair) amx_tile(FMT_Q4, 1, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
             else amx_tile(FMT_Q4, 0, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
