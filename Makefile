@@ -26,7 +26,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
-# The fast lane: model-free core, kernels and contract tests (no model file, server, browser or Ray; ~1 minute).
+# The fast lane: model-free core, kernels and contract tests (no model file, server, browser or Ray; 2-3 minutes on 2 cores).
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not real_model and not server and not browser and not ray and not slow"
 

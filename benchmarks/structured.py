@@ -24,7 +24,7 @@ TEXT = '{"name": "Bob Smith", "age": 42, "tags": ["alpha", "beta", "gamma", "del
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.structured", description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=40, help="tokens per matcher (at most the text's length)")
     ap.add_argument("--engine", action="store_true", help="also time engine steps with and without a grammar")

@@ -17,7 +17,7 @@ def main(argv=None) -> None:
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.sampling_params import SamplingParams
 
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tensor_parallel", description=__doc__)
     add_engine_args(p, skip=("speculative_config",))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)

@@ -302,7 +302,6 @@ def test_tokenize_detokenize_version(server, client, model_name):
 
 @pytest.mark.parametrize("path,body,param", [
     ("/tokenize", {}, "prompt"),
-    ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("/tokenize", {"prompt": "hi", "messages": CHAT}, "prompt"),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
     ("/tokenize", {"messages": []}, "messages"),
@@ -314,6 +313,12 @@ def test_tokenizer_routes_bad_input(server, path, body, param):
     r = _post(server, path, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_tokenize_an_unknown_model_is_404(server):
+    r = _post(server, "/tokenize", {"prompt": "hi", "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["param"] == "model"
 
 
 @pytest.mark.parametrize("path,body,param,words", [

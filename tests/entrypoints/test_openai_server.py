@@ -148,7 +148,6 @@ def _post(server, path, body, **kw):
     ("/v1/completions", "{not json", None),
     ("/v1/completions", "[1, 2]", None),
     ("/v1/completions", {}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "priority": 1}, "priority"),
@@ -197,7 +196,12 @@ def test_unknown_route_404_wrong_method_405_and_still_serving(server, client, mo
     assert r.status_code == 405 and "error" in r.json()
     r = httpx.get(server.url + "/v1/models/gpt-4")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError):
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        r = _post(server, path, {**body, "model": "gpt-4"})  # an unknown model: 404, as OpenAI and vLLM answer
+        assert r.status_code == 404 and r.json()["error"] == {
+            "message": f"The model 'gpt-4' does not exist; this server serves {model_name!r}",
+            "type": "not_found_error", "param": "model", "code": "model_not_found"}
+    with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=1)
     assert client.completions.create(model=model_name, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
 

@@ -69,10 +69,11 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------------------ checks
     def check_model(self, model: Optional[str]) -> None:
-        """Raises ``OpenAIError`` (400, ``model_not_found``) unless ``model`` is ``None`` or the served name."""
+        """Raises ``OpenAIError`` (404 ``not_found_error``, ``model_not_found``: as OpenAI and vLLM answer) unless
+        ``model`` is ``None`` or the served name."""
         if model is not None and model != self.model_name:
             raise OpenAIError(f"The model {model!r} does not exist; this server serves {self.model_name!r}",
-                              param="model", code="model_not_found")
+                              param="model", status=404, type="not_found_error", code="model_not_found")
 
     def check_bounds(self, req) -> None:
         """400 for a request over the server's bounds (``RequestLimits.check_request``: stop strings, tools,
