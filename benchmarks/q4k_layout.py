@@ -21,15 +21,14 @@ import torch
 
 def weights(n: int, k: int, seed: int = 0) -> tuple:
     """Random Q4_K parts of ``[n, k]`` packed both ways: ``(FMT_Q4K, FMT_Q4F)`` ``PackedWeight``s."""
+    from kvserve.quant import formats
     from kvserve.quant import pack as P
 
     rng = np.random.default_rng(seed)
     q = rng.integers(0, 16, (n, k), dtype=np.uint8)
     scmn = rng.integers(0, 64, (n, k // 32, 2), dtype=np.uint8)
     ddmin = (rng.random((n, k // 256, 2)) * 0.01 + 1e-4).astype(np.float16)
-    d = np.repeat(ddmin[..., 0].astype(np.float32), 8, 1) * scmn[..., 0].astype(np.float32)
-    m = -(np.repeat(ddmin[..., 1].astype(np.float32), 8, 1) * scmn[..., 1].astype(np.float32))
-    return P.pack_q4k(q, scmn, ddmin), P.pack_q4(q, d, m)
+    return P.pack_q4k(q, scmn, ddmin), P.pack_q4(q, *formats.q4_k_values(scmn, ddmin))
 
 
 def run(n: int, k: int, rows: list, copies: int, rounds: int, isas: Optional[list] = None) -> list:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kvserve.kernels.build import build_library
+from kvserve.quant import formats
 from kvserve.quant import pack as P
 
 logger = logging.getLogger(__name__)
@@ -278,9 +279,8 @@ def self_check(name: str) -> bool:
     q4k = rng.integers(0, 16, (n, 256), dtype=np.uint8)
     scmn = rng.integers(0, 64, (n, 8, 2), dtype=np.uint8)
     ddmin = (rng.random((n, 1, 2)) * 0.01 + 0.001).astype(np.float16)
-    dk = np.repeat(ddmin[..., 0].astype(np.float32) * scmn[..., 0], 32, 1)
-    mk = -np.repeat(ddmin[..., 1].astype(np.float32) * scmn[..., 1], 32, 1)
-    cases.append((P.pack_q4k(q4k, scmn, ddmin), dk * q4k + mk))
+    dk, mk = formats.q4_k_values(scmn, ddmin)
+    cases.append((P.pack_q4k(q4k, scmn, ddmin), np.repeat(dk, 32, 1) * q4k + np.repeat(mk, 32, 1)))
     for packed, wd in cases:
         k = packed.in_features
         for rows in (1, 5, 13, 53):

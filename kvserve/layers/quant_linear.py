@@ -92,18 +92,7 @@ def unpack_rows(w: P.PackedWeight, rows: np.ndarray) -> np.ndarray:
         raise IndexError(f"rows must be in [0, {w.out_features}), got {rows.min()}..{rows.max()}")
     data = w.data.numpy()  # [groups, nb, block bytes]; row r is output r % 16 of group r // 16
     g, o, t = rows // P.G, rows % P.G, len(rows)
-    if w.fmt == P.FMT_Q4K:  # [groups, K / 256, 2368]: d[16], dmin[16] float16, then 8 x (sc[16], mn[16], nibbles)
-        groups, ns, _ = data.shape
-        head = data[..., :64].view("<f2").reshape(groups, ns, 2, P.G)[g, :, :, o].astype(np.float32)  # [T, ns, 2]
-        blk = data[..., 64:].reshape(groups, ns, 8, P.Q4K_BLOCK)
-        sm = blk[..., :32].reshape(groups, ns, 8, 2, P.G)[g, :, :, :, o].astype(np.float32)  # [T, ns, 8, 2]
-        d = (head[:, :, None, 0] * sm[..., 0]).reshape(t, ns * 8)  # d * sc, as decode_q4_k
-        m = -(head[:, :, None, 1] * sm[..., 1]).reshape(t, ns * 8)  # -(dmin * mn)
-        nib = blk[..., 32:].reshape(groups, ns * 8, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
-        q = np.stack([nib & 0x0F, nib >> 4], axis=2).reshape(t, ns * 8, 32).astype(np.float32)
-        full = d[..., None] * q + m[..., None]
-        return np.ascontiguousarray(full.reshape(t, ns * 256)[:, : w.in_features])
-    groups, nb, _ = data.shape
+    groups, nb = data.shape[0], w.in_features // P.QK if w.fmt == P.FMT_Q4K else data.shape[1]
 
     def scales(a: int, b: int, dtype: str) -> np.ndarray:  # [T, nb] float32: each row's scale per block
         return data[..., a:b].view(dtype).reshape(groups, nb, P.G)[g, :, o].astype(np.float32)
@@ -122,9 +111,15 @@ def unpack_rows(w: P.PackedWeight, rows: np.ndarray) -> np.ndarray:
         if w.oscale is not None:
             full = full * w.oscale.numpy()[rows][:, None, None]
     else:
-        d, m, qo = ((scales(0, 32, "<f2"), scales(32, 64, "<f2"), 64) if w.fmt == P.FMT_Q4
-                    else (scales(0, 64, "<f4"), scales(64, 128, "<f4"), 128))
-        nib = data[..., qo:qo + 256].reshape(groups, nb, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
+        if w.fmt == P.FMT_Q4K:  # [groups, nb / 8, 2368]: d[16], dmin[16] float16, then 8 x (sc[16], mn[16], nibbles)
+            ddmin = data[..., :64].view("<f2").reshape(groups, nb // 8, 2, P.G)[g, :, :, o]  # [T, nb / 8, 2]
+            blk = data[..., 64:].reshape(groups, nb, P.Q4K_BLOCK)
+            d, m = formats.q4_k_values(blk[..., :32].reshape(groups, nb, 2, P.G)[g, :, :, o], ddmin)
+            nib = blk[..., 32:].reshape(groups, nb, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
+        else:
+            d, m, qo = ((scales(0, 32, "<f2"), scales(32, 64, "<f2"), 64) if w.fmt == P.FMT_Q4
+                        else (scales(0, 64, "<f4"), scales(64, 128, "<f4"), 128))
+            nib = data[..., qo:qo + 256].reshape(groups, nb, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
         q = np.stack([nib & 0x0F, nib >> 4], axis=2)  # [T, nb, half, j, i]
         if w.fmt == P.FMT_Q5F:  # the fifth bit of (half, j) at bit 2j + half of byte o * 4 + i
             hb = data[..., 384:448].reshape(groups, nb, P.G, 4)[g, :, o, :][:, :, None, None, :]  # [T, nb, 1, 1, i]

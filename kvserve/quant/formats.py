@@ -126,13 +126,15 @@ def decode_q4_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.nda
     """Q4_K rows -> ``(q uint8 [N, K] in 0..15, d float32 [N, K/32], m float32 [N, K/32])`` with ``w = d * q + m``
     per 32-value sub-block: ``d = d_sb * sc``, ``m = -(dmin_sb * mn)``, both exact in float32, so ``d * q + m``
     equals ``dequantize`` bit for bit."""
-    blk = _blocks(raw, Q4_K, k)
-    n = blk.shape[0]
-    sc, mn = _k_scales(blk[..., 4:16])
-    d = _f16(blk[..., 0:2]).astype(np.float32)[..., None] * sc.astype(np.float32)  # [N, nb, 8]
-    m = -(_f16(blk[..., 2:4]).astype(np.float32)[..., None] * mn.astype(np.float32))
-    q = _nibbles(blk[..., 16:144], _QK4_BYTE, _QK4_SHIFT).reshape(n, k)
-    return q, d.reshape(n, k // 32), m.reshape(n, k // 32)
+    q, scmn, ddmin = decode_q4_k_parts(raw, k)
+    return (q, *q4_k_values(scmn, ddmin))
+
+
+def q4_k_values(scmn: np.ndarray, ddmin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's stored parts (``decode_q4_k_parts``: ``scmn uint8 [N, nb, 2]``, ``ddmin float16 [N, nb / 8, 2]``) ->
+    ``(d, m)`` float32 ``[N, nb]`` per 32 values: ``d = d_sb * sc``, ``m = -(dmin_sb * mn)`` (exact in float32)."""
+    sb = np.repeat(ddmin.astype(np.float32), 8, axis=-2)  # [N, nb, 2]: each block's super-block d, dmin
+    return sb[..., 0] * scmn[..., 0].astype(np.float32), -(sb[..., 1] * scmn[..., 1].astype(np.float32))
 
 
 def decode_q4_k_parts(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -105,6 +105,16 @@ static inline const uint8_t *q4k_block(const uint8_t *w, int64_t i) {
 }
 static inline const uint8_t *q4k_super(const uint8_t *w, int64_t i) { return w + (i >> 3) * Q4K_SUPER; }
 
+/* A Q4K block's d_w = d * sc and m_w = -(dmin * mn) of outputs 8 h .. 8 h + 7 (blk: the block, sb: its super-block;
+ * exact in float32: the floats a Q4F block stores). The AVX2 tile's and q4k_group_to_q4f's. */
+T_AVX2 INLINE void q4k_scales_avx2(const uint8_t *blk, const uint8_t *sb, int h, __m256 *dw, __m256 *mw) {
+    *dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + h * 16))),
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + h * 8)))));
+    const __m256 m = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + h * 16))),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 16 + h * 8)))));
+    *mw = _mm256_xor_ps(_mm256_set1_ps(-0.0f), m);
+}
+
 /* ---- activations: per-32-block int8 (or int8 pairs), round half to even like np.rint; scalar and AVX2 ---- */
 
 /* x[K] -> per block b of 32 values: d1 = max|x| / 127, q1 = rint(x / d1) clamped to +-127 (llama.cpp's Q8
@@ -273,7 +283,7 @@ T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
     A2_ROWS(A2_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = f32s == 3 ? q4k_block(wg, b) : wg + b * bb;
-        if (!half) PREFETCH(blk, bb)
+        if (!half) PREFETCH(wg + b * bb, bb) /* Q4K: the stream at its average stride, headers included */
         A2_ROWS(A2_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
             __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + j * 64 + half * 32));
@@ -288,13 +298,8 @@ T_AVX2 INLINE void q4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const i
             }
         }
         __m256 dw, mw;
-        if (f32s == 3) { /* d * sc, -(dmin * mn): exact, Q4F's floats */
-            const uint8_t *sb = q4k_super(wg, b);
-            dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + half * 16))),
-                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + half * 8)))));
-            mw = _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_mul_ps(
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + half * 16))),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 16 + half * 8))))));
+        if (f32s == 3) {
+            q4k_scales_avx2(blk, q4k_super(wg, b), half, &dw, &mw);
         } else {
             dw = f32s ? _mm256_loadu_ps((const float *)blk + half * 8)
                       : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + half * 16)));
@@ -515,7 +520,7 @@ T_AVX512 INLINE void q4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t 
     A5_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = f32s == 3 ? q4k_block(wg, b) : wg + b * bb;
-        PREFETCH(blk, bb)
+        PREFETCH(wg + b * bb, bb) /* Q4K: the stream at its average stride, headers included */
         A5_ROWS(A5_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
             __m512i lo, hi;
@@ -665,15 +670,12 @@ static int64_t block_bytes(int fmt) {
 T_AVX2 static void q4k_group_to_q4f(const uint8_t *wg, int64_t nb, uint8_t *out) {
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = q4k_block(wg, b);
-        const uint16_t *sb = (const uint16_t *)q4k_super(wg, b);
         uint8_t *o = out + b * Q4F_BLOCK;
-        for (int h = 0; h < 2; h++) { /* 8 outputs at a time: the AVX2 tile's d_w, m_w */
-            const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 8 * h))),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * h)))));
-            const __m256 m = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + G + 8 * h))),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + G + 8 * h)))));
+        for (int h = 0; h < 2; h++) {
+            __m256 d, m;
+            q4k_scales_avx2(blk, q4k_super(wg, b), h, &d, &m);
             _mm256_store_ps((float *)o + 8 * h, d);
-            _mm256_store_ps((float *)(o + 64) + 8 * h, _mm256_xor_ps(_mm256_set1_ps(-0.0f), m));
+            _mm256_store_ps((float *)(o + 64) + 8 * h, m);
         }
         for (int c = 0; c < 256; c += 32)
             _mm256_store_si256((__m256i *)(o + 128 + c), _mm256_loadu_si256((const __m256i *)(blk + 32 + c)));
