@@ -35,6 +35,11 @@ CASES = [
     ("smollm3", "<|im_start|>system\n/no_think<|im_end|>", None, "<think>x</think>y", (None, "<think>x</think>y")),
     ("smollm3", "<|im_start|>system\n/think<|im_end|>", None, "<think>x</think>y", ("x", "y")),
     ("smollm3", "sys", {"enable_thinking": False}, "plain", (None, "plain")),
+    ("deepseek_r1", "constrained", None, "<think>r</think>c", ("r", "c")),
+    ("deepseek_r1", "constrained", None, '{"a": "<think>"}', (None, '{"a": "<think>"}')),
+    ("qwen3", "constrained", None, "<thin", (None, "<thin")),
+    ("qwen3", "constrained", None, "<think>r", ("r", None)),
+    ("qwen3", "constrained", {"enable_thinking": False}, "<think>r</think>c", (None, "<think>r</think>c")),
     ("granite", None, None, "Here is my thought process: r. Here is my response: c.", (" r. ", " c.")),
     ("granite", None, None, "  Here's my thought process:r Here's my response:c", ("r ", "c")),
     ("granite", None, None, "Here is my thought process: only", (" only", None)),
@@ -45,7 +50,8 @@ CASES = [
 
 @pytest.mark.parametrize("name,prompt,kwargs,text,expected", CASES)
 def test_extract_and_every_cut(name, prompt, kwargs, text, expected):
-    parser = get_reasoning_parser(name, prompt, kwargs)
+    constrained = prompt == "constrained"
+    parser = get_reasoning_parser(name, None if constrained else prompt, kwargs, constrained)
     assert parser.extract(text) == expected
     for cut in range(len(text) + 1):  # every single cut point, and one character a delta
         assert stream(parser, text, [cut]) == expected
@@ -82,8 +88,8 @@ ALPHABET = st.sampled_from(["<think>", "</think>", "<", "/", "think", ">", "a", 
 @settings(max_examples=300, deadline=None)
 @given(parts=st.lists(ALPHABET, max_size=12), cuts=st.lists(st.integers(0, 120), max_size=8),
        name=st.sampled_from(["deepseek_r1", "qwen3", "smollm3", "granite"]),
-       prompt=st.sampled_from([None, "<think>\n", "<think>\n\n</think>\n"]))
-def test_streamed_equals_extract_at_any_cuts(parts, cuts, name, prompt):
+       prompt=st.sampled_from([None, "<think>\n", "<think>\n\n</think>\n"]), constrained=st.booleans())
+def test_streamed_equals_extract_at_any_cuts(parts, cuts, name, prompt, constrained):
     text = "".join(parts)
-    parser = get_reasoning_parser(name, prompt)
+    parser = get_reasoning_parser(name, prompt, None, constrained)
     assert stream(parser, text, cuts) == parser.extract(text)

@@ -16,6 +16,9 @@ Where reasoning starts (a parser's ``starts_in_reasoning``) depends on the promp
   prompt when thinking is off). Then the whole output is content.
 - ``smollm3``: SmolLM3's template: thinking is off with ``enable_thinking: false`` or ``/no_think`` in the system
   prompt (the template then closes an empty ``<think>`` in the prompt); else as ``deepseek_r1``.
+- an output a grammar constrains from its first token (``constrained``: structured outputs) with thinking on
+  starts in the content whatever the prompt says; a grammar that writes the start marker first (a regex ``<think>...``) opens the
+  reasoning there.
 - ``granite``: reasoning is the text after ``Here is my thought process:`` (or ``Here's ...``) at the start of the
   output, up to ``Here is my response:`` (or ``Here's ...``); an output that does not start so is all content.
 
@@ -35,16 +38,21 @@ class ReasoningParser:
     """Splits a model's text into reasoning and content.
 
     Attributes:
-        starts_in_reasoning: the output begins inside the reasoning (decided from the prompt and the
-            request's ``chat_template_kwargs`` when the parser is made: ``get_reasoning_parser``).
+        mode: where the output begins: ``"reasoning"``, ``"content"``, or ``"lead"`` (in the reasoning only when
+            the output opens with the start marker); decided from the prompt, the request's ``chat_template_kwargs``
+            and ``constrained`` when the parser is made (``get_reasoning_parser``).
+        starts_in_reasoning: ``mode == "reasoning"``.
         markers: ``(start, end)`` texts that open and close the reasoning (the end one is forced by a thinking
             budget).
     """
 
     markers: tuple[str, str] = ("<think>", "</think>")
 
-    def __init__(self, prompt: Optional[str] = None, chat_template_kwargs: Optional[dict] = None):
-        self.starts_in_reasoning = self.thinking_on(prompt or "", chat_template_kwargs or {})
+    def __init__(self, prompt: Optional[str] = None, chat_template_kwargs: Optional[dict] = None,
+                 constrained: bool = False):
+        thinking = self.thinking_on(prompt or "", chat_template_kwargs or {})
+        self.mode = "content" if not thinking else "lead" if constrained else "reasoning"
+        self.starts_in_reasoning = self.mode == "reasoning"
 
     def thinking_on(self, prompt: str, chat_template_kwargs: dict) -> bool:
         """Whether the output starts in the reasoning, for this ``prompt`` text and ``chat_template_kwargs``."""
@@ -92,9 +100,9 @@ class ThinkParser(ReasoningParser):
     ``</think>`` everything is content, markers included."""
 
     def extract(self, text: str) -> tuple[Optional[str], Optional[str]]:
-        if not self.starts_in_reasoning:
-            return None, text or None
         start, end = self.markers
+        if self.mode == "content" or (self.mode == "lead" and not text.startswith(start)):
+            return None, text or None
         j = text.find(end)
         reasoning, content = (text, "") if j < 0 else (text[:j], text[j + len(end):])
         i = reasoning.find(start)
@@ -103,13 +111,14 @@ class ThinkParser(ReasoningParser):
         return reasoning or None, content or None
 
     def streamer(self) -> ReasoningStreamer:
-        return _ThinkStreamer(self.markers, self.starts_in_reasoning)
+        return _ThinkStreamer(self.markers, self.mode)
 
 
 class _ThinkStreamer(ReasoningStreamer):
-    def __init__(self, markers: tuple[str, str], in_reasoning: bool):
+    def __init__(self, markers: tuple[str, str], mode: str):
         self.start, self.end = markers
-        self.in_reasoning = in_reasoning
+        self.undecided = mode == "lead"  # waiting to see whether the output opens with the start marker
+        self.in_reasoning = mode != "content"
         self.seen_start = False
         self.buf = ""
 
@@ -117,6 +126,13 @@ class _ThinkStreamer(ReasoningStreamer):
         if not self.in_reasoning:
             return _pieces("content", delta)
         self.buf += delta
+        if self.undecided:
+            if self.start.startswith(self.buf) and self.buf != self.start:
+                return []  # may still become the start marker
+            self.undecided = False
+            if not self.buf.startswith(self.start):
+                self.in_reasoning, rest, self.buf = False, self.buf, ""
+                return _pieces("content", rest)
         out: list[Piece] = []
         while self.in_reasoning:
             j = self.buf.find(self.end)
@@ -138,7 +154,7 @@ class _ThinkStreamer(ReasoningStreamer):
 
     def finish(self) -> list[Piece]:
         rest, self.buf = self.buf, ""
-        return _pieces("reasoning" if self.in_reasoning else "content", rest)
+        return _pieces("reasoning" if self.in_reasoning and not self.undecided else "content", rest)
 
 
 _PARSERS: dict[str, type[ReasoningParser]] = {}
@@ -157,17 +173,18 @@ def reasoning_parser_names() -> list[str]:
     return sorted(_PARSERS)
 
 
-def get_reasoning_parser(name: str, prompt: Optional[str] = None,
-                         chat_template_kwargs: Optional[dict] = None) -> ReasoningParser:
+def get_reasoning_parser(name: str, prompt: Optional[str] = None, chat_template_kwargs: Optional[dict] = None,
+                         constrained: bool = False) -> ReasoningParser:
     """A new parser registered as ``name``, for one request: ``prompt`` is its prompt text (the rendered chat
-    template) and ``chat_template_kwargs`` the request's, which decide whether the output starts in the reasoning.
+    template) and ``chat_template_kwargs`` the request's, which decide whether the output starts in the reasoning;
+    ``constrained``: a grammar shapes the output from its first token (then only a leading start marker opens it).
 
     Raises:
         ValueError: no parser of that name (the message lists the registered ones).
     """
     if name not in _PARSERS:
         raise ValueError(f"reasoning parser {name!r} is not registered; known: {reasoning_parser_names()}")
-    return _PARSERS[name](prompt, chat_template_kwargs)
+    return _PARSERS[name](prompt, chat_template_kwargs, constrained)
 
 
 def _closed_in_prompt(prompt: str, markers: tuple[str, str]) -> bool:
