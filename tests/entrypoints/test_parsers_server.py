@@ -315,3 +315,51 @@ def test_vllm_metric_names_with_the_same_values(features, client, server):
     assert series[f"vllm:generation_tokens_total{{{label}}}"] >= 3
     plain = httpx.get(server.url + "/metrics", timeout=10).text
     assert "vllm:" not in plain  # off by default
+
+
+# ---------------------------------------------------------------------------------------------------- <think> token
+QWEN3_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def think_model(tmp_path_factory, tokenizer):
+    """A tiny Qwen3-style model (``chat_families``: SmolLM2's tokenizer, random weights) whose vocabulary has
+    ``<think>`` and ``</think>`` as added tokens and whose template opens ``<think>`` in the prompt."""
+    from tests.entrypoints.chat_families import Family, build, gguf_vocab
+
+    root = tmp_path_factory.mktemp("think_family")
+    base = root / "smollm2"
+    tokenizer.save_pretrained(str(base))
+    fam = Family("qwen3think", (), None, "<|endoftext|>", False, ("<|im_end|>", "<|endoftext|>"), {"eos": "<|im_end|>"},
+                 "<|im_end|>", QWEN3_TEMPLATE, "jinja", added_text=("<think>", "</think>"))
+    return build(root, base, gguf_vocab(base), fam)
+
+
+def test_thinking_budget_forces_the_think_token_and_the_parser_splits_there(think_model):
+    end_id = think_model.tokenizer.convert_tokens_to_ids("</think>")
+    assert think_model.tokenizer.encode("</think>", add_special_tokens=False) == [end_id]  # one token
+    s = LiveServer(model=str(think_model.hf_dir), quantization="fp32", num_kv_blocks=64, max_num_seqs=8,
+                   max_model_len=256, server_kwargs={"options": ServingOptions(reasoning_parser="qwen3")}).start()
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        for n in (0, 2, 5):
+            kw = dict(model=s.llm_model_name, messages=[{"role": "user", "content": "Hi!"}], temperature=0,
+                      max_tokens=n + 4, logprobs=True, extra_body={"thinking_token_budget": n, "ignore_eos": True})
+            choice = c.chat.completions.create(**kw).choices[0]
+            tokens = [t.token for t in choice.logprobs.content]
+            assert tokens[n] == "</think>" and "</think>" not in tokens[:n]
+            specials = set(think_model.tokenizer.all_special_tokens)  # left out of the text
+            assert choice.message.model_extra.get("reasoning_content") == (b"".join(
+                bytes(t.bytes) for t in choice.logprobs.content[:n] if t.token not in specials).decode() or None)
+            assert stream(c, **kw)[:2] == (choice.message.model_extra.get("reasoning_content"),
+                                           choice.message.content)
+        off = c.chat.completions.create(model=s.llm_model_name, messages=[{"role": "user", "content": "Hi!"}],
+                                        temperature=0, max_tokens=4, extra_body={
+                                            "chat_template_kwargs": {"enable_thinking": False}}).choices[0]
+        assert "reasoning_content" not in off.message.model_extra  # the template closed the think: all content
+    finally:
+        s.stop()
