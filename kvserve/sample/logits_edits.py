@@ -1,5 +1,6 @@
 """Per-request edits of the logits before sampling, in vLLM's order: ``allowed_token_ids`` (all other tokens
-``-inf``), ``bad_words`` (the last token of a banned sequence ``-inf`` where the output ends with the rest of it),
+``-inf``), ``bad_words`` (the last token of a banned sequence ``-inf`` where the output ends with the rest of it; unless that
+would leave no token at all, e.g. every ``allowed_token_ids`` banned: then the ban is lifted for the step),
 ``logit_bias`` (OpenAI's: the bias added to the token's logit), then the thinking budget
 (``kvserve.sample.thinking``). Each row is edited from its own request's fields and tokens only, so the result
 does not depend on the batch.
@@ -29,7 +30,10 @@ def apply_logits_edits(logits: torch.Tensor, states: list) -> None:
         if st.bad_words_token_ids:
             banned = banned_tokens(st.bad_words_token_ids, st.output_token_ids)
             if banned:
+                kept = logits[i, banned].clone()
                 logits[i, banned] = float("-inf")
+                if not torch.isfinite(logits[i]).any():  # every allowed token is banned: the allowed ones win
+                    logits[i, banned] = kept
         if sp.logit_bias:
             ids = torch.tensor([int(t) for t in sp.logit_bias], dtype=torch.long)
             logits[i, ids] += torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype)

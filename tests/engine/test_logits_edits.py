@@ -155,3 +155,9 @@ def test_sampler_rows_are_edited_alone_as_in_a_batch():
         if states[i].thinking is not None:
             states[i].thinking = ThinkingBudget(0, [1], [42], open_at_start=True)
         assert Sampler()(logits[i:i + 1], [states[i]])[0] == [batch[i]]
+
+
+def test_a_ban_that_would_leave_no_token_is_lifted():
+    st = SamplingState("a", SamplingParams(temperature=0, allowed_token_ids=[4], bad_words=["x"]), [0], [])
+    st.bad_words_token_ids = [[4]]
+    assert Sampler()(torch.randn(1, 10), [st])[0] == [4]

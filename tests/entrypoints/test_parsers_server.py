@@ -149,6 +149,9 @@ def test_enable_thinking_false_reaches_the_template_and_turns_the_parser_off(fea
     assert "reasoning_content" not in off.choices[0].message.model_extra and off.choices[0].message.content
     effort = client.chat.completions.create(**kw, reasoning_effort="low")
     assert effort.usage.prompt_tokens > on.usage.prompt_tokens
+    counted = httpx.post(features.url + "/tokenize", headers={"Authorization": f"Bearer {KEY}"}, timeout=30, json={
+        "messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}).json()["count"]
+    assert counted == off.usage.prompt_tokens  # /tokenize renders the template with the same kwargs
 
 
 def test_thinking_budget_through_the_api(features, client):

@@ -11,6 +11,9 @@ added later included — needs ``Authorization: Bearer <key>``, except ``/health
 ``--no-metrics-auth``). The dashboard's data (``/v1/engine/state``) needs it too; the page sends the key it reads
 from ``/dashboard#key=...``.
 
+CORS (``--allowed-origins`` ...: ``serving_options``), off by default, sits outside the key check: a preflight passes
+without the key, a real request still needs it.
+
 SIGINT / SIGTERM: stop accepting connections, abort in-flight requests (a stream ends with an error event, a
 pending JSON response is a 503), free their KV blocks, stop the engine loop, exit 0. With ``--shutdown-timeout``
 the requests in flight first get up to that many seconds to finish while new ones get a 503 (``KVServeServer``).

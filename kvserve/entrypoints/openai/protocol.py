@@ -453,6 +453,8 @@ class TokenizeChatRequest(_Strict):
     return_token_strs: Optional[bool] = False
     tools: Optional[list[ChatTool]] = Field(None, description="tools, rendered as a chat request with "
                                                               "tool_choice auto renders them (vLLM's field)")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="passed to the chat template, as in "
+                                                                              "chat completions")
 
 
 class TokenizeResponse(_Response):

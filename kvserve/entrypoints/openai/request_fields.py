@@ -83,11 +83,21 @@ def template_kwargs(req) -> dict:
     if req.add_generation_prompt and req.continue_final_message:
         raise OpenAIError("continue_final_message cannot be used with add_generation_prompt=true (the default); set "
                           "add_generation_prompt to false", param="continue_final_message")
-    kw = dict(req.chat_template_kwargs or {})
+    kw = checked_template_kwargs(req.chat_template_kwargs)
+    if req.reasoning_effort is not None:
+        kw.setdefault("reasoning_effort", req.reasoning_effort)
+    return kw
+
+
+def checked_template_kwargs(kwargs: Optional[dict]) -> dict:
+    """A copy of a request's ``chat_template_kwargs`` (``None``: empty).
+
+    Raises:
+        OpenAIError: a key the server passes itself (``RESERVED_TEMPLATE_KWARGS``).
+    """
+    kw = dict(kwargs or {})
     reserved = sorted(k for k in kw if k in RESERVED_TEMPLATE_KWARGS)
     if reserved:
         raise OpenAIError(f"chat_template_kwargs: {reserved[0]!r} is set by the server, not by chat_template_kwargs",
                           param="chat_template_kwargs")
-    if req.reasoning_effort is not None:
-        kw.setdefault("reasoning_effort", req.reasoning_effort)
     return kw

@@ -1,6 +1,8 @@
-"""``POST /v1/chat/completions`` (vLLM's ``serving_chat``): the chat template over ``messages``, ``n`` samples,
-chat logprobs, tools (``ToolChoice``: "none", "auto" parsed from the model's own format, "required" or a named
-function enforced by a grammar) and structured outputs, streaming or not.
+"""``POST /v1/chat/completions`` (vLLM's ``serving_chat``): the chat template over ``messages`` (with the request's
+``chat_template_kwargs``), ``n`` samples, chat logprobs, tools (``ToolChoice``: "none", "auto" parsed from the
+model's own format by the server's tool parser, "required" or a named function enforced by a grammar), reasoning
+(``--reasoning-parser``; ``chat_output.ChatOutput`` splits reasoning, content and calls) and structured outputs,
+streaming or not.
 """
 
 from __future__ import annotations
