@@ -305,7 +305,8 @@ def plan_runs(args, workdir: Path) -> list:
         why = why or why_hf
         runs.append(Run("vllm", f"vLLM-CPU ({args.vllm_dtype})",
                         f"HF {'float32' if default else 'bfloat16 random'} dir",
-                        {**common, "model": str(hf), "dtype": args.vllm_dtype}, py if not why else None, why))
+                        {**common, "model": str(hf), "dtype": args.vllm_dtype, "engine_kwargs": args.vllm_kwargs},
+                        py if not why else None, why))
     if "openvino" in peers:
         ov, why = (None, why_hf) if hf is None else ov_export(
             args, hf, "smollm2-135m-ov-int8" if default else f"random-llama-3.2-{args.model}-ov-int8")
@@ -420,6 +421,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=2, help="every engine")
     p.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--vllm-kv-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--vllm-kwargs", type=json.loads, default={},
+                   help='more keyword arguments of vllm.LLM, as JSON (e.g. \'{"max_num_batched_tokens": 2048}\')')
     p.add_argument("--ov-cache-gb", type=int, default=4, help="OpenVINO's SchedulerConfig.cache_size")
     p.add_argument("--ov-precision", default=None, help="OpenVINO INFERENCE_PRECISION_HINT (default: its own)")
     p.add_argument("--peers-dir", type=Path, default=Path("/work/peers"), help="the peers' venvs")
