@@ -85,30 +85,27 @@ def parse_result(stdout: str) -> dict:
 
 
 def tree_rss_mb(pid: int) -> float:
-    """Resident memory (MB) of process ``pid`` and all its descendants, from ``/proc`` (0 when it is gone)."""
-    children: dict = {}
-    rss: dict = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+    """Resident memory (MB) of process ``pid`` and all its descendants, from ``/proc`` (0 when it is gone): the
+    tree is walked through each task's ``children`` list, so a poll reads a few files, not all of ``/proc``."""
+    page = os.sysconf("SC_PAGE_SIZE")
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
-        total += rss.get(p, 0)
-        todo += children.get(p, [])
+        try:
+            with open(f"/proc/{p}/statm") as fh:
+                total += int(fh.read().split()[1]) * page
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    todo += [int(c) for c in fh.read().split()]
+        except (OSError, ValueError):
+            continue
     return total / 1e6
 
 
 def run_worker(python: str, task: str, params: dict, workdir: Path, env: dict, timeout: float) -> dict:
     """Run ``peer_workers.py TASK PARAMS`` (copied into ``workdir``) under ``python`` with ``env``; returns its
-    result plus ``peak_rss_mb`` (the process tree's, polled every 0.2 s), or ``{"error": ...}`` if it failed."""
+    result plus ``peak_rss_mb`` (the process tree's, polled every 0.5 s, and at least the worker's own peak), or
+    ``{"error": ...}`` if it failed."""
     script = workdir / WORKER.name
     if not script.exists():
         shutil.copy(WORKER, script)
@@ -118,7 +115,7 @@ def run_worker(python: str, task: str, params: dict, workdir: Path, env: dict, t
     done = threading.Event()
 
     def poll():
-        while not done.wait(0.2):
+        while not done.wait(0.5):
             peak[0] = max(peak[0], tree_rss_mb(proc.pid))
 
     poller = threading.Thread(target=poll, daemon=True)
