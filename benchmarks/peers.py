@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -132,7 +133,9 @@ def run_worker(python: str, task: str, params: dict, workdir: Path, env: dict, t
         out = parse_result(stdout)
     except ValueError:
         tail = [ln for ln in (stderr or stdout).strip().splitlines() if ln.strip()][-3:]
-        return {"error": " | ".join(tail) or f"exit {proc.returncode}"}
+        rc = proc.returncode
+        died = f"killed by {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exit {rc}"
+        return {"error": " | ".join(tail + [died])}
     out["peak_rss_mb"] = max(peak[0], out.get("worker_peak_rss_mb", 0.0))
     return out
 
@@ -370,8 +373,9 @@ def format_table(runs: list, concurrency: list, measure: list, prompt_tokens: in
         cells = [run.label, run.weights]
         ok = [r for r in run.results if "error" not in r]
         if run.skip or not ok:
-            why = run.skip or "; ".join(r["error"] for r in run.results) or "not run"
-            out.append("| " + " | ".join(cells + [f"skipped: {why}"] + [""] * (len(head) - 3)) + " |")
+            why = f"skipped: {run.skip}" if run.skip else \
+                f"failed: {'; '.join(r['error'] for r in run.results)}" if run.results else "not run"
+            out.append("| " + " | ".join(cells + [why] + [""] * (len(head) - 3)) + " |")
             continue
         if "decode" in measure:
             cells.append(_cell([r.get("decode_tps") for r in ok]))

@@ -60,7 +60,7 @@ def test_table_lists_rounds_and_failures():
     assert table[2] == "| kvserve (a) | Q4_1 GGUF | 150, 140 | 401, 391 | 1.2, 1.5 | 800, 810 |"
     assert table[3] == "| llama.cpp | Q4_1 GGUF | 99 | (serialises) | 0.2 | 234 |"
     assert peers._num(0.3497) == "0.35" and peers._num(12.345) == "12.3" and peers._num(401.4) == "401"
-    assert table[4].startswith("| vLLM-CPU (bfloat16) | HF dir | skipped: ImportError: x")
+    assert table[4].startswith("| vLLM-CPU (bfloat16) | HF dir | failed: ImportError: x")
 
 
 def test_serve_peers_configurations_and_table():
