@@ -13,7 +13,8 @@ Keys:
   the same layout. The first hash reads the file once (fast next to the packing it guards).
 - **Quantization**: ``"auto"`` or ``"int8"`` (``"fp32"`` keeps no packed weights).
 - **Code version** (``code_version``): ``PACK_VERSION`` plus a hash of the sources that define the packed layout
-  and how it is made (``quant/pack.py``, ``quant/formats.py``, ``quant/linear.py``, ``csrc/qgemm.c``): a change
+  and how it is made (``quant/pack.py``, ``formats.py``, ``layouts.py``, ``traits.py``, ``layers/quant_linear.py``,
+  ``csrc/qgemm*.{c,h}``): a change
   to any of them makes a new entry (and the old one of that model and quantization is deleted).
 
 The GGUF metadata cache (``read_gguf_cached``) lives in the same root: ``<root>/gguf-meta/<sha256 of the model
@@ -68,8 +69,9 @@ _MAGIC = b"KVSPACK1"
 _PREAMBLE = struct.Struct("<8sQI")
 _ALIGN = 64
 _PKG = Path(__file__).resolve().parents[1]
-_VERSIONED_SOURCES = [_PKG / "quant" / "pack.py", _PKG / "quant" / "formats.py", _PKG / "layers" / "quant_linear.py",
-                      _PKG / "kernels" / "csrc" / "qgemm.c", _PKG / "kernels" / "csrc" / "qgemm_amx.h"]
+_VERSIONED_SOURCES = [_PKG / "quant" / n for n in ("pack.py", "formats.py", "layouts.py", "traits.py")] + \
+    [_PKG / "layers" / "quant_linear.py"] + \
+    [_PKG / "kernels" / "csrc" / n for n in ("qgemm.c", "qgemm_amx.h", "qgemm_layouts.h", "qgemm_mx4.h")]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,38 @@
+/* MXFP4 weights (OCP Microscaling v1.0: 32 E2M1 values sharing one E8M0 exponent; GGUF type MXFP4, gpt-oss's expert
+ * weights) on the int8 kernels (included by qgemm.c). Twice an E2M1 value is a small integer: kvalues below, as
+ * llama.cpp's kvalues_mxfp4; so w = kvalues[code] * 2^(e - 128), an int8 weight times a power of two, and the Q8
+ * kernels' integer dot products are exact for it.
+ *
+ * The MX4 layout (qgemm_layouts.h) keeps the file's 4.25 bits a weight: per block of 16 outputs x 32 inputs, the
+ * outputs' exponents e[16] (uint8, E8M0), then 256 bytes of 4-bit codes ordered as the Q4 block's nibbles. Each
+ * group is expanded, per call, into Q8 blocks in a per-thread buffer (mx4_group_to_q8: one table shuffle per 32
+ * weights; d = 2^(e - 128) is a float16 power of two, which pack.pack_mx4 checks is representable) and runs on the
+ * Q8 tiles, so every path gives the Q8 path's bits for the same values; the AMX path runs MX4 on the VNNI tiles.
+ */
+
+static const int8_t MX4_KVALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* float16 bits of 2^(e - 128) for e in [104, 143] (subnormal below 114); pack_mx4 keeps e in that range. */
+static inline uint16_t mx4_d_fp16(uint8_t e) {
+    return e >= 114 ? (uint16_t)((e - 113) << 10) : e >= 104 ? (uint16_t)(1u << (e - 104)) : 0;
+}
+
+/* One group's nb MX4 blocks at wg as nb Q8 blocks at out (32-byte aligned): d[o] = 2^(e[o] - 128) in float16, and
+ * the codes of step j (inputs 4j + i, low nibbles) and 4 + j (inputs 16 + 4j + i, high) through the value table. */
+T_AVX2 static void mx4_group_to_q8(const uint8_t *wg, int64_t nb, uint8_t *out) {
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX4_KVALUES));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * MX4_BLOCK;
+        uint8_t *o = out + b * Q8_BLOCK;
+        for (int i = 0; i < G; i++) ((uint16_t *)(o + Q8_D))[i] = mx4_d_fp16(blk[MX4_E + i]);
+        for (int j = 0; j < 4; j++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + MX4_QS + j * 64 + h * 32));
+                const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, m4));
+                const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+                _mm256_store_si256((__m256i *)(o + Q8_QS + j * 64 + h * 32), lo);
+                _mm256_store_si256((__m256i *)(o + Q8_QS + (4 + j) * 64 + h * 32), hi);
+            }
+    }
+}
