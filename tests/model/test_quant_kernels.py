@@ -93,6 +93,22 @@ def _check(layer, x, w64):
     assert np.all(err <= bound * (1 + 1e-6) + 1e-5 * mag)
 
 
+def _check_file_values(layer, t, rows):
+    """``layer`` holds ``t``'s values: its packed weight decodes (numpy, and C on three rows) to
+    ``gguf.quants.dequantize`` bit for bit, and ``rows`` random rows multiply within ``_check``'s bounds."""
+    n, k = t.shape
+    w = gguf.quants.dequantize(t.raw, t.qtype).reshape(n, k)
+    np.testing.assert_array_equal(layer.dequantized().view(np.uint32), w.view(np.uint32))
+    rows_at = np.array([0, n // 2, n - 1], np.int64)
+    out = np.empty((3, k), np.float32)
+    assert kernels.load().kvserve_q_unpack_rows(layer.packed.fmt, layer.packed.data.data_ptr(), n, k, None,
+                                                rows_at.ctypes.data, 3, out.ctypes.data) == 0
+    np.testing.assert_array_equal(out.view(np.uint32), w[rows_at].view(np.uint32))
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    x[0, 7] = 25.0
+    _check(layer, x, w.astype(np.float64))
+
+
 @pytest.mark.parametrize("qtype,n,k", [(formats.Q4_0, 40, 96), (formats.Q4_1, 40, 96), (formats.Q8_0, 40, 96),
                                        (formats.Q4_1, 48, 288), (formats.Q8_0, 16, 288)])
 @pytest.mark.parametrize("rows", ROWS)
@@ -138,16 +154,7 @@ def test_k_quants_kept_exactly(isa, qtype, n, k, rows):
     layer = make_linear_method(t)
     kind, fmt = K_FORMATS[qtype]
     assert layer.path == _path(kind, isa) and layer.packed.fmt == fmt
-    w = gguf.quants.dequantize(t.raw, qtype).reshape(n, k)
-    np.testing.assert_array_equal(layer.dequantized().view(np.uint32), w.view(np.uint32))
-    rows_at = np.array([0, n // 2, n - 1], np.int64)
-    out = np.empty((3, k), np.float32)
-    assert kernels.load().kvserve_q_unpack_rows(fmt, layer.packed.data.data_ptr(), n, k, None,
-                                                rows_at.ctypes.data, 3, out.ctypes.data) == 0
-    np.testing.assert_array_equal(out.view(np.uint32), w[rows_at].view(np.uint32))
-    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
-    x[0, 7] = 25.0
-    _check(layer, x, w.astype(np.float64))
+    _check_file_values(layer, t, rows)
 
 
 NEW_FORMATS = {formats.Q3_K: ("q3_k", P.FMT_Q6, 7.0), formats.MXFP4: ("mxfp4", P.FMT_MX4, 4.25)}
@@ -169,16 +176,7 @@ def test_q3_k_and_mxfp4_kept_exactly(isa, qtype, n, k, rows):
     assert layer.path == _path(kind, isa) and layer.packed.fmt == fmt
     if fmt == P.FMT_MX4:  # the file's 4.25 bits a weight
         assert layer.packed.data.numel() * 8 == -(-n // 16) * 16 * k * bits
-    w = gguf.quants.dequantize(t.raw, qtype).reshape(n, k)
-    np.testing.assert_array_equal(layer.dequantized().view(np.uint32), w.view(np.uint32))
-    rows_at = np.array([0, n // 2, n - 1], np.int64)
-    out = np.empty((3, k), np.float32)
-    assert kernels.load().kvserve_q_unpack_rows(fmt, layer.packed.data.data_ptr(), n, k, None,
-                                                rows_at.ctypes.data, 3, out.ctypes.data) == 0
-    np.testing.assert_array_equal(out.view(np.uint32), w[rows_at].view(np.uint32))
-    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
-    x[0, 7] = 25.0
-    _check(layer, x, w.astype(np.float64))
+    _check_file_values(layer, t, rows)
 
 
 def test_mxfp4_exponents_outside_float16_are_refused():
