@@ -144,3 +144,31 @@ def test_every_kept_type_has_one_record():
         assert t.layout.fmt in traits.LAYOUT_TRAITS
     with pytest.raises(ValueError, match="w: unsupported GGML type Q2_K"):
         traits.type_traits(gguf.GGMLQuantizationType.Q2_K, "w")
+
+
+def test_stacked_expert_tensors_are_views_per_expert(tmp_path):
+    """A 3-D GGUF block tensor (llama.cpp's ``ffn_gate_exps``: ``[experts, out, in]``) reads as a stacked
+    ``QuantTensor``; ``expert(e)`` is expert e's rows (a view: no copy), equal to gguf's dequantize of that slice,
+    and its row reads from the file agree."""
+    from kvserve.quant.gguf_io import gguf_metadata, gguf_tensors, open_gguf
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((4, 24, 64)) * 0.1).astype(np.float32)
+    raw = gguf.quants.quantize(w.reshape(96, 64), formats.MXFP4).reshape(4, 24, -1)
+    writer = gguf.GGUFWriter(str(tmp_path / "e.gguf"), "olmoe")
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", raw, raw_dtype=formats.MXFP4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = tmp_path / "e.gguf"
+    t = gguf_tensors(path, gguf_metadata(open_gguf(path)))["blk.0.ffn_gate_exps.weight"]
+    assert t.experts == 4 and t.shape == (96, 64)
+    for e in range(4):
+        x = t.expert(e)
+        assert x.shape == (24, 64) and np.shares_memory(x.raw, t.source)
+        want = gguf.quants.dequantize(raw[e], formats.MXFP4)
+        _same_bits(x.dequantize(), want)
+        _same_bits(x.dequantize(np.array([3, 0])), want[[3, 0]])
+    with pytest.raises(ValueError, match=r"expert must be in \[0, 4\), got 4"):
+        t.expert(4)
