@@ -116,15 +116,14 @@ class QuantTensor:
         process's resident set shrinks; the pages stay in the page cache, and a later read faults them in again).
         Nothing changes what the tensor reads."""
         self.__dict__.pop("raw", None)
-        mm = self.source
-        while mm is not None and not (isinstance(mm, np.memmap) and getattr(mm, "_mmap", None) is not None):
-            mm = mm.base if isinstance(mm, np.ndarray) else None
-        if mm is None or not hasattr(mm._mmap, "madvise") or not self.source.flags.c_contiguous:
+        m = getattr(self.source, "_mmap", None)  # numpy memmap views carry the mapping they view
+        if m is None or not hasattr(m, "madvise") or not self.source.flags.c_contiguous or not self.source.nbytes:
             return
-        off = self.source.ctypes.data - mm.ctypes.data + mm.offset
-        lo = off // mmap.PAGESIZE * mmap.PAGESIZE
         try:
-            mm._mmap.madvise(mmap.MADV_DONTNEED, lo, off + self.source.nbytes - lo)
+            off = self.source.ctypes.data - np.frombuffer(m, np.uint8, count=1).ctypes.data  # from the mapping's start
+            lo = off // mmap.PAGESIZE * mmap.PAGESIZE
+            if 0 <= lo and off + self.source.nbytes <= len(m):
+                m.madvise(mmap.MADV_DONTNEED, lo, off + self.source.nbytes - lo)
         except (OSError, ValueError):  # advice only
             pass
 
