@@ -732,8 +732,13 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
             for (int64_t m = 0; m < M; m++)
                 quantize_row_avx2(x + m * K, K, xq + m * xrow, xd + m * nb, xs + m * nb, pair);
         }
-        if (isa == ISA_AMX_INT8 && M >= AMX_ROWS && fmt != FMT_MX4) { /* fewer rows: all on the VNNI tiles */
-            amx_rows(fmt, pair, w, nb, groups, xq, xd, xs, M, K, y, ldy, oscale);
+        if (isa == ISA_AMX_INT8 && M >= AMX_ROWS) { /* fewer rows: all of them on the VNNI tiles */
+            if (fmt == FMT_MX4) { /* its groups expanded to Q8 blocks first (qgemm_mx4.h) */
+                if (amx_rows_mx4(pair, w, nb, groups, xq, xd, xs, M, K, y, ldy))
+                    __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+            } else {
+                amx_rows(fmt, pair, w, nb, groups, xq, xd, xs, M, K, y, ldy, oscale);
+            }
         } else {
             /* Q4K over more than Q4K_EXPAND_TILES row tiles: each group first as Q4F blocks (q4k_group_to_q4f) */
             const int avx512 = isa == ISA_AVX512_VNNI || isa == ISA_AMX_INT8;

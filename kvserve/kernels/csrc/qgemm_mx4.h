@@ -7,7 +7,8 @@
  * outputs' exponents e[16] (uint8, E8M0), then 256 bytes of 4-bit codes ordered as the Q4 block's nibbles. Each
  * group is expanded, per call, into Q8 blocks in a per-thread buffer (mx4_group_to_q8: one table shuffle per 32
  * weights; d = 2^(e - 128) is a float16 power of two, which pack.pack_mx4 checks is representable) and runs on the
- * Q8 tiles, so every path gives the Q8 path's bits for the same values; the AMX path runs MX4 on the VNNI tiles.
+ * Q8 tiles, so every path gives the Q8 path's bits for the same values (the AMX path expands its whole share of the
+ * groups once per call: amx_rows_mx4).
  */
 
 static const int8_t MX4_KVALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -35,4 +36,30 @@ T_AVX2 static void mx4_group_to_q8(const uint8_t *wg, int64_t nb, uint8_t *out) 
                 _mm256_store_si256((__m256i *)(o + Q8_QS + (4 + j) * 64 + h * 32), hi);
             }
     }
+}
+
+/* The AMX path for MX4 (inside kvserve_qgemm's parallel region, every thread): as amx_rows, with this thread's
+ * contiguous share of the groups expanded to Q8 blocks once per call (mx4_group_to_q8), then the Q8 tiles over them:
+ * the bits of the Q8 path on the same values, so the VNNI path's. Returns 0, or -1 when the expansion buffer could
+ * not be allocated (nothing written by this thread). */
+T_AMX static int amx_rows_mx4(int pair, const uint8_t *w, int64_t nb, int64_t groups, const int8_t *xq,
+                              const float *xd, const float *xs, int64_t M, int64_t K, float *y, int64_t ldy) {
+    const int64_t xrow = pair ? 2 * K : K;
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num(), per = (groups + nth - 1) / nth;
+    const int64_t g0 = tid * per < groups ? tid * per : groups, g1 = g0 + per < groups ? g0 + per : groups;
+    if (g0 >= g1) return 0;
+    const int64_t gb = nb * Q8_BLOCK; /* bytes of one expanded group (a multiple of 32) */
+    uint8_t *q8 = aligned_alloc(64, (size_t)(((g1 - g0) * gb + 63) / 64 * 64));
+    if (!q8) return -1;
+    for (int64_t g = g0; g < g1; g++) mx4_group_to_q8(w + g * nb * MX4_BLOCK, nb, q8 + (g - g0) * gb);
+    amx_configure(FMT_Q8);
+    for (int64_t c0 = 0; c0 < M; c0 += AMX_CHUNK) {
+        const int64_t mc = M - c0 < AMX_CHUNK ? M - c0 : AMX_CHUNK;
+        for (int64_t g = g0; g < g1; g++)
+            group_amx(FMT_Q8, pair, q8 + (g - g0) * gb, nb, xq + c0 * xrow, xd + c0 * nb, xs + c0 * nb, mc, K,
+                      y + c0 * ldy + g * G, ldy, NULL, NULL, 1);
+    }
+    amx_release();
+    free(q8);
+    return 0;
 }
