@@ -744,26 +744,21 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
             const int avx512 = isa == ISA_AVX512_VNNI || isa == ISA_AMX_INT8;
             uint8_t *q4f = fmt == FMT_Q4K && M > Q4K_EXPAND_TILES * (avx512 ? MR5 : MR2)
                                ? aligned_alloc(64, (size_t)(nb * Q4F_BLOCK)) : NULL;
-            /* MX4: each group expanded to Q8 blocks (qgemm_mx4.h); no buffer: the call fails with -2 */
-            uint8_t *q8 = fmt == FMT_MX4 ? aligned_alloc(64, (size_t)((nb * Q8_BLOCK + 63) / 64 * 64)) : NULL;
-            if (fmt == FMT_MX4 && !q8) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; g++) {
                 const uint8_t *wg = w + g * nb * bb;
                 const float *os = oscale ? oscale + g * G : NULL;
                 int f = fmt;
                 if (q4f) q4k_group_to_q4f(wg, nb, q4f), wg = q4f, f = FMT_Q4F;
-                if (fmt == FMT_MX4) {
-                    if (!q8) continue;
-                    mx4_group_to_q8(wg, nb, q8), wg = q8, f = FMT_Q8;
-                }
-                if (avx512)
+                if (fmt == FMT_MX4) /* its own tiles (qgemm_mx4.h) */
+                    avx512 ? mx4_group_avx512(pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy)
+                           : mx4_group_avx2(pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy);
+                else if (avx512)
                     group_avx512(f, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
                 else
                     group_avx2(f, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
             }
             free(q4f);
-            free(q8);
         }
     }
     if (!on_stack) { free(xq); free(xd); free(xs); }

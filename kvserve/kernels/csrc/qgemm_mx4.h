@@ -4,11 +4,11 @@
  * kernels' integer dot products are exact for it.
  *
  * The MX4 layout (qgemm_layouts.h) keeps the file's 4.25 bits a weight: per block of 16 outputs x 32 inputs, the
- * outputs' exponents e[16] (uint8, E8M0), then 256 bytes of 4-bit codes ordered as the Q4 block's nibbles. Each
- * group is expanded, per call, into Q8 blocks in a per-thread buffer (mx4_group_to_q8: one table shuffle per 32
- * weights; d = 2^(e - 128) is a float16 power of two, which pack.pack_mx4 checks is representable) and runs on the
- * Q8 tiles, so every path gives the Q8 path's bits for the same values (the AMX path expands its whole share of the
- * groups once per call: amx_rows_mx4).
+ * outputs' exponents e[16] (uint8, E8M0), then 256 bytes of 4-bit codes ordered as the Q4 block's nibbles. The AVX2
+ * and AVX-512 VNNI tiles read it directly (mx4_avx2_tile, mx4_avx512_tile: one table shuffle per 32 weights into the
+ * Q8 tiles' steps); the AMX path expands its share of the groups into Q8 blocks once per call (mx4_group_to_q8,
+ * amx_rows_mx4: d = 2^(e - 128) as a float16 power of two, which pack.pack_mx4 checks is representable) and runs
+ * the Q8 tiles. Both give the Q8 path's bits for the same values.
  */
 
 static const int8_t MX4_KVALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -35,6 +35,108 @@ T_AVX2 static void mx4_group_to_q8(const uint8_t *wg, int64_t nb, uint8_t *out) 
                 _mm256_store_si256((__m256i *)(o + Q8_QS + j * 64 + h * 32), lo);
                 _mm256_store_si256((__m256i *)(o + Q8_QS + (4 + j) * 64 + h * 32), hi);
             }
+    }
+}
+
+/* The tiles read MX4 blocks directly (no expansion): each step's codes through the value table into the signed int8
+ * weights the Q8 tiles load, with the Q8 tiles' step and epilogue macros, and d = 2^(e - 128) formed as a float
+ * ((e - 1) << 23, e in [104, 143]): the same float as the expanded block's float16 d, the same exact integer sums,
+ * so the same bits as the Q8 path on the expanded blocks (which the AMX path runs). Step jj's low nibbles are Q8 step
+ * jj (inputs 4 jj + i), its high nibbles Q8 step 4 + jj (inputs 16 + 4 jj + i). */
+T_AVX512 INLINE void mx4_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
+                                     const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
+                                     const int mr, const int f32s, const int pair) {
+    (void)xs, (void)f32s;
+    const __m512i bias = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(0x0F);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX4_KVALUES));
+    const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
+    A5_ROWS(A5_ZERO_F)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * MX4_BLOCK;
+        PREFETCH(blk, MX4_BLOCK)
+        __m512i corr = _mm512_setzero_si512(); /* 128 * sum_k q_w, per output */
+        A5_ROWS(A5_ZERO_A)
+        _Pragma("GCC unroll 1") for (int jj = 0; jj < 4; jj++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(blk + MX4_QS + jj * 64));
+            {
+                const int j = jj;
+                const __m512i w = _mm512_shuffle_epi8(lut, _mm512_and_si512(raw, m4));
+                corr = _mm512_dpbusd_epi32(corr, bias, w);
+                A5_ROWS(A5_Q8_STEP)
+            }
+            {
+                const int j = jj + 4;
+                const __m512i w = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+                corr = _mm512_dpbusd_epi32(corr, bias, w);
+                A5_ROWS(A5_Q8_STEP)
+            }
+        }
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + MX4_E)));
+        const __m512 dw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23));
+        A5_ROWS(A5_Q8_END)
+    }
+    A5_ROWS(A5_STORE)
+}
+
+T_AVX2 INLINE void mx4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const int8_t *xq, const float *xd,
+                                 const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr,
+                                 const int f32s, const int pair) {
+    (void)xs, (void)f32s;
+    const __m256i ones = _mm256_set1_epi16(1), res16 = _mm256_set1_epi16(RES), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX4_KVALUES));
+    const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
+    A2_ROWS(A2_ZERO_F)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * MX4_BLOCK;
+        if (!half) PREFETCH(blk, MX4_BLOCK)
+        A2_ROWS(A2_ZERO_A)
+        _Pragma("GCC unroll 1") for (int jj = 0; jj < 4; jj++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + MX4_QS + jj * 64 + half * 32));
+            {
+                const int j = jj;
+                const __m256i w = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, m4)), aw = _mm256_abs_epi8(w);
+                A2_ROWS(A2_Q8_STEP)
+            }
+            {
+                const int j = jj + 4;
+                const __m256i w = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+                const __m256i aw = _mm256_abs_epi8(w);
+                A2_ROWS(A2_Q8_STEP)
+            }
+        }
+        const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + MX4_E + half * 8)));
+        const __m256 dw = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23));
+        A2_ROWS(A2_Q8_END)
+    }
+    A2_ROWS(A2_STORE)
+}
+
+/* One MX4 group over M rows on the VNNI (avx512) or AVX2 tiles, as group_avx512 / group_avx2 do for the others. */
+T_AVX2 static void mx4_group_avx2(int pair, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
+                                  const float *xs, int64_t M, int64_t K, float *y, int64_t ldy) {
+    const float *oscale = NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += MR2) {
+        int mr = (M - m0) < MR2 ? (int)(M - m0) : MR2;
+        for (int half = 0; half < 2; half++) {
+            const int8_t *xq_ = xq + m0 * K * (pair ? 2 : 1);
+            const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
+            float *y_ = y + m0 * ldy + half * 8;
+            if (pair) { switch (mr) { TILE_SWITCH4(mx4_avx2_tile, 0, 1, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, oscale) } }
+            else { switch (mr) { TILE_SWITCH4(mx4_avx2_tile, 0, 0, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, oscale) } }
+        }
+    }
+}
+
+T_AVX512 static void mx4_group_avx512(int pair, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
+                                      const float *xs, int64_t M, int64_t K, float *y, int64_t ldy) {
+    const float *oscale = NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += MR5) {
+        int mr = (M - m0) < MR5 ? (int)(M - m0) : MR5;
+        const int8_t *xq_ = xq + m0 * K * (pair ? 2 : 1);
+        const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
+        float *y_ = y + m0 * ldy;
+        if (pair) { switch (mr) { TILE_SWITCH6(mx4_avx512_tile, 0, 1, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }
+        else { switch (mr) { TILE_SWITCH6(mx4_avx512_tile, 0, 0, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }
     }
 }
 
