@@ -234,3 +234,31 @@ def test_quantized_moe_is_batch_invariant_bit_for_bit(qtype, spec):
         assert torch.equal(parts, whole)
     perm = torch.randperm(53, generator=torch.Generator().manual_seed(1))
     assert torch.equal(moe(x[perm]), whole[perm])
+
+
+@pytest.mark.skipif(kernels.isa() is None, reason=str(kernels.unavailable_reason()))
+def test_gguf_stacked_mxfp4_experts_compute_their_values():
+    """Experts from llama.cpp's stacked tensors (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, MXFP4, as
+    gguf_io reads a 3-D tensor: ``expert(e)`` views) on the kernels equal the same MoE over their dequantized float32
+    values to the activations' int8 rounding."""
+    rng = np.random.default_rng(5)
+    hidden, inter = 256, 128
+
+    def stacked(name, n, k):
+        raw = gguf.quants.quantize((rng.standard_normal((E * n, k)) * 0.1).astype(np.float32), formats.MXFP4)
+        return QuantTensor(name, formats.MXFP4, raw, (E * n, k), experts=E)
+
+    gate, up, down = stacked("g", inter, hidden), stacked("u", inter, hidden), stacked("d", hidden, inter)
+    router = Linear(torch.randn(E, hidden, generator=torch.Generator().manual_seed(0)) * 0.3)
+    spec = RouterSpec(E, K, "topk_softmax")
+    quant = MoE(router, spec, [ExpertMLP(make_linear_method([gate.expert(e), up.expert(e)]),
+                                         make_linear_method(down.expert(e)), "swiglu_oai") for e in range(E)])
+    dense = MoE(router, spec, [ExpertMLP(Linear(torch.from_numpy(np.concatenate([gate.expert(e).dequantize(),
+                                                                                  up.expert(e).dequantize()]))),
+                                         Linear(torch.from_numpy(down.expert(e).dequantize())), "swiglu_oai")
+                               for e in range(E)])
+    assert quant.experts[3].gate_up.path.startswith("mxfp4/")
+    x = torch.randn(20, hidden, generator=torch.Generator().manual_seed(1))
+    got, want = quant(x), dense(x)
+    assert torch.equal(quant.route(x)[1], dense.route(x)[1])
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * float(want.abs().max()))
