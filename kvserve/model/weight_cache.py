@@ -207,7 +207,9 @@ class WeightCache:
             raise
         if runs_as:
             logger.info("weights: %s", describe_weight_formats(runs_as))
-        if writer is not None:
+        if writer is not None and not writer.layers:  # nothing quantized to keep
+            writer.abort()
+        elif writer is not None:
             try:
                 writer.finish(self._expected(quantization), self._delete_others)
             except OSError as e:

@@ -62,8 +62,8 @@ Q4F = Layout("Q4F", 2, 384, {"D": 0, "M": 64, "QS": 128}, doc="float32 d[16], m[
 Q6 = Layout("Q6", 3, 448, {"D": 0, "SC_LO": 32, "SC_HI": 48, "QL": 64, "QH": 320},
             doc="fp16 d[16], int8 sc_lo[16], sc_hi[16], 256 bytes of low nibbles, 128 of high 2-bit fields")
 Q5F = Layout("Q5F", 4, 448, {"D": 0, "M": 64, "QS": 128, "QH": 384}, doc="a Q4F block, then 64 bytes of fifth bits")
-Q4K = Layout("Q4K", 5, 296, {"SC": 0, "MN": 16, "QS": 32}, k_multiple=256, super_offsets={"D": 0, "DMIN": 32, "BLOCKS": 64},
-             super_bytes=64 + 8 * 288,
+Q4K = Layout("Q4K", 5, 296, {"SC": 0, "MN": 16, "QS": 32}, k_multiple=256,
+             super_offsets={"D": 0, "DMIN": 32, "BLOCKS": 64}, super_bytes=64 + 8 * 288,
              doc="per 8 blocks fp16 d[16], dmin[16]; per block (288 bytes) uint8 sc[16], mn[16], 256 bytes of nibbles")
 MX4 = Layout("MX4", 6, 272, {"E": 0, "QS": 16},
              doc="uint8 E8M0 exponent e[16], 256 bytes of 4-bit E2M1 codes (w = kvalues[code] * 2^(e - 128))")
@@ -91,8 +91,8 @@ def render_c_header() -> str:
     ``KVSERVE_Q_LAYOUT`` (their values, in order, for ``kvserve_q_layout``)."""
     consts = c_constants()
     lines = ["/* The packed layouts' constants, generated from kvserve/quant/layouts.py by `python -m",
-             " * kvserve.quant.layouts`: do not edit by hand (a test compares this file with the generator's output, and",
-             " * kvserve/kernels/qgemm.py compares the compiled values with the Python records at load). */",
+             " * kvserve.quant.layouts`: do not edit by hand (a test compares this file with the generator's",
+             " * output, and kvserve/kernels/qgemm.py compares the compiled values with the Python records at load). */",
              "#ifndef KVSERVE_QGEMM_LAYOUTS_H", "#define KVSERVE_QGEMM_LAYOUTS_H", ""]
     lines += [f"#define QK {QK}", f"#define G {G}"]
     lines.append("enum { " + ", ".join(f"{n} = {v}" for n, v in consts if n.startswith("FMT_")) + " };")

@@ -229,7 +229,8 @@ def _block_scales(data, lay: L.Layout, part: str, dtype: str, g, o, groups: int,
 
 
 def _nibbles(data, off: int, g, o, groups: int, nb: int) -> np.ndarray:
-    """``[T, nb, half, j, i]`` uint8: the 4-bit fields of a block's 256 bytes at ``off`` (input ``16 half + 4j + i``)."""
+    """``[T, nb, half, j, i]`` uint8: the 4-bit fields of a block's 256 bytes at ``off`` (input
+    ``16 half + 4j + i``)."""
     nib = data[..., off:off + 256].reshape(groups, nb, 4, G, 4)[g, :, :, o, :]  # [T, nb, j, i]
     return np.stack([nib & 0x0F, nib >> 4], axis=2)
 
@@ -238,7 +239,8 @@ def unpack_rows_q8(w: PackedWeight, rows: np.ndarray) -> np.ndarray:
     """Q8: ``d * q`` (times ``oscale[row]``), float32 ``[T, K]``."""
     data, g, o, groups, nb = _sel(w, rows)
     q = data[..., L.Q8.off("QS"):].view(np.int8).reshape(groups, nb, 8, G, 4)[g, :, :, o, :]  # [T, nb, j, i]
-    full = q.reshape(len(rows), nb, QK).astype(np.float32) * _block_scales(data, L.Q8, "D", "<f2", g, o, groups, nb)[..., None]
+    d = _block_scales(data, L.Q8, "D", "<f2", g, o, groups, nb)
+    full = q.reshape(len(rows), nb, QK).astype(np.float32) * d[..., None]
     if w.oscale is not None:
         full = full * w.oscale.numpy()[rows][:, None, None]
     return full.reshape(len(rows), nb * QK)
@@ -261,7 +263,8 @@ def unpack_rows_q6(w: PackedWeight, rows: np.ndarray) -> np.ndarray:
 
 
 def unpack_rows_q4(w: PackedWeight, rows: np.ndarray) -> np.ndarray:
-    """Q4, Q4F, Q5F, Q4K: ``d * q + m`` per block (Q4K: ``d = d_sb * sc``, ``m = -(dmin_sb * mn)``), float32 ``[T, K]``."""
+    """Q4, Q4F, Q5F, Q4K: ``d * q + m`` per block (Q4K: ``d = d_sb * sc``, ``m = -(dmin_sb * mn)``), float32
+    ``[T, K]``."""
     data, g, o, groups, nb = _sel(w, rows)
     lay, t = L.LAYOUTS[w.fmt], len(rows)
     if w.fmt == FMT_Q4K:  # [groups, nb / 8, super-block]: d[16], dmin[16] float16, then 8 blocks

@@ -218,7 +218,8 @@ def _quant_experts(qtype, seed, activation="silu"):
 def test_quantized_moe_is_batch_invariant_bit_for_bit(qtype, spec):
     """On the quantized kernels a row's output bits are the same alone, in any batch (beside rows that pick other
     experts), and in chunks of any size."""
-    experts, hidden = _quant_experts(qtype, seed=int(qtype), activation="swiglu_oai" if qtype == formats.MXFP4 else "silu")
+    act = "swiglu_oai" if qtype == formats.MXFP4 else "silu"
+    experts, hidden = _quant_experts(qtype, seed=int(qtype), activation=act)
     router = Linear(torch.randn(E, hidden, generator=torch.Generator().manual_seed(3)) * 0.3)
     moe = MoE(router, spec, experts)
     assert experts[0].gate_up.path.split("/")[0] == {formats.Q4_K: "q4_k", formats.Q8_0: "q8",

@@ -1,6 +1,6 @@
 /* The packed layouts' constants, generated from kvserve/quant/layouts.py by `python -m
- * kvserve.quant.layouts`: do not edit by hand (a test compares this file with the generator's output, and
- * kvserve/kernels/qgemm.py compares the compiled values with the Python records at load). */
+ * kvserve.quant.layouts`: do not edit by hand (a test compares this file with the generator's
+ * output, and kvserve/kernels/qgemm.py compares the compiled values with the Python records at load). */
 #ifndef KVSERVE_QGEMM_LAYOUTS_H
 #define KVSERVE_QGEMM_LAYOUTS_H
 
