@@ -1,0 +1,195 @@
+"""The prefix cache's disk tier off the step thread: a few threads read and write ``DiskBlockStore`` entries.
+
+The scheduler asks ``num_present`` (one ``stat`` per block, on the step thread) how many of a request's next
+blocks the store holds, and ``load`` reads them in a worker thread (``LoadResult``: the payloads of the leading
+blocks that were whole and verified). The engine hands each block that became full and cached to ``save`` with a
+copy of its bytes (taken on the step thread, so the block may be reused at once); a worker writes it. Writes wait
+in a queue bounded by ``max_pending_bytes``: beyond it a block is not written (counted in
+``KVTierStats.writes_dropped``), so a slow disk never grows memory without bound.
+
+Why blocks are written when they become cached, not when the pool evicts them: at eviction the block's memory is
+handed to another request in the same call, so its bytes would have to be copied on the step thread at the worst
+moment; blocks still in the pool at a crash or a restart would be lost; and the other processes of a data-parallel
+deployment see a block as soon as one of them has computed it. The cost is writing blocks that the pool alone
+would have served; each key is written once per directory (``put`` skips existing files).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from kvserve.core.block_pool import BlockHash
+from kvserve.core.kv_disk_store import DiskBlockStore
+
+#: Worker threads of a tier (reads and writes share them).
+DEFAULT_NUM_THREADS = 2
+#: Bytes of block copies waiting to be written, at most.
+DEFAULT_MAX_PENDING_BYTES = 256 * 1024**2
+
+
+@dataclass
+class KVTierStats:
+    """Counters of one engine's disk tier since start.
+
+    Attributes:
+        lookups: blocks looked up in the store (those after a request's pool hits, up to the last prompt token).
+        hits: blocks loaded from the store and entered in the pool; ``misses = lookups - hits``.
+        bad_entries: entries found torn, truncated, foreign or corrupted (deleted and recomputed).
+        bytes_read, bytes_written: payload + entry bytes moved.
+        blocks_written: entries written by this process.
+        writes_dropped: blocks not written because the write queue was full or writes are off.
+        loads, load_seconds: load jobs finished and their total time from start to the copy (seconds).
+        load_seconds_samples: the most recent jobs' times (seconds), for histograms.
+    """
+
+    lookups: int = 0
+    hits: int = 0
+    bad_entries: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    blocks_written: int = 0
+    writes_dropped: int = 0
+    loads: int = 0
+    load_seconds: float = 0.0
+    load_seconds_samples: list = field(default_factory=list)
+
+    @property
+    def misses(self) -> int:
+        return self.lookups - self.hits
+
+    @property
+    def hit_rate(self) -> float:
+        """Blocks loaded over blocks looked up, 0..1 (0 with none)."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+@dataclass
+class LoadResult:
+    """What a load job read: ``payloads[i]`` is block ``i``'s (only the leading run of whole, verified entries);
+    ``seconds`` how long the reads took."""
+
+    payloads: list
+    seconds: float
+
+
+class KVDiskTier:
+    """Asynchronous reads and writes of one ``DiskBlockStore``.
+
+    Args:
+        store: the entries.
+        payload_bytes: bytes of one block's payload (the model runner's ``block_nbytes``).
+        num_threads: worker threads.
+        max_pending_bytes: bound on the bytes of block copies queued for writing.
+    """
+
+    def __init__(self, store: DiskBlockStore, payload_bytes: int, num_threads: int = DEFAULT_NUM_THREADS,
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES):
+        self.store = store
+        self.payload_bytes = payload_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.stats = KVTierStats()
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kvserve-kv-disk")
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._writes: set[Future] = set()
+        self._known: set[bytes] = set()  # keys this process wrote, loaded or saw on disk
+
+    # ------------------------------------------------------------------------------------------------ reads
+    def num_present(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of ``hashes`` (a request's next blocks, in order) have an entry, counting from the first (the
+        caller counts its lookups in ``stats.lookups``)."""
+        n = 0
+        for h in hashes:
+            if not self.store.contains(h):
+                break
+            n += 1
+        return n
+
+    def load(self, hashes: Sequence[BlockHash]) -> "Future[LoadResult]":
+        """Read the entries of ``hashes`` in a worker thread; the future's ``LoadResult`` holds the payloads of the
+        leading run of good entries (reading stops at the first missing or bad one)."""
+        return self._pool.submit(self._read, list(hashes))
+
+    def _read(self, hashes: list[BlockHash]) -> LoadResult:
+        start = time.monotonic()
+        out = []
+        for h in hashes:
+            payload = self.store.get(h, self.payload_bytes)
+            if payload is None:
+                break
+            out.append(payload)
+        return LoadResult(out, time.monotonic() - start)
+
+    def finish_load(self, hashes: Sequence[BlockHash], result: LoadResult, seconds: float) -> None:
+        """Account a finished load whose blocks entered the pool (``seconds``: from its start to now)."""
+        n = len(result.payloads)
+        s = self.stats
+        s.hits += n
+        s.bad_entries = self.store.num_bad_entries
+        s.bytes_read += n * self.payload_bytes
+        s.loads += 1
+        s.load_seconds += seconds
+        s.load_seconds_samples.append(seconds)
+        del s.load_seconds_samples[:-256]
+        with self._lock:
+            self._known.update(h.value for h in hashes[:n])
+
+    # ------------------------------------------------------------------------------------------------ writes
+    def wants(self, block_hash: BlockHash) -> bool:
+        """Whether ``save`` would write this block: writes are on, it is not known to be in the store, and the
+        write queue has room. Cheap (a set lookup and a ``stat``); call it before copying the block out."""
+        if not self.store.write_enabled:
+            self.stats.writes_dropped += 1
+            return False
+        if block_hash.value in self._known:
+            return False
+        if self.store.contains(block_hash):
+            self._known.add(block_hash.value)
+            return False
+        if self._pending_bytes + self.payload_bytes > self.max_pending_bytes:
+            self.stats.writes_dropped += 1
+            return False
+        return True
+
+    def save(self, block_hash: BlockHash, payload: Sequence) -> None:
+        """Write the entry of ``block_hash`` (``payload``: bytes-like chunks that no one else writes to) in a worker
+        thread."""
+        size = sum(memoryview(c).nbytes for c in payload)
+        with self._lock:
+            self._pending_bytes += size
+            self._known.add(block_hash.value)
+        fut = self._pool.submit(self._write, block_hash, payload, size)
+        with self._lock:
+            self._writes.add(fut)
+        fut.add_done_callback(self._write_done)
+
+    def _write_done(self, fut: Future) -> None:
+        with self._lock:
+            self._writes.discard(fut)
+
+    def _write(self, block_hash: BlockHash, payload: Sequence, size: int) -> None:
+        try:
+            written = self.store.put(block_hash, payload)
+        finally:
+            with self._lock:
+                self._pending_bytes -= size
+        if written:
+            with self._lock:
+                self.stats.bytes_written += written
+                self.stats.blocks_written += 1
+
+    def flush(self) -> None:
+        """Wait until every queued write is on disk (or failed)."""
+        with self._lock:
+            writes = list(self._writes)
+        for fut in writes:
+            fut.result()
+
+    def close(self) -> None:
+        """Flush, then stop the worker threads."""
+        self.flush()
+        self._pool.shutdown(wait=True)
