@@ -138,6 +138,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def loading_requests(self) -> list[Request]:
+        """The requests waiting for their blocks from the disk tier (``WAITING_FOR_KV_LOAD``), oldest first."""
+        return sorted((j.request for j in self._kv_loads.values()), key=lambda r: r.queue_seq)
+
     def update_draft_token_ids(self, drafts: dict[str, tuple[list[int], Optional[torch.Tensor]]]) -> None:
         """Drafts to verify in the next step (speculative decoding; vLLM's ``update_draft_token_ids``): request id
         -> ``(draft token ids, their distributions q [k, V] float32 or None for deterministic drafts)``. Drafts of
