@@ -27,6 +27,8 @@ from kvserve.core.kv_disk_store import DiskBlockStore
 
 #: Worker threads of a tier (reads and writes share them).
 DEFAULT_NUM_THREADS = 2
+#: A load is split over the threads in parts of at least this many blocks.
+MIN_BLOCKS_PER_PART = 8
 #: Bytes of block copies waiting to be written, at most.
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024**2
 
@@ -91,6 +93,7 @@ class KVDiskTier:
         self.store = store
         self.payload_bytes = payload_bytes
         self.max_pending_bytes = max_pending_bytes
+        self.num_threads = num_threads
         self.stats = KVTierStats()
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kvserve-kv-disk")
         self._lock = threading.Lock()
@@ -110,9 +113,37 @@ class KVDiskTier:
         return n
 
     def load(self, hashes: Sequence[BlockHash]) -> "Future[LoadResult]":
-        """Read the entries of ``hashes`` in a worker thread; the future's ``LoadResult`` holds the payloads of the
-        leading run of good entries (reading stops at the first missing or bad one)."""
-        return self._pool.submit(self._read, list(hashes))
+        """Read the entries of ``hashes`` in the worker threads (split in contiguous parts of at least
+        ``MIN_BLOCKS_PER_PART``, one per thread: reads and checksums release the GIL); the future's ``LoadResult``
+        holds the payloads of the leading run of good entries (each part stops at its first missing or bad one,
+        and the parts after a short one are not used)."""
+        hashes = list(hashes)
+        k = max(1, min(self.num_threads, len(hashes) // MIN_BLOCKS_PER_PART))
+        size = -(-len(hashes) // k)
+        parts = [self._pool.submit(self._read, hashes[i : i + size]) for i in range(0, len(hashes), size)]
+        if len(parts) == 1:
+            return parts[0]
+        combined: Future = Future()
+        left = [len(parts)]
+        lock = threading.Lock()
+
+        def part_done(_) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            payloads, seconds = [], 0.0
+            for i, part in enumerate(parts):
+                r = part.result()
+                payloads += r.payloads
+                seconds = max(seconds, r.seconds)
+                if len(r.payloads) < len(hashes[i * size : (i + 1) * size]):
+                    break
+            combined.set_result(LoadResult(payloads, seconds))
+
+        for part in parts:
+            part.add_done_callback(part_done)
+        return combined
 
     def _read(self, hashes: list[BlockHash]) -> LoadResult:
         start = time.monotonic()

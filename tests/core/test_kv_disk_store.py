@@ -177,3 +177,19 @@ def test_an_unusable_directory_is_refused_by_name(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ValueError, match="kv_disk_cache_dir .*file"):
         DiskBlockStore(blocker / "sub", FP, 10**9)
+
+
+def test_a_load_split_over_threads_stops_at_the_first_bad_entry(tmp_path):
+    store = DiskBlockStore(tmp_path, FP, 10**9)
+    tier = KVDiskTier(store, PAYLOAD, num_threads=2)
+    hs = chain(20)
+    for h in hs:
+        store.put(h, payload_of(h))
+    result = tier.load(hs).result(timeout=60)  # two parts of 10
+    assert [bytes(p) for p in result.payloads] == [payload_of(h)[0] for h in hs]
+    path = store.path(hs[4].value)
+    path.write_bytes(path.read_bytes()[:100])  # a torn entry in the first part: the second part is not used
+    result = tier.load(hs).result(timeout=60)
+    assert [bytes(p) for p in result.payloads] == [payload_of(h)[0] for h in hs[:4]]
+    assert store.num_bad_entries == 1
+    tier.close()
