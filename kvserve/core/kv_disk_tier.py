@@ -16,6 +16,7 @@ would have served; each key is written once per directory (``put`` skips existin
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,8 @@ from typing import Sequence
 
 from kvserve.core.block_pool import BlockHash
 from kvserve.core.kv_disk_store import DiskBlockStore
+
+logger = logging.getLogger(__name__)
 
 #: Worker threads of a tier (reads and writes share them).
 DEFAULT_NUM_THREADS = 2
@@ -218,7 +221,10 @@ class KVDiskTier:
         with self._lock:
             writes = list(self._writes)
         for fut in writes:
-            fut.result()
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 (a write that failed is a block not on disk, nothing more)
+                logger.exception("KV disk tier: a block write failed")
 
     def close(self) -> None:
         """Flush, then stop the worker threads."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -34,7 +35,7 @@ import torch
 from kvserve.config import SchedulerConfig
 from kvserve.core.block_pool import BlockHash, KVCacheBlock
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.kv_disk_tier import KVDiskTier
+from kvserve.core.kv_disk_tier import KVDiskTier, LoadResult
 from kvserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.structured.backend import plan_bitmask
@@ -44,6 +45,8 @@ def _priority_key(req: Request) -> tuple:
     """Lower ``priority`` value first; ties in arrival order."""
     return (req.priority, req.queue_seq)
 
+
+logger = logging.getLogger(__name__)
 
 #: With nothing else to do, ``schedule`` waits at most this long (seconds) for a disk-tier load to finish.
 KV_LOAD_POLL_SECONDS = 0.05
@@ -324,7 +327,11 @@ class Scheduler:
             req = job.request
             del self._kv_loads[req.request_id]
             if job.blocks:
-                result = job.future.result()
+                try:
+                    result = job.future.result()
+                except Exception:  # noqa: BLE001 (a failed read is a miss: the blocks are recomputed)
+                    logger.exception("KV disk tier: loading the blocks of request %s failed", req.request_id)
+                    result = LoadResult([], 0.0)
                 for block, h, payload in zip(job.blocks, job.hashes, result.payloads):
                     if kv.block_pool.cache_block(block, h):
                         out.kv_loads.append((block.block_id, payload))

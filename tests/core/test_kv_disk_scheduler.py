@@ -180,3 +180,20 @@ def test_a_second_request_on_the_same_prefix_waits_for_the_first_load(tmp_path):
     assert [(s.request_id, s.start_pos, s.block_ids) for s in so.scheduled] == [
         ("a", 16, [0, 1, 2, 3, 4]), ("b", 16, [0, 1, 2, 3, 5])]
     assert tier.stats.hits == 4 and tier.stats.lookups == 4 and not tier.pending
+
+
+def test_a_failed_read_is_a_miss(tmp_path, caplog):
+    prompt = list(range(10, 28))
+    fill_store(tmp_path, prompt)
+    tier = ManualTier(tmp_path)
+    sched, kv = new_sched(tier)
+    sched.add_request(req("r", prompt))
+    step(sched, kv, tier)
+    _, fut = tier.pending.pop()
+    fut.set_exception(MemoryError("no room for the read"))
+    so = step(sched, kv, tier)  # logged, not raised; the request computes everything
+    assert so.kv_loads == [] and [(s.start_pos, len(s.token_ids)) for s in so.scheduled] == [(0, 18)]
+    assert "loading the blocks of request r failed" in caplog.text
+    while sched.has_unfinished_requests():
+        step(sched, kv, tier)
+    assert kv.block_pool.num_free_blocks == 32
