@@ -112,7 +112,7 @@ def serve(args) -> dict:
     blocks_per_prefix = args.prefix_len // 16
     args.num_kv_blocks_serve = args.num_kv_blocks or max(
         int(args.pool_fraction * args.num_prefixes * blocks_per_prefix),
-        args.max_num_seqs * ((args.prefix_len + args.suffix_len + args.output_len) // 16 + 1))
+        2 * ((args.prefix_len + args.suffix_len + args.output_len) // 16 + 1))  # (two requests at least)
     print(f"pool: {args.num_kv_blocks_serve} blocks of 16 tokens; the prefixes' KV: "
           f"{args.num_prefixes * blocks_per_prefix} blocks", flush=True)
     runs = {}

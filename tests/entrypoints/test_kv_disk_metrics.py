@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from kvserve.core.block_pool import hash_block
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_disk_store import ENTRY_HEADER, DiskBlockStore
@@ -61,3 +63,32 @@ def test_prometheus_exposes_the_tier(tmp_path):
                  f'kvserve:kv_disk_cache_usage_bytes{{model_name="m"}} {2.0 * entry}'):
         assert line in text, line
     tier.close()
+
+
+@pytest.mark.real_model
+@pytest.mark.server
+def test_one_flag_turns_it_on_and_the_server_shows_it(tmp_path):
+    """A server with only ``kv_disk_cache_dir`` set: the first request writes its blocks, a second server on the
+    same directory (a restart) loads them; /metrics and /v1/engine/state show it; the answers are identical."""
+    import httpx
+
+    from tests.entrypoints.conftest import LiveServer
+
+    prompt = list(range(1000, 1000 + 16 * 5 + 3))  # five full blocks and three tokens
+    answers = []
+    for run in range(2):
+        server = LiveServer(num_kv_blocks=32, kv_disk_cache_dir=str(tmp_path)).start()
+        try:
+            body = {"model": server.llm_model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                    "logprobs": 1, "ignore_eos": True}
+            choice = httpx.post(server.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]
+            answers.append((choice["text"], choice["logprobs"]["token_logprobs"]))
+            m = server.wait_idle(120)
+            tier = httpx.get(server.url + "/v1/engine/state", timeout=30).json()["snapshot"]["kv_tier"]
+            assert tier["lookups"] == 5 and m["kvserve:kv_disk_cache_queries_total"] == 5
+            assert tier["hits"] == m["kvserve:kv_disk_cache_hits_total"] == (0 if run == 0 else 5)
+            assert tier["write_enabled"] and tier["capacity_bytes"] > 0
+            server.llm.engine.kv_tier.flush()
+        finally:
+            server.stop()
+    assert answers[0] == answers[1]
