@@ -40,13 +40,13 @@ from kvserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, Sched
 from kvserve.request import Request, RequestStatus
 from kvserve.structured.backend import plan_bitmask
 
+logger = logging.getLogger(__name__)
+
 
 def _priority_key(req: Request) -> tuple:
     """Lower ``priority`` value first; ties in arrival order."""
     return (req.priority, req.queue_seq)
 
-
-logger = logging.getLogger(__name__)
 
 #: With nothing else to do, ``schedule`` waits at most this long (seconds) for a disk-tier load to finish.
 KV_LOAD_POLL_SECONDS = 0.05
