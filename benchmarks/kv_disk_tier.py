@@ -149,7 +149,7 @@ def serve(args) -> dict:
             print(f"tier {mode:3s}: prefix-cache hit rate {100 * (r['prefix_cache_hit_rate'] or 0):5.1f}%, TTFT mean "
                   f"{r['mean_ttft_ms']:8.1f} ms p99 {r['p99_ttft_ms']:8.1f} ms, {r['completed']} done in "
                   f"{r['duration_s']:.0f} s" + (f"; tier blocks looked up {tier.get('queries', 0):.0f}, loaded "
-                                                f"{tier.get('hits', 0):.0f}" if tier else ""), flush=True)
+                                                f"{tier.get('hits', 0):.0f}" if mode == "on" else ""), flush=True)
     return runs
 
 
