@@ -1,7 +1,7 @@
 """The prefix cache's disk tier off the step thread: a few threads read and write ``DiskBlockStore`` entries.
 
 The scheduler asks ``num_present`` (one ``stat`` per block, on the step thread) how many of a request's next
-blocks the store holds, and ``load`` reads them in a worker thread (``LoadResult``: the payloads of the leading
+blocks the store holds, and ``load`` reads them in the worker threads (``LoadResult``: the payloads of the leading
 blocks that were whole and verified). The engine hands each block that became full and cached to ``save`` with a
 copy of its bytes (taken on the step thread, so the block may be reused at once); a worker writes it. Writes wait
 in a queue bounded by ``max_pending_bytes``: beyond it a block is not written (counted in

@@ -163,7 +163,7 @@ class DashboardHub:
         self.num_snapshots += 1
         sched = engine.scheduler
         t0 = time.perf_counter()
-        tier = getattr(engine, "kv_tier", None)
+        tier = engine.kv_tier
         loading = sched.loading_requests
         data = build_snapshot(
             engine.kv_cache_manager, sched.running, loading + sched.waiting, seq=self.num_snapshots, now=now,

@@ -110,7 +110,7 @@ class PrometheusStatLogger:
 
     def record(self, outputs: list, engine, now: float) -> None:
         """Observe one loop turn: per-request latencies from ``outputs`` (``RequestOutput`` list, possibly empty),
-        then gauges and counters from ``engine`` (``scheduler``, ``kv_cache_stats()``, ``stats``)."""
+        then gauges and counters from ``engine`` (``scheduler``, ``kv_cache_stats()``, ``stats``, ``kv_tier``)."""
         for out in outputs:
             rid = out.request_id
             n_new = sum(len(c.delta_token_ids) for c in out.outputs)  # n samples, speculative steps
@@ -139,7 +139,7 @@ class PrometheusStatLogger:
         if spec is not None:
             totals += [(self.spec_drafts, spec.num_drafts), (self.spec_draft_tokens, spec.num_draft_tokens),
                        (self.spec_accepted, spec.num_accepted_tokens)]
-        tier = getattr(engine, "kv_tier", None)
+        tier = engine.kv_tier
         if tier is not None:
             t = tier.stats
             totals += [(self.tier_queries, t.lookups), (self.tier_hits, t.hits), (self.tier_bad, t.bad_entries),
