@@ -23,7 +23,7 @@ Guarantees:
 - **Bounded**: least recently used first out by bytes over the whole directory (every fingerprint). A hit sets the
   file's modification time (one ``utime``), the LRU clock. When this process's estimate of the directory's bytes
   passes the budget, or every ``RESCAN_FRACTION`` of the budget it wrote (so other processes' writes are seen), one
-  process at a time (an ``flock`` on ``<dir>/.lock``; others skip) lists the entries and deletes the oldest until
+  process at a time (an ``flock`` on ``<dir>/.lock``; the others try again at their next write) lists the entries and deletes the oldest until
   the total is under ``LOW_WATERMARK`` of the budget. Deleting a file another process is reading is safe on POSIX
   (its open file keeps the bytes); a reader that finds it gone has a miss.
 - **Degrades**: a write that fails (full disk, quota, permissions) turns writes off for the rest of the process,
@@ -109,7 +109,8 @@ class DiskBlockStore:
         self.num_bad_entries = 0
         self._lock = threading.Lock()  # guards the byte estimate (writer threads)
         self._written_since_scan = 0
-        self._estimate = self.evict()
+        total = self.evict()
+        self._estimate = total if total is not None else self._list()[1]  # (another process is in its pass)
 
     def path(self, key: bytes) -> Path:
         """The file of the entry with key ``key`` (32 bytes)."""
@@ -222,7 +223,8 @@ class DiskBlockStore:
                            "entries already there are still read", self.dir, what + ": " if what else "", e)
 
     def _account(self, size: int) -> None:
-        """Count ``size`` bytes written; run an eviction pass when the budget or the rescan interval is reached."""
+        """Count ``size`` bytes written; run an eviction pass when the budget or the rescan interval is reached
+        (retried at the next write while another process holds the pass)."""
         with self._lock:
             self._estimate += size
             self._written_since_scan += size
@@ -230,24 +232,25 @@ class DiskBlockStore:
                    or self._written_since_scan > RESCAN_FRACTION * self.capacity_bytes)
         if due:
             total = self.evict()
-            with self._lock:
-                self._estimate = total
-                self._written_since_scan = 0
+            if total is not None:
+                with self._lock:
+                    self._estimate = total
+                    self._written_since_scan = 0
 
-    def evict(self) -> int:
+    def evict(self) -> Optional[int]:
         """One eviction pass over the whole directory (module docstring, "Bounded"): delete the least recently used
         entries until at most ``LOW_WATERMARK`` of the budget is left, if the budget is exceeded, and stale
-        temporary files. Returns the bytes of entries left (this process's new estimate); when another process
-        is evicting, the current estimate is returned and nothing is deleted."""
+        temporary files. Returns the bytes of entries left (this process's new estimate), or ``None`` when
+        another process is evicting (nothing was done)."""
         try:
             lock = os.open(self.root / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
         except OSError:
-            return self._estimate_now()
+            return None
         try:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                return self._estimate_now()
+                return None
             entries, total = self._list()
             if total > self.capacity_bytes:
                 entries.sort()
@@ -267,9 +270,6 @@ class DiskBlockStore:
             return total
         finally:
             os.close(lock)  # (releases the lock)
-
-    def _estimate_now(self) -> int:
-        return getattr(self, "_estimate", 0)
 
     def _list(self) -> tuple[list, int]:
         """``[(mtime_ns, size, path)]`` of every entry under the root and their total bytes; stale temporary files

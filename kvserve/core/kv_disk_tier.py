@@ -116,7 +116,7 @@ class KVDiskTier:
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._writes: set[Future] = set()
-        self._known: set[bytes] = set()  # keys this process wrote, loaded or saw on disk
+        self._queued: set[bytes] = set()  # keys of the writes waiting in the queue
 
     # ------------------------------------------------------------------------------------------------ reads
     def num_present(self, hashes: Sequence[BlockHash]) -> int:
@@ -172,7 +172,7 @@ class KVDiskTier:
             out.append(payload)
         return LoadResult(out, time.monotonic() - start)
 
-    def finish_load(self, hashes: Sequence[BlockHash], result: LoadResult, seconds: float) -> None:
+    def finish_load(self, result: LoadResult, seconds: float) -> None:
         """Account a finished load whose blocks entered the pool (``seconds``: from its start to now)."""
         n = len(result.payloads)
         s = self.stats
@@ -183,20 +183,16 @@ class KVDiskTier:
         s.load_seconds += seconds
         s.load_seconds_samples.append(seconds)
         del s.load_seconds_samples[:-256]
-        with self._lock:
-            self._known.update(h.value for h in hashes[:n])
 
     # ------------------------------------------------------------------------------------------------ writes
     def wants(self, block_hash: BlockHash) -> bool:
-        """Whether ``save`` would write this block: writes are on, it is not known to be in the store, and the
-        write queue has room. Cheap (a set lookup and a ``stat``); call it before copying the block out."""
+        """Whether ``save`` would write this block: writes are on, it is neither queued nor in the store (an entry
+        evicted from the store is written again), and the write queue has room. Cheap (a set lookup and a
+        ``stat``); call it before copying the block out."""
         if not self.store.write_enabled:
             self.stats.writes_dropped += 1
             return False
-        if block_hash.value in self._known:
-            return False
-        if self.store.contains(block_hash):
-            self._known.add(block_hash.value)
+        if block_hash.value in self._queued or self.store.contains(block_hash):
             return False
         if self._pending_bytes + self.payload_bytes > self.max_pending_bytes:
             self.stats.writes_dropped += 1
@@ -209,7 +205,7 @@ class KVDiskTier:
         size = sum(memoryview(c).nbytes for c in payload)
         with self._lock:
             self._pending_bytes += size
-            self._known.add(block_hash.value)
+            self._queued.add(block_hash.value)
         fut = self._pool.submit(self._write, block_hash, payload, size)
         with self._lock:
             self._writes.add(fut)
@@ -225,6 +221,7 @@ class KVDiskTier:
         finally:
             with self._lock:
                 self._pending_bytes -= size
+                self._queued.discard(block_hash.value)
         if written:
             with self._lock:
                 self.stats.bytes_written += written

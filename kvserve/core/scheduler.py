@@ -335,7 +335,7 @@ class Scheduler:
                 for block, h, payload in zip(job.blocks, job.hashes, result.payloads):
                     if kv.block_pool.cache_block(block, h):
                         out.kv_loads.append((block.block_id, payload))
-                self.kv_tier.finish_load(job.hashes, result, now - job.start)
+                self.kv_tier.finish_load(result, now - job.start)
                 kv.free(req)  # (tail first: the loaded blocks wait in the free queue with their hashes)
         for job in sorted(done, key=lambda j: j.request.queue_seq, reverse=True):  # front of the queue, in order
             job.request.status = RequestStatus.WAITING

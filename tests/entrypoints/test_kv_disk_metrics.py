@@ -25,7 +25,7 @@ def tier_with_traffic(tmp_path):
         tier.save(h, [bytes(PAYLOAD)])
     tier.flush()
     tier.stats.lookups += 3
-    tier.finish_load([a, b], LoadResult([bytes(PAYLOAD)] * 2, 0.01), 0.02)
+    tier.finish_load(LoadResult([bytes(PAYLOAD)] * 2, 0.01), 0.02)
     return tier
 
 
