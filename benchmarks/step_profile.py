@@ -3,7 +3,8 @@
 - ``--step-costs``: the median wall time of one decode step at batch 1, 2, 4, ... ``max_num_seqs`` (each request at
   ~128 tokens of context): while it stays flat the step is bound by reading the weights and extra requests ride
   along almost free; once it grows linearly batching no longer raises throughput.
-- ``--profile-step``: a batch-1 and a batch-32 decode step broken down by component (weights vs the rest).
+- ``--profile-step``: decode steps at ``--batches`` (default 1 and 64) broken down by component (weights vs the
+  rest); the last row sums the Python around the kernels (forward, runner and engine other).
 
 Used by ``benchmarks.roofline`` too; results in docs/performance.md.
 """
@@ -123,18 +124,20 @@ class _Timed:
         return getattr(self._fn, name)
 
 
-#: Components of ``step_profile``, in table order; everything but ``weights`` is the step's overhead.
+#: The rows of ``step_profile`` that are Python around the kernels (what no timed kernel call covers).
+PYTHON_ROWS = ("forward other", "runner other", "engine other")
 
 
 def format_profile(profiles: list) -> str:
     """``step_profile``'s result as a table: component, then ms and % of the step per batch size."""
     head = "".join(f"{'b=' + str(p['batch']) + ' ms':>12}{'%':>7}" for p in profiles)
     lines = [f"{'component':<20}{head}"]
-    for k in PROFILE_ROWS + ("overhead (not weights)", "step"):
+    for k in PROFILE_ROWS + ("Python (other rows)", "overhead (not weights)", "step"):
         row = f"{k:<20}"
         for p in profiles:
             c = p["components"]
-            v = {"step": p["step_ms"], "overhead (not weights)": p["step_ms"] - c["weights"]}.get(k, c.get(k))
+            v = {"step": p["step_ms"], "overhead (not weights)": p["step_ms"] - c["weights"],
+                 "Python (other rows)": sum(c[x] for x in PYTHON_ROWS)}.get(k, c.get(k))
             row += f"{v:>12.2f}{100 * v / p['step_ms']:>6.1f}%"
         lines.append(row)
     return "\n".join(lines)
@@ -169,7 +172,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-costs", action="store_true",
                    help="time one decode step at batch 1, 2, 4, ... max_num_seqs (where batching stops paying)")
     p.add_argument("--profile-step", action="store_true",
-                   help="break a batch-1 and a batch-32 decode step down by component (weights vs the rest)")
+                   help="break decode steps at --batches down by component (weights vs the rest)")
+    p.add_argument("--batches", default="1,64", help="--profile-step: comma-separated batch sizes")
+    p.add_argument("--context", type=int, default=128, help="--profile-step: tokens of context per request")
+    p.add_argument("--repeats", type=int, default=9, help="--profile-step: steps timed per batch size")
     p.set_defaults(max_num_seqs=32)
 
 
@@ -181,7 +187,10 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
         print("decode step cost: " + ", ".join(f"b={c['batch']} {c['step_ms']:.0f} ms ({c['ms_per_token']:.1f}/token)"
                                                for c in costs))
     if args.profile_step:
-        print(format_profile(step_profile(engine_args)))
+        batches = tuple(int(b) for b in args.batches.split(",") if b.strip())
+        if not batches or min(batches) < 1 or args.context < 1 or args.repeats < 1:
+            raise ValueError("--batches must list sizes >= 1; --context and --repeats must be >= 1")
+        print(format_profile(step_profile(engine_args, batches, args.context, args.repeats)))
     return 0
 
 

@@ -51,6 +51,18 @@ class SamplingParams:
         prompt_logprobs: number of top logprobs to return per prompt token, ``[0, 20]`` (the prompt token's own
             logprob is always included); ``None`` = none. Computed in the prefill; such a request takes no
             prefix-cache hits for the positions still to be scored (``RequestOutput.prompt_logprobs``).
+        logit_bias: ``{token_id: bias}`` added to the token's logit before sampling (OpenAI's ``logit_bias``; bias in
+            ``[-100, 100]``: -100 in effect bans the token, 100 all but forces it). Ids are checked against the
+            vocabulary when the request is added.
+        allowed_token_ids: only these token ids may be sampled (vLLM's); a non-empty list.
+        bad_words: strings that may never be generated (vLLM's): each is tokenized (also with a leading space) and
+            the last token of a sequence is banned where the output already ends with the rest of it.
+        thinking_token_budget: at most this many reasoning tokens (vLLM's name): once the reasoning (opened by the
+            prompt or by the model's own ``reasoning_markers[0]``) has this many tokens and is not closed, the
+            tokens of ``reasoning_markers[1]`` are forced one by one (``kvserve.sample.thinking``); ``None`` = no
+            budget.
+        reasoning_markers: ``(start, end)`` texts of the reasoning, for ``thinking_token_budget`` (default
+            ``("<think>", "</think>")``; the server sets its reasoning parser's).
         structured_outputs: a ``StructuredOutputsParams`` (JSON schema, any JSON object, regex, choice or EBNF
             grammar) the output must match; each sampled token is drawn only from the tokens the grammar allows,
             EOS only where the text may end. ``None`` = unconstrained.
@@ -77,6 +89,11 @@ class SamplingParams:
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     prompt_logprobs: Optional[int] = None
+    logit_bias: Optional[dict] = None
+    allowed_token_ids: Optional[list] = None
+    bad_words: Optional[list] = None
+    thinking_token_budget: Optional[int] = None
+    reasoning_markers: tuple = ("<think>", "</think>")
     structured_outputs: Optional["StructuredOutputsParams"] = None
 
     def __post_init__(self) -> None:
@@ -113,6 +130,45 @@ class SamplingParams:
             _integer("stop_token_ids[]", t, 0)
         self.stop_token_ids = list(self.stop_token_ids)
         self._check_structured_outputs()
+        self._check_token_edits()
+
+    def _check_token_edits(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+            for t, bias in self.logit_bias.items():
+                _integer("logit_bias token id", t, 0)
+                _number(f"logit_bias[{t}]", bias, -100.0, 100.0)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                                 f"{self.allowed_token_ids!r}")
+            for t in self.allowed_token_ids:
+                _integer("allowed_token_ids[]", t, 0)
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w.strip()
+                                                                         for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+            for w in self.bad_words:
+                check_text("bad_words[]", w)
+            self.bad_words = list(self.bad_words)
+        if self.thinking_token_budget is not None:
+            _integer("thinking_token_budget", self.thinking_token_budget, 0)
+            if self.structured_outputs is not None:
+                raise ValueError("thinking_token_budget cannot be combined with structured_outputs (the forced end "
+                                 "of the reasoning would break the grammar)")
+        rm = self.reasoning_markers
+        if not (isinstance(rm, (list, tuple)) and len(rm) == 2 and all(isinstance(m, str) and m for m in rm)):
+            raise ValueError(f"reasoning_markers must be two non-empty strings (start, end), got {rm!r}")
+        self.reasoning_markers = tuple(rm)
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the request changes its logits before sampling with ``logit_bias``, ``allowed_token_ids``,
+        ``bad_words`` or ``thinking_token_budget`` (``kvserve.sample.logits_edits``)."""
+        return (bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+                or self.thinking_token_budget is not None)
 
     def _check_structured_outputs(self) -> None:
         from kvserve.structured.params import StructuredOutputsParams

@@ -28,7 +28,9 @@ from kvserve.model.chat_config import describe_end_tokens, load_chat_template
 from kvserve.model.loader import load_model
 from kvserve.model.registry import build_model
 from kvserve.request import Request, RequestStatus
+from kvserve.sample import logits_edits
 from kvserve.sample.sampler import Sampler
+from kvserve.sample.thinking import ThinkingBudget
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.structured.backend import GrammarBackend
@@ -235,7 +237,8 @@ class LLMEngine:
             ValueError: empty or invalid prompt; prompt longer than ``max_model_len``; prompt needing more KV blocks
                 than the whole pool; without chunked prefill, prompt longer than ``max_num_batched_tokens``; a duplicate
                 ``request_id``; a non-integer ``priority``; ``structured_outputs`` the grammar backend cannot
-                compile. Nothing is queued or allocated then.
+                compile; a ``logit_bias`` / ``allowed_token_ids`` id outside the vocabulary, or those edits with
+                speculative decoding (``_logits_edits``). Nothing is queued or allocated then.
         """
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
@@ -261,6 +264,7 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         grammar = None if sp.structured_outputs is None else self.grammar_backend.compile(sp.structured_outputs)
+        edits = self._logits_edits(sp, ids)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self.output_processor.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -281,6 +285,11 @@ class LLMEngine:
         if grammar is not None:  # one matcher per sample
             for s in samples:
                 s.grammar = self.grammar_backend.new_state(grammar)
+        if edits is not None:  # one thinking budget per sample
+            bad_words, make_thinking = edits
+            for s in samples:
+                s.sampling_state.bad_words_token_ids = bad_words
+                s.sampling_state.thinking = make_thinking()
         if sp.n > 1:
             for i, s in enumerate(samples):
                 s.parent_id, s.sample_index = rid, i
@@ -289,6 +298,33 @@ class LLMEngine:
         self.output_processor.add_request(samples)
         self.stats.prompt_tokens += n
         return rid
+
+    def _logits_edits(self, sp: SamplingParams, prompt_ids: list[int]):
+        """What a request's ``logit_bias`` / ``allowed_token_ids`` / ``bad_words`` / ``thinking_token_budget`` need
+        (``kvserve.sample.logits_edits``): ``(bad words as token ids, a maker of one ThinkingBudget per sample)``,
+        or ``None`` when it sets none of them.
+
+        Raises:
+            ValueError: a token id outside the vocabulary, or any of them with speculative decoding (the
+                verifier samples without these edits), naming the field.
+        """
+        if not sp.edits_logits:
+            return None
+        if self.speculator is not None:
+            name = next(n for n in ("logit_bias", "allowed_token_ids", "bad_words", "thinking_token_budget")
+                        if getattr(sp, n))
+            raise ValueError(f"{name} is not supported with speculative decoding")
+        logits_edits.check_token_ids(sp, self.arch.vocab_size)
+        bad_words = logits_edits.bad_words_token_ids(sp.bad_words or [], self.tokenizer)
+
+        def make_thinking() -> Optional[ThinkingBudget]:
+            if sp.thinking_token_budget is None:
+                return None
+            start, end = (self.tokenizer.encode(m, add_special_tokens=False) for m in sp.reasoning_markers)
+            is_open = logits_edits.reasoning_open_in_prompt(prompt_ids, sp.reasoning_markers, self.tokenizer)
+            return ThinkingBudget(sp.thinking_token_budget, start, end, is_open)
+
+        return bad_words, make_thinking
 
     def abort_request(self, request_ids) -> None:
         """Abort requests (a str or an iterable of str); their blocks return to the pool at once."""

@@ -1,6 +1,7 @@
 """Batched sampling from next-token logits, with per-request parameters and generators.
 
-Order of operations, as in vLLM: raw logprobs (for ``logprobs``) -> min_tokens suppression of stop tokens ->
+Order of operations, as in vLLM: raw logprobs (for ``logprobs``) -> ``allowed_token_ids``, ``bad_words``,
+``logit_bias`` and the thinking budget (``kvserve.sample.logits_edits``) -> min_tokens suppression of stop tokens ->
 grammar masks (structured outputs: one ``[B, ceil(V/32)]`` bitmask from the plan, a row per request with a
 grammar) ->
 repetition / presence / frequency penalties -> greedy rows take the argmax; sampled rows: temperature -> top-k ->
@@ -21,6 +22,7 @@ import torch
 from kvserve.sample.state import SamplingState
 from kvserve.sample import nucleus
 from kvserve.sample.argmax import argmax
+from kvserve.sample.logits_edits import apply_logits_edits
 from kvserve.structured.backend import apply_bitmask
 
 
@@ -60,8 +62,13 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         raw = logits
         if grammar_masks is not None or any(len(r.output_token_ids) < r.params.min_tokens or _has_penalty(r.params)
-                                            for r in states):
+                                            or r.params.edits_logits for r in states):
             logits = logits.clone()
+            edited = [i for i, r in enumerate(states) if r.params.edits_logits]
+            if edited:
+                rows = logits[edited]
+                apply_logits_edits(rows, [states[i] for i in edited])
+                logits[edited] = rows
             self._suppress_stop_tokens(logits, states)
             if grammar_masks is not None:
                 self._apply_grammar_masks(logits, raw, *grammar_masks)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from kvserve.sample.thinking import ThinkingBudget
 from kvserve.sampling_params import SamplingParams
 
 
@@ -23,6 +24,8 @@ class SamplingState:
         params: its ``SamplingParams``.
         prompt_token_ids, output_token_ids: token ids (ints).
         generator: a seeded ``torch.Generator`` (``params.seed`` set), or ``None`` (the sampler's shared one).
+        bad_words_token_ids: ``params.bad_words`` as token-id sequences (set when the request is added).
+        thinking: the sample's ``ThinkingBudget`` (``params.thinking_token_budget`` set), else ``None``.
     """
 
     request_id: str
@@ -30,3 +33,5 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: Optional[torch.Generator] = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    thinking: Optional[ThinkingBudget] = None

@@ -96,10 +96,28 @@ def _compile(compiler, params: StructuredOutputsParams):
         return compiler.compile_builtin_json_grammar()
     if kind == "regex":
         return compiler.compile_regex(params.regex)
+    if kind == "structural_tag":
+        return _compile_structural_tag(compiler, params.structural_tag)
     if kind == "choice":  # EBNF string literals take JSON's escapes
         alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
         return compiler.compile_grammar(f"root ::= {alts}")
     return compiler.compile_grammar(params.grammar)
+
+
+def _compile_structural_tag(compiler, tag: dict):
+    """vLLM's ``{"structures": [{"begin", "schema", "end"}], "triggers"}`` (xgrammar's tag items) or xgrammar's own
+    structural-tag object."""
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(json.dumps(tag))
+    import xgrammar as xgr
+
+    try:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                 for s in tag["structures"]]
+        triggers = list(tag["triggers"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"each of structures needs begin, schema and end, and triggers a list: {e!r}") from None
+    return compiler.compile_structural_tag(items, triggers)
 
 
 class GrammarState:

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 from kvserve.structured.schema_check import check_json_schema
 from kvserve.validation import check_text
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass
@@ -22,6 +22,10 @@ class StructuredOutputsParams:
         regex: the output matches this regular expression (whole text).
         choice: the output is exactly one of these non-empty strings.
         grammar: an EBNF grammar (xgrammar / GBNF dialect, start rule ``root``).
+        structural_tag: xgrammar's structural tag (a dict or its JSON text): free text in which each region that
+            opens with a tag's ``begin`` follows its JSON ``schema`` up to its ``end``. vLLM's form
+            ``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}`` or
+            xgrammar's own ``{"type": "structural_tag", "format": {...}}``; checked when compiled.
 
     Raises:
         ValueError: none or more than one field set; a field of the wrong type; a schema that is not JSON, not an
@@ -35,6 +39,7 @@ class StructuredOutputsParams:
     regex: Optional[str] = None
     choice: Optional[list] = None
     grammar: Optional[str] = None
+    structural_tag: Union[None, str, dict] = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -51,6 +56,8 @@ class StructuredOutputsParams:
                 if not isinstance(value, str) or not value:
                     raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
                 check_text(f"structured_outputs.{name}", value)
+        if self.structural_tag is not None:
+            self.structural_tag = _json_object("structured_outputs.structural_tag", self.structural_tag)
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):
@@ -68,9 +75,22 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """``(kind, canonical text)``: equal constraints have equal keys (the compiled-grammar cache key)."""
         value = getattr(self, self.kind)
-        if self.kind in ("json", "choice"):
+        if self.kind in ("json", "choice", "structural_tag"):
             return self.kind, _json.dumps(value, sort_keys=True, ensure_ascii=False)
         return self.kind, "" if self.kind == "json_object" else value
+
+
+def _json_object(name: str, value: Any) -> dict:
+    """A dict, or the JSON text of one, as a dict; raises ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, str):
+        check_text(name, value)
+        try:
+            value = _json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _schema(value: Any) -> dict:

@@ -48,6 +48,8 @@ class Family:
         end: the end-of-turn token the answer ends on.
         template: the chat template; ``layout``: ``"jinja"`` (transformers 5's ``chat_template.jinja``) or
             ``"config"`` (``tokenizer_config.json``'s ``chat_template``).
+        added_text: tokens added after ``added`` as plain added tokens, kept in decoded text (Qwen3's ``<think>``
+            and ``</think>``).
     """
 
     name: str
@@ -60,6 +62,7 @@ class Family:
     end: str
     template: str
     layout: str
+    added_text: tuple = ()
 
 
 FAMILIES = {
@@ -98,6 +101,8 @@ def family_tokenizer(base_dir: Path, fam: Family):
     tok = AutoTokenizer.from_pretrained(str(base_dir))  # a fresh copy: the engine's tokenizer is shared
     if fam.added:
         tok.add_special_tokens({"additional_special_tokens": list(fam.added)})
+    if fam.added_text:
+        tok.add_tokens(list(fam.added_text))
     if fam.bos:
         tok.bos_token = fam.bos
     if fam.eos:
@@ -173,8 +178,10 @@ def write_gguf(path: Path, model, vocab: dict, fam: Family, tok) -> None:
 
     from tests.model.test_families import _write_gguf
 
-    tokenizer = {"model": "gpt2", "pre": vocab["pre"], "tokens": list(vocab["tokens"]) + list(fam.added),
-                 "token_type": list(vocab["token_type"]) + [gguf.TokenType.CONTROL] * len(fam.added),
+    tokenizer = {"model": "gpt2", "pre": vocab["pre"],
+                 "tokens": list(vocab["tokens"]) + list(fam.added) + list(fam.added_text),
+                 "token_type": list(vocab["token_type"]) + [gguf.TokenType.CONTROL] * len(fam.added)
+                 + [gguf.TokenType.USER_DEFINED] * len(fam.added_text),
                  "merges": vocab["merges"], "bos_token_id": tok.bos_token_id, "add_bos_token": fam.add_bos}
     fields = [(f"tokenizer.ggml.{k}", v) for k, v in tokenizer.items()]
     fields += [(f"tokenizer.ggml.{key}_token_id", tok.convert_tokens_to_ids(t)) for key, t in fam.gguf_end.items()]

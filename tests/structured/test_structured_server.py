@@ -12,6 +12,7 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.entrypoints.openai import tool_parsers as tp
+from kvserve.entrypoints.openai.serving_options import ServingOptions
 from tests.entrypoints.conftest import LiveServer
 from tests.structured.common import assert_valid, bfcl_tools
 
@@ -21,7 +22,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.server]
 @pytest.fixture(scope="module")
 def tool_server():
     """Room for the tool prompt (the tools' JSON goes into the system message)."""
-    s = LiveServer(num_kv_blocks=256, max_num_seqs=16, max_model_len=1024).start()
+    s = LiveServer(num_kv_blocks=256, max_num_seqs=16, max_model_len=1024,
+                   server_kwargs={"options": ServingOptions(enable_auto_tool_choice=True)}).start()
     yield s
     s.stop()
 

@@ -11,6 +11,9 @@ added later included — needs ``Authorization: Bearer <key>``, except ``/health
 ``--no-metrics-auth``). The dashboard's data (``/v1/engine/state``) needs it too; the page sends the key it reads
 from ``/dashboard#key=...``.
 
+CORS (``--allowed-origins`` ...: ``serving_options``), off by default, sits outside the key check: a preflight passes
+without the key, a real request still needs it.
+
 SIGINT / SIGTERM: stop accepting connections, abort in-flight requests (a stream ends with an error event, a
 pending JSON response is a 503), free their KV blocks, stop the engine loop, exit 0. With ``--shutdown-timeout``
 the requests in flight first get up to that many seconds to finish while new ones get a 503 (``KVServeServer``).
@@ -35,6 +38,7 @@ from typing import Optional
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
 from kvserve.engine.async_llm import AsyncLLM
@@ -48,6 +52,8 @@ from kvserve.entrypoints.openai.routes import router
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvserve.entrypoints.openai.serving_engine import OpenAIError
+from kvserve.entrypoints.openai import serving_options
+from kvserve.entrypoints.openai.serving_options import ServingOptions
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvserve.validation import check_number
 
@@ -106,7 +112,7 @@ def freeze_gc_heap() -> int:
 def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None,
               api_key: Optional[str] = None, metrics_auth: bool = True,
               dashboard: bool = False, dashboard_show_prompts: bool = False,
-              limits: Optional[RequestLimits] = None) -> FastAPI:
+              limits: Optional[RequestLimits] = None, options: Optional[ServingOptions] = None) -> FastAPI:
     """The FastAPI app. Its lifespan starts ``llm`` and shuts it down.
 
     Args:
@@ -119,6 +125,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
         dashboard_show_prompts: the dashboard shows prompt text (else ids and token counts only).
         limits: the request bounds (``limits.RequestLimits``; default its defaults); an unset ``max_prompt_chars``
             is derived from ``llm.max_model_len`` and the vocabulary's longest token.
+        options: parsers, CORS and metric names (``serving_options.ServingOptions``; default: all off).
     """
 
     @asynccontextmanager
@@ -139,12 +146,15 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
     limits = (limits or RequestLimits()).resolve(llm.max_model_len, request_limits.longest_token_chars(llm.tokenizer))
     state.limits = limits
     state.openai_serving_completion = OpenAIServingCompletion(llm, served_model_name, vocab, limits)
-    state.openai_serving_chat = OpenAIServingChat(llm, served_model_name, vocab, limits)
+    options = options or ServingOptions()
+    state.openai_serving_chat = OpenAIServingChat(llm, served_model_name, vocab, limits, options)
     state.openai_serving_tokenization = OpenAIServingTokenization(llm, served_model_name, vocab, limits)
     app.add_middleware(RequestBodyMiddleware, limits=limits)  # inside the key check: no body read without a key
     if api_key is not None:
         exempt = {"/health"} | (set() if metrics_auth else {"/metrics"}) | (dash.page_paths() if dashboard else set())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, exempt=frozenset(exempt))
+    if options.cors() is not None:  # outside the key check: a preflight needs no key, its 401s carry CORS headers
+        app.add_middleware(CORSMiddleware, **options.cors())
     http_metrics = _http_metrics(state.stat_logger, served_model_name)
     if http_metrics is not None:  # outermost: counts the 401s and 413s of the checks inside it
         app.add_middleware(HTTPMetricsMiddleware, metrics=http_metrics, routes=app.routes)
@@ -253,12 +263,12 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
                  access_log: bool = True, api_key: Optional[str] = None, metrics_auth: bool = True,
                  sock: Optional[socket.socket] = None, dashboard: Optional[bool] = None,
                  dashboard_show_prompts: bool = False, limits: Optional[RequestLimits] = None,
-                 shutdown_timeout: float = 0.0) -> KVServeServer:
+                 shutdown_timeout: float = 0.0, options: Optional[ServingOptions] = None) -> KVServeServer:
     """Load the model and build the server (not started). ``served_model_name`` defaults to the model file's stem;
     ``dashboard`` (``/dashboard`` and ``/v1/engine/state``) defaults to on iff ``host`` is a loopback address.
 
     Args:
-        api_key, metrics_auth, limits: see ``build_app``.
+        api_key, metrics_auth, limits, options: see ``build_app``.
         shutdown_timeout: seconds in-flight requests may run on after SIGTERM / SIGINT (``KVServeServer``).
         sock: an already bound socket (``bind_socket``) to serve on; ``host`` and ``port`` then only name it.
 
@@ -268,11 +278,12 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
     check_number("shutdown_timeout", shutdown_timeout, 0, 24 * 3600)
     llm = AsyncLLM.from_engine_args(**engine_args)
     name = served_model_name or Path(llm.engine.model_path).stem
-    llm.stat_logger = PrometheusStatLogger(name)
+    options = options or ServingOptions()
+    llm.stat_logger = PrometheusStatLogger(name, vllm_metric_names=options.vllm_metric_names)
     if dashboard is None:
         dashboard = dash.is_loopback(host)
     app = build_app(llm, name, api_key=api_key, metrics_auth=metrics_auth, dashboard=dashboard,
-                    dashboard_show_prompts=dashboard_show_prompts, limits=limits)
+                    dashboard_show_prompts=dashboard_show_prompts, limits=limits, options=options)
     if dashboard:
         logger.info("dashboard on: /dashboard (prompt text %s)", "shown" if dashboard_show_prompts else "hidden")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
@@ -336,6 +347,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "vLLM)")
     dash.add_args(parser)
     request_limits.add_args(parser)
+    serving_options.add_args(parser)
 
 
 def run(args: argparse.Namespace, engine_args: dict) -> int:
@@ -352,7 +364,8 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
                               log_level=args.uvicorn_log_level, access_log=not args.no_access_log, api_key=api_key,
                               metrics_auth=not args.no_metrics_auth, sock=sock, dashboard=args.dashboard,
                               dashboard_show_prompts=args.dashboard_show_prompts,
-                              limits=RequestLimits.from_args(args), shutdown_timeout=args.shutdown_timeout)
+                              limits=RequestLimits.from_args(args), shutdown_timeout=args.shutdown_timeout,
+                              options=ServingOptions.from_args(args))
     except BaseException:
         sock.close()
         raise

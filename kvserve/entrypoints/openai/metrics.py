@@ -9,13 +9,20 @@ request as vLLM splits them: ``kvserve:request_queue_time_seconds`` (arrival to 
 ``kvserve:num_preemptions_total``, ``kvserve:prompt_tokens_total``, ``kvserve:generation_tokens_total``,
 ``kvserve:request_success_total{finished_reason="stop"|"length"|"abort"}``, ``kvserve:prefix_cache_queries_total``,
 ``kvserve:prefix_cache_hits_total`` (tokens), ``kvserve:spec_decode_num_drafts_total``,
-``kvserve:spec_decode_num_draft_tokens_total``, ``kvserve:spec_decode_num_accepted_tokens_total``. With the prefix
-cache's disk tier (``--kv-disk-cache-dir``): counters ``kvserve:kv_disk_cache_queries_total`` and
-``kvserve:kv_disk_cache_hits_total`` (blocks looked up on disk / loaded from it),
-``kvserve:kv_disk_cache_bad_entries_total``, ``kvserve:kv_disk_cache_read_bytes_total``,
-``kvserve:kv_disk_cache_written_bytes_total``, the histogram ``kvserve:kv_disk_cache_load_seconds`` (one load job:
-read, verify, until its blocks are in the pool) and the gauge ``kvserve:kv_disk_cache_usage_bytes`` (the
-directory's entries, as this process last counted them). Every series carries ``model_name``.
+``kvserve:spec_decode_num_draft_tokens_total``, ``kvserve:spec_decode_num_accepted_tokens_total``. Token histograms of
+finished requests: ``kvserve:request_prompt_tokens``, ``kvserve:request_generation_tokens`` and
+``kvserve:request_max_num_generation_tokens`` (the longest of its ``n`` samples). With the prefix cache's disk tier
+(``--kv-disk-cache-dir``): counters ``kvserve:kv_disk_cache_queries_total`` and ``kvserve:kv_disk_cache_hits_total``
+(blocks looked up on disk / loaded from it), ``kvserve:kv_disk_cache_bad_entries_total``,
+``kvserve:kv_disk_cache_read_bytes_total``, ``kvserve:kv_disk_cache_written_bytes_total``, the histogram
+``kvserve:kv_disk_cache_load_seconds`` (one load job: read, verify, until its blocks are in the pool) and the gauge
+``kvserve:kv_disk_cache_usage_bytes`` (the directory's entries, as this process last counted them). Every series
+carries ``model_name``.
+
+With ``vllm_metric_names`` (``kvserve serve --vllm-metric-names``) every engine series is also published under vLLM's
+name (``vllm:`` for ``kvserve:``, ``VLLMNamesCollector``), plus the names vLLM's Grafana dashboard still reads
+(``vllm:gpu_cache_usage_perc`` = ``kv_cache_usage_perc``, ``vllm:time_per_output_token_seconds`` =
+``inter_token_latency_seconds``), so that dashboard works unchanged.
 
 HTTP (``HTTPMetrics``, fed by ``HTTPMetricsMiddleware`` around the whole app, so 401s and 413s count too):
 ``http_requests_total{route,method,status}`` and ``http_request_duration_seconds{route,method}`` (until the last
@@ -31,6 +38,7 @@ import time
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -42,6 +50,7 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
                  320.0, 640.0)
 KV_LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -51,10 +60,15 @@ class PrometheusStatLogger:
 
     Args:
         model_name: the ``model_name`` label.
+        vllm_metric_names: also publish every engine series under vLLM's names (``VLLMNamesCollector``).
     """
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, vllm_metric_names: bool = False):
         self.registry = CollectorRegistry(auto_describe=True)
+        self.vllm_registry: Optional[CollectorRegistry] = None
+        if vllm_metric_names:
+            self.vllm_registry = CollectorRegistry(auto_describe=False)
+            self.vllm_registry.register(VLLMNamesCollector(self.registry))
         labels = ["model_name"]
         r = self.registry
 
@@ -100,6 +114,13 @@ class PrometheusStatLogger:
         self.tier_load = hist("kvserve:kv_disk_cache_load_seconds", "Disk tier load jobs, start to blocks in the "
                                                                     "pool, s.", KV_LOAD_BUCKETS)
         self.tier_usage = gauge("kvserve:kv_disk_cache_usage_bytes", "Bytes of the disk tier's entries.")
+        self.request_prompt_tokens = hist("kvserve:request_prompt_tokens", "Prompt tokens of finished requests.",
+                                          TOKEN_BUCKETS)
+        self.request_generation_tokens = hist("kvserve:request_generation_tokens",
+                                              "Generated tokens of finished requests (all samples).", TOKEN_BUCKETS)
+        self.request_max_generation_tokens = hist("kvserve:request_max_num_generation_tokens",
+                                                  "Most tokens generated by one sample of a finished request.",
+                                                  TOKEN_BUCKETS)
         self._success = Counter("kvserve:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
@@ -126,6 +147,10 @@ class PrometheusStatLogger:
             if out.finished:
                 self._last_token_time.pop(rid, None)
                 self._observe_phases(out.metrics)
+                lengths = [len(c.token_ids) for c in out.outputs]
+                self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+                self.request_generation_tokens.observe(sum(lengths))
+                self.request_max_generation_tokens.observe(max(lengths, default=0))
                 self._success.labels(self.model_name, out.outputs[0].finish_reason or "stop").inc()
         sched = engine.scheduler
         self.running.set(sched.num_running)
@@ -173,8 +198,33 @@ class PrometheusStatLogger:
         self._success.labels(self.model_name, "abort").inc(len(request_ids))
 
     def exposition(self) -> bytes:
-        """The Prometheus text format of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text format of every metric (vLLM's names after kvserve's, when asked for)."""
+        text = generate_latest(self.registry)
+        return text if self.vllm_registry is None else text + generate_latest(self.vllm_registry)
+
+
+#: vLLM names beyond the renamed prefix: ``kvserve:`` name -> further ``vllm:`` names of the same series (the
+#: ones vLLM's Grafana dashboard reads).
+VLLM_ALIASES = {"kvserve:kv_cache_usage_perc": ("vllm:gpu_cache_usage_perc",),
+                "kvserve:inter_token_latency_seconds": ("vllm:time_per_output_token_seconds",)}
+
+
+class VLLMNamesCollector:
+    """A Prometheus collector that republishes the ``kvserve:`` series of ``source`` under vLLM's names: the prefix
+    ``vllm:`` for ``kvserve:`` (same type, labels, values) and ``VLLM_ALIASES``. Registered in a registry of its own,
+    read at each scrape (no copy to keep in step)."""
+
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+
+    def collect(self):
+        for family in self.source.collect():
+            if not family.name.startswith("kvserve:"):
+                continue
+            for name in ("vllm:" + family.name.removeprefix("kvserve:"), *VLLM_ALIASES.get(family.name, ())):
+                renamed = Metric(name, family.documentation, family.type, family.unit)
+                renamed.samples = [s._replace(name=name + s.name[len(family.name):]) for s in family.samples]
+                yield renamed
 
 
 class HTTPMetrics:

@@ -2,8 +2,10 @@
 
 Field names follow OpenAI, plus vLLM's sampling extras (``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``priority``) and vLLM's tokenizer routes. Fields that OpenAI defines but this engine
-cannot honour (``best_of`` other than ``n``, ``logit_bias``, ``suffix``, the deprecated ``functions``) are declared
+``skip_special_tokens``, ``priority``, ``structured_outputs``, ``bad_words``, ``allowed_token_ids``,
+``truncate_prompt_tokens``, ``thinking_token_budget``; on chat ``chat_template_kwargs``, ``add_generation_prompt``,
+``continue_final_message``, ``include_reasoning``) and vLLM's tokenizer routes. Fields that OpenAI defines but this
+engine cannot honour (``best_of`` other than ``n``, ``suffix``, the deprecated ``functions``) are declared
 so that a request using them gets a 400 naming them (``serving_engine.OpenAIServing.check_unsupported``) instead of
 being silently ignored; any other unknown field is rejected by ``extra="forbid"``.
 
@@ -85,6 +87,19 @@ class ResponseFormat(_Strict):
     json_schema: Optional[JsonSchemaFormat] = None
 
 
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` request field (``StructuredOutputsParams``): exactly one constraint
+    (``json`` is the field's name on the wire: ``json_schema_`` here, as pydantic's ``json`` is taken)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_schema_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json")
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions (``None`` = the default)."""
 
@@ -98,7 +113,8 @@ class _SamplingRequest(_Strict):
     seed: Optional[int] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = Field(None, description="not supported (400 unless empty)")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="token id (a decimal string) -> bias in "
+                                                                     "[-100, 100] added to its logit")
     user: Optional[str] = Field(None, description="an end-user id; accepted and not used")
     # vLLM extras
     top_k: Optional[int] = Field(None, description="0 or -1 = disabled")
@@ -118,6 +134,15 @@ class _SamplingRequest(_Strict):
     guided_regex: Optional[str] = Field(None, description="a regular expression the output matches")
     guided_choice: Optional[list[str]] = Field(None, description="the output is one of these strings")
     guided_grammar: Optional[str] = Field(None, description="an EBNF grammar (start rule root)")
+    structured_outputs: Optional[StructuredOutputsField] = Field(None, description="vLLM's field: exactly one of "
+                                                                 "json, regex, choice, grammar, structural_tag")
+    # vLLM's token controls
+    bad_words: Optional[list[str]] = Field(None, description="words never generated")
+    allowed_token_ids: Optional[list[int]] = Field(None, description="only these token ids may be generated")
+    truncate_prompt_tokens: Optional[int] = Field(None, description="keep the last k prompt tokens (-1: "
+                                                                    "max_model_len)")
+    thinking_token_budget: Optional[int] = Field(None, description="reasoning tokens allowed before the end of "
+                                                                   "the reasoning is forced")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -206,6 +231,14 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call (required)")
     functions: Optional[list[Any]] = Field(None, description="deprecated; not supported (400), use tools")
     function_call: Optional[Any] = Field(None, description="deprecated; not supported (400), use tool_choice")
+    # vLLM's chat extras
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="passed to the chat template, e.g. "
+                                                                              '{"enable_thinking": false}')
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = Field(
+        None, description="passed to the chat template as reasoning_effort")
+    add_generation_prompt: Optional[bool] = Field(True, description="end the prompt with the assistant header")
+    continue_final_message: Optional[bool] = Field(False, description="continue the last (assistant) message")
+    include_reasoning: Optional[bool] = Field(True, description="with a reasoning parser: return the reasoning")
 
 
 # ---------------------------------------------------------------------------------------------------- responses
@@ -316,11 +349,16 @@ class ToolCall(_Response):
 
 
 class ChatResponseMessage(_Response):
-    _omit_if_unset: ClassVar[tuple[str, ...]] = ("tool_calls",)
+    """``reasoning_content`` and ``reasoning`` (vLLM's older and newer names of the same text): the thinking a
+    reasoning parser separated, only when there is some."""
+
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ("tool_calls", "reasoning_content", "reasoning")
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
     refusal: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class ChatChoice(_Response):
@@ -364,10 +402,12 @@ class DeltaMessage(_Response):
     """What a chunk adds to the message: ``role`` in a choice's first chunk, then ``content``; both optional in
     OpenAI's schema, so left out unless set (a choice's last chunk may have an empty delta ``{}``)."""
 
-    _omit_if_unset: ClassVar[tuple[str, ...]] = ("role", "content", "tool_calls")
+    _omit_if_unset: ClassVar[tuple[str, ...]] = ("role", "content", "tool_calls", "reasoning_content", "reasoning")
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class ChatStreamChoice(_Response):
@@ -413,6 +453,8 @@ class TokenizeChatRequest(_Strict):
     return_token_strs: Optional[bool] = False
     tools: Optional[list[ChatTool]] = Field(None, description="tools, rendered as a chat request with "
                                                               "tool_choice auto renders them (vLLM's field)")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="passed to the chat template, as in "
+                                                                              "chat completions")
 
 
 class TokenizeResponse(_Response):

@@ -29,7 +29,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_bounds(req)
         self.check_unsupported(req)
         structured = await self.structured_outputs(req)
-        prompts = await self.completion_prompts(req.prompt)
+        prompts = await self.completion_prompts(req.prompt, req.truncate_prompt_tokens)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         # echo with max_tokens 0 returns the prompt alone (vLLM's way to score a prompt): one token is generated
         # and dropped, so the prompt is prefilled (and scored, with logprobs) like any other
@@ -42,9 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
         want_lp = req.logprobs is not None
         plp = self.engine_prompt_logprobs(req, req.logprobs if want_lp and req.echo else None)
         params = [self.sampling_params(req, self.check_length(len(pp.token_ids), max_tokens, "prompt", "max_tokens"),
-                                       req.logprobs, plp) for pp in prompts]
-        for sp in params:
-            sp.structured_outputs = structured
+                                       req.logprobs, plp, structured) for pp in prompts]
         n = params[0].n
         rid, created = new_id("cmpl"), int(time.time())  # one timestamp for every chunk
         echo = [pp.text if req.echo else "" for pp in prompts]

@@ -27,7 +27,10 @@ from kvserve.entrypoints.chat_utils import (MessageError, NoChatTemplateError, c
                                             conversation_from_messages, render_chat)
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.entrypoints.openai.errors import OpenAIError
+from kvserve.entrypoints.openai import request_fields
 from kvserve.entrypoints.openai.limits import RequestLimits, longest_token_chars
+from kvserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from kvserve.entrypoints.openai.serving_options import ServingOptions
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.structured import StructuredOutputsParams
 from kvserve.validation import check_int
@@ -55,11 +58,13 @@ class OpenAIServing:
             builds one and shares it: building it reads the whole vocabulary).
         limits: the request bounds (``limits.RequestLimits``; default: its defaults, ``max_prompt_chars`` derived
             from ``llm.max_model_len``).
+        options: the server's parsers (``serving_options.ServingOptions``; default: none).
     """
 
     def __init__(self, llm: AsyncLLM, served_model_name: str, vocab: Optional[TokenVocab] = None,
-                 limits: Optional[RequestLimits] = None):
+                 limits: Optional[RequestLimits] = None, options: Optional[ServingOptions] = None):
         self.llm = llm
+        self.options = options if options is not None else ServingOptions()
         self.limits = limits if limits is not None else RequestLimits().resolve(
             llm.max_model_len, longest_token_chars(llm.tokenizer))
         self.model_name = served_model_name
@@ -86,8 +91,6 @@ class OpenAIServing:
         def bad(param: str, why: str):
             raise OpenAIError(f"{param}: {why}", param=param, code="unsupported_parameter")
 
-        if req.logit_bias:
-            bad("logit_bias", "logit_bias is not supported")
         if req.priority and policy != "priority":
             bad("priority", "priority needs the server to run with --scheduling-policy priority")
         if req.stream_options is not None and not req.stream:
@@ -106,13 +109,17 @@ class OpenAIServing:
             bad("top_logprobs", "top_logprobs needs logprobs=true")
 
     def sampling_params(self, req, max_tokens: int, logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
-        """``SamplingParams`` from the request's fields (``None`` = default); ``prompt_logprobs`` for ``echo``.
+                        prompt_logprobs: Optional[int] = None,
+                        structured: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """``SamplingParams`` from the request's fields (``None`` = default); ``prompt_logprobs`` for ``echo``;
+        ``structured`` the request's grammar (``structured_outputs``: then the server's default thinking budget
+        does not apply, and the request's own is a 400).
 
         Raises:
             OpenAIError: a value out of range (the message from ``SamplingParams``, ``param`` the field).
         """
-        kw = dict(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        kw = dict(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                  structured_outputs=structured)
         for name, default in (("n", 1), ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                               ("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                               ("repetition_penalty", 1.0), ("ignore_eos", False), ("include_stop_str_in_output", False),
@@ -125,6 +132,10 @@ class OpenAIServing:
                               param="stop_token_ids")
         if isinstance(kw["top_k"], int) and kw["top_k"] > self.vocab_size:
             kw["top_k"] = self.vocab_size  # the same distribution: every token kept
+        parser = self.options.reasoning_parser
+        default_budget = self.options.thinking_token_budget if structured is None else None
+        kw.update(request_fields.sampling_fields(req, self.vocab_size, default_budget,
+                                                 get_reasoning_parser(parser).markers if parser else None))
         try:
             return SamplingParams(**kw)
         except ValueError as e:
@@ -170,8 +181,9 @@ class OpenAIServing:
         return max_tokens
 
     # ------------------------------------------------------------------------------------------------ prompts
-    async def completion_prompts(self, prompt) -> list:
-        """Normalize ``prompt`` (str, list of str, token ids, list of token-id lists) into ``PreparedPrompt``s.
+    async def completion_prompts(self, prompt, truncate: Optional[int] = None) -> list:
+        """Normalize ``prompt`` (str, list of str, token ids, list of token-id lists) into ``PreparedPrompt``s; with
+        ``truncate`` (``truncate_prompt_tokens``) each keeps its last ``truncate`` tokens.
 
         Text is tokenized off the engine's thread (``asyncio.to_thread``), after its length is checked against
         ``limits.max_prompt_chars``.
@@ -195,14 +207,20 @@ class OpenAIServing:
                 ids = await asyncio.to_thread(self.llm.engine.tokenize, item)
             except ValueError as e:
                 raise OpenAIError(str(e), param="prompt") from None
-            text = item if isinstance(item, str) else await asyncio.to_thread(self.tokenizer.decode, ids)
+            if truncate is not None:
+                ids = request_fields.truncate_prompt(ids, truncate, self.llm.max_model_len)
+            text = (item if isinstance(item, str) and truncate is None else
+                    await asyncio.to_thread(self.tokenizer.decode, ids))
             out.append(PreparedPrompt(ids, text))
         return out
 
     async def chat_prompt(self, messages: list, add_generation_prompt: bool = True,
-                          continue_final_message: bool = False, tools: Optional[list] = None) -> PreparedPrompt:
+                          continue_final_message: bool = False, tools: Optional[list] = None,
+                          template_kwargs: Optional[dict] = None, truncate: Optional[int] = None) -> PreparedPrompt:
         """Apply the chat template to ``messages`` (validated by ``conversation_from_messages``, the rule the
-        offline ``LLM.chat`` uses too) and ``tools`` (``chat_utils.render_chat``). The template is rendered and its
+        offline ``LLM.chat`` uses too) and ``tools`` (``chat_utils.render_chat``), with ``template_kwargs`` (the
+        request's ``chat_template_kwargs``: ``request_fields.template_kwargs``); ``truncate``: keep the last tokens
+        (``truncate_prompt_tokens``). The template is rendered and its
         text tokenized off the engine's thread (``asyncio.to_thread``); the messages' text and then the rendered
         text are checked against ``limits.max_prompt_chars`` first.
 
@@ -228,7 +246,7 @@ class OpenAIServing:
         def render() -> str:
             return render_chat(self.tokenizer, conversation, tools, template,
                                add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message)
+                               continue_final_message=continue_final_message, **(template_kwargs or {}))
 
         try:
             text = await asyncio.to_thread(render)
@@ -239,7 +257,7 @@ class OpenAIServing:
             ids = await asyncio.to_thread(self.llm.engine.tokenize, text, False)
         except ValueError as e:
             raise OpenAIError(f"messages: {e}", param="messages") from None
-        return PreparedPrompt(ids, text)
+        return PreparedPrompt(request_fields.truncate_prompt(ids, truncate, self.llm.max_model_len), text)
 
     # ------------------------------------------------------------------------------------------------ generation
     async def start(self, req, prompts: list, params: list, request_id: str, arrival: float) -> list:
@@ -292,7 +310,7 @@ class OpenAIServing:
             OpenAIError: more than one of them; a schema that is not an object or uses an unsupported feature (the
                 message names it); a regex / grammar that does not compile (``param`` the field).
         """
-        given = [n for n in ("response_format", *GUIDED_FIELDS) if getattr(req, n) is not None]
+        given = [n for n in ("response_format", "structured_outputs", *GUIDED_FIELDS) if getattr(req, n) is not None]
         if req.response_format is not None and req.response_format.type == "text":
             given.remove("response_format")
         if tool_schema is not None:
@@ -315,11 +333,14 @@ class OpenAIServing:
                     so = StructuredOutputsParams(json=rf.json_schema.json_schema)
             elif name == "tool_choice":
                 so = StructuredOutputsParams(json=tool_schema)
+            elif name == "structured_outputs":
+                so = StructuredOutputsParams(**req.structured_outputs.model_dump(exclude_none=True, by_alias=True))
             else:
                 so = StructuredOutputsParams(**{name.removeprefix("guided_"): getattr(req, name)})
             await asyncio.to_thread(self.llm.engine.grammar_backend.compile, so)
         except ValueError as e:
-            message = re.sub(r"structured_outputs\.(json_object|json|regex|choice|grammar)", label, str(e))
+            message = str(e) if name == "structured_outputs" else re.sub(
+                r"structured_outputs\.(json_object|json|regex|choice|grammar|structural_tag)", label, str(e))
             raise OpenAIError(message, param="tools" if name == "tool_choice" else name) from None
         return so
 

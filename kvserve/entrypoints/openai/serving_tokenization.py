@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from kvserve.entrypoints.openai import protocol as p
+from kvserve.entrypoints.openai import request_fields
 from kvserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
 from kvserve.validation import check_text
 
@@ -31,8 +32,9 @@ class OpenAIServingTokenization(OpenAIServing):
                 raise OpenAIError("continue_final_message cannot be used with add_generation_prompt=true (the "
                                   "default); set add_generation_prompt to false", param="continue_final_message")
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            kwargs = request_fields.checked_template_kwargs(req.chat_template_kwargs)
             text = (await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                           tools)).text
+                                           tools, kwargs)).text
         else:
             req = p.TokenizeCompletionRequest.model_validate(body)
             self.check_model(req.model)

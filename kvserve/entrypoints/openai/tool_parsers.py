@@ -2,9 +2,16 @@
 choices, and the streaming of calls.
 
 A model family writes tool calls its own way; a ``ToolParser`` subclass reads that format and is registered under
-a name (``register_tool_parser``), so another family adds its parser without touching the server. The default is
-``HermesToolParser``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (the Hermes / Qwen2.5 /
-SmolLM3 convention, and the format the fallback tool prompt in ``chat_utils`` asks for).
+a name (``register_tool_parser``, vLLM's names), so another family adds its parser without touching the server:
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen2.5/3, SmolLM3, and
+  the format the fallback tool prompt in ``chat_utils`` asks for);
+- ``llama3_json``: ``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``, several joined by
+  ``;``); ``pythonic``: ``[f(a=1), g(b="x")]``; ``mistral``: ``[TOOL_CALLS][...]`` or ``[TOOL_CALLS]f[ARGS]{...}``;
+  ``granite``: ``<|tool_call|>[...]``; ``phi4_mini_json``: ``functools[...]``.
+
+Text that does not parse as the format's calls stays content (never an error). ``parser_for_template`` picks a
+parser from a chat template when that is unambiguous.
 
 "required" and a named ``tool_choice`` are enforced by a JSON schema (``tool_choice_schema``): a named function's
 output *is* its arguments object; "required" outputs ``[{"name": ..., "arguments": {...}}, ...]``. Either way the
@@ -16,11 +23,14 @@ answer (``forced_calls``, ``ToolParser.extract``), so the streamed pieces always
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from kvserve.entrypoints.openai.reasoning_parsers import held_suffix
 
 
 @dataclass
@@ -43,11 +53,27 @@ class ExtractedToolCalls:
 class ToolParser:
     """Reads a model family's tool-call format out of generated text.
 
-    Subclasses set ``start_marker`` (the text that opens a call; streaming holds back text that may be its
-    beginning) and implement ``extract``.
+    Subclasses set where calls may begin and implement ``extract``:
+
+    Attributes:
+        markers: texts that open the calls anywhere in the output (``<tool_call>``, ``[TOOL_CALLS]`` ...); the text
+            before the first one is content (``content_before_call``).
+        lead_markers: texts that open the calls only at the very start of the output, leading whitespace allowed
+            (Llama 3's bare ``{``, the pythonic ``[``); such an output has no content.
+        template_hints: texts whose presence in a chat template says the model writes this format
+            (``parser_for_template``).
+
+    Streaming (``AutoToolStreamer``) holds back text that may begin a marker, so its pieces equal ``extract``.
     """
 
-    start_marker: str = ""
+    markers: tuple[str, ...] = ()
+    lead_markers: tuple[str, ...] = ()
+    template_hints: tuple[str, ...] = ()
+
+    @property
+    def start_marker(self) -> str:
+        """The first of ``markers`` (the format's call opener)."""
+        return self.markers[0] if self.markers else ""
 
     def extract(self, text: str) -> ExtractedToolCalls:
         """Split ``text`` into content and calls; text that does not parse as calls stays content."""
@@ -55,11 +81,30 @@ class ToolParser:
 
     @staticmethod
     def content_before_call(text: str) -> str:
-        """The content of ``text``, the model's text before a call's ``start_marker``: without its trailing
+        """The content of ``text``, the model's text before a call's marker: without its trailing
         whitespace (the newline a model writes before the marker). The one rule for streamed and non-streamed
         answers (``AutoToolStreamer`` holds trailing whitespace back until it knows whether a call follows); the
         result must be a prefix of ``text``. Text without a call is content as it is."""
         return text.rstrip()
+
+    def call_start(self, text: str) -> int:
+        """Where the calls begin in ``text``: 0 when it opens with a ``lead_markers`` text, else the first of
+        ``markers``; -1 when neither."""
+        if any(text.lstrip().startswith(m) for m in self.lead_markers):
+            return 0
+        hits = [i for m in self.markers for i in [text.find(m)] if i >= 0]
+        return min(hits) if hits else -1
+
+    def split(self, text: str, parse) -> ExtractedToolCalls:
+        """``extract`` for formats whose calls run from ``call_start`` to the end: ``parse(region)`` -> the calls,
+        or ``None`` when the region does not parse (then the whole text is content)."""
+        start = self.call_start(text)
+        if start < 0:
+            return ExtractedToolCalls(text or None)
+        calls = parse(text[start:])
+        if not calls:
+            return ExtractedToolCalls(text or None)
+        return ExtractedToolCalls(self.content_before_call(text[:start]) or None, calls)
 
 
 _PARSERS: dict[str, type[ToolParser]] = {}
@@ -89,7 +134,8 @@ class HermesToolParser(ToolParser):
     """``<tool_call>{"name": str, "arguments": object}</tool_call>`` blocks; the closing tag may be missing at the
     very end (generation stopped right after the JSON)."""
 
-    start_marker = "<tool_call>"
+    markers = ("<tool_call>",)
+    template_hints = ("<tool_call>",)
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def extract(self, text: str) -> ExtractedToolCalls:
@@ -106,12 +152,16 @@ class HermesToolParser(ToolParser):
 
 
 def _call_from_json(s: str) -> Optional[ParsedToolCall]:
-    """``{"name", "arguments"}`` (``arguments`` an object or a JSON text of one; ``parameters`` accepted too) ->
-    a call, else ``None``."""
+    """``{"name", "arguments"}`` JSON text -> a call, else ``None`` (``_call_from_obj``)."""
     try:
-        obj = json.loads(s)
+        return _call_from_obj(json.loads(s))
     except ValueError:
         return None
+
+
+def _call_from_obj(obj: Any) -> Optional[ParsedToolCall]:
+    """``{"name": str, "arguments": object}`` (``arguments`` may be a JSON text of an object; ``parameters``, Llama
+    3's key, accepted too) -> a call, else ``None``."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -123,6 +173,165 @@ def _call_from_json(s: str) -> Optional[ParsedToolCall]:
     if not isinstance(args, dict):
         return None
     return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_values(text: str, sep: Optional[str] = None) -> Optional[list]:
+    """The JSON values that make up all of ``text`` (whitespace around them; ``sep`` between them when several are
+    allowed), or ``None`` when ``text`` is anything else."""
+    values, pos = [], 0
+    while True:
+        pos = _WS.match(text, pos).end()
+        try:
+            value, pos = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            return None
+        values.append(value)
+        pos = _WS.match(text, pos).end()
+        if pos == len(text):
+            return values
+        if sep is None or text[pos] != sep:
+            return None
+        pos += 1
+
+
+def _calls_of(objs: Optional[list]) -> Optional[list[ParsedToolCall]]:
+    """Every object of ``objs`` as a call (``_call_from_obj``), or ``None`` if one is not a call."""
+    if not objs:
+        return None
+    calls = [_call_from_obj(o) for o in objs]
+    return None if any(c is None for c in calls) else calls
+
+
+def _json_array_calls(text: str) -> Optional[list[ParsedToolCall]]:
+    """``[{"name", "arguments"}, ...]`` (all of ``text``, whitespace around) -> calls, else ``None``."""
+    values = _json_values(text)
+    return _calls_of(values[0]) if values and isinstance(values[0], list) else None
+
+
+@register_tool_parser("llama3_json")
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1-3.3's JSON calls: ``{"name": str, "parameters": object}`` (``arguments`` accepted too), the whole
+    output or after ``<|python_tag|>``; several separated by ``;``."""
+
+    markers = ("<|python_tag|>",)
+    lead_markers = ("{",)
+    template_hints = ("<|python_tag|>",)
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        def parse(region: str):
+            region = region.lstrip().removeprefix("<|python_tag|>")
+            return _calls_of(_json_values(region, sep=";"))
+        return self.split(text, parse)
+
+
+@register_tool_parser("pythonic")
+class PythonicToolParser(ToolParser):
+    """Python call syntax, the whole output a list: ``[get_weather(city="Paris"), f(x=1)]`` (Llama 3.2 / 4 and
+    others); keyword arguments only, their values Python literals (``ast.literal_eval``), returned as JSON."""
+
+    lead_markers = ("[",)
+    template_hints = ("func_name1(",)
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        return self.split(text, _pythonic_calls)
+
+
+def _pythonic_calls(region: str) -> Optional[list[ParsedToolCall]]:
+    try:
+        tree = ast.parse(region.strip(), mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            arguments = json.dumps(args, ensure_ascii=False)
+        except (ValueError, TypeError, SyntaxError):  # not a literal, or not JSON-serializable (a set, bytes)
+            return None
+        if len(args) != len(node.keywords):  # **kwargs
+            return None
+        calls.append(ParsedToolCall(node.func.id, arguments))
+    return calls
+
+
+@register_tool_parser("mistral")
+class MistralToolParser(ToolParser):
+    """Mistral's ``[TOOL_CALLS]``: a JSON array ``[{"name", "arguments"}, ...]`` (older tokenizers), or the newer
+    ``[TOOL_CALLS]name[ARGS]{...}`` form, one ``[TOOL_CALLS]`` per call (``[CALL_ID]id`` before ``[ARGS]``
+    accepted)."""
+
+    markers = ("[TOOL_CALLS]",)
+    template_hints = ("[TOOL_CALLS]",)
+    _NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        def parse(region: str):
+            calls = []
+            for segment in region.split("[TOOL_CALLS]")[1:]:
+                m = self._NAMED.match(segment)
+                if m is None:
+                    more = _json_array_calls(segment)
+                else:
+                    values = _json_values(segment[m.end():])
+                    more = _calls_of([{"name": m.group(1), "arguments": values[0]}]) if values else None
+                if more is None:
+                    return None
+                calls += more
+            return calls
+        return self.split(text, parse)
+
+
+@register_tool_parser("granite")
+class GraniteToolParser(ToolParser):
+    """IBM Granite 3.x: ``<|tool_call|>`` then a JSON array ``[{"name", "arguments"}, ...]``."""
+
+    markers = ("<|tool_call|>",)
+    template_hints = ("<|tool_call|>",)
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        return self.split(text, lambda region: _json_array_calls(region[len("<|tool_call|>"):]))
+
+
+@register_tool_parser("phi4_mini_json")
+class Phi4MiniJsonToolParser(ToolParser):
+    """Phi-4-mini: ``functools[{"name", "arguments"}, ...]`` (``parameters`` accepted too)."""
+
+    markers = ("functools[",)
+    template_hints = ("functools",)
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        return self.split(text, lambda region: _json_array_calls(region[len("functools"):]))
+
+
+def parser_for_template(template: Optional[str]) -> tuple[Optional[str], str]:
+    """The tool parser a chat template implies: ``(name, why)``, ``name`` ``None`` when it is ambiguous.
+
+    One parser whose ``template_hints`` the template contains: that one. A template that does not know tools:
+    ``hermes`` (``chat_utils.render_chat`` then asks for Hermes calls in the system prompt). Otherwise (none or
+    several match): ``None``, and ``--tool-call-parser`` must say.
+    """
+    if not template:
+        return "hermes", "no chat template: the fallback tool prompt asks for Hermes calls"
+    if "tools" not in template:
+        return "hermes", "the chat template does not render tools: the fallback tool prompt asks for Hermes calls"
+    found = sorted(n for n, cls in _PARSERS.items() if any(h in template for h in cls.template_hints))
+    if len(found) == 1:
+        hints = [h for h in _PARSERS[found[0]].template_hints if h in template]
+        return found[0], f"the chat template mentions {hints[0]!r}"
+    return None, (f"the chat template matches several formats ({', '.join(found)})" if found else
+                  "the chat template names no known tool-call format")
+
+
+def tool_parser_names() -> list[str]:
+    """The registered names, sorted."""
+    return sorted(_PARSERS)
 
 
 # ---------------------------------------------------------------------------------------------------- tool_choice
@@ -261,8 +470,8 @@ class ForcedToolStreamer:
 
 
 class AutoToolStreamer:
-    """Streams "auto" output: content passes through until the parser's ``start_marker`` may have begun; text
-    that could be the marker's prefix, and trailing whitespace (which ``ToolParser.content_before_call`` drops
+    """Streams "auto" output: content passes through until one of the parser's ``markers`` may have begun (or, with
+    ``lead_markers``, while the output may still open with one); text that could be a marker's prefix, and trailing whitespace (which ``ToolParser.content_before_call`` drops
     before a call), are held back. From the marker on everything is buffered and parsed when the choice finishes
     (``finish``), exactly as the non-streamed answer is (``ToolParser.extract``)."""
 
@@ -277,18 +486,19 @@ class AutoToolStreamer:
         self.text += delta
         if self.in_call:
             return ""
-        marker = self.parser.start_marker
-        at = self.text.find(marker, self.sent)
+        p = self.parser
+        if self.sent == 0 and p.lead_markers:
+            body = self.text.lstrip()
+            if any(m.startswith(body) or body.startswith(m) for m in p.lead_markers):
+                self.in_call = any(body.startswith(m) for m in p.lead_markers)
+                return ""  # the calls may open the output: nothing is content until they are parsed
+        at = p.call_start(self.text)
         if at >= 0:
             self.in_call = True
             end = at
         else:
-            end = len(self.text)
-            for n in range(min(len(marker) - 1, len(self.text) - self.sent), 0, -1):
-                if marker.startswith(self.text[-n:]):  # the longest suffix that is a prefix of the marker
-                    end -= n
-                    break
-        end = max(self.sent, len(self.parser.content_before_call(self.text[:end])))
+            end = len(self.text) - (held_suffix(self.text[self.sent:], p.markers) if p.markers else 0)
+        end = max(self.sent, len(p.content_before_call(self.text[:end])))
         out, self.sent = self.text[self.sent:end], end
         return out
 

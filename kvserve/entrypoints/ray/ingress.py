@@ -34,6 +34,7 @@ from kvserve.engine.async_llm import EngineDeadError, EngineShutdownError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.chat_config import load_chat_template
 from kvserve.entrypoints.openai.api_server import KVServeServer, api_key_from, bind_socket, build_app
+from kvserve.entrypoints.openai.serving_options import ServingOptions
 from kvserve.entrypoints.ray.replica import ACCEPTED, APP_NAME, DEPLOYMENT_NAME, MAX_ATTEMPTS, KVServeReplica
 from kvserve.entrypoints.ray.router import KVServeRequestRouter, get_router
 
@@ -294,18 +295,22 @@ def build_server(engine_args: dict, num_replicas: int, router: str = "prefix", h
                  port: int = 8000, served_model_name: Optional[str] = None, log_level: str = "info",
                  access_log: bool = True, api_key: Optional[str] = None, metrics_auth: bool = True,
                  sock=None, ray_address: Optional[str] = None, autoscaling: Optional[dict] = None,
-                 **router_kwargs) -> KVServeServer:
+                 options: Optional[ServingOptions] = None, **router_kwargs) -> KVServeServer:
     """Deploy the replicas and build the ingress server (not started): ``api_server.build_app`` over a
-    ``RayEngineClient``; ``/metrics`` per replica. Arguments as ``api_server.build_server`` and ``deploy``.
+    ``RayEngineClient``; ``/metrics`` per replica. Arguments as ``api_server.build_server`` and ``deploy``
+    (``options``: parsers and CORS; ``--vllm-metric-names`` is not available behind Ray: a ``ValueError``).
 
     Raises:
         ValueError: bad arguments (replica count, router, engine arguments).
     """
+    if options is not None and options.vllm_metric_names:
+        raise ValueError("--vllm-metric-names is not available with --data-parallel-size > 1")
     config = EngineConfig.from_kwargs(**{k: v for k, v in engine_args.items() if v is not None})
     name = served_model_name or Path(config.model_config.model or _default_model()).stem
     handle = deploy(engine_args, num_replicas, router, name, ray_address, autoscaling, **router_kwargs)
     client = build_client(handle, engine_args)
-    app = build_app(client, name, stat_logger=client.stat_logger, api_key=api_key, metrics_auth=metrics_auth)
+    app = build_app(client, name, stat_logger=client.stat_logger, api_key=api_key, metrics_auth=metrics_auth,
+                    options=options)
     app.user_middleware.append(Middleware(MetricsRefresh, metrics=client.stat_logger))  # innermost
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_keep_alive=5, timeout_graceful_shutdown=30)
@@ -360,7 +365,8 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
                               served_model_name=args.served_model_name, log_level=args.uvicorn_log_level,
                               access_log=not args.no_access_log, api_key=api_key,
                               metrics_auth=not args.no_metrics_auth, sock=sock, ray_address=args.ray_address,
-                              balance_abs=args.router_balance_abs, balance_rel=args.router_balance_rel)
+                              balance_abs=args.router_balance_abs, balance_rel=args.router_balance_rel,
+                              options=ServingOptions.from_args(args))
         asyncio.run(server.serve())
     finally:
         sock.close()
