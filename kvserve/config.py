@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 #: ``num_kv_blocks`` is set, and the cap on that default (bytes).
 DEFAULT_KV_CACHE_RAM_FRACTION = 0.10
 DEFAULT_KV_CACHE_MAX_BYTES = 4 * 1024**3
+#: Byte budget of the prefix cache's disk tier when ``kv_disk_cache_bytes`` is not set: this share of the free space
+#: of the directory's file system at start-up, at most ``DEFAULT_KV_DISK_CACHE_MAX_BYTES`` (16 GiB).
+DEFAULT_KV_DISK_CACHE_FREE_FRACTION = 0.5
+DEFAULT_KV_DISK_CACHE_MAX_BYTES = 16 * 1024**3
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 SUPPORTED_DEVICES = ("cpu",)
@@ -115,6 +119,13 @@ class CacheConfig:
             half the bytes a decode step's attention reads. Keys and values are rounded to it when written (round
             to nearest even) and attention computes in float32 on the widened values (docs/kv_cache_dtype.md has
             the measured speed and accuracy).
+        kv_disk_cache_dir: the prefix cache's disk tier (docs/design.md, "KV tiers"): full blocks are written to a
+            content-addressed store in this directory and a prefix missing from the pool is loaded from it instead
+            of recomputed, with the same bits. It survives restarts and may be shared by the engines of one machine
+            (a data-parallel deployment). ``None`` (default): off. Needs ``enable_prefix_caching``.
+        kv_disk_cache_bytes: the tier's byte budget over the whole directory (least recently used entries are
+            deleted beyond it). ``None`` (default): ``DEFAULT_KV_DISK_CACHE_FREE_FRACTION`` (half) of the file
+            system's free space at start-up, at most ``DEFAULT_KV_DISK_CACHE_MAX_BYTES`` (16 GiB).
     """
 
     block_size: int = _field(16, "tokens per KV block, 1 to 1024")
@@ -125,6 +136,11 @@ class CacheConfig:
     enable_prefix_caching: bool = _field(True, "share computed KV blocks between requests with a common prefix")
     kv_cache_dtype: str = _field("auto", "KV cache element type: auto (the model's dtype), float32, or bfloat16 "
                                          "(half the bytes per block)", SUPPORTED_KV_CACHE_DTYPES)
+    kv_disk_cache_dir: Optional[str] = _field(None, "directory of the prefix cache's disk tier: KV blocks survive "
+                                                    "restarts and pool evictions, loaded back with the same bits "
+                                                    "(default: off)")
+    kv_disk_cache_bytes: Optional[int] = _field(None, "byte budget of the disk tier's directory, least recently "
+                                                      "used first out (default: half the free space, at most 16 GiB)")
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1, 1024)
@@ -134,6 +150,15 @@ class CacheConfig:
             check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, SUPPORTED_KV_CACHE_DTYPES)
+        if self.kv_disk_cache_dir is not None:
+            if not isinstance(self.kv_disk_cache_dir, str) or not self.kv_disk_cache_dir:
+                raise ValueError(f"kv_disk_cache_dir must be a directory path (str) or None, "
+                                 f"got {self.kv_disk_cache_dir!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_disk_cache_dir needs enable_prefix_caching=True (the disk tier extends the "
+                                 "prefix cache)")
+        if self.kv_disk_cache_bytes is not None:
+            check_int("kv_disk_cache_bytes", self.kv_disk_cache_bytes, 1)
 
     def resolve_kv_cache_dtype(self, model_dtype: str) -> str:
         """The pool's element type by name, ``"float32"`` or ``"bfloat16"``: ``kv_cache_dtype``, or ``model_dtype``
@@ -355,6 +380,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         spec, tp = self.speculative_config, self.parallel_config.tensor_parallel_size
+        if tp > 1 and self.cache_config.kv_disk_cache_dir is not None:
+            raise ValueError(f"kv_disk_cache_dir is not supported with tensor_parallel_size={tp} (each rank holds "
+                             f"a shard of every block); use tensor_parallel_size=1")
         if tp > 1 and spec is not None and spec.method == "draft_model":
             raise ValueError(f"speculative_config.method='draft_model' is not supported with tensor_parallel_size="
                              f"{tp} (the draft would need its own sharded workers); use 'ngram' or "

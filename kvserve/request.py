@@ -14,6 +14,8 @@ from kvserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    #: parked by the scheduler while its prefix blocks are read from the disk tier (vLLM: WAITING_FOR_REMOTE_KVS)
+    WAITING_FOR_KV_LOAD = "waiting_for_kv_load"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"

@@ -40,7 +40,7 @@ from dataclasses import asdict
 from typing import Optional
 from urllib.parse import urlparse
 
-from kvserve.bench.workloads import LoadRequest, azure_trace, random_lengths, sharegpt_prompts
+from kvserve.bench.workloads import LoadRequest, azure_trace, prefix_repetition, random_lengths, sharegpt_prompts
 from kvserve.extras import require
 from kvserve.metrics import RequestResult, format_table, parse_goodput, summarize
 
@@ -50,7 +50,7 @@ MAX_PROMPTS = 10_000
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only; default: %(default)s)")
     p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
-    p.add_argument("--dataset-name", "--dataset", dest="dataset", choices=["random", "sharegpt", "azure", "sharegpt-multiround"], default="random",
+    p.add_argument("--dataset-name", "--dataset", dest="dataset", choices=["random", "sharegpt", "azure", "sharegpt-multiround", "prefix_repetition"], default="random",
                    help="the prompts (default: %(default)s: random token ids, no data files needed)")
     p.add_argument("--num-prompts", type=int, default=20, help="requests (sharegpt-multiround: users)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
@@ -60,6 +60,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-input-len", type=int, default=64)
     p.add_argument("--random-output-len", type=int, default=16)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                   help="prefix_repetition: tokens of each shared prefix")
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                   help="prefix_repetition: random tokens after the prefix")
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                   help="prefix_repetition: distinct prefixes, shared evenly by the requests")
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128, help="prefix_repetition: max_tokens")
     p.add_argument("--sharegpt-output-len", type=int, default=64, help="max_tokens for ShareGPT prompts")
     p.add_argument("--sharegpt-max-chars", type=int, default=4000, help="skip longer ShareGPT prompts")
     p.add_argument("--azure-kind", choices=["conv", "code"], default="conv")
@@ -142,6 +149,10 @@ def build_requests(args) -> list:
         raise ValueError(f"--num-prompts must be in [1, {MAX_PROMPTS}], got {n}")
     if args.dataset == "random":
         reqs = random_lengths(n, args.random_input_len, args.random_output_len, args.random_range_ratio, args.seed)
+        return [LoadRequest(r.prompt_token_ids, r.output_len) for r in reqs]
+    if args.dataset == "prefix_repetition":
+        reqs = prefix_repetition(n, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+                                 args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len, args.seed)
         return [LoadRequest(r.prompt_token_ids, r.output_len) for r in reqs]
     if args.dataset == "sharegpt":
         if args.sharegpt_output_len < 1:

@@ -112,6 +112,26 @@ def random_lengths(num_requests: int, input_len: int, output_len: int, range_rat
     return [BenchRequest(_random_prompt(rng, draw(input_len)), draw(output_len)) for _ in range(num_requests)]
 
 
+def prefix_repetition(num_requests: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int,
+                      seed: int = 0) -> list:
+    """Requests that share ``num_prefixes`` random prefixes of ``prefix_len`` tokens, each followed by a random
+    suffix of ``suffix_len`` tokens (vLLM's "prefix_repetition" dataset): ``num_requests // num_prefixes`` per
+    prefix (the first ``num_requests % num_prefixes`` prefixes one more), in a seeded random order.
+
+    Raises:
+        ValueError: a length below 1 or ``num_prefixes`` outside ``[1, num_requests]``.
+    """
+    if min(prefix_len, suffix_len, output_len) < 1 or not 1 <= num_prefixes <= num_requests:
+        raise ValueError(f"need prefix, suffix and output lengths >= 1 and 1 <= num_prefixes <= num_requests, got "
+                         f"{prefix_len}, {suffix_len}, {output_len}, {num_prefixes}, {num_requests}")
+    rng = random.Random(seed)
+    prefixes = [_random_prompt(rng, prefix_len) for _ in range(num_prefixes)]
+    out = [BenchRequest(prefixes[i % num_prefixes] + _random_prompt(rng, suffix_len), output_len)
+           for i in range(num_requests)]
+    rng.shuffle(out)
+    return out
+
+
 def sharegpt_prompts(num_requests: int, seed: int = 0, data_dir=None, max_chars: int = 4000) -> list:
     """``num_requests`` first-turn human prompts (text) from ``../shared/data/sharegpt/ShareGPT_V3_filtered_1000.json``
     (a JSON list of ``{"id", "conversations": [{"from": "human", "value": str}, ...]}``), in a seeded random order,

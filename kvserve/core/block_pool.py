@@ -123,12 +123,14 @@ class BlockPool:
                 del self._free[block.block_id]
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Enter a full, computed block in the prefix cache (a no-op if it or an equal block is cached)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Enter a full, computed block in the prefix cache; ``False`` (and nothing done) if it or an equal block
+        is cached already."""
         if block.block_hash is not None or block_hash.value in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash.value] = block
+        return True
 
     def free_blocks(self, blocks) -> None:
         """Drop one reference from each block; blocks reaching 0 go to the back of the free queue, in order.

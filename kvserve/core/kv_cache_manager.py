@@ -122,6 +122,9 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.pending_copies: list[tuple[int, int]] = []  # (src_block_id, dst_block_id) copy-on-write copies for the next step
+        #: ``(block_id, BlockHash)`` of each block ``cache_computed_blocks`` entered in the cache, for the disk tier
+        #: (``take_newly_cached``); ``None``: not recorded (no tier).
+        self.newly_cached: Optional[list[tuple[int, BlockHash]]] = None
 
     @property
     def num_blocks(self) -> int:
@@ -292,10 +295,39 @@ class KVCacheManager:
         if n_full <= start:
             return
         blocks, hashes = self.req_to_blocks[rid], self.block_hashes(request)
+        record = self.newly_cached
         for i in range(start, n_full):
             if blocks[i] is not None:  # (a freed block was entered before it was freed)
-                self.block_pool.cache_block(blocks[i], hashes[i])
+                if self.block_pool.cache_block(blocks[i], hashes[i]) and record is not None:
+                    record.append((blocks[i].block_id, hashes[i]))
         self.num_cached_blocks[rid] = n_full
+
+    def take_newly_cached(self) -> list[tuple[int, BlockHash]]:
+        """The ``(block_id, BlockHash)`` of the blocks entered in the cache since the last call (computed here, not
+        loaded); empty unless ``newly_cached`` is a list. The blocks' contents are valid until the next
+        ``allocate_slots`` (a freed one may be reused then)."""
+        if not self.newly_cached:
+            return []
+        out, self.newly_cached = self.newly_cached, []
+        return out
+
+    def reserve_for_load(self, request: SeqLike, hits: list[KVCacheBlock], n: int) -> Optional[list[KVCacheBlock]]:
+        """Give ``request`` (not yet holding blocks) a table of its prefix-cache ``hits`` (referenced, so they stay
+        while it waits) and ``n`` new blocks to load its next blocks into from the disk tier. The caller copies the
+        contents in, enters the new blocks in the cache and frees the table (``free``).
+
+        Returns:
+            the ``n`` new blocks, or ``None`` (nothing taken) if the pool cannot supply them.
+        """
+        pool = self.block_pool
+        reclaimed = sum(1 for b in hits if b.ref_cnt == 0)
+        if n > pool.num_free_blocks - reclaimed:
+            return None
+        pool.touch(hits)
+        new = pool.get_new_blocks(n)
+        self.req_to_blocks[request.request_id] = list(hits) + new
+        self._block_ids[request.request_id] = [b.block_id for b in hits + new]
+        return new
 
     def trim(self, request: SeqLike) -> None:
         """Release the tail blocks that hold no computed token of ``request`` (after rejected draft tokens)."""

@@ -69,11 +69,15 @@ class SchedulerOutput:
         scheduled: running requests first (decodes before prompt chunks), then newly admitted ones.
         preempted: request ids preempted this step (their blocks are already free).
         block_copies: copy-on-write ``(src_block_id, dst_block_id)`` pairs, to copy before this step's writes.
+        kv_loads: ``(block_id, payload)`` pairs: block contents read from the disk tier (bytes-like, the layout of
+            the model runner's ``copy_block_out``), to copy into the blocks before anything else this step, even
+            when nothing is scheduled.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, object]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

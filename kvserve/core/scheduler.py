@@ -10,27 +10,58 @@ Policies: ``"continuous"`` admits waiting requests every step while ``max_num_se
 runs it until it drains (the baseline that continuous batching beats). With chunked prefill, a prompt longer
 than what is left of the step's budget is split across steps; the chunk [s, s+q) attends to exactly s+q keys.
 Queue order is FCFS, or ``(priority, arrival)`` under ``scheduling_policy="priority"``.
+
+With the prefix cache's disk tier (``kv_tier``), a request whose next blocks after its pool hits are on disk is
+not admitted at once: it takes blocks for them and waits, in ``RequestStatus.WAITING_FOR_KV_LOAD`` (vLLM's
+``WAITING_FOR_REMOTE_KVS``), while a worker thread reads them; the others are scheduled meanwhile. When the read
+is done the plan carries the bytes (``SchedulerOutput.kv_loads``, copied into the blocks before the step runs),
+the blocks enter the prefix cache and are freed, and the request goes back to the front of the queue, where its
+admission finds them as ordinary pool hits.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from kvserve.config import SchedulerConfig
+from kvserve.core.block_pool import BlockHash, KVCacheBlock
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_disk_tier import KVDiskTier, LoadResult
 from kvserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.structured.backend import plan_bitmask
+
+logger = logging.getLogger(__name__)
 
 
 def _priority_key(req: Request) -> tuple:
     """Lower ``priority`` value first; ties in arrival order."""
     return (req.priority, req.queue_seq)
+
+
+#: With nothing else to do, ``schedule`` waits at most this long (seconds) for a disk-tier load to finish.
+KV_LOAD_POLL_SECONDS = 0.05
+
+
+@dataclass
+class _KVLoad:
+    """A request waiting for its blocks from the disk tier: ``blocks[i]`` receives ``hashes[i]``'s entry; a request
+    waiting on another request's load of the same blocks has none of its own (``blocks == []``)."""
+
+    request: Request
+    hashes: list[BlockHash]
+    blocks: list[KVCacheBlock]
+    future: Future
+    start: float
 
 
 def _plan_prompt_logprobs(req: Request, plan: ScheduledRequest) -> None:
@@ -60,10 +91,11 @@ class Scheduler:
         eos_token_ids: the model's end tokens: each ends a request unless ``ignore_eos``.
         eos_token_id: the primary one among them (the tokenizer's EOS): it ends a request with ``stop_reason``
             ``None``; the others set ``stop_reason`` to the token, as vLLM's (merged into its ``stop_token_ids``).
+        kv_tier: the prefix cache's disk tier, or ``None`` (module docstring).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, eos_token_ids: tuple = (),
-                 eos_token_id: Optional[int] = None):
+                 eos_token_id: Optional[int] = None, kv_tier: Optional[KVDiskTier] = None):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -76,6 +108,9 @@ class Scheduler:
         #: request id -> ``(draft token ids, their draft distributions [k, V] or None)`` to verify next step
         #: (``update_draft_token_ids``); taken by ``schedule``.
         self._drafts: dict[str, tuple[list[int], Optional[torch.Tensor]]] = {}
+        self.kv_tier = kv_tier
+        self._kv_loads: dict[str, _KVLoad] = {}  # request id -> its pending load (WAITING_FOR_KV_LOAD)
+        self._kv_looked_up: set[str] = set()  # requests whose disk lookup was done since they were queued
 
     # ------------------------------------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
@@ -95,15 +130,21 @@ class Scheduler:
             self.waiting.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._kv_loads)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Requests not running: queued, or waiting for their blocks from the disk tier."""
+        return len(self.waiting) + len(self._kv_loads)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def loading_requests(self) -> list[Request]:
+        """The requests waiting for their blocks from the disk tier (``WAITING_FOR_KV_LOAD``), oldest first."""
+        return sorted((j.request for j in self._kv_loads.values()), key=lambda r: r.queue_seq)
 
     def update_draft_token_ids(self, drafts: dict[str, tuple[list[int], Optional[torch.Tensor]]]) -> None:
         """Drafts to verify in the next step (speculative decoding; vLLM's ``update_draft_token_ids``): request id
@@ -137,6 +178,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput()
         scheduled: dict[str, ScheduledRequest] = {}
+        if self._kv_loads:
+            self._finish_kv_loads(out, wait=not self.running and not self.waiting)
 
         # decodes first, then unfinished prefills, each in running order (a stable partition)
         decodes, prefills = [], []
@@ -182,6 +225,9 @@ class Scheduler:
             if req.sampling_params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
                 # cached blocks carry no logits: positions still to be scored are computed (and may share blocks)
                 hits = hits[: (len(req.prompt_logprobs) - 1) // kv.block_size]
+            elif self.kv_tier is not None and self._start_kv_load(req, hits):
+                self.waiting.pop(0)  # (waits for its blocks from disk; the next requests go on)
+                continue
             uncomputed = req.num_tokens - len(hits) * kv.block_size
             n = self._num_new_tokens(uncomputed, budget)
             if self.config.scheduling == "static":
@@ -235,7 +281,73 @@ class Scheduler:
             return max(self.running, key=_priority_key)
         return self.running[-1]
 
+    # ------------------------------------------------------------------------------------------------ disk tier
+    def _start_kv_load(self, req: Request, hits: list[KVCacheBlock]) -> bool:
+        """If the disk tier holds ``req``'s next blocks after its pool ``hits`` (up to the last prompt token's
+        block, which is always computed), start loading them and park ``req`` (``WAITING_FOR_KV_LOAD``); True if
+        parked. Looked up once per stay in the queue; a request whose first missing block another request is
+        loading waits for that load instead of reading the same entries."""
+        rid = req.request_id
+        if rid in self._kv_looked_up:
+            return False
+        kv = self.kv_cache_manager
+        hashes = kv.block_hashes(req)[len(hits) : (req.num_tokens - 1) // kv.block_size]
+        if not hashes:
+            return False
+        for other in self._kv_loads.values():
+            if other.blocks and hashes[0] in other.hashes:
+                self._park(req, _KVLoad(req, [], [], other.future, time.monotonic()))
+                return True
+        n = self.kv_tier.num_present(hashes)
+        blocks = kv.reserve_for_load(req, hits, n) if n else None
+        if n and blocks is None:  # the pool is short now: looked up again at the next admission
+            return False
+        self._kv_looked_up.add(rid)
+        self.kv_tier.stats.lookups += len(hashes)
+        if not n:
+            return False
+        self._park(req, _KVLoad(req, hashes[:n], blocks, self.kv_tier.load(hashes[:n]), time.monotonic()))
+        return True
+
+    def _park(self, req: Request, load: _KVLoad) -> None:
+        req.status = RequestStatus.WAITING_FOR_KV_LOAD
+        self._kv_loads[req.request_id] = load
+
+    def _finish_kv_loads(self, out: SchedulerOutput, wait: bool) -> None:
+        """Take the finished loads (waiting up to ``KV_LOAD_POLL_SECONDS`` for one when ``wait``): each good block's
+        bytes go into the plan (``kv_loads``, copied before this step runs) and the block enters the prefix cache;
+        a block after the first bad or missing entry is not used (recomputed). The request's table is freed and
+        it goes back to the front of the queue."""
+        if wait:
+            wait_futures({j.future for j in self._kv_loads.values()}, KV_LOAD_POLL_SECONDS, FIRST_COMPLETED)
+        done = [j for j in self._kv_loads.values() if j.future.done()]
+        kv = self.kv_cache_manager
+        now = time.monotonic()
+        for job in sorted(done, key=lambda j: (j.blocks == [], j.request.queue_seq)):  # owners first
+            req = job.request
+            del self._kv_loads[req.request_id]
+            if job.blocks:
+                try:
+                    result = job.future.result()
+                except Exception:  # noqa: BLE001 (a failed read is a miss: the blocks are recomputed)
+                    logger.exception("KV disk tier: loading the blocks of request %s failed", req.request_id)
+                    result = LoadResult([], 0.0)
+                for block, h, payload in zip(job.blocks, job.hashes, result.payloads):
+                    if kv.block_pool.cache_block(block, h):
+                        out.kv_loads.append((block.block_id, payload))
+                self.kv_tier.finish_load(result, now - job.start)
+                kv.free(req)  # (tail first: the loaded blocks wait in the free queue with their hashes)
+        for job in sorted(done, key=lambda j: j.request.queue_seq, reverse=True):  # front of the queue, in order
+            job.request.status = RequestStatus.WAITING
+            self._enqueue(job.request, preempted=True)
+
+    def _abort_kv_load(self, req: Request) -> bool:
+        """Drop ``req``'s pending load, if any (its blocks are freed by ``_finish``, never filled or cached; the
+        read finishes in the background and is discarded). True if it had one."""
+        return self._kv_loads.pop(req.request_id, None) is not None
+
     def _preempt(self, req: Request) -> None:
+        self._kv_looked_up.discard(req.request_id)  # (its blocks may have left the pool since)
         self.running.remove(req)
         self.kv_cache_manager.free(req)
         req.num_computed_tokens = 0
@@ -364,7 +476,7 @@ class Scheduler:
                 continue
             if req in self.running:
                 self.running.remove(req)
-            else:
+            elif not self._abort_kv_load(req):
                 try:
                     self.waiting.remove(req)
                 except ValueError:
@@ -379,3 +491,4 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         self.requests.pop(req.request_id, None)
         self._drafts.pop(req.request_id, None)
+        self._kv_looked_up.discard(req.request_id)

@@ -109,7 +109,6 @@ class LLMEngine:
         sampler = Sampler(self.eos_token_ids)
         spec = config.speculative_config
         self.speculator = self._make_speculator(spec, mc, sc, sampler) if spec is not None else None
-        self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids, self.eos_token_id)
         if tp > 1:  # rank 0 of the group: ships each plan to the workers, samples on the gathered logits
             from kvserve.distributed.executor import TensorParallelExecutor
             from kvserve.distributed.parallel_state import free_port
@@ -122,6 +121,13 @@ class LLMEngine:
         else:
             self.model_runner = ModelRunner(self.model, self.num_blocks, self.block_size, sampler, device=mc.device,
                                             kv_cache_dtype=self.kv_cache_dtype)
+        self.kv_tier = None  # the prefix cache's disk tier (CacheConfig.kv_disk_cache_dir)
+        if config.cache_config.kv_disk_cache_dir is not None:
+            from kvserve.engine.kv_tier_setup import make_kv_tier
+
+            self.kv_tier = make_kv_tier(self, config.cache_config)
+            self.kv_cache_manager.newly_cached = []
+        self.scheduler = Scheduler(sc, self.kv_cache_manager, self.eos_token_ids, self.eos_token_id, self.kv_tier)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_backend = GrammarBackend(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
@@ -129,7 +135,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op without tensor parallelism; also done when the
-        engine is garbage collected or the interpreter exits)."""
+        engine is garbage collected or the interpreter exits) and finish the disk tier's queued writes."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
         stop = getattr(self.model_runner, "shutdown", None)
         if stop is not None:
             stop()
@@ -345,6 +353,8 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         model_output = self.model_runner.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.kv_tier is not None:
+            self._save_to_kv_tier()
         for req in updated:
             match = self.output_processor.update_text(req)
             if match is not None:  # a stop string: the request ends at the token that completed it
@@ -359,6 +369,8 @@ class LLMEngine:
             self.stats.prefix_cache_hits = self.kv_cache_manager.prefix_cache_hits
             if self.speculator is not None:
                 self.stats.spec_decode = self.speculator.stats
+            if self.kv_tier is not None:
+                self.stats.kv_tier = self.kv_tier.stats
             self.stats.generation_tokens += sum(len(c.delta_token_ids) for o in outputs for c in o.outputs)
             self.stats.record_step(
                 len(scheduler_output.scheduled),
@@ -367,10 +379,19 @@ class LLMEngine:
             )
         return outputs
 
+    def _save_to_kv_tier(self) -> None:
+        """Hand the blocks that became cached this step to the disk tier: copies taken now (before the next
+        ``schedule`` may reuse a freed block), written by its worker threads."""
+        for block_id, block_hash in self.kv_cache_manager.take_newly_cached():
+            if self.kv_tier.wants(block_hash):
+                self.kv_tier.save(block_hash, self.model_runner.copy_block_out(block_id))
+
     def reset_stats(self) -> None:
         """Start a fresh ``EngineStats`` (e.g. after a warm-up request)."""
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
         self.scheduler.num_preemptions = 0
+        if self.kv_tier is not None:
+            self.kv_tier.stats = type(self.kv_tier.stats)()
         if self.speculator is not None:
             self.speculator.stats = type(self.speculator.stats)(self.speculator.policy.max_k)
         self.kv_cache_manager.prefix_cache_queries = self.kv_cache_manager.prefix_cache_hits = 0

@@ -25,6 +25,8 @@ class EngineStats:
             admission (hit rate = hits / queries).
         spec_decode: the scheduler's ``SpecDecodeStats`` (drafts, draft / accepted tokens, acceptance per
             position, mean accepted length) when speculative decoding is on, else ``None``.
+        kv_tier: the disk tier's ``KVTierStats`` (blocks looked up / loaded, bytes read / written, load time) when
+            ``kv_disk_cache_dir`` is set, else ``None``.
     """
 
     num_blocks: int = 0
@@ -43,6 +45,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     spec_decode: object = None
+    kv_tier: object = None
 
     def record_step(self, num_scheduled_reqs: int, num_scheduled_tokens: int, kv: KVCacheStats) -> None:
         self.num_steps += 1
@@ -74,6 +77,10 @@ class EngineStats:
         spec = self.spec_decode
         if spec is not None:
             d["spec_decode"].update(acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length)
+        tier = self.kv_tier
+        if tier is not None:
+            d["kv_tier"].update(misses=tier.misses, hit_rate=tier.hit_rate)
+            del d["kv_tier"]["load_seconds_samples"]
         d.update(mean_batch_size=self.mean_batch_size, kv_waste=self.kv_waste,
                  prefix_cache_hit_rate=self.prefix_cache_hit_rate)
         return d

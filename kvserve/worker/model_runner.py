@@ -53,6 +53,8 @@ class ModelRunner:
         prompt logprobs of the prompt rows the plan marks (``prompt_logprob_targets``). The logits rows are read
         as the batch's ``LogitsLayout`` says; grammar masks come with the plan (``grammar_bitmask``)."""
         out = ModelRunnerOutput()
+        for block_id, payload in scheduler_output.kv_loads:  # read from the disk tier: before anything reads them
+            self.copy_block_in(block_id, payload)
         entries = scheduler_output.scheduled
         if not entries:
             return out
@@ -80,6 +82,39 @@ class ModelRunner:
         if layout.verify_rows:
             self._verify(logits, [(entries[b], row) for b, row in layout.verify_rows], out)
         return out
+
+    def block_slices(self, block_id: int) -> list[torch.Tensor]:
+        """Every tensor slice that holds block ``block_id``'s contents, in a fixed order (views): K and V of every
+        layer, ``kv_cache[:, :, block_id]`` (``[layers, 2, block_size, H_kv, D]``). A cache with more tensors per
+        block (e.g. quantization scales) adds its slices here, and the disk tier follows."""
+        return [self.kv_cache[:, :, block_id]]
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block's ``copy_block_out`` payload."""
+        return sum(t.numel() * t.element_size() for t in self.block_slices(0))
+
+    def copy_block_out(self, block_id: int) -> list:
+        """A private copy of block ``block_id``'s contents: one contiguous ``uint8`` numpy array per
+        ``block_slices`` entry (bytes-like, safe to hand to another thread while the block is reused)."""
+        return [t.clone(memory_format=torch.contiguous_format).view(torch.uint8).reshape(-1).numpy()
+                for t in self.block_slices(block_id)]
+
+    def copy_block_in(self, block_id: int, payload) -> None:
+        """Copy ``payload`` (bytes-like, ``block_nbytes`` bytes: a ``copy_block_out`` concatenated) into block
+        ``block_id``.
+
+        Raises:
+            ValueError: ``payload`` has another size.
+        """
+        raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        if raw.numel() != self.block_nbytes:
+            raise ValueError(f"a block payload must be {self.block_nbytes} bytes, got {raw.numel()}")
+        offset = 0
+        for t in self.block_slices(block_id):
+            n = t.numel() * t.element_size()
+            t.copy_(raw[offset : offset + n].view(t.dtype).view(t.shape))
+            offset += n
 
     def _verify(self, logits: torch.Tensor, verifying: list[tuple[ScheduledRequest, int]],
                 out: ModelRunnerOutput) -> None:

@@ -1,5 +1,7 @@
 """``bench serve`` reads the server's prefix-cache counters before and after a run and prints the hit rate."""
 
+import pytest
+
 from kvserve.bench.serve import parse_prefix_counters, prefix_hit_rate
 from kvserve.metrics import format_table, summarize
 
@@ -27,3 +29,26 @@ def test_table_row():
     s = summarize([], 1.0, {})
     s.update(prefix_hit_rate(None, None))
     assert "prefix cache" not in format_table(s)
+
+
+def test_prefix_repetition_dataset():
+    """vLLM's prefix_repetition: each prefix shared by num_prompts // num_prefixes requests (+1 for the first
+    remainder ones), a fresh suffix each, shuffled, the same for the same seed."""
+    import argparse
+
+    from kvserve.bench.serve import add_args, build_requests
+    from kvserve.bench.workloads import prefix_repetition
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args(["--dataset-name", "prefix_repetition", "--num-prompts", "7", "--prefix-repetition-prefix-len",
+                         "20", "--prefix-repetition-suffix-len", "5", "--prefix-repetition-num-prefixes", "3",
+                         "--prefix-repetition-output-len", "4"])
+    reqs = build_requests(args)
+    assert [len(r.prompt) for r in reqs] == [25] * 7 and {r.output_len for r in reqs} == {4}
+    counts = sorted(sum(1 for r in reqs if r.prompt[:20] == q.prompt[:20]) for q in reqs)
+    assert counts == [2, 2, 2, 2, 3, 3, 3]  # prefixes shared by 3, 2, 2 requests
+    assert len({tuple(r.prompt[20:]) for r in reqs}) == 7
+    assert [r.prompt for r in build_requests(args)] == [r.prompt for r in reqs]
+    with pytest.raises(ValueError, match="num_prefixes"):
+        prefix_repetition(2, 10, 5, 3, 4)

@@ -54,3 +54,18 @@ def test_a_removed_argument_says_why_and_an_unknown_one_lists_the_known():
         EngineConfig.from_kwargs(batch_invariant=True)
     with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['colour'\]; known: .*'speculative_config'"):
         EngineConfig.from_kwargs(colour=1)
+
+
+def test_the_disk_tier_is_one_flag_and_bad_values_are_refused_by_name():
+    _, args = parse("--kv-disk-cache-dir", "/tmp/kv", "--kv-disk-cache-bytes", "1000000")
+    cc = EngineConfig.from_kwargs(**engine_kwargs(args)).cache_config
+    assert (cc.kv_disk_cache_dir, cc.kv_disk_cache_bytes) == ("/tmp/kv", 1000000)
+    assert parse()[1].kv_disk_cache_dir is None  # off by default
+    with pytest.raises(ValueError, match="kv_disk_cache_dir needs enable_prefix_caching=True"):
+        EngineConfig.from_kwargs(kv_disk_cache_dir="/tmp/kv", enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_disk_cache_bytes must be an integer >= 1, got 0"):
+        EngineConfig.from_kwargs(kv_disk_cache_dir="/tmp/kv", kv_disk_cache_bytes=0)
+    with pytest.raises(ValueError, match="kv_disk_cache_dir must be a directory path"):
+        EngineConfig.from_kwargs(kv_disk_cache_dir="")
+    with pytest.raises(ValueError, match="kv_disk_cache_dir is not supported with tensor_parallel_size=2"):
+        EngineConfig.from_kwargs(kv_disk_cache_dir="/tmp/kv", tensor_parallel_size=2)

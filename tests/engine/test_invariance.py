@@ -1,16 +1,20 @@
 """The same request gives the same answer however it is served, on the default path (the GGUF's 4-bit weights, int8
 activations, kvserve's attention kernel): bit-identical token ids and logprobs alone, beside 31 other requests,
 with chunk budgets of 16 / 64 / 512 tokens, after prefix-cache hits of 1, 2 and all full blocks, after a preemption,
-and streamed or not over HTTP; seeded samples with n > 1 as when alone; speculative decoding at temperature 0 as
+with the prefix cache's disk tier cold, warm, after a restart and after eviction from a small pool (and with a
+flipped, truncated or foreign entry, which is recomputed), and streamed or not over HTTP; seeded samples with n > 1 as when alone; speculative decoding at temperature 0 as
 without it. Also the exact greedy ids of this model per instruction-set path (the AVX2 and AVX-512 builds round
 differently; each is the same on every machine that runs it, on any thread count)."""
 
 import json
+import os
 
 import httpx
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.core.block_pool import hash_block
+from kvserve.core.kv_disk_store import ENTRY_HEADER, DiskBlockStore
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.kernels import qgemm
 from tests.conftest import assert_pool_clean
@@ -97,6 +101,69 @@ def test_after_a_preemption(prompt, alone):
     assert llm.llm_engine.stats.num_preemptions > 0
     assert _answer(outs[0]) == alone
     assert_pool_clean(llm.llm_engine)
+
+
+def _prompt_block_hashes(prompt, n):
+    hashes, parent = [], None
+    for i in range(n):
+        parent = hash_block(parent, prompt[16 * i : 16 * (i + 1)])
+        hashes.append(parent)
+    return hashes
+
+
+def test_disk_tier_cold_warm_after_a_restart_and_after_eviction(prompt, alone, tmp_path):
+    llm = LLM(num_kv_blocks=64, kv_disk_cache_dir=str(tmp_path))  # cold: computed, its full blocks written
+    tier, kv = llm.llm_engine.kv_tier, llm.llm_engine.kv_cache_manager
+    assert _answer(llm.generate([prompt], _greedy())[0]) == alone
+    tier.flush()
+    assert tier.stats.blocks_written == (len(prompt) + MAX_TOKENS - 1) // 16
+    assert (tier.stats.lookups, tier.stats.hits) == (6, 0)  # six full blocks looked up on disk, none there
+    assert _answer(llm.generate([prompt], _greedy())[0]) == alone  # warm: the pool's own hits
+    assert kv.prefix_cache_hits == 6 * 16 and (tier.stats.lookups, tier.stats.hits) == (6, 0)
+    llm.llm_engine.shutdown()
+
+    again = LLM(num_kv_blocks=64, kv_disk_cache_dir=str(tmp_path))  # a restart: the six blocks come from disk
+    tier, kv = again.llm_engine.kv_tier, again.llm_engine.kv_cache_manager
+    assert _answer(again.generate([prompt], _greedy())[0]) == alone
+    assert (tier.stats.lookups, tier.stats.hits, tier.stats.bad_entries) == (6, 6, 0)
+    assert tier.stats.bytes_read == 6 * again.llm_engine.model_runner.block_nbytes
+    assert kv.prefix_cache_hits == 6 * 16
+
+    small = LLM(num_kv_blocks=14, kv_disk_cache_dir=str(tmp_path))  # 224 slots: another prompt evicts ours
+    tier, kv = small.llm_engine.kv_tier, small.llm_engine.kv_cache_manager
+    assert _answer(small.generate([prompt], _greedy())[0]) == alone
+    evictor = [t + 7 for t in prompt] + prompt[:80]
+    small.generate([evictor], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    pool_hits = sum(kv.block_pool.lookup(h) is not None for h in _prompt_block_hashes(prompt, 6))
+    assert kv.block_pool.num_evictions > 0 and pool_hits < 6
+    hits = tier.stats.hits
+    assert _answer(small.generate([prompt], _greedy())[0]) == alone
+    assert tier.stats.hits - hits >= 6 - pool_hits  # what the pool lost came back from disk
+    assert_pool_clean(small.llm_engine)
+
+
+def test_disk_tier_bad_entries_are_recomputed(prompt, alone, tmp_path):
+    LLM(num_kv_blocks=64, kv_disk_cache_dir=str(tmp_path)).generate([prompt], _greedy())
+    third = _prompt_block_hashes(prompt, 3)[2]
+    for damage in ("flipped byte", "truncated", "another fingerprint"):
+        llm = LLM(num_kv_blocks=64, kv_disk_cache_dir=str(tmp_path))
+        tier = llm.llm_engine.kv_tier
+        path = tier.store.path(third.value)
+        good = path.read_bytes()
+        if damage == "flipped byte":
+            path.write_bytes(good[:-1000] + bytes([good[-1000] ^ 1]) + good[-999:])
+        elif damage == "truncated":
+            path.write_bytes(good[: len(good) // 3])
+        else:  # another model's entry for the same tokens (other K/V bits), whole and checksummed
+            payload = good[ENTRY_HEADER.size + 8 * 16 :]
+            other = DiskBlockStore(tmp_path, bytes(32), 10**12)
+            other.put(third, [bytes(b ^ 0x40 for b in payload[:4096]) + payload[4096:]])
+            os.replace(other.path(third.value), path)
+        assert _answer(llm.generate([prompt], _greedy())[0]) == alone, damage
+        assert (tier.stats.hits, tier.stats.bad_entries) == (2, 1), damage  # blocks 0, 1 loaded; 2.. recomputed
+        tier.flush()
+        assert path.read_bytes() == good, damage  # written again when recomputed
+        llm.llm_engine.shutdown()
 
 
 def test_seeded_samples_with_n_4_as_when_alone(base, prompt):

@@ -166,13 +166,14 @@ def fake_engine():
     r = Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4), 64, prompt="hello")
     kv.allocate_slots(r, 5)
     r.num_computed_tokens = 5
-    sched = SimpleNamespace(running=[r], waiting=[], num_running=1, num_waiting=0)
+    sched = SimpleNamespace(running=[r], waiting=[], num_running=1, num_waiting=0, loading_requests=[])
     stats = SimpleNamespace(prompt_tokens=5, generation_tokens=0, num_preemptions=0, prefix_cache_queries=5,
                             prefix_cache_hits=0, spec_decode=None)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64,
-                                                              scheduling="continuous", scheduling_policy="fcfs"))
+                                                              scheduling="continuous", scheduling_policy="fcfs"),
+                             cache_config=SimpleNamespace(kv_disk_cache_dir=None))
     return SimpleNamespace(kv_cache_manager=kv, scheduler=sched, stats=stats, config=config, max_model_len=64,
-                           speculator=None, kv_cache_stats=lambda: kv.stats([r]))
+                           speculator=None, kv_tier=None, kv_cache_stats=lambda: kv.stats([r]))
 
 
 def test_hub_builds_nothing_without_viewers_and_keeps_one_slot_per_viewer(monkeypatch):

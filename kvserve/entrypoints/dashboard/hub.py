@@ -26,7 +26,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.entrypoints.dashboard.snapshot import MetricsHistory, build_snapshot
+from kvserve.entrypoints.dashboard.snapshot import MetricsHistory, build_snapshot, kv_tier_summary
 
 logger = logging.getLogger(__name__)
 
@@ -163,10 +163,13 @@ class DashboardHub:
         self.num_snapshots += 1
         sched = engine.scheduler
         t0 = time.perf_counter()
+        tier = engine.kv_tier
+        loading = sched.loading_requests
         data = build_snapshot(
-            engine.kv_cache_manager, sched.running, sched.waiting, seq=self.num_snapshots, now=now,
+            engine.kv_cache_manager, sched.running, loading + sched.waiting, seq=self.num_snapshots, now=now,
             show_prompts=self.show_prompts, spec_acceptance=_spec_acceptance(engine),
-            max_cells=self.max_cells, engine_info=self._info(engine))
+            max_cells=self.max_cells, engine_info=self._info(engine),
+            kv_tier=None if tier is None else kv_tier_summary(tier, len(loading)))
         data["build_ms"] = round((time.perf_counter() - t0) * 1000, 3)
         snap = _Snapshot(data)
         for v in self.viewers:
@@ -186,6 +189,7 @@ class DashboardHub:
                 "scheduling": sc.scheduling,
                 "scheduling_policy": sc.scheduling_policy,
                 "enable_prefix_caching": engine.kv_cache_manager.enable_prefix_caching,
+                "kv_disk_cache_dir": engine.config.cache_config.kv_disk_cache_dir,
                 "num_speculative_tokens": engine.speculator.policy.max_k if engine.speculator is not None else 0,
                 "max_model_len": engine.max_model_len,
                 "show_prompts": self.show_prompts,

@@ -57,6 +57,7 @@ def build_snapshot(
     max_requests: int = 256,
     max_table_entries: int = 65536,
     engine_info: Optional[dict] = None,
+    kv_tier: Optional[dict] = None,
 ) -> dict:
     """One snapshot of the block pool and the scheduler queues.
 
@@ -79,6 +80,7 @@ def build_snapshot(
         max_table_entries: at most this many block-table entries over all listed running requests; a table that
             no longer fits is sent as ``null``.
         engine_info: static facts passed through as ``engine`` (e.g. ``max_num_seqs``).
+        kv_tier: the disk tier's numbers (``kv_tier_summary``), passed through as ``kv_tier``; ``None``: no tier.
 
     Returns:
         a ``dict`` of JSON types (schema: docs/server.md, "`GET /v1/engine/state`"); it shares no mutable object with the engine.
@@ -170,11 +172,36 @@ def build_snapshot(
             "cached_lru": cached_lru,
             "density": density,
         },
+        "kv_tier": None if kv_tier is None else dict(kv_tier),
         "running": run_out,
         "waiting": wait_out,
         "num_running": len(running),
         "num_waiting": len(waiting),
         "truncated": {"running": max(0, len(running) - max_requests), "waiting": max(0, len(waiting) - max_requests)},
+    }
+
+
+def kv_tier_summary(tier, num_loading: int = 0) -> dict:
+    """The prefix cache's disk tier at a glance (a ``KVDiskTier``): blocks looked up / loaded / missed, bad
+    entries, bytes read / written, blocks written and dropped, load jobs and their mean time (ms), whether writes
+    are on, the directory's bytes against its budget, and ``num_loading`` requests waiting for a load now."""
+    s, store = tier.stats, tier.store
+    return {
+        "lookups": s.lookups,
+        "hits": s.hits,
+        "misses": s.misses,
+        "hit_rate": round(s.hit_rate, 4),
+        "bad_entries": s.bad_entries,
+        "bytes_read": s.bytes_read,
+        "bytes_written": s.bytes_written,
+        "blocks_written": s.blocks_written,
+        "writes_dropped": s.writes_dropped,
+        "loads": s.loads,
+        "mean_load_ms": round(1000 * s.load_seconds / s.loads, 3) if s.loads else None,
+        "write_enabled": store.write_enabled,
+        "bytes_on_disk": store.bytes_estimate,
+        "capacity_bytes": store.capacity_bytes,
+        "num_loading": num_loading,
     }
 
 

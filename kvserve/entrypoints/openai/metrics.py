@@ -11,8 +11,13 @@ request as vLLM splits them: ``kvserve:request_queue_time_seconds`` (arrival to 
 ``kvserve:prefix_cache_hits_total`` (tokens), ``kvserve:spec_decode_num_drafts_total``,
 ``kvserve:spec_decode_num_draft_tokens_total``, ``kvserve:spec_decode_num_accepted_tokens_total``. Token histograms of
 finished requests: ``kvserve:request_prompt_tokens``, ``kvserve:request_generation_tokens`` and
-``kvserve:request_max_num_generation_tokens`` (the longest of its ``n`` samples). Every series carries
-``model_name``.
+``kvserve:request_max_num_generation_tokens`` (the longest of its ``n`` samples). With the prefix cache's disk tier
+(``--kv-disk-cache-dir``): counters ``kvserve:kv_disk_cache_queries_total`` and ``kvserve:kv_disk_cache_hits_total``
+(blocks looked up on disk / loaded from it), ``kvserve:kv_disk_cache_bad_entries_total``,
+``kvserve:kv_disk_cache_read_bytes_total``, ``kvserve:kv_disk_cache_written_bytes_total``, the histogram
+``kvserve:kv_disk_cache_load_seconds`` (one load job: read, verify, until its blocks are in the pool) and the gauge
+``kvserve:kv_disk_cache_usage_bytes`` (the directory's entries, as this process last counted them). Every series
+carries ``model_name``.
 
 With ``vllm_metric_names`` (``kvserve serve --vllm-metric-names``) every engine series is also published under vLLM's
 name (``vllm:`` for ``kvserve:``, ``VLLMNamesCollector``), plus the names vLLM's Grafana dashboard still reads
@@ -44,6 +49,7 @@ ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
                  320.0, 640.0)
+KV_LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -98,6 +104,16 @@ class PrometheusStatLogger:
         self.spec_drafts = counter("kvserve:spec_decode_num_drafts", "Speculative verification passes.")
         self.spec_draft_tokens = counter("kvserve:spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.spec_accepted = counter("kvserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.tier_queries = counter("kvserve:kv_disk_cache_queries", "KV blocks looked up in the disk tier.")
+        self.tier_hits = counter("kvserve:kv_disk_cache_hits", "KV blocks loaded from the disk tier.")
+        self.tier_bad = counter("kvserve:kv_disk_cache_bad_entries", "Disk tier entries found torn, foreign or "
+                                                                     "corrupted (recomputed).")
+        self.tier_read = counter("kvserve:kv_disk_cache_read_bytes", "Bytes of KV blocks loaded from the disk tier.")
+        self.tier_written = counter("kvserve:kv_disk_cache_written_bytes", "Bytes of KV blocks written to the disk "
+                                                                           "tier.")
+        self.tier_load = hist("kvserve:kv_disk_cache_load_seconds", "Disk tier load jobs, start to blocks in the "
+                                                                    "pool, s.", KV_LOAD_BUCKETS)
+        self.tier_usage = gauge("kvserve:kv_disk_cache_usage_bytes", "Bytes of the disk tier's entries.")
         self.request_prompt_tokens = hist("kvserve:request_prompt_tokens", "Prompt tokens of finished requests.",
                                           TOKEN_BUCKETS)
         self.request_generation_tokens = hist("kvserve:request_generation_tokens",
@@ -115,7 +131,7 @@ class PrometheusStatLogger:
 
     def record(self, outputs: list, engine, now: float) -> None:
         """Observe one loop turn: per-request latencies from ``outputs`` (``RequestOutput`` list, possibly empty),
-        then gauges and counters from ``engine`` (``scheduler``, ``kv_cache_stats()``, ``stats``)."""
+        then gauges and counters from ``engine`` (``scheduler``, ``kv_cache_stats()``, ``stats``, ``kv_tier``)."""
         for out in outputs:
             rid = out.request_id
             n_new = sum(len(c.delta_token_ids) for c in out.outputs)  # n samples, speculative steps
@@ -148,6 +164,16 @@ class PrometheusStatLogger:
         if spec is not None:
             totals += [(self.spec_drafts, spec.num_drafts), (self.spec_draft_tokens, spec.num_draft_tokens),
                        (self.spec_accepted, spec.num_accepted_tokens)]
+        tier = engine.kv_tier
+        if tier is not None:
+            t = tier.stats
+            totals += [(self.tier_queries, t.lookups), (self.tier_hits, t.hits), (self.tier_bad, t.bad_entries),
+                       (self.tier_read, t.bytes_read), (self.tier_written, t.bytes_written)]
+            new_loads = t.loads - self._seen.get("tier_loads", 0)
+            for seconds in t.load_seconds_samples[-new_loads:] if new_loads > 0 else ():
+                self.tier_load.observe(seconds)
+            self._seen["tier_loads"] = t.loads
+            self.tier_usage.set(tier.store.bytes_estimate)
         for counter, value in totals:
             delta = value - self._seen.get(id(counter), 0)
             if delta > 0:

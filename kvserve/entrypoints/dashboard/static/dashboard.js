@@ -119,6 +119,7 @@
     indexBlocks(snap);
     renderPool(snap);
     renderQueues(snap);
+    renderTier(snap);
     if (st.historyDirty) { renderCharts(); st.historyDirty = false; }
     applyHover();
     st.renders++;
@@ -130,7 +131,7 @@
       ["model", e.model], ["pool", `${fmt(kv.num_blocks)} blocks × ${kv.block_size} tokens`],
       ["max_num_seqs", e.max_num_seqs], ["token budget", e.max_num_batched_tokens],
       ["policy", `${e.scheduling} · ${e.scheduling_policy}`],
-      ["prefix caching", e.enable_prefix_caching ? "on" : "off"],
+      ["prefix caching", e.enable_prefix_caching ? (e.kv_disk_cache_dir ? "on + disk" : "on") : "off"],
       ["spec decode", e.num_speculative_tokens ? `k=${e.num_speculative_tokens}` : "off"],
       ["snapshot", snap.build_ms == null ? "–" : `${fmt(snap.build_ms, 1)} ms`],
     ];
@@ -365,6 +366,25 @@
     const moreWaiting = snap.num_waiting - Math.min(snap.waiting.length, MAX_ROWS.waiting);
     if (moreWaiting > 0) html += `<tr><td class="more" colspan="7">+ ${moreWaiting} more waiting</td></tr>`;
     $("waiting-body").innerHTML = html;
+  }
+
+  // the disk tier's counters (snap.kv_tier; null: no tier, the panel stays hidden)
+  function renderTier(snap) {
+    const t = snap.kv_tier, panel = $("tier-panel");
+    panel.classList.toggle("hidden", !t);
+    if (!t) return;
+    const mib = (b) => `${fmt(b / 1048576, 1)} MiB`;
+    $("tier-summary").innerHTML = `<b>${pct(t.hit_rate)}</b> of looked-up blocks loaded · ` +
+      `<b>${t.num_loading}</b> loading · writes <b>${t.write_enabled ? "on" : "off"}</b>`;
+    const rows = [
+      ["blocks looked up / loaded / missed", `${fmt(t.lookups)} / ${fmt(t.hits)} / ${fmt(t.misses)}`],
+      ["bad entries (recomputed)", fmt(t.bad_entries)],
+      ["read / written", `${mib(t.bytes_read)} / ${mib(t.bytes_written)}`],
+      ["blocks written / dropped", `${fmt(t.blocks_written)} / ${fmt(t.writes_dropped)}`],
+      ["loads, mean time", `${fmt(t.loads)}, ${t.mean_load_ms == null ? "–" : fmt(t.mean_load_ms, 1) + " ms"}`],
+      ["on disk / budget", `${mib(t.bytes_on_disk)} / ${mib(t.capacity_bytes)}`],
+    ];
+    $("tier-body").innerHTML = rows.map(([k, v]) => `<tr><td>${esc(k)}</td><td class="num">${esc(v)}</td></tr>`).join("");
   }
 
   // ------------------------------------------------------------------------------------------ hover
