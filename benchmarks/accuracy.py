@@ -176,8 +176,9 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     results = {}
     for q, r in compare_all(ref.model, {q: e.model for q, e in engines.items()}, texts,
                             progress_every=args.progress_every, kv_cache_dtypes=kv_dtypes).items():
-        results[q] = {**r.__dict__, "ppl_change": r.ppl_change, "kv_cache_dtype": kv_names[q]}
-        print(f"{q:>5} ({kv_names[q]} KV cache, {args.texts}) vs fp32 (float32 KV cache): top-1 agreement {r.top1_agreement:.2%} "
+        path = engines[q].model.lm_head.path  # e.g. q8/amx_int8: what ran (fp32_fallback: no kernel)
+        results[q] = {**r.__dict__, "ppl_change": r.ppl_change, "kv_cache_dtype": kv_names[q], "lm_head_path": path}
+        print(f"{q:>5} (LM head {path}, {kv_names[q]} KV cache, {args.texts}) vs fp32 (float32 KV cache): top-1 agreement {r.top1_agreement:.2%} "
               f"over {r.positions} positions; perplexity {r.ppl_candidate:.3f} vs {r.ppl_reference:.3f} "
               f"({r.ppl_change:+.2%})")
     if args.output_json:
