@@ -2,12 +2,15 @@
 
 Teacher forcing: each text is run once through both models as one prefill, and at every position the two
 next-token distributions are compared: top-1 agreement (the argmaxes are equal) and the perplexity of the text
-under each (``exp`` of the mean negative log-likelihood of the true next token). The texts are fixed: GSM8K test
-rows in file order (question, a blank line, answer), until at least ``--min-positions`` positions are scored
-(``../shared/data/gsm8k/test.jsonl``, MIT). Because the default path reads exactly the GGUF file's values, the
-differences measured are activation rounding (int8 per 32-block) and summation order only. With
-``--kv-cache-dtype bfloat16`` the candidates run over a bfloat16 KV cache (the reference always over float32), so
-the rounding of the cache is measured too.
+under each (``exp`` of the mean negative log-likelihood of the true next token). The texts are fixed
+(``--texts``): ``gsm8k``, GSM8K test rows in file order (question, a blank line, answer,
+``../shared/data/gsm8k/test.jsonl``, MIT); ``sonnet``, the vLLM sonnet text (``../shared/data/vllm_sonnet/sonnet.txt``,
+public domain) tokenized once and cut into consecutive prompts of ``--chunk-tokens`` tokens; either until at least
+``--min-positions`` positions are scored. Because the default path reads exactly the GGUF file's values, the
+differences measured are activation rounding (int8 per 32-block) and summation order only. ``--activations
+int8,int8x2`` runs each quantization once per activation precision (the engine argument ``quant_activations``), so
+one run compares them on the same texts. With ``--kv-cache-dtype bfloat16`` the candidates run over a bfloat16 KV
+cache (the reference always over float32), so the rounding of the cache is measured too.
 """
 
 from __future__ import annotations
@@ -115,8 +118,34 @@ def gsm8k_texts(tokenizer, min_positions: int, data_dir=None) -> list[list[int]]
     return texts
 
 
+def sonnet_texts(tokenizer, min_positions: int, chunk_tokens: int = 512, data_dir=None) -> list[list[int]]:
+    """The tokenized vLLM sonnet text cut into consecutive prompts of ``chunk_tokens`` tokens (the last one
+    shorter; a prompt of n tokens scores n - 1 positions), from its start, until ``min_positions`` positions are
+    covered or the text ends (6,042 tokens with SmolLM2's tokenizer: 12 prompts of up to 512, 6,030 positions).
+
+    Raises:
+        ValueError: the data file is missing (its path in the message).
+    """
+    path = Path(data_dir or default_data_dir()) / "vllm_sonnet" / "sonnet.txt"
+    if not path.exists():
+        raise ValueError(f"{path} not found: --data-dir must point at the shared data folder")
+    ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+    texts, total = [], 0
+    for i in range(0, len(ids) - 1, chunk_tokens):
+        texts.append(ids[i:i + chunk_tokens])
+        total += len(texts[-1]) - 1
+        if total >= min_positions:
+            break
+    return texts
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantizations", default="auto,int8", help="compared with fp32, comma-separated")
+    p.add_argument("--activations", default=None,
+                   help="comma-separated quant_activations values (int8, int8x2): each quantization once per value "
+                        "(default: the engine's --quant-activations only)")
+    p.add_argument("--texts", default="gsm8k", choices=("gsm8k", "sonnet"), help="the texts scored")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="--texts sonnet: tokens per prompt")
     p.add_argument("--min-positions", type=int, default=20_000)
     p.add_argument("--data-dir", default=None, help="default: ../shared/data next to the repository")
     p.add_argument("--output-json", default=None)
@@ -127,21 +156,29 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     """Build the fp32 model and each candidate, print agreement and perplexities."""
     from kvserve.engine.llm_engine import LLMEngine
 
-    def engine_for(q: str, kv_cache_dtype: str):
+    def engine_for(q: str, kv_cache_dtype: str, activations=None):
+        extra = {"quant_activations": activations} if activations else {}
         return LLMEngine.from_engine_args(**{**engine_args, "quantization": q, "num_kv_blocks": 1,
-                                             "kv_cache_dtype": kv_cache_dtype})
+                                             "kv_cache_dtype": kv_cache_dtype, **extra})
 
     ref = engine_for("fp32", "auto")
-    texts = gsm8k_texts(ref.tokenizer, args.min_positions, args.data_dir)
-    engines = {q: engine_for(q, engine_args.get("kv_cache_dtype", "auto")) for q in args.quantizations.split(",") if q}
+    if args.texts == "sonnet":
+        texts = sonnet_texts(ref.tokenizer, args.min_positions, args.chunk_tokens, args.data_dir)
+    else:
+        texts = gsm8k_texts(ref.tokenizer, args.min_positions, args.data_dir)
+    kv = engine_args.get("kv_cache_dtype", "auto")
+    acts = [a for a in (args.activations or "").split(",") if a] or [None]
+    engines = {q + (f"/{a}" if a else ""): engine_for(q, kv, a)
+               for q in args.quantizations.split(",") if q for a in acts}
     kv_dtypes = {q: e.kv_cache_dtype for q, e in engines.items()}
     kv_names = {q: e.config.cache_config.resolve_kv_cache_dtype(e.config.model_config.dtype)
                 for q, e in engines.items()}
     results = {}
     for q, r in compare_all(ref.model, {q: e.model for q, e in engines.items()}, texts,
                             progress_every=args.progress_every, kv_cache_dtypes=kv_dtypes).items():
-        results[q] = {**r.__dict__, "ppl_change": r.ppl_change, "kv_cache_dtype": kv_names[q]}
-        print(f"{q:>5} ({kv_names[q]} KV cache) vs fp32 (float32 KV cache): top-1 agreement {r.top1_agreement:.2%} "
+        path = engines[q].model.lm_head.path  # e.g. q8/amx_int8: what ran (fp32_fallback: no kernel)
+        results[q] = {**r.__dict__, "ppl_change": r.ppl_change, "kv_cache_dtype": kv_names[q], "lm_head_path": path}
+        print(f"{q:>5} (LM head {path}, {kv_names[q]} KV cache, {args.texts}) vs fp32 (float32 KV cache): top-1 agreement {r.top1_agreement:.2%} "
               f"over {r.positions} positions; perplexity {r.ppl_candidate:.3f} vs {r.ppl_reference:.3f} "
               f"({r.ppl_change:+.2%})")
     if args.output_json:

@@ -313,7 +313,7 @@ def _runs_as(path: str) -> str:
 
 def describe_weight_formats(records: list) -> str:
     """One log line from ``weight_formats`` records: per format, how many weights run on which path and whether
-    that is the file's values, e.g. ``"Q6_K: 30 tensors on q6_k/avx512_vnni+a16 (exact); float: 1 tensor on
+    that is the file's values, e.g. ``"Q6_K: 30 tensors on q6_k/avx512_vnni (exact); float: 1 tensor on
     kvserve (float32 (4 bytes a weight))"``."""
     counts: dict = {}
     for fmt, path in records:

@@ -224,10 +224,10 @@ EXPECTED = {
     # a result"
     "avx2": [504, 6376, 5117, 4461, 981, 260, 1194, 284, 2382, 418, 21822, 975, 282, 260, 970, 260, 2591, 9404, 8118,
              28, 527, 314, 253, 966],
-    # "The sky looks blue during the day because of the way the Earth reflects sunlight, specifically blue light,
-    # which is a result"
-    "avx512": [504, 6376, 5117, 4461, 981, 260, 1194, 975, 282, 260, 970, 260, 2591, 9404, 8118, 28, 4170, 4461, 1420,
-               28, 527, 314, 253, 966],
+    # "The sky looks blue during the day and red at sunset because the Earth's atmosphere reflects sunlight, allowing
+    # us to see the" (int8 activations, the default since issue 47; AMX gives the same ids)
+    "avx512": [504, 6376, 5117, 4461, 981, 260, 1194, 284, 2382, 418, 21822, 975, 260, 2591, 506, 5264, 9404, 8118, 28,
+               3910, 468, 288, 963, 260],
 }
 
 

@@ -1,5 +1,5 @@
 """Everything but attention is row-wise (issue 39, item 2): a row's result is the same bits whether it is computed
-alone, as row i of M rows (M = 1, 2, 5, 16, 64, 300: every row tile, AMX threshold and chunk, stack/heap scratch and
+alone, as row i of M rows (M = 1, 2, 5, 16, 64, 300: every row tile, AMX threshold, stack/heap scratch and
 serial/parallel threshold of the kernels), at any place in the batch, and with 1 or 2 OpenMP threads.
 
 Covered: the quantized matmul (``kernels.qgemm`` and ``QuantLinear``: Q4, Q4F, Q5F, Q8, Q6 and per-channel int8 weights x
@@ -34,7 +34,7 @@ from kvserve.sample.sampler import Sampler
 from kvserve.sample.state import SamplingState
 from kvserve.sampling_params import SamplingParams
 
-#: Batch sizes: 1-6 rows (partial AVX2 / AVX-512 row tiles), 16 (one AMX tile), 64 (two 32-row AMX chunks), 300
+#: Batch sizes: 1-6 rows (partial AVX2 / AVX-512 row tiles), 16 (one AMX tile), 64 (four AMX tiles), 300
 #: (parallel activation quantization, heap scratch, a 12-row VNNI tail after the AMX tiles).
 ROWS = (1, 2, 5, 16, 64, 300)
 THREADS = (1, 2)
@@ -114,14 +114,19 @@ def _isa_params():
 
 def _packed(fmt: str, n: int, k: int, seed: int = 3) -> P.PackedWeight:
     """Random weights in one of the kernel's formats: ``q4`` (float16 scales and mins: GGUF Q4_0 / Q4_1), ``q4f``
-    (float32 ones: Q4_K), ``q8`` (float16 scales: Q8_0, "int8"), ``int8_oscale`` (Q8 with a per-output-channel
-    factor), ``q6`` (Q6_K's values; k a multiple of 256) and ``q5f`` (Q5_K's)."""
+    (float32 ones), ``q4k`` (Q4_K as stored; k a multiple of 256), ``q8`` (float16 scales: Q8_0, "int8"),
+    ``int8_oscale`` (Q8 with a per-output-channel factor), ``q6`` (Q6_K's values; k a multiple of 256) and ``q5f``
+    (Q5_K's)."""
     rng = np.random.default_rng(seed)
     nb = k // P.QK
     if fmt == "q6":
         q = rng.integers(0, 64, (n, k), dtype=np.uint8)
         sc = rng.integers(-128, 128, (n, k // 16)).astype(np.int8)
         return P.pack_q6(q, sc, (rng.random((n, k // 256)) * 0.01 + 0.001).astype(np.float16))
+    if fmt == "q4k":  # GGUF Q4_K's compact layout: 6-bit sc, mn per 32, float16 d, dmin per 256
+        q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+        scmn = rng.integers(0, 64, (n, k // 256 * 8, 2), dtype=np.uint8)
+        return P.pack_q4k(q, scmn, (rng.random((n, k // 256, 2)) * 0.01 + 0.001).astype(np.float16))
     if fmt == "q5f":
         q = rng.integers(0, 32, (n, k), dtype=np.uint8)
         d, m = (rng.random((n, nb)) * 0.05 + 0.01).astype(np.float32), (-rng.random((n, nb)) * 0.5).astype(np.float32)
@@ -148,7 +153,7 @@ K_OF = {"q6": 512}
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_matmul_is_row_wise(fmt, isa, act):
     """80 outputs (5 groups: an uneven split over 2 threads) x K = 320; up to 300 rows cross every threshold of
-    ``kvserve_qgemm`` (SERIAL_MACS, SERIAL_QUANT, STACK_BYTES, AMX_ROWS, AMX_CHUNK). Both the kernel entry point and
+    ``kvserve_qgemm`` (SERIAL_MACS, SERIAL_QUANT, STACK_BYTES, AMX_ROWS; row chunks: the next test). Both the kernel entry point and
     the layer the model calls (``QuantLinear``), which must agree."""
     k = K_OF.get(fmt, 320)
     packed = _packed(fmt, 80, k)
@@ -174,6 +179,25 @@ def test_amx_rows_equal_vnni_rows_at_every_batch_size(act):
         for m in ROWS + (17, 31, 33, 48):
             assert torch.equal(qk.qgemm(x[:m], packed, "amx_int8", act), qk.qgemm(x[:m], packed, "avx512_vnni", act)), \
                 (fmt, m)
+
+
+#: Row counts of the many-row checks: partial and whole row tiles (4, 6, 16 rows) and their tails, several row chunks.
+MANY_ROWS = (1, 2, 15, 16, 17, 31, 64, 97, 300)
+
+
+@_no_qgemm
+@pytest.mark.parametrize("act", list(qk.ACTIVATIONS))
+@pytest.mark.parametrize("isa", _isa_params())
+@pytest.mark.parametrize("fmt", FORMATS + ("q4k",))
+def test_many_rows_in_row_chunks_equal_single_rows(fmt, isa, act):
+    """K = 8192: rows of 8 KiB (int8) or 16 KiB (int8x2) of quantized activations, so a call of 300 rows passes over
+    the weights in 3 or 5 row chunks (``rows_per_chunk``: 1 MiB each), the last with a tail on the VNNI tiles under
+    AMX; every row of every ``MANY_ROWS`` call equals the row computed alone, bit for bit, on 1 and 2 threads.
+    32 outputs: one group per thread."""
+    k = 8192
+    packed = _packed(fmt, 32, k)
+    x = _x(300, k, seed=12)
+    assert_row_invariant(lambda idx: qk.qgemm(x[idx], packed, isa, act), 300, rows=MANY_ROWS)
 
 
 @_no_qgemm

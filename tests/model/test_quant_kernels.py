@@ -440,7 +440,7 @@ def test_bad_activations_are_a_value_error_naming_the_field(monkeypatch):
 def test_default_activations_follow_the_path():
     assert kernels.choose_path().activations == kernels.DEFAULT_ACTIVATIONS.get(kernels.isa(), "int8")
     assert kernels.choose_path(False) == kernels.QuantPath(None, "int8")  # cpu_kernels=False: no kernel path
-    assert kernels.DEFAULT_ACTIVATIONS == {"amx_int8": "int8x2", "avx512_vnni": "int8x2", "avx2": "int8"}
+    assert kernels.DEFAULT_ACTIVATIONS == {"amx_int8": "int8", "avx512_vnni": "int8", "avx2": "int8"}
 
 
 def test_fallback_without_kernels_computes_the_same(monkeypatch):

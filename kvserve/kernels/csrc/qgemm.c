@@ -73,6 +73,7 @@
 #define STACK_BYTES (16 * 1024)  /* quantized activations up to this many bytes go to a stack buffer */
 #define RES 254                  /* ACT_PAIR: x ~= d (RES q1 + q2) */
 #define Q4K_EXPAND_TILES 8       /* Q4K over more row tiles than this: each group expanded to Q4F blocks first */
+#define CHUNK_BYTES (1024 * 1024) /* many rows pass over the weights in chunks of about this many activation bytes */
 
 enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AMX_INT8 = 3 };
 enum { ACT_INT8 = 0, ACT_PAIR = 1 }; /* activation precision: one int8 per value, or a pair (15 bits) */
@@ -640,6 +641,15 @@ T_AVX512 static void group_avx512(int fmt, int pair, const uint8_t *wg, int64_t 
     }
 }
 
+/* Rows per pass over the weights for rows of xrow activation bytes: a multiple of 16 (the AMX tile) holding about
+ * CHUNK_BYTES of activations, so they stay in L2 while every group of the thread's share passes over them (the
+ * weights are read once per chunk, the activations once per group, from L2). A row's bits do not depend on its
+ * chunk or tile. */
+static int64_t rows_per_chunk(int64_t xrow) {
+    const int64_t r = CHUNK_BYTES / xrow / 16 * 16;
+    return r < 16 ? 16 : r;
+}
+
 /* Bytes of one packed block (16 outputs x 32 inputs) of fmt; 0 for an unknown fmt. */
 static int64_t block_bytes(int fmt) {
     switch (fmt) {
@@ -744,19 +754,26 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
             const int avx512 = isa == ISA_AVX512_VNNI || isa == ISA_AMX_INT8;
             uint8_t *q4f = fmt == FMT_Q4K && M > Q4K_EXPAND_TILES * (avx512 ? MR5 : MR2)
                                ? aligned_alloc(64, (size_t)(nb * Q4F_BLOCK)) : NULL;
-#pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; g++) {
-                const uint8_t *wg = w + g * nb * bb;
-                const float *os = oscale ? oscale + g * G : NULL;
-                int f = fmt;
-                if (q4f) q4k_group_to_q4f(wg, nb, q4f), wg = q4f, f = FMT_Q4F;
-                if (fmt == FMT_MX4) /* its own tiles (qgemm_mx4.h) */
-                    avx512 ? mx4_group_avx512(pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy)
-                           : mx4_group_avx2(pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy);
-                else if (avx512)
-                    group_avx512(f, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
-                else
-                    group_avx2(f, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
+            const int64_t mc = rows_per_chunk(xrow);
+            for (int64_t c0 = 0; c0 < M; c0 += mc) { /* the same groups to each thread every chunk: no barrier */
+                const int64_t rows = M - c0 < mc ? M - c0 : mc;
+                const int8_t *xq_ = xq + c0 * xrow;
+                const float *xd_ = xd + c0 * nb, *xs_ = xs + c0 * nb;
+#pragma omp for schedule(static) nowait
+                for (int64_t g = 0; g < groups; g++) {
+                    const uint8_t *wg = w + g * nb * bb;
+                    const float *os = oscale ? oscale + g * G : NULL;
+                    float *yg = y + c0 * ldy + g * G;
+                    int f = fmt;
+                    if (q4f) q4k_group_to_q4f(wg, nb, q4f), wg = q4f, f = FMT_Q4F;
+                    if (fmt == FMT_MX4) /* its own tiles (qgemm_mx4.h) */
+                        avx512 ? mx4_group_avx512(pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy)
+                               : mx4_group_avx2(pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy);
+                    else if (avx512)
+                        group_avx512(f, pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy, os);
+                    else
+                        group_avx2(f, pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy, os);
+                }
             }
             free(q4f);
         }

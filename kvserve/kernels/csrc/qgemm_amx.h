@@ -7,7 +7,7 @@
  *   A tile (16 rows x 32 bytes, row stride xrow): the rows' int8 activations of block b, read in place (q1; with
  *       ACT_PAIR a second A tile holds q2, 32 bytes further on);
  *   B tile (8 rows x 64 bytes): row r holds the 4 weights k = 4r..4r+3 of each of the 16 outputs -- exactly a Q8
- *       block's 512 bytes, read in place; a Q4 group's nibbles are unpacked once per call into that form (the low
+ *       block's 512 bytes, read in place; a Q4 group's nibbles are unpacked once per row chunk into that form (the low
  *       nibbles of a block's j-th 64 bytes are row j, the high nibbles row 4 + j: the layout at the top of qgemm.c);
  *       a Q6 group's 6-bit values likewise, as signed int8, each 16-input half (4 rows) its own B tile, since the
  *       halves have their own integer scales (amx_tile_q6);
@@ -16,9 +16,11 @@
  * The C tiles are stored and the block's epilogue runs in AVX-512 exactly as the VNNI tile's (254 c1 + c2 in int32,
  * then the same float multiply-adds in the same order), so this path's outputs equal the AVX-512 VNNI path's bit
  * for bit: the integer sums are the same, only where they are computed differs. The weight scales are per block, so
- * the float epilogue (about ten vector instructions per row and block) is what bounds the path, not the tile unit;
- * two sets of C tiles alternate between blocks so that block b + 1's products run while block b is scaled. Rows past
- * the last full 16 of a chunk go through the VNNI tiles. Measured in docs/quant_kernels.md ("AMX").
+ * the float epilogue (three to five vector instructions per row and block, after a 1 KiB tile store) is what bounds
+ * the path, not the tile unit; two sets of C tiles alternate between blocks so that block b + 1's products run
+ * while block b is scaled. Rows pass in chunks of about 1 MiB of activations (rows_per_chunk), each group's B tiles
+ * unpacked once per chunk into a buffer that stays in cache; rows past the last full 16 of a call go through the
+ * VNNI tiles. Measured in docs/quantization.md ("The kernel").
  *
  * Linux hands a process the tile registers only on request (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
  * the kernel's Documentation/arch/x86/xstate.rst); amx_usable() asks. Each thread loads the tile configuration
@@ -30,7 +32,6 @@
 #include <unistd.h>
 
 #define AMX_ROWS 16  /* rows per AMX tile */
-#define AMX_CHUNK 32 /* rows per pass over the weights: a chunk's activations stay in L1/L2 while all groups pass */
 #define ARCH_GET_XCOMP_PERM 0x1022
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -260,27 +261,30 @@ T_AMX static void group_amx(int fmt, int pair, const uint8_t *wg, int64_t nb, co
 }
 
 /* Inside kvserve_qgemm's parallel region, called by every thread: this thread's contiguous share of the groups (as a
- * static schedule), over the rows in chunks of AMX_CHUNK. A 4-bit weight's B tiles are unpacked once per call, for
- * the whole share, before any product (into nb * 512 bytes per group; tile loads then never wait on those stores);
- * a thread that cannot get that buffer runs its share on the VNNI tiles (the same bits). */
+ * static schedule), over the rows in chunks of rows_per_chunk(xrow) (a chunk's activations stay in L2 while the share
+ * of groups passes over them). Per chunk and group, a 4-bit or Q6 group's B tiles are unpacked into a per-thread
+ * buffer of nb * 512 bytes (L1/L2) and used by all the chunk's row tiles, so neither the weights nor their unpacked
+ * form are read from memory more than once per chunk; a thread that cannot get that buffer runs its share on the
+ * VNNI tiles (the same bits). */
 T_AMX static void amx_rows(int fmt, int pair, const uint8_t *w, int64_t nb, int64_t groups, const int8_t *xq,
                            const float *xd, const float *xs, int64_t M, int64_t K, float *y, int64_t ldy,
                            const float *oscale) {
-    const int64_t xrow = pair ? 2 * K : K, bb = block_bytes(fmt);
+    const int64_t xrow = pair ? 2 * K : K, bb = block_bytes(fmt), mc = rows_per_chunk(xrow);
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num(), per = (groups + nth - 1) / nth;
     const int64_t g0 = tid * per < groups ? tid * per : groups, g1 = g0 + per < groups ? g0 + per : groups;
     if (g0 >= g1) return;
-    uint8_t *bq = fmt == FMT_Q8 ? NULL : aligned_alloc(64, (size_t)((g1 - g0) * nb * 512));
+    uint8_t *bq = fmt == FMT_Q8 ? NULL : aligned_alloc(64, (size_t)(nb * 512));
     const int tiles = fmt == FMT_Q8 || bq;
-    if (bq && fmt == FMT_Q6) amx_unpack_q6(w + g0 * nb * bb, (g1 - g0) * nb, bq);
-    else if (bq) amx_unpack_q4(w + g0 * nb * bb, (g1 - g0) * nb, fmt, bq);
     if (tiles) amx_configure(fmt);
-    for (int64_t c0 = 0; c0 < M; c0 += AMX_CHUNK) {
-        const int64_t mc = M - c0 < AMX_CHUNK ? M - c0 : AMX_CHUNK;
-        for (int64_t g = g0; g < g1; g++)
-            group_amx(fmt, pair, w + g * nb * bb, nb, xq + c0 * xrow, xd + c0 * nb, xs + c0 * nb, mc, K,
-                      y + c0 * ldy + g * G, ldy, oscale ? oscale + g * G : NULL, bq ? bq + (g - g0) * nb * 512 : NULL,
-                      tiles);
+    for (int64_t c0 = 0; c0 < M; c0 += mc) {
+        const int64_t rows = M - c0 < mc ? M - c0 : mc;
+        for (int64_t g = g0; g < g1; g++) {
+            const uint8_t *wg = w + g * nb * bb;
+            if (bq && fmt == FMT_Q6) amx_unpack_q6(wg, nb, bq);
+            else if (bq) amx_unpack_q4(wg, nb, fmt, bq);
+            group_amx(fmt, pair, wg, nb, xq + c0 * xrow, xd + c0 * nb, xs + c0 * nb, rows, K, y + c0 * ldy + g * G,
+                      ldy, oscale ? oscale + g * G : NULL, bq, tiles);
+        }
     }
     if (tiles) amx_release();
     free(bq);
