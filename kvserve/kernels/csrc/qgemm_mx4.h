@@ -155,8 +155,9 @@ T_AMX static int amx_rows_mx4(int pair, const uint8_t *w, int64_t nb, int64_t gr
     if (!q8) return -1;
     for (int64_t g = g0; g < g1; g++) mx4_group_to_q8(w + g * nb * MX4_BLOCK, nb, q8 + (g - g0) * gb);
     amx_configure(FMT_Q8);
-    for (int64_t c0 = 0; c0 < M; c0 += AMX_CHUNK) {
-        const int64_t mc = M - c0 < AMX_CHUNK ? M - c0 : AMX_CHUNK;
+    const int64_t chunk = rows_per_chunk(xrow);
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+        const int64_t mc = M - c0 < chunk ? M - c0 : chunk;
         for (int64_t g = g0; g < g1; g++)
             group_amx(FMT_Q8, pair, q8 + (g - g0) * gb, nb, xq + c0 * xrow, xd + c0 * nb, xs + c0 * nb, mc, K,
                       y + c0 * ldy + g * G, ldy, NULL, NULL, 1);
