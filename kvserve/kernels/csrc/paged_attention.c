@@ -35,6 +35,13 @@
  * projection in one call (RoPE on q and k, the K/V write into the cache slots, this kernel), so a layer makes one
  * call instead of a dozen PyTorch ops (each a dispatch and a new tensor) and a kernel call.
  *
+ * Prefetching. A task reads its keys and values once, but from scattered blocks (a KV head's row of a token is
+ * 64-256 bytes, a block a few KiB, blocks anywhere in the pool), where the hardware prefetchers lose the stream at
+ * every block edge; a decode step of many short requests (batch 64 x 128-256 keys) was bound by those misses. Each
+ * key tile therefore prefetches the next tile's key rows (into L1) and its own value rows (into L2, read after the
+ * softmax). Prefetches change no arithmetic: the same bits (benchmarks/kv_cache_dtype.py --measure attention
+ * --baseline-lib OLD.so compares two builds call by call).
+ *
  * Causality: query row i of a request with q_len rows and seq_len keys sits at position seq_len - q_len + i and
  * sees keys lo..that position (Masks, above).
  *
@@ -147,6 +154,14 @@ __attribute__((optimize("fp-contract=off"))) static void rope_heads(float *x, in
 }
 
 #define PARALLEL_MIN_ROPE_FLOATS 65536
+
+/* Every 64-byte line of the n bytes at p prefetched (hint: _MM_HINT_T0 into L1, _MM_HINT_T1 into L2). */
+#define prefetch_row(p, n, hint)                                                                                   \
+    do {                                                                                                           \
+        const char *p_ = (const char *)(p);                                                                        \
+        for (int64_t o_ = 0; o_ < (n); o_ += 64) _mm_prefetch(p_ + o_, hint);                                     \
+        _mm_prefetch(p_ + (n) - 1, hint);                                                                          \
+    } while (0)
 
 /* The first key the query at position pos sees: pos - window + 1, or 0 (window 0: no window; Masks, above). */
 static inline int64_t first_key(int64_t pos, int64_t window) {

@@ -102,7 +102,7 @@ TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_c
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)nk + 64 + sizeof(float) * (size_t)(R * d + d * KT + R * Lp));
     if (!slot) return -1;
     float *qs = (float *)(((uintptr_t)(slot + nk) + 63) & ~(uintptr_t)63), *kt = qs + R * d, *s = kt + d * KT;
-    const int64_t row = h_kv * (d + KV_EXTRA);
+    const int64_t row = h_kv * (d + KV_EXTRA), row_bytes = (d + KV_EXTRA) * (int64_t)sizeof(KV_T);
     /* the block table walked once from key base, without a division per key */
     for (int64_t j = 0, b = base / block_size, o = base % block_size; j < nk; j++) {
         slot[j] = (table[b] * block_size + o) * row + kh * (d + KV_EXTRA);
@@ -120,6 +120,12 @@ TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_c
         const int64_t ja = base + j0, i_lo = ja - first > i0 ? ja - first : i0;
         const int64_t i_hi = window > 0 && ja + KT - 1 + window - first < i1 ? ja + KT - 1 + window - first : i1;
         if (i_hi <= i_lo) continue;
+        /* the next tile's keys towards L1 and this tile's values towards L2 (read after the softmax): the rows sit
+         * in scattered blocks, where the hardware prefetchers lose the stream at every block edge */
+        for (int64_t j = j0 + KT, e = j0 + 2 * KT < nk ? j0 + 2 * KT : nk; j < e; j++)
+            prefetch_row(k_cache + slot[j], row_bytes, _MM_HINT_T0);
+        for (int64_t j = j0, e = j0 + KT < nk ? j0 + KT : nk; j < e; j++)
+            prefetch_row(v_cache + slot[j], row_bytes, _MM_HINT_T1);
         FN(load_kt)(k_cache, slot, j0, nk - j0 < KT ? nk - j0 : KT, d, kt);
         const int64_t r0 = (i_lo - i0) * G;
         ISA(qk_tile)(qs + r0 * d, (i_hi - i_lo) * G, kt, d, s + r0 * Lp + j0, Lp);
