@@ -310,6 +310,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--measure", default="accuracy,layouts,pool,decode-8k,throughput")
     p.add_argument("--model", default=None, help="GGUF for the accuracy measurement (default: the default model)")
     p.add_argument("--random-1b", action="store_true", help="also a random-weight Llama-3.2-1B-shaped Q4_0 GGUF")
+    p.add_argument("--skip-default", action="store_true", help="accuracy: not the --model / default model")
     p.add_argument("--out-dir", default="/tmp", help="where the 1B file is written (kept and reused)")
     p.add_argument("--data-dir", default=str(default_data_dir()))
     p.add_argument("--total-tokens", type=int, default=6030)
@@ -336,7 +337,8 @@ def main(argv=None) -> int:
     if "accuracy" in what:
         print("| model | KV cache | perplexity | mean abs dlogprob | max abs dlogprob | top-1 vs float32 | greedy "
               "tokens before first difference | greedy prompts identical |\n|---|---|---:|---:|---:|---:|---:|---:|")
-        measure_accuracy(args.model, args, Path(args.model).name if args.model else "SmolLM2-135M Q4_1 (default)")
+        if not args.skip_default:
+            measure_accuracy(args.model, args, Path(args.model).name if args.model else "SmolLM2-135M Q4_1 (default)")
         if args.random_1b:
             from benchmarks.model_sizes import SHAPES, write_gguf
 

@@ -5,10 +5,10 @@ values and scales together (``pool[:, :, block_id]``: docs/design.md, "KV cache 
 
 Quantization: symmetric absmax with one scale per row (the vector of one head of one token): ``s = bfloat16(max|x|
 / 127)``, ``q = clamp(round_half_even(x / s), -127, 127)``; read back as ``q * s``, which float32 holds exactly
-(a 7-bit integer times an 8-bit significand). vLLM's and llama.cpp's int8 / q8_0 caches use the same absmax form
-(llama.cpp with a scale per 32 values). A scale per (token, head) rather than per token keeps each head's rows
-independent of the other heads, so a tensor-parallel rank, which holds some of the heads, stores the bits a single
-process stores. The C kernels (``csrc/paged_attention.c``) write and read the same bits.
+(a 7-bit integer times an 8-bit significand). llama.cpp's q8_0 cache uses the same absmax form with a scale per 32
+values (here a head's D values share one, so a row costs 2 bytes more than its values). A scale per (token, head)
+rather than per token keeps each head's rows independent of the other heads, so a tensor-parallel rank, which holds
+some of the heads, stores the bits a single process stores. The C kernels (``csrc/paged_attention.c``) write and read the same bits.
 """
 
 from __future__ import annotations
