@@ -50,10 +50,11 @@ def all_logits(model, ids: list[int], kv_cache_dtype=None) -> torch.Tensor:
     ``kv_cache_dtype`` (default: the model's dtype)."""
     from kvserve.core.sched_output import ScheduledRequest
     from kvserve.batch import build_input_batch
+    from kvserve.worker.kv_pool import new_kv_pool
 
     bs = 16
     n_blocks = -(-len(ids) // bs)
-    kv = torch.zeros(model.kv_cache_shape(n_blocks, bs), dtype=kv_cache_dtype or model.dtype)
+    kv = new_kv_pool(model.kv_cache_shape(n_blocks, bs), kv_cache_dtype or model.dtype)
     batch = build_input_batch([ScheduledRequest("t", ids, 0, list(range(n_blocks)), samples=True)], bs)
     batch.logits_indices = torch.arange(len(ids))
     return model.forward(batch, kv)

@@ -32,7 +32,7 @@ DEFAULT_KV_DISK_CACHE_MAX_BYTES = 16 * 1024**3
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 SUPPORTED_DEVICES = ("cpu",)
 SUPPORTED_QUANTIZATION = ("auto", "fp32", "int8")
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 SUPPORTED_SCHEDULING = ("continuous", "static")
 SUPPORTED_POLICIES = ("fcfs", "priority")
 DEFAULT_CHUNKED_BUDGET = 512
@@ -117,8 +117,10 @@ class CacheConfig:
         kv_cache_dtype: element type of the KV pool (vLLM's name): ``"auto"`` (default) = the model's dtype;
             ``"float32"``; ``"bfloat16"`` = half the bytes per block, so twice the blocks for the same memory and
             half the bytes a decode step's attention reads. Keys and values are rounded to it when written (round
-            to nearest even) and attention computes in float32 on the widened values (docs/kv_cache_dtype.md has
-            the measured speed and accuracy).
+            to nearest even) and attention computes in float32 on the widened values; ``"int8"`` = one int8 per
+            value and a bfloat16 scale per (token, KV head) (symmetric absmax, ``kv_pool.quantize_int8``): 1.94x the
+            tokens of bfloat16 at head width 64, attention on the exactly dequantized values (docs/kv_cache_dtype.md
+            has the measured speed and accuracy).
         kv_disk_cache_dir: the prefix cache's disk tier (docs/design.md, "KV tiers"): full blocks are written to a
             content-addressed store in this directory and a prefix missing from the pool is loaded from it instead
             of recomputed, with the same bits. It survives restarts and may be shared by the engines of one machine
@@ -134,8 +136,9 @@ class CacheConfig:
     kv_cache_memory_bytes: Optional[int] = _field(None, "KV pool budget in bytes (default: 10% of available RAM, "
                                                         "at most 4 GiB)")
     enable_prefix_caching: bool = _field(True, "share computed KV blocks between requests with a common prefix")
-    kv_cache_dtype: str = _field("auto", "KV cache element type: auto (the model's dtype), float32, or bfloat16 "
-                                         "(half the bytes per block)", SUPPORTED_KV_CACHE_DTYPES)
+    kv_cache_dtype: str = _field("auto", "KV cache element type: auto (the model's dtype), float32, bfloat16 "
+                                         "(half the bytes per block) or int8 (a scale per token and KV head: "
+                                         "about a quarter)", SUPPORTED_KV_CACHE_DTYPES)
     kv_disk_cache_dir: Optional[str] = _field(None, "directory of the prefix cache's disk tier: KV blocks survive "
                                                     "restarts and pool evictions, loaded back with the same bits "
                                                     "(default: off)")
@@ -161,8 +164,8 @@ class CacheConfig:
             check_int("kv_disk_cache_bytes", self.kv_disk_cache_bytes, 1)
 
     def resolve_kv_cache_dtype(self, model_dtype: str) -> str:
-        """The pool's element type by name, ``"float32"`` or ``"bfloat16"``: ``kv_cache_dtype``, or ``model_dtype``
-        (``ModelConfig.dtype``) for ``"auto"``."""
+        """The pool's element type by name, ``"float32"``, ``"bfloat16"`` or ``"int8"``: ``kv_cache_dtype``, or
+        ``model_dtype`` (``ModelConfig.dtype``) for ``"auto"``."""
         return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
@@ -438,7 +441,7 @@ class EngineLimits:
         max_total_tokens: the longest a sequence may grow (tokens): ``max_model_len`` (which the pool holds), and
             (without chunked prefill) never more than the token budget, or its recompute after a
             preemption could never be scheduled again.
-        kv_cache_dtype: the pool's element type by name (``"float32"`` or ``"bfloat16"``).
+        kv_cache_dtype: the pool's element type by name (``"float32"``, ``"bfloat16"`` or ``"int8"``).
     """
 
     max_model_len: int

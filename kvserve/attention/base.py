@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from kvserve.attention.kv_layout import from_float, head_dim
 from kvserve.layers.rotary import apply_rotary
 from kvserve.batch import InputBatch
 
@@ -31,7 +32,8 @@ def check_mask(sliding_window: Optional[int], logit_softcap: Optional[float]) ->
 class AttentionBackend(abc.ABC):
     """Paged attention over a flat token batch (PagedAttention, Kwon et al., SOSP 2023, §4.1).
 
-    The KV cache of one layer is ``kv_cache[2, num_blocks, block_size, H_kv, D]`` (K at 0, V at 1); token ``t`` of
+    The KV cache of one layer is ``kv_cache[2, num_blocks, block_size, H_kv, D]`` (K at 0, V at 1; an int8 cache's
+    rows are ``D + 2`` bytes, values then scale: ``kv_layout``); token ``t`` of
     the batch writes its K/V to slot ``slot_mapping[t]``.
 
     Attributes:
@@ -54,14 +56,14 @@ class AttentionBackend(abc.ABC):
         """Scatter this step's keys and values into their slots.
 
         Args:
-            kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, one layer.
-            k, v: ``[T, H_kv, D]``, cast to the cache's dtype if they differ (``kv_cache_dtype``: e.g. float32
-                values rounded to a bfloat16 cache).
+            kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, one layer (int8: ``D + 2``, ``kv_layout``).
+            k, v: ``[T, H_kv, D]``, converted to the cache's dtype if they differ (``kv_cache_dtype``: e.g. float32
+                values rounded to a bfloat16 cache, or quantized per head to an int8 one: ``kv_layout.from_float``).
             batch: the step's ``InputBatch`` (its ``slot_mapping``).
         """
-        h, d = kv_cache.shape[-2:]
-        kv_cache[0].view(-1, h, d).index_copy_(0, batch.slot_mapping, k.to(kv_cache.dtype))
-        kv_cache[1].view(-1, h, d).index_copy_(0, batch.slot_mapping, v.to(kv_cache.dtype))
+        h, row = kv_cache.shape[-2:]
+        kv_cache[0].view(-1, h, row).index_copy_(0, batch.slot_mapping, from_float(k, kv_cache.dtype))
+        kv_cache[1].view(-1, h, row).index_copy_(0, batch.slot_mapping, from_float(v, kv_cache.dtype))
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: object, scale: float,
@@ -71,7 +73,7 @@ class AttentionBackend(abc.ABC):
         Args:
             q: ``[T, H_q, D]``; ``H_q`` a multiple of ``H_kv`` (GQA).
             kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, one layer (its dtype may differ from ``q``'s:
-                keys and values are widened to ``q``'s dtype as they are read).
+                keys and values are widened, or dequantized, to ``q``'s dtype as they are read; int8: ``D + 2``).
             meta: what ``build_metadata`` returned for this step.
             scale: softmax scale, usually ``D ** -0.5``.
             sliding_window: the layer's window in tokens: the query at position ``p`` sees only the keys ``j`` with
@@ -112,7 +114,7 @@ class AttentionBackend(abc.ABC):
         Returns:
             ``[T, H_q * D]``, as ``forward``'s output with the heads flattened.
         """
-        h_kv, d = kv_cache.shape[-2:]
+        h_kv, d = kv_cache.shape[-2], head_dim(kv_cache)
         qk = apply_rotary(qkv[:, : (num_heads + h_kv) * d].view(-1, num_heads + h_kv, d), *rope)  # q and k at once
         self.write_kv(kv_cache, qk[:, num_heads:], qkv[:, (num_heads + h_kv) * d :].view(-1, h_kv, d), batch)
         return self.forward(qk[:, :num_heads], kv_cache, meta, scale, sliding_window,

@@ -45,7 +45,7 @@ class CPUAttentionMetadata(AttentionMetadata):
 
 
 class CPUKernelAttentionBackend(TorchSDPABackend):
-    """float32 queries on the CPU, over a float32 or bfloat16 KV cache (``kv_cache_dtype``); use when
+    """float32 queries on the CPU, over a float32, bfloat16 or int8 KV cache (``kv_cache_dtype``); use when
     ``cpu_kernels.load()`` returned the library (``select_attention_backend``). Models whose head width the
     kernel's build does not take get the AVX2 build (``D`` a multiple of 8) or the reference backend
     (``for_head_dim``), once; a call the kernel refuses after that is an error, never a silent fallback."""

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.base import AttentionBackend, check_mask
+from kvserve.attention.kv_layout import to_float
 from kvserve.batch import InputBatch
 
 # Queries of at most this many tokens (speculative verification spans: last token + drafts, short prompt tails)
@@ -160,7 +161,7 @@ def sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale
     """One group: gather its blocks into a padded copy, one SDPA call, scatter the real rows into ``out``.
 
     ``q``: ``[T, H_q, D]`` (rows may be strided); ``kv_cache``: one layer's ``[2, num_blocks, block_size, H_kv, D]``
-    (any dtype: read as ``q``'s);
+    (any pool dtype, int8's rows ``D + 2``: read as ``q``'s, ``kv_layout.to_float``);
     ``out``: ``[T, H_q, D]``, only the group's rows are written. ``sliding_window`` narrows the mask
     (``window_mask``); with ``logit_softcap`` the scores are computed, capped (``c * tanh(s / c)``, Gemma 2) and
     softmaxed as PyTorch ops (SDPA has no cap)."""
@@ -172,9 +173,10 @@ def sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale
     else:
         qg = q[g.query_index].transpose(1, 2)
     # index_select on the block dimension: one contiguous copy per block (faster than advanced indexing per token)
-    # (a cache of another dtype, kv_cache_dtype, is widened to the queries' dtype on the gathered copy)
-    k = kv_cache[0].index_select(0, g.block_tables).to(q.dtype).view(b, -1, h_kv, d).transpose(1, 2)  # [b,H_kv,L,D]
-    v = kv_cache[1].index_select(0, g.block_tables).to(q.dtype).view(b, -1, h_kv, d).transpose(1, 2)
+    # (a cache of another dtype, kv_cache_dtype, is widened -- an int8 one dequantized -- to the queries' dtype on
+    # the gathered copy)
+    k = to_float(kv_cache[0].index_select(0, g.block_tables), q.dtype).view(b, -1, h_kv, d).transpose(1, 2)
+    v = to_float(kv_cache[1].index_select(0, g.block_tables), q.dtype).view(b, -1, h_kv, d).transpose(1, 2)
     if logit_softcap is not None:
         k, v = (x.repeat_interleave(h_q // h_kv, 1) for x in (k, v))
         s = torch.tanh((qg @ k.transpose(2, 3)) * scale / logit_softcap) * logit_softcap

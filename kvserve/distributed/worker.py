@@ -22,7 +22,7 @@ from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel_state import TensorParallelGroup
 from kvserve.model.base import CausalLM
 from kvserve.batch import build_step_batch
-from kvserve.worker.kv_pool import lazy_zeros
+from kvserve.worker.kv_pool import new_kv_pool
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ def worker_main(rank: int, spec: ShardSpec, conn) -> None:
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         model = build_shard(spec, group)
-        kv_cache = lazy_zeros(model.kv_cache_shape(spec.num_blocks, spec.block_size),
-                              getattr(torch, spec.kv_cache_dtype), spec.device)
+        kv_cache = new_kv_pool(model.kv_cache_shape(spec.num_blocks, spec.block_size),
+                               getattr(torch, spec.kv_cache_dtype), spec.device)
         conn.send(("ready", None))
         group.init(spec.port, spec.device)
         while True:

@@ -4,7 +4,7 @@ use and loaded with ``ctypes`` (which releases the GIL during a call):
 - ``gemm_avx2.c``: the matmul of every projection (``kvserve.layers.linear``);
 - ``paged_attention.c`` (+ ``paged_attention_isa.h`` once per instruction set, ``paged_attention_kv.h`` once per
   instruction set and cache type): attention of every query -- decode tokens, verification spans, prompt chunks of
-  any length -- read in place from the KV blocks of a float32 or bfloat16 cache, alone or with RoPE and the K/V
+  any length -- read in place from the KV blocks of a float32, bfloat16 or int8 cache, alone or with RoPE and the K/V
   write in the same call, with a reduction order fixed per query row (batch invariance; ``kvserve.attention.cpu``);
 - ``elementwise.c``: one-pass RMSNorm (optionally after the residual add) and SwiGLU's silu(gate) * up
   (``kvserve.layers.elementwise``).
@@ -38,7 +38,10 @@ _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: Output features per packed panel (``NR`` in gemm_avx2.c).
 PANEL = 16
 #: KV-cache dtypes the attention kernels read and write -> the suffix of their C functions.
-KV_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+KV_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}
+#: Bytes each (token, KV head) row of a cache of this dtype holds after its ``D`` values: an int8 row's bfloat16
+#: scale (``kvserve.attention.kv_layout``; ``KV_EXTRA`` in paged_attention.c). Other dtypes: none.
+KV_SCALE_BYTES = {torch.int8: 2}
 #: The attention kernel's instruction-set builds -> the head widths (``D``) each takes: a multiple of this.
 ATTENTION_ISAS = {"avx2": 8, "avx512": 16}
 
@@ -153,8 +156,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
     Args:
         q: ``[T, H_q, D]`` float32 (rows may be strided; each head's D floats contiguous).
-        kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16 (``KV_SUFFIX``) contiguous, one
-            layer.
+        kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16, or ``[..., H_kv, D + 2]`` int8
+            (values, then each row's scale: ``KV_SCALE_BYTES``) (``KV_SUFFIX``) contiguous, one layer.
         block_tables: ``[B, max_blocks]`` int64 contiguous.
         q_start, q_len, seq_len: ``[B]`` int64: request b's rows are ``q_start[b] .. + q_len[b]``; it has
             ``seq_len[b]`` keys, this step's included.
@@ -170,8 +173,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         ``ATTENTION_ISAS[isa]``) or could not allocate scratch memory.
     """
     t, h_q, d = q.shape
-    _, _, bs, h_kv, _ = kv_cache.shape
+    _, _, bs, h_kv, row = kv_cache.shape
     if (q.dtype != torch.float32 or kv_cache.dtype not in KV_SUFFIX or not kv_cache.is_contiguous()
+            or row != d + KV_SCALE_BYTES.get(kv_cache.dtype, 0)
             or d % ATTENTION_ISAS[isa] or h_q % h_kv or q.stride(2) != 1 or q.stride(1) != d
             or not out.is_contiguous()):
         return False
@@ -197,8 +201,10 @@ class RopeWriteAttend:
 
     Args:
         num_heads: ``H_q``, a multiple of ``H_kv``.
-        kv_shape: a layer's cache shape ``(2, num_blocks, block_size, H_kv, D)``.
-        kv_dtype: the cache's dtype, a key of ``KV_SUFFIX`` (float32 or bfloat16; another: ``ok`` is ``False``).
+        kv_shape: a layer's cache shape ``(2, num_blocks, block_size, H_kv, D)`` (int8: ``D + 2``,
+            ``KV_SCALE_BYTES``).
+        kv_dtype: the cache's dtype, a key of ``KV_SUFFIX`` (float32, bfloat16 or int8; another: ``ok`` is
+            ``False``).
         cos, sin: ``[T, D]`` float32 contiguous (any view of such, e.g. ``[T, 1, D]``): the rotation of each row.
         slot_mapping: ``[T]`` int64 contiguous, each row's cache slot.
         requests: ``(block_tables [B, max_blocks], q_start [B], q_len [B], seq_len [B])`` int64 contiguous, the
@@ -216,7 +222,8 @@ class RopeWriteAttend:
                  slot_mapping: torch.Tensor, requests: Optional[tuple], scale: float, isa: str = "avx2",
                  sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None):
         t = slot_mapping.shape[0]
-        _, _, bs, h_kv, d = kv_shape
+        _, _, bs, h_kv, row = kv_shape
+        d = row - KV_SCALE_BYTES.get(kv_dtype, 0)
         tensors = (slot_mapping,) + (requests or ())
         self.ok = (_lib is not None and kv_dtype in KV_SUFFIX and cos.dtype == sin.dtype == torch.float32
                    and d % ATTENTION_ISAS[isa] == 0 and num_heads % h_kv == 0
@@ -226,7 +233,7 @@ class RopeWriteAttend:
         self.qkv_shape = (t, (num_heads + 2 * h_kv) * d)
         self.out_shape = (t, num_heads * d)
         self.kv_dtype = kv_dtype
-        self._kv_half = kv_shape[1] * bs * h_kv * d * kv_dtype.itemsize  # bytes from a layer's K to its V
+        self._kv_half = kv_shape[1] * bs * h_kv * row * kv_dtype.itemsize  # bytes from a layer's K to its V
         self.isa = isa
         mask = mask_args(sliding_window, logit_softcap)
         self._fn = attention_fn(kv_dtype, isa, windowed=mask != (0, 0)) if self.ok else None
@@ -241,7 +248,8 @@ class RopeWriteAttend:
                  out: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, bool]]:
         """One layer: ``qkv [T, (H_q + 2 H_kv) * D]`` float32 (rows may be strided, ``stride(1) == 1``; its query
         and key heads are rotated in place), ``kv_cache`` that layer's ``kv_shape`` in ``kv_dtype``, contiguous (its
-        keys and values are rounded to ``kv_dtype`` as PyTorch's cast rounds); ``out``: an
+        keys and values are rounded to ``kv_dtype`` as PyTorch's cast rounds, or quantized as
+        ``kv_layout.quantize_int8``); ``out``: an
         ``[T, H_q * D]`` float32 contiguous tensor to write into (default: a new one).
 
         Returns:

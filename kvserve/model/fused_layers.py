@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from kvserve.attention.kv_layout import pool_shape
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.kernels import qgemm as qkernels
 
@@ -47,7 +48,7 @@ class _Layer(ctypes.Structure):
 class _Stack(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("h_q", _i64), ("h_kv", _i64), ("d", _i64),
                 ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("isa", _i64), ("act", _i64),
-                ("attn_norm", _ptr), ("layers", _ptr), ("rms_norm", _ptr), ("rope_write_attend", _ptr * 2),
+                ("attn_norm", _ptr), ("layers", _ptr), ("rms_norm", _ptr), ("rope_write_attend", _ptr * 3),
                 ("add_rms_norm", _ptr), ("silu_mul", _ptr)]
 
 
@@ -58,7 +59,7 @@ class _Step(ctypes.Structure):
                 ("timing_ns", _ptr)]
 
 #: KV-cache dtype -> ``DecoderStep.kv_dtype`` (the index of its ``rope_write_attend`` kernel).
-_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 def _qweight(layer) -> Optional[_QWeight]:
@@ -81,10 +82,10 @@ class FusedLayerLoop:
     Call with ``(h, batch, meta, rope, kv_cache)``: ``h [T, hidden]`` float32 contiguous, the residual stream
     (the embeddings; updated in place to the last layer's output, before the final norm); ``batch`` the step's
     ``InputBatch``; ``meta`` its attention metadata; ``rope`` ``(cos, sin)`` ``[T, 1, D]`` float32;
-    ``kv_cache`` ``[layers, 2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16 contiguous; ``meta`` must
-    have ``whole_step_in_kernel``. Returns the final RMSNorm of every row, ``[T, hidden]`` float32 (a view of the
-    loop's scratch, valid until its next call: the LM head's input); ``h`` then holds the last layer's output and
-    this step's K/V are written.
+    ``kv_cache`` ``[layers, 2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16 (int8: ``D + 2``,
+    ``kv_layout``) contiguous; ``meta`` must have ``whole_step_in_kernel``. Returns the final RMSNorm of every
+    row, ``[T, hidden]`` float32 (a view of the loop's scratch, valid until its next call: the LM head's input);
+    ``h`` then holds the last layer's output and this step's K/V are written.
 
     Raises:
         ValueError: a step the loop does not take (its attention not all in the kernel, a cache of another layer
@@ -162,7 +163,7 @@ class FusedLayerLoop:
         stack = _Stack(len(model.layers), hidden, model.num_heads, model.num_kv_heads, d, inter, a.rms_norm_eps,
                        d**-0.5, qkernels.ISAS[isa], qkernels.ACTIVATIONS[act], norm0.data_ptr(),
                        ctypes.addressof(layers), _address(cpu.kvserve_rms_norm_f32),
-                       (_ptr * 2)(*(_address(cpu_kernels.attention_fn(dt, attn_isa)) for dt in _KV_DTYPES)),
+                       (_ptr * 3)(*(_address(cpu_kernels.attention_fn(dt, attn_isa)) for dt in _KV_DTYPES)),
                        _address(cpu.kvserve_add_rms_norm_f32), _address(cpu.kvserve_silu_mul_f32))
         lib.kvserve_decoder_stack.argtypes = [_ptr] * 9  # stack, step, h, x, qkv, attn, delta, gate_up, act
         lib.kvserve_decoder_stack.restype = ctypes.c_int
@@ -174,7 +175,8 @@ class FusedLayerLoop:
         float32 (a view of this loop's scratch: valid until its next call)."""
         if not (meta.whole_step_in_kernel and meta.kernel is not None and kv_cache.dtype in _KV_DTYPES
                 and kv_cache.is_contiguous() and kv_cache.shape[:2] == self._kv_lead
-                and kv_cache.shape[4:] == self._kv_tail and h.shape[1] == self._stack.hidden):
+                and kv_cache.shape[4:] == pool_shape(self._kv_tail, kv_cache.dtype)
+                and h.shape[1] == self._stack.hidden):
             raise ValueError(f"the fused layer loop does not take this step (attention all in the kernel: "
                              f"{meta.whole_step_in_kernel}; cache {list(kv_cache.shape)} {kv_cache.dtype}, expected "
                              f"{list(self._kv_lead)} x blocks x block_size x {list(self._kv_tail)})")

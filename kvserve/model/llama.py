@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from kvserve.attention.kv_layout import pool_bytes
 from kvserve.model.backends import ModelBackends
 from kvserve.layers.rotary import RopeTable, rope_frequencies
 from kvserve.model.base import ModelArch
@@ -110,10 +111,8 @@ class LlamaModel:
 
     def bytes_per_block(self, block_size: int, kv_cache_dtype: Optional[torch.dtype] = None) -> int:
         """Bytes one KV block takes over all layers, K and V (on this rank), in ``kv_cache_dtype`` (default: the
-        model's dtype)."""
-        a = self.arch
-        itemsize = (kv_cache_dtype or self.dtype).itemsize
-        return 2 * a.num_hidden_layers * block_size * self.num_kv_heads * a.head_dim * itemsize
+        model's dtype; ``kv_pool.pool_bytes``)."""
+        return pool_bytes(self.kv_cache_shape(1, block_size), kv_cache_dtype or self.dtype)  # int8: scales too
 
     def _rope(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the batch's positions, each ``[T, 1, D]`` (``RopeTable``; no position reaches a

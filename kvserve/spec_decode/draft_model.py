@@ -46,7 +46,7 @@ from kvserve.sample.argmax import argmax
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.proposer import DraftProposal, Proposer, check_budgets
 from kvserve.batch import build_input_batch
-from kvserve.worker.kv_pool import lazy_zeros
+from kvserve.worker.kv_pool import new_kv_pool
 
 
 def early_exit_model(target: LlamaModel, num_layers: int) -> LlamaModel:
@@ -135,7 +135,7 @@ class DraftModelProposer(Proposer):
         self.max_catch_up_tokens = max_catch_up_tokens
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.kv_cache = lazy_zeros(model.kv_cache_shape(num_blocks, block_size), kv_cache_dtype or model.dtype)
+        self.kv_cache = new_kv_pool(model.kv_cache_shape(num_blocks, block_size), kv_cache_dtype or model.dtype)
         self.seqs: dict[str, _DraftSeq] = {}
         self.num_forward_passes = 0
 

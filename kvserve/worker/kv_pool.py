@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from kvserve.attention.kv_layout import pool_shape
+
 
 def lazy_zeros(shape: tuple, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     """A zero tensor of ``shape`` / ``dtype`` whose pages are allocated on first write (CPU); on another device
@@ -33,3 +35,11 @@ def lazy_zeros(shape: tuple, dtype: torch.dtype, device: str = "cpu") -> torch.T
         return torch.zeros(shape, dtype=dtype, device=device)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+
+def new_kv_pool(shape: tuple, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """A zero KV pool (``lazy_zeros``) for the logical shape ``shape`` (a model's ``kv_cache_shape``,
+    ``[..., H_kv, D]``) in ``dtype``: an int8 pool's rows carry their scales (``kv_layout.pool_shape``). An
+    all-zero int8 row has scale 0 and reads as zeros, as the other types' zeros do."""
+    return lazy_zeros(pool_shape(shape, dtype), dtype, device)

@@ -14,7 +14,7 @@ from kvserve.sample.rejection_sampler import RejectionSampler
 from kvserve.sample.sampler import Sampler
 from kvserve.structured.backend import apply_bitmask, stack_bitmasks
 from kvserve.batch import StepBuffers, build_step_batch
-from kvserve.worker.kv_pool import lazy_zeros
+from kvserve.worker.kv_pool import new_kv_pool
 from kvserve.worker.prompt_logprobs import score_prompt_rows
 
 
@@ -32,8 +32,9 @@ class ModelRunner:
             ``None``: the model's dtype.
 
     The cache is one zero-initialised tensor ``[layers, 2, num_blocks, block_size, H_kv, D]`` in ``kv_cache_dtype``
-    (zeros, not garbage: masked-out keys are multiplied by 0 in attention, and 0 * NaN would be NaN), allocated
-    lazily (``kv_pool.lazy_zeros``: a page counts in RSS only once a block on it is written).
+    (int8: ``D + 2``, each row's scale after its values, ``kv_layout``), zeros (not garbage: masked-out keys are
+    multiplied by 0 in attention, and 0 * NaN would be NaN), allocated lazily (``kv_pool.new_kv_pool``: a page
+    counts in RSS only once a block on it is written).
     """
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler,
@@ -44,7 +45,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.rejection_sampler = rejection_sampler or RejectionSampler()
-        self.kv_cache = lazy_zeros(model.kv_cache_shape(num_blocks, block_size), kv_cache_dtype or model.dtype,
+        self.kv_cache = new_kv_pool(model.kv_cache_shape(num_blocks, block_size), kv_cache_dtype or model.dtype,
                                    device)
         self.step_buffers = StepBuffers()  # the flat batch's tensors, reused step after step
 

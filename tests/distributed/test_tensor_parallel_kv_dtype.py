@@ -24,3 +24,20 @@ def test_a_bf16_kv_cache_on_every_rank(tiny_llama):
         assert torch.allclose(got, ref, rtol=0, atol=1e-4), (got - ref).abs().max()
     finally:
         two.shutdown()
+
+
+def test_an_int8_kv_cache_on_every_rank(tiny_llama):
+    """An int8 pool's scales are per (token, KV head), so a rank holding half the heads stores the same rows as one
+    process holding all: T=2 decodes as T=1, and the logits stay within the float32 test's tolerance."""
+    one = LLMEngine.from_engine_args(model=tiny_llama, kv_cache_dtype="int8", **ENGINE)
+    two = LLMEngine.from_engine_args(model=tiny_llama, tensor_parallel_size=2, kv_cache_dtype="int8", **ENGINE)
+    try:
+        assert two.model_runner.spec.kv_cache_dtype == "int8"
+        assert two.model_runner.runner.kv_cache.dtype == one.model_runner.kv_cache.dtype == torch.int8
+        assert _generate(two, PROMPTS) == _generate(one, PROMPTS)
+        plan = _plan(block_base=40)
+        ref = forward_plan(one.model, one.model_runner.kv_cache, plan, one.block_size)
+        got = two.model_runner.compute_logits(plan)
+        assert torch.allclose(got, ref, rtol=0, atol=1e-4), (got - ref).abs().max()
+    finally:
+        two.shutdown()

@@ -2,7 +2,9 @@
 activations, kvserve's attention kernel): bit-identical token ids and logprobs alone, beside 31 other requests,
 with chunk budgets of 16 / 64 / 512 tokens, after prefix-cache hits of 1, 2 and all full blocks, after a preemption,
 with the prefix cache's disk tier cold, warm, after a restart and after eviction from a small pool (and with a
-flipped, truncated or foreign entry, which is recomputed), and streamed or not over HTTP; seeded samples with n > 1 as when alone; speculative decoding at temperature 0 as
+flipped, truncated or foreign entry, which is recomputed), and streamed or not over HTTP (and over an int8 KV cache:
+alone, beside others, in chunks, after prefix-cache hits and a preemption); seeded samples with n > 1 as when alone;
+speculative decoding at temperature 0 as
 without it. Also the exact greedy ids of this model per instruction-set path (the AVX2 and AVX-512 builds round
 differently; each is the same on every machine that runs it, on any thread count)."""
 
@@ -174,6 +176,28 @@ def test_seeded_samples_with_n_4_as_when_alone(base, prompt):
     got = [(c.token_ids, [sorted(d.items()) for d in c.logprobs]) for c in mixed.outputs]
     assert got == [(c.token_ids, [sorted(d.items()) for d in c.logprobs]) for c in one.outputs]
     assert len({tuple(c.token_ids) for c in one.outputs}) > 1  # the samples differ from each other
+
+
+def test_over_an_int8_kv_cache_beside_others_in_chunks_after_hits_and_a_preemption(prompt):
+    """``kv_cache_dtype="int8"``: each token's K/V rows are quantized once, when written, with a scale of their own,
+    so the stored bytes and every row's attention are the same however the request is scheduled."""
+    sp = _greedy()
+    ref = LLM(num_kv_blocks=512, max_num_seqs=32, enable_prefix_caching=False, kv_cache_dtype="int8")
+    alone = _answer(ref.generate([prompt], sp)[0])
+    outs = ref.generate(_others(7) + [prompt] + _others(8), [SamplingParams(temperature=0.0, max_tokens=9)] * 7
+                        + [sp] + [SamplingParams(temperature=0.0, max_tokens=4 + i) for i in range(8)])
+    assert _answer(outs[7]) == alone
+    chunked = LLM(num_kv_blocks=96, max_num_batched_tokens=16, kv_cache_dtype="int8", num_threads=1)
+    assert _answer(chunked.generate([prompt], sp)[0]) == alone  # 16-token chunks, one thread
+    hits = chunked.llm_engine.scheduler.kv_cache_manager.prefix_cache_hits
+    assert _answer(chunked.generate([prompt], sp)[0]) == alone  # every full block a prefix-cache hit
+    assert chunked.llm_engine.scheduler.kv_cache_manager.prefix_cache_hits - hits == 16 * 6
+    small = LLM(num_kv_blocks=14, max_num_seqs=4, enable_prefix_caching=False, kv_cache_dtype="int8")
+    outs = small.generate([prompt] + _others(3), [sp] + [SamplingParams(temperature=0.0, max_tokens=60,
+                                                                        ignore_eos=True)] * 3)
+    assert small.llm_engine.stats.num_preemptions > 0
+    assert _answer(outs[0]) == alone
+    assert_pool_clean(small.llm_engine)
 
 
 @pytest.mark.parametrize("spec", [

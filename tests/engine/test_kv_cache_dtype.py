@@ -98,3 +98,66 @@ def test_the_simulator_refuses_a_profile_of_another_cache_type(tmp_path):
         build_simulator({"model": "m.gguf", "kv_cache_dtype": "bfloat16", "num_kv_blocks": 8}, path)
     sim, _ = build_simulator({"model": "m.gguf", "kv_cache_dtype": "auto", "num_kv_blocks": 8}, path)
     assert sim is not None
+
+
+# ---- int8 (kv_cache_dtype="int8": values and a bfloat16 scale per token and KV head, kvserve.attention.kv_layout)
+
+@pytest.fixture(scope="module")
+def int8_llm():
+    return LLM(kv_cache_dtype="int8", num_kv_blocks=64, max_num_seqs=8)
+
+
+def test_an_int8_pool_holds_1_9x_the_tokens_of_bfloat16_in_the_same_bytes(int8_llm):
+    engine = int8_llm.llm_engine
+    assert engine.kv_cache_dtype == torch.int8
+    cache = engine.model_runner.kv_cache
+    assert cache.dtype == torch.int8 and cache.shape == (30, 2, 64, 16, 3, 66)  # 64 values + a 2-byte scale
+    model = engine.model
+    assert model.bytes_per_block(16, torch.int8) == 30 * 2 * 16 * 3 * 66 == 190_080
+    assert model_cost(model, torch.int8).kv_bytes_per_token == 30 * 2 * 3 * 66
+    budget = 100 * model.bytes_per_block(16, BF16)
+    bf16 = LLM(kv_cache_memory_bytes=budget, kv_cache_dtype="bfloat16").llm_engine
+    int8 = LLM(kv_cache_memory_bytes=budget, kv_cache_dtype="int8").llm_engine
+    assert (bf16.num_blocks, int8.num_blocks) == (100, 193)  # 1.93x: 128 bytes a head row against 66
+    assert int8.num_blocks >= 1.9 * bf16.num_blocks
+
+
+def test_predictions_over_an_int8_cache_match_the_float32_cache(int8_llm):
+    """Teacher-forced over the first GSM8K texts (>= 600 positions): argmax equal to the float32 cache's at >= 98%
+    of positions, perplexity within 1% (docs/kv_cache_dtype.md has the full measurement)."""
+    data = default_data_dir()
+    if not (data / "gsm8k" / "test.jsonl").exists():
+        pytest.skip("needs ../shared/data")
+    model = int8_llm.llm_engine.model
+    texts = gsm8k_texts(int8_llm.get_tokenizer(), 600, data)
+    r = compare_all(model, {"int8": model}, texts, kv_cache_dtypes={"int8": torch.int8})["int8"]
+    assert r.positions >= 600
+    assert r.top1_agreement >= 0.98 and abs(r.ppl_change) <= 0.01
+
+
+def test_copy_on_write_preemption_and_a_draft_pool_on_int8():
+    llm = LLM(kv_cache_dtype="int8", num_kv_blocks=12, block_size=16, max_num_seqs=6)
+    prompts = [f"Tell me about the number {i}." for i in range(5)]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    alone = llm.generate(prompts[0], greedy)[0].outputs[0].token_ids
+    outs = llm.generate(prompts, greedy)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert llm.llm_engine.stats.num_preemptions > 0
+    assert outs[0].outputs[0].token_ids == alone  # batch invariance: the same tokens beside others, re-prefilled
+    fork = llm.generate("Once upon a time", SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=5,
+                                                        ignore_eos=True))[0]
+    assert [len(c.token_ids) for c in fork.outputs] == [20, 20, 20]
+    assert_pool_clean(llm.llm_engine)
+    spec = LLM(kv_cache_dtype="int8", num_kv_blocks=64,
+               speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "draft_num_layers": 4})
+    assert spec.llm_engine.speculator.proposer.kv_cache.dtype == torch.int8
+    plain = LLM(kv_cache_dtype="int8", num_kv_blocks=64)
+    sp = SamplingParams(max_tokens=12, temperature=0)
+    text = "Count: one two three one two three"
+    assert spec.generate(text, sp)[0].outputs[0].token_ids == plain.generate(text, sp)[0].outputs[0].token_ids
+
+
+def test_an_unknown_kv_cache_dtype_names_the_field_and_the_choices():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'float32', 'bfloat16', 'int8'\), "
+                                         r"got 'int4'"):
+        LLM(kv_cache_dtype="int4", num_kv_blocks=8)

@@ -8,6 +8,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.model.fused_layers import FusedLayerLoop
 from kvserve.kernels import qgemm as qkernels
+from kvserve.worker.kv_pool import new_kv_pool
 from tests.conftest import flat_batch, scattered_block_tables
 
 pytestmark = [
@@ -29,7 +30,7 @@ def _forward_both(model, requests, block_size=16, num_blocks=64, kv_dtype=torch.
     try:
         for f in (fused, None):
             model.fused_layers = f
-            cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=kv_dtype)
+            cache = new_kv_pool(model.kv_cache_shape(num_blocks, block_size), kv_dtype)
             out.append((model.forward(batch, cache), cache))
     finally:
         model.fused_layers = fused
@@ -37,7 +38,7 @@ def _forward_both(model, requests, block_size=16, num_blocks=64, kv_dtype=torch.
 
 
 def _assert_bitwise(a, b):
-    bits = {4: torch.int32, 2: torch.int16}[a.dtype.itemsize]
+    bits = {4: torch.int32, 2: torch.int16, 1: torch.int8}[a.dtype.itemsize]
     assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
 
 
@@ -46,10 +47,10 @@ def test_built_for_the_default_quantized_model(qllm, llm_fp32):
     assert llm_fp32.llm_engine.model.fused_layers is None  # "fp32": float32 Linear projections, the Python loop
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_a_mixed_short_step_equals_the_python_loop_bit_for_bit(qllm, kv_dtype):
-    """Over a float32 and a bfloat16 KV cache (``kv_cache_dtype``): the C loop picks the cache type's attention
-    kernel, as the Python loop's backend does."""
+    """Over a float32, a bfloat16 and an int8 KV cache (``kv_cache_dtype``): the C loop picks the cache type's
+    attention kernel, as the Python loop's backend does."""
     model = qllm.llm_engine.model
     # three requests with context in the cache (decode rows and a 5-token span) and a fresh 20-token prompt, all
     # within the paged-attention kernel's short queries

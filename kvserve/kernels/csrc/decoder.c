@@ -61,14 +61,14 @@ typedef struct {
     const float *attn_norm; /* [hidden]: layer 0's input norm */
     const DecoderLayer *layers;
     rms_norm_fn rms_norm;
-    rope_write_attend_fn rope_write_attend[2]; /* by DecoderStep.kv_dtype: 0 float32 cache, 1 bfloat16 */
+    rope_write_attend_fn rope_write_attend[3]; /* by DecoderStep.kv_dtype: 0 float32 cache, 1 bfloat16, 2 int8 */
     add_rms_norm_fn add_rms_norm;
     silu_mul_fn silu_mul;
 } DecoderStack;
 
 /* One step: the flat batch's T rows, their rotations and cache slots, the requests to attend (all of the batch's:
  * every one goes through the paged-attention kernel), and the KV pool ([layers, 2, num_blocks, block_size, h_kv,
- * d] contiguous, float32 or bfloat16 as kv_dtype says). */
+ * d (+ 2 for int8: each row's scale)] contiguous, float32, bfloat16 or int8 as kv_dtype says). */
 typedef struct {
     int64_t T;
     const float *cos, *sin;      /* [T, d] */
@@ -78,7 +78,7 @@ typedef struct {
     const int64_t *q_start, *q_len, *seq_len; /* [num_reqs] */
     int64_t num_reqs, block_size;
     void *kv_cache;
-    int64_t kv_dtype;     /* 0: float32 elements, 1: bfloat16 */
+    int64_t kv_dtype;     /* 0: float32 elements, 1: bfloat16, 2: int8 */
     int64_t layer_bytes;  /* bytes of one layer's K and V together */
     int64_t *timing_ns;   /* NULL, or [3] nanoseconds added up: matmuls, attention, norms + activation (profiling) */
 } DecoderStep;
@@ -107,7 +107,7 @@ enum { T_MATMUL = 0, T_ATTENTION = 1, T_ELEMENTWISE = 2 };
 int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h, float *x, float *qkv, float *attn,
                           float *delta, float *gu, float *act) {
     const int64_t T = p->T, H = s->hidden, qd = s->h_q * s->d, I = s->intermediate;
-    if (p->kv_dtype != 0 && p->kv_dtype != 1) return -1;
+    if (p->kv_dtype < 0 || p->kv_dtype > 2) return -1;
     const rope_write_attend_fn attend = s->rope_write_attend[p->kv_dtype];
     for (int64_t i = 0; i < s->num_layers; i++) {
         const DecoderLayer *L = s->layers + i;

@@ -1,4 +1,4 @@
-/* Paged attention over a float32 or a bfloat16 KV cache (queries, scores, softmax and sums in float32 either way),
+/* Paged attention over a float32, bfloat16 or int8 KV cache (queries, scores, softmax and sums in float32 always),
  * one kernel for every query length -- decode tokens, speculative verification spans, prompt chunks of any length,
  * the tails of prefix-cache hits -- in two instruction-set builds (AVX2 + FMA, and AVX-512) chosen by the caller.
  *
@@ -35,19 +35,30 @@
  * projection in one call (RoPE on q and k, the K/V write into the cache slots, this kernel), so a layer makes one
  * call instead of a dozen PyTorch ops (each a dispatch and a new tensor) and a kernel call.
  *
+ * Prefetching. A task reads its keys and values once, but from scattered blocks (a KV head's row of a token is
+ * 64-256 bytes, a block a few KiB, blocks anywhere in the pool), where the hardware prefetchers lose the stream at
+ * every block edge; a decode step of many short requests (batch 64 x 128-256 keys) was bound by those misses. Each
+ * key tile therefore prefetches the next tile's key rows (into L1) and its own value rows (into L2, read after the
+ * softmax). Prefetches change no arithmetic: the same bits (benchmarks/kv_cache_dtype.py --measure attention
+ * --baseline-lib OLD.so compares two builds call by call).
+ *
  * Causality: query row i of a request with q_len rows and seq_len keys sits at position seq_len - q_len + i and
  * sees keys lo..that position (Masks, above).
  *
- * Layout: k_cache, v_cache: [num_blocks, block_size, H_kv, D] (one layer's K or V); q: row t, head h at
+ * Layout: k_cache, v_cache: [num_blocks, block_size, H_kv, D] (one layer's K or V; int8: D + 2, each row's
+ * bfloat16 scale after its values); q: row t, head h at
  * q + t * q_stride + h * D; out: row t, head h at out + t * out_stride + h * D. D must be a multiple of 8 (AVX2) or
  * 16 (AVX-512).
  *
  * The cache's element type and the ISA are template parameters: paged_attention_isa.h is included once per ISA and
  * paged_attention_kv.h once per (ISA, type), defining kvserve_paged_attention_<type>_<isa> and
- * kvserve_rope_write_attend[_sw]_<type>_<isa> (type f32, bf16; isa avx2, avx512). A bfloat16 cache halves the bytes a
- * decode step reads (attention of many long contexts is bound by reading them): keys and values are rounded to
- * bfloat16 when written (round to nearest even, as PyTorch's float -> bfloat16 cast, so the reference path reads
- * the same values) and widened to float32 exactly when read.
+ * kvserve_rope_write_attend[_sw]_<type>_<isa> (type f32, bf16, i8; isa avx2, avx512). A bfloat16 cache halves the
+ * bytes a decode step reads (attention of many long contexts is bound by reading them): keys and values are rounded
+ * to bfloat16 when written (round to nearest even, as PyTorch's float -> bfloat16 cast, so the reference path reads
+ * the same values) and widened to float32 exactly when read. An int8 cache takes 66 bytes a row of 64 (store_rows_i8:
+ * a scale per token and KV head), read as q * s, exact in float32: attention over it is the float32 kernel over
+ * those values, bit for bit, so it keeps the batch invariance above; the only change is the quantization of what is
+ * stored, once, when a token's K/V are written.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -91,8 +102,28 @@ static inline void store_row_bf16(uint16_t *dst, const float *src, int64_t n) {
     }
     for (; i < n; i++) dst[i] = bf16_round(src[i]);
 }
-static inline void store_row_f32(float *dst, const float *src, int64_t n) {
-    memcpy(dst, src, sizeof(float) * (size_t)n);
+static inline void store_rows_bf16(uint16_t *dst, const float *src, int64_t h, int64_t d) {
+    store_row_bf16(dst, src, h * d);
+}
+static inline void store_rows_f32(float *dst, const float *src, int64_t h, int64_t d) {
+    memcpy(dst, src, sizeof(float) * (size_t)(h * d));
+}
+
+/* int8 rows (kv_cache_dtype "int8"; kvserve/attention/kv_layout.py): each (token, KV head) row is d int8 values q
+ * then a bfloat16 scale s (2 bytes, little-endian), and reads as q * s, exact in float32 (7-bit q, 8-bit
+ * significand s). Writing, per row: s = bf16_round(max |x| / 127) (float32 division), q = clamp(round_half_even(x
+ * / s), -127, 127) (float32 division), bit for bit as kv_layout.quantize_int8; a zero scale stores q = 0, and a row
+ * with a NaN or an infinity q = 0 and the NaN scale 0x7fc0 (it reads as NaN). d: a multiple of 8. */
+static inline float bf16_widen(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline float row_scale_i8(const int8_t *row, int64_t d) {
+    uint16_t b;
+    memcpy(&b, row + d, sizeof b);
+    return bf16_widen(b);
 }
 
 /* RoPE, rotate-half form (GPT-NeoX; Hugging Face Llama's apply_rotary_pos_emb; Su et al. 2021), in place on n heads
@@ -123,6 +154,14 @@ __attribute__((optimize("fp-contract=off"))) static void rope_heads(float *x, in
 }
 
 #define PARALLEL_MIN_ROPE_FLOATS 65536
+
+/* Every 64-byte line of the n bytes at p prefetched (hint: _MM_HINT_T0 into L1, _MM_HINT_T1 into L2). */
+#define prefetch_row(p, n, hint)                                                                                   \
+    do {                                                                                                           \
+        const char *p_ = (const char *)(p);                                                                        \
+        for (int64_t o_ = 0; o_ < (n); o_ += 64) _mm_prefetch(p_ + o_, hint);                                     \
+        _mm_prefetch(p_ + (n) - 1, hint);                                                                          \
+    } while (0)
 
 /* The first key the query at position pos sees: pos - window + 1, or 0 (window 0: no window; Masks, above). */
 static inline int64_t first_key(int64_t pos, int64_t window) {
@@ -163,6 +202,40 @@ static inline void transpose8(__m256 *r) {
     r[6] = _mm256_permute2f128_ps(s2, s6, 0x31); r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
+static inline void store_rows_i8(int8_t *dst, const float *src, int64_t h, int64_t d) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.40282347e38f);
+    for (int64_t e = 0; e < h; e++) {
+        const float *x = src + e * d;
+        int8_t *q = dst + e * (d + 2);
+        __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+            amax = _mm256_max_ps(amax, a);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ)); /* infinite or NaN */
+        }
+        const int finite = _mm256_movemask_ps(bad) == 0;
+        const uint16_t sb = finite ? bf16_round(hmax8(amax) / 127.0f) : 0x7fc0;
+        const float s = bf16_widen(sb);
+        if (finite && s > 0) {
+            const __m256 sv = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+            for (int64_t i = 0; i < d; i += 8) {
+                __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const __m256i n = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+                const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+                _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(w, w));
+            }
+        } else {
+            memset(q, 0, (size_t)d);
+        }
+        memcpy(q + d, &sb, sizeof sb);
+    }
+}
+/* W int8 values at p as float32, times the row's scale s. */
+static inline __m256 load8_i8(const int8_t *p, __m256 s) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))), s);
+}
+
 #define TGT
 #define ISA(x) x##_avx2
 #define W 8
@@ -188,14 +261,26 @@ static inline void transpose8(__m256 *r) {
 
 #define KV_T float
 #define FN(x) x##_f32_avx2
-#define KV_LOADV load8_f32
-#define KV_STORE_ROW store_row_f32
+#define KV_EXTRA 0
+#define KV_SCALE(row, d) ((void)(row), (void)(d), VZERO)
+#define KV_LOADV(p, s) ((void)(s), load8_f32(p))
+#define KV_STORE_ROW store_rows_f32
 #include "paged_attention_kv.h"
 
 #define KV_T uint16_t
 #define FN(x) x##_bf16_avx2
-#define KV_LOADV load8_bf16
-#define KV_STORE_ROW store_row_bf16
+#define KV_EXTRA 0
+#define KV_SCALE(row, d) ((void)(row), (void)(d), VZERO)
+#define KV_LOADV(p, s) ((void)(s), load8_bf16(p))
+#define KV_STORE_ROW store_rows_bf16
+#include "paged_attention_kv.h"
+
+#define KV_T int8_t
+#define FN(x) x##_i8_avx2
+#define KV_EXTRA 2
+#define KV_SCALE(row, d) _mm256_set1_ps(row_scale_i8(row, d))
+#define KV_LOADV load8_i8
+#define KV_STORE_ROW store_rows_i8
 #include "paged_attention_kv.h"
 
 #undef TGT
@@ -231,6 +316,9 @@ T512 static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 T512 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+T512 static inline __m512 load16_i8(const int8_t *p, __m512 s) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), s);
+}
 T512 static inline __m512 keep16(__m512 v, int64_t n) { return _mm512_maskz_mov_ps((__mmask16)((1u << n) - 1), v); }
 T512 static inline float hsum16(__m512 v) {
     const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -294,12 +382,24 @@ T512 static inline void transpose16(__m512 *r) {
 
 #define KV_T float
 #define FN(x) x##_f32_avx512
-#define KV_LOADV load16_f32
-#define KV_STORE_ROW store_row_f32
+#define KV_EXTRA 0
+#define KV_SCALE(row, d) ((void)(row), (void)(d), VZERO)
+#define KV_LOADV(p, s) ((void)(s), load16_f32(p))
+#define KV_STORE_ROW store_rows_f32
 #include "paged_attention_kv.h"
 
 #define KV_T uint16_t
 #define FN(x) x##_bf16_avx512
-#define KV_LOADV load16_bf16
-#define KV_STORE_ROW store_row_bf16
+#define KV_EXTRA 0
+#define KV_SCALE(row, d) ((void)(row), (void)(d), VZERO)
+#define KV_LOADV(p, s) ((void)(s), load16_bf16(p))
+#define KV_STORE_ROW store_rows_bf16
+#include "paged_attention_kv.h"
+
+#define KV_T int8_t
+#define FN(x) x##_i8_avx512
+#define KV_EXTRA 2
+#define KV_SCALE(row, d) _mm512_set1_ps(row_scale_i8(row, d))
+#define KV_LOADV load16_i8
+#define KV_STORE_ROW store_rows_i8
 #include "paged_attention_kv.h"

@@ -1,10 +1,17 @@
 /* The paged-attention kernel for one instruction set and one KV-cache element type, included by paged_attention.c
  * once per (ISA, type) after paged_attention_isa.h, with that header's macros and:
- *   KV_T          the cache's element type (float, or uint16_t holding bfloat16 bits);
+ *   KV_T          the cache's element type (float, uint16_t holding bfloat16 bits, or int8_t);
  *   FN(x)         x with the ISA's and the type's suffixes (x##_f32_avx2, ...);
- *   KV_LOADV(p)   W consecutive elements at p as a V of float32 (bfloat16 widened exactly);
- *   KV_STORE_ROW(dst, src, n)  n float32 values at src stored as n elements at dst.
- * The macros KV_T, FN, KV_LOADV and KV_STORE_ROW are undefined at the end, ready for the next type. */
+ *   KV_EXTRA      elements each (token, KV head) row holds after its d values (int8: its 2-byte scale; else 0),
+ *                 so a row is d + KV_EXTRA elements and a slot h_kv of them;
+ *   KV_SCALE(row, d)  for the row starting at row, what KV_LOADV multiplies by (int8: its scale in every lane;
+ *                 others: anything, unused);
+ *   KV_LOADV(p, s)  W consecutive elements at p (in a row whose KV_SCALE is s) as a V of float32: bfloat16 widened
+ *                 exactly, int8 converted and times s (exact: q * s fits float32);
+ *   KV_STORE_ROW(dst, src, h, d)  h rows of d float32 values at src (contiguous) stored as h rows of the cache
+ *                 at dst (each d + KV_EXTRA elements).
+ * The macros KV_T, FN, KV_EXTRA, KV_SCALE, KV_LOADV and KV_STORE_ROW are undefined at the end, ready for the next
+ * type. */
 
 /* kt[k * KT + j] = key j0 + j's element k (k < d, j < KT), the key tile transposed; keys at or past nk are zeros.
  * key j's row is at k_cache + slot[j0 + j]. */
@@ -13,7 +20,8 @@ TGT static void FN(load_kt)(const KV_T *k_cache, const int64_t *slot, int64_t j0
         for (int64_t c = 0; c < d; c += W) {
             V r[W];
             for (int64_t j = 0; j < W; j++)
-                r[j] = g + j < nk ? KV_LOADV(k_cache + slot[j0 + g + j] + c) : VZERO;
+                r[j] = g + j < nk ? KV_LOADV(k_cache + slot[j0 + g + j] + c, KV_SCALE(k_cache + slot[j0 + g + j], d))
+                                  : VZERO;
             VTRANSPOSE(r);
             for (int64_t k = 0; k < W; k++) VSTORE(kt + (c + k) * KT + g, r[k]);
         }
@@ -30,21 +38,22 @@ TGT static void FN(load_kt)(const KV_T *k_cache, const int64_t *slot, int64_t j0
 TGT static inline __attribute__((always_inline)) void FN(pv_rows)(const float *p, int64_t p_stride, int nr,
                                                                    const int64_t *lo, const int64_t *n,
                                                                    const KV_T *v_cache, const int64_t *slot,
-                                                                   int64_t c, int nv, float **out) {
+                                                                   int64_t c, int nv, int64_t d, float **out) {
     V acc[PV_ROWS][PV_VECS];
     const int64_t a = lo[nr - 1], b = n[0];
     for (int r = 0; r < nr; r++) {
         for (int u = 0; u < nv; u++) acc[r][u] = VZERO;
         for (int64_t j = lo[r], e = a < n[r] ? a : n[r]; j < e; j++) {
-            const KV_T *v = v_cache + slot[j] + c;
-            const V w = VSET1(p[r * p_stride + j]);
-            for (int u = 0; u < nv; u++) acc[r][u] = VFMA(w, KV_LOADV(v + u * W), acc[r][u]);
+            const KV_T *v = v_cache + slot[j];
+            const V w = VSET1(p[r * p_stride + j]), sc = KV_SCALE(v, d);
+            for (int u = 0; u < nv; u++) acc[r][u] = VFMA(w, KV_LOADV(v + c + u * W, sc), acc[r][u]);
         }
     }
     for (int64_t j = a; j < b; j++) {
-        const KV_T *v = v_cache + slot[j] + c;
+        const KV_T *v = v_cache + slot[j];
+        const V sc = KV_SCALE(v, d);
         V x[PV_VECS];
-        for (int u = 0; u < nv; u++) x[u] = KV_LOADV(v + u * W);
+        for (int u = 0; u < nv; u++) x[u] = KV_LOADV(v + c + u * W, sc);
         for (int r = 0; r < nr; r++) {
             const V b = VSET1(p[r * p_stride + j]);
             for (int u = 0; u < nv; u++) acc[r][u] = VFMA(b, x[u], acc[r][u]);
@@ -52,9 +61,9 @@ TGT static inline __attribute__((always_inline)) void FN(pv_rows)(const float *p
     }
     for (int r = 0; r < nr; r++)
         for (int64_t j = a > b ? a : b; j < n[r]; j++) {
-            const KV_T *v = v_cache + slot[j] + c;
-            const V b = VSET1(p[r * p_stride + j]);
-            for (int u = 0; u < nv; u++) acc[r][u] = VFMA(b, KV_LOADV(v + u * W), acc[r][u]);
+            const KV_T *v = v_cache + slot[j];
+            const V b = VSET1(p[r * p_stride + j]), sc = KV_SCALE(v, d);
+            for (int u = 0; u < nv; u++) acc[r][u] = VFMA(b, KV_LOADV(v + c + u * W, sc), acc[r][u]);
         }
     for (int r = 0; r < nr; r++)
         for (int u = 0; u < nv; u++) VSTORE(out[r] + c + u * W, acc[r][u]);
@@ -63,10 +72,10 @@ TGT static inline __attribute__((always_inline)) void FN(pv_rows)(const float *p
 /* pv_rows over every column of d (a multiple of W) for nr rows: tiles of PV_VECS vectors, then single vectors. */
 #define PV_CASES(c, nv)                                                              \
     switch (nr) {                                                                    \
-    case 4: FN(pv_rows)(p, p_stride, 4, lo, n, v_cache, slot, c, nv, out); break;    \
-    case 3: FN(pv_rows)(p, p_stride, 3, lo, n, v_cache, slot, c, nv, out); break;    \
-    case 2: FN(pv_rows)(p, p_stride, 2, lo, n, v_cache, slot, c, nv, out); break;    \
-    default: FN(pv_rows)(p, p_stride, 1, lo, n, v_cache, slot, c, nv, out); break;   \
+    case 4: FN(pv_rows)(p, p_stride, 4, lo, n, v_cache, slot, c, nv, d, out); break; \
+    case 3: FN(pv_rows)(p, p_stride, 3, lo, n, v_cache, slot, c, nv, d, out); break; \
+    case 2: FN(pv_rows)(p, p_stride, 2, lo, n, v_cache, slot, c, nv, d, out); break; \
+    default: FN(pv_rows)(p, p_stride, 1, lo, n, v_cache, slot, c, nv, d, out); break;\
     }
 TGT static void FN(pv_tile)(const float *p, int64_t p_stride, int64_t nr, const int64_t *lo, const int64_t *n,
                             const KV_T *v_cache, const int64_t *slot, int64_t d, float **out) {
@@ -93,10 +102,10 @@ TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_c
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)nk + 64 + sizeof(float) * (size_t)(R * d + d * KT + R * Lp));
     if (!slot) return -1;
     float *qs = (float *)(((uintptr_t)(slot + nk) + 63) & ~(uintptr_t)63), *kt = qs + R * d, *s = kt + d * KT;
-    const int64_t row = h_kv * d;
+    const int64_t row = h_kv * (d + KV_EXTRA), row_bytes = (d + KV_EXTRA) * (int64_t)sizeof(KV_T);
     /* the block table walked once from key base, without a division per key */
     for (int64_t j = 0, b = base / block_size, o = base % block_size; j < nk; j++) {
-        slot[j] = (table[b] * block_size + o) * row + kh * d;
+        slot[j] = (table[b] * block_size + o) * row + kh * (d + KV_EXTRA);
         if (++o == block_size) { o = 0; b++; }
     }
     for (int64_t i = i0; i < i1; i++)
@@ -111,6 +120,12 @@ TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_c
         const int64_t ja = base + j0, i_lo = ja - first > i0 ? ja - first : i0;
         const int64_t i_hi = window > 0 && ja + KT - 1 + window - first < i1 ? ja + KT - 1 + window - first : i1;
         if (i_hi <= i_lo) continue;
+        /* the next tile's keys towards L1 and this tile's values towards L2 (read after the softmax): the rows sit
+         * in scattered blocks, where the hardware prefetchers lose the stream at every block edge */
+        for (int64_t j = j0 + KT, e = j0 + 2 * KT < nk ? j0 + 2 * KT : nk; j < e; j++)
+            prefetch_row(k_cache + slot[j], row_bytes, _MM_HINT_T0);
+        for (int64_t j = j0, e = j0 + KT < nk ? j0 + KT : nk; j < e; j++)
+            prefetch_row(v_cache + slot[j], row_bytes, _MM_HINT_T1);
         FN(load_kt)(k_cache, slot, j0, nk - j0 < KT ? nk - j0 : KT, d, kt);
         const int64_t r0 = (i_lo - i0) * G;
         ISA(qk_tile)(qs + r0 * d, (i_hi - i_lo) * G, kt, d, s + r0 * Lp + j0, Lp);
@@ -191,7 +206,7 @@ int FN(kvserve_paged_attention)(const float *q, int64_t q_stride, const void *k_
  *   1. RoPE on the query and key heads of every row of qkv, in place (row t: H_q query heads, H_kv key heads,
  *      H_kv value heads of d floats, at qkv + t * qkv_stride), with cos/sin rows t of cos, sin ([T, d]);
  *   2. each row's key and value heads stored (KV_STORE_ROW) into cache slot slot_mapping[t] (k_cache, v_cache:
- *      [slots, H_kv, d] of KV_T);
+ *      [slots, H_kv, d + KV_EXTRA] of KV_T);
  *   3. attention of the num_reqs requests given (0: none) over their paged K/V into out (row stride out_stride),
  *      as kvserve_paged_attention_<type>_<isa> (with its window and softcap). Rows of other requests are not
  *      written.
@@ -202,13 +217,13 @@ int FN(kvserve_rope_write_attend_sw)(float *qkv, int64_t qkv_stride, int64_t T, 
                                      const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
                                      int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
                                      int64_t out_stride, int64_t window, float softcap) {
-    const int64_t row = h_kv * d;
+    const int64_t row = h_kv * (d + KV_EXTRA);
 #pragma omp parallel for schedule(static) if (T * (h_q + h_kv) * d >= PARALLEL_MIN_ROPE_FLOATS)
     for (int64_t t = 0; t < T; t++) {
         float *x = qkv + t * qkv_stride;
         rope_heads(x, h_q + h_kv, d, cos + t * d, sin + t * d);
-        KV_STORE_ROW((KV_T *)k_cache + slot_mapping[t] * row, x + h_q * d, row);
-        KV_STORE_ROW((KV_T *)v_cache + slot_mapping[t] * row, x + (h_q + h_kv) * d, row);
+        KV_STORE_ROW((KV_T *)k_cache + slot_mapping[t] * row, x + h_q * d, h_kv, d);
+        KV_STORE_ROW((KV_T *)v_cache + slot_mapping[t] * row, x + (h_q + h_kv) * d, h_kv, d);
     }
     if (num_reqs == 0) return 0;
     return FN(attend)(qkv, qkv_stride, (const KV_T *)k_cache, (const KV_T *)v_cache, block_tables, max_blocks,
@@ -230,5 +245,7 @@ int FN(kvserve_rope_write_attend)(float *qkv, int64_t qkv_stride, int64_t T, con
 
 #undef KV_T
 #undef FN
+#undef KV_EXTRA
+#undef KV_SCALE
 #undef KV_LOADV
 #undef KV_STORE_ROW
