@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from kvserve.validation import check_bool as _boolean
 from kvserve.validation import check_int as _integer
 from kvserve.validation import check_number as _number
-from kvserve.validation import check_text
+from kvserve.validation import ParamError, check_text
 
 if TYPE_CHECKING:
     from kvserve.structured.params import StructuredOutputsParams
@@ -103,12 +103,13 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+            raise ParamError.of("stop", f" must be a non-empty string or a list of non-empty strings, "
+                                        f"got {self.stop!r}")
         self.stop = list(self.stop)
         for s in self.stop:
             check_text("stop", s)
         if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise ParamError.of("stop_token_ids", f" must be a list of token ids, got {self.stop_token_ids!r}")
         for t in self.stop_token_ids:
             _integer("stop_token_ids[]", t, 0)
         self.stop_token_ids = list(self.stop_token_ids)
@@ -119,7 +120,7 @@ class SamplingParams:
 
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
+            raise ParamError.of("structured_outputs", f" must be a StructuredOutputsParams, got {type(so).__name__}")
 
     @property
     def greedy(self) -> bool:

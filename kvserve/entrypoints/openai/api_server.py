@@ -37,8 +37,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from kvserve.engine.async_llm import AsyncLLM
-from kvserve.engine.detokenizer import TokenVocab
+from kvserve.engine.async_llm import AsyncLLM  # the composition root: build_server makes the client
+from kvserve.engine.protocol import EngineClient
 from kvserve.entrypoints.dashboard import hub as dash
 from kvserve.entrypoints.openai import limits as request_limits
 from kvserve.entrypoints.openai.errors import add_exception_handlers, error_response
@@ -103,14 +103,15 @@ def freeze_gc_heap() -> int:
     return gc.get_freeze_count()
 
 
-def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None,
+def build_app(llm: EngineClient, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None,
               api_key: Optional[str] = None, metrics_auth: bool = True,
               dashboard: bool = False, dashboard_show_prompts: bool = False,
               limits: Optional[RequestLimits] = None) -> FastAPI:
     """The FastAPI app. Its lifespan starts ``llm`` and shuts it down.
 
     Args:
-        llm: the async engine (``stat_logger`` should already be attached to it as ``llm.stat_logger``).
+        llm: the engine client (``AsyncLLM``, or the Ray ingress's; ``stat_logger`` should already be attached to
+            it as ``llm.stat_logger``).
         served_model_name: the model id clients must use (or omit).
         stat_logger: what ``/metrics`` exposes; default ``llm.stat_logger``.
         api_key: if set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
@@ -131,7 +132,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions and chat completions over the kvserve engine.")
-    vocab = TokenVocab(llm.tokenizer)  # shared: building one reads the whole vocabulary
+    vocab = llm.token_vocab  # shared: building one reads the whole vocabulary
     state = app.state
     state.engine_client = llm
     state.served_model_name = served_model_name
@@ -197,7 +198,7 @@ class KVServeServer(uvicorn.Server):
         shutdown_timeout: seconds to drain after the first signal; 0 (default): abort at once.
     """
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, sock: Optional[socket.socket] = None,
+    def __init__(self, config: uvicorn.Config, llm: EngineClient, sock: Optional[socket.socket] = None,
                  shutdown_timeout: float = 0.0):
         super().__init__(config)
         self.llm = llm
@@ -267,7 +268,7 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
     """
     check_number("shutdown_timeout", shutdown_timeout, 0, 24 * 3600)
     llm = AsyncLLM.from_engine_args(**engine_args)
-    name = served_model_name or Path(llm.engine.model_path).stem
+    name = served_model_name or Path(llm.model_info.model_path).stem
     llm.stat_logger = PrometheusStatLogger(name)
     if dashboard is None:
         dashboard = dash.is_loopback(host)

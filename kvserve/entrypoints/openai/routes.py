@@ -4,7 +4,7 @@
 (vLLM's shapes). Every ``GET`` route answers ``HEAD`` too.
 
 A handler finds what it serves with on ``request.app.state`` (set by ``build_app``): ``engine_client`` (the
-``AsyncLLM``), ``served_model_name``, ``stat_logger``, ``openai_serving_completion``, ``openai_serving_chat`` and
+``EngineClient``), ``served_model_name``, ``stat_logger``, ``openai_serving_completion``, ``openai_serving_chat`` and
 ``openai_serving_tokenization``.
 """
 
@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 import kvserve
 from kvserve.entrypoints.openai import protocol as p
-from kvserve.engine.async_llm import EngineShutdownError
+from kvserve.engine.protocol import EngineShutdownError
 from kvserve.entrypoints.openai.serving_engine import OpenAIError, engine_error
 
 router = APIRouter()
