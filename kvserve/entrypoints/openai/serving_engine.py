@@ -314,8 +314,10 @@ class OpenAIServing:
                 so = StructuredOutputsParams(**{name.removeprefix("guided_"): getattr(req, name)})
             await self.llm.check_structured_outputs(so)
         except ParamError as e:
-            kind = {"response_format": "json_object" if req.response_format.type == "json_object" else "json",
-                    "tool_choice": "json"}.get(name, name.removeprefix("guided_"))
+            if name == "response_format":
+                kind = "json_object" if req.response_format.type == "json_object" else "json"
+            else:
+                kind = "json" if name == "tool_choice" else name.removeprefix("guided_")
             e = e.with_prefix(f"structured_outputs.{kind}", label)
             raise OpenAIError(e.message, param="tools" if name == "tool_choice" else name) from None
         return so
