@@ -66,9 +66,11 @@ class RequestStream:
         return item
 
     def abort(self) -> None:
-        """Stop generating for this request; its blocks are freed before the engine's next step."""
+        """Stop generating for this request; its blocks are freed before the engine's next step. A consumer
+        waiting on the stream (another task) sees its end (``StopAsyncIteration``)."""
         if not self.finished:
             self.finished = True
+            self._queue.put_nowait(StopAsyncIteration())
             self._owner.abort(self.request_id)
 
 

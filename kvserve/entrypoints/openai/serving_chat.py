@@ -1,6 +1,8 @@
 """``POST /v1/chat/completions`` (vLLM's ``serving_chat``): the chat template over ``messages``, ``n`` samples,
 chat logprobs, tools (``ToolChoice``: "none", "auto" parsed from the model's own format, "required" or a named
-function enforced by a grammar) and structured outputs, streaming or not.
+function enforced by a grammar) and structured outputs, streaming or not. Each choice's text goes through
+``events.ChoiceEvents`` (the event model every API renders); the non-streamed message is the fold of the events of
+its whole text, so streamed and non-streamed answers agree.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from kvserve.entrypoints.events import ChoiceEvents, Finish, TextDelta, ToolCallArgsDelta, ToolCallStart, fold
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.entrypoints.openai import tool_parsers as tp
 from kvserve.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, include_usage, new_id, now_s, sse,
@@ -44,14 +47,15 @@ class OpenAIServingChat(OpenAIServing):
             choices = []
             for c in finals[0].outputs:
                 lp = self.chat_logprobs(c.token_ids, c.logprobs, top_n) if req.logprobs else None
-                content, calls = tools.extract(c.text)
-                message = p.ChatResponseMessage(content=content)
-                if calls:
-                    message.tool_calls = [p.ToolCall(id=t.id, function=p.FunctionCall(name=t.name,
-                                                                                     arguments=t.arguments))
-                                          for t in calls]
+                choice = ChoiceEvents(c.index, tools)  # the events of the whole text, folded
+                answer = fold(choice.head() + choice.feed(c.text, c.finish_reason, c.stop_reason))
+                message = p.ChatResponseMessage(content=answer.text)
+                if answer.tool_calls:
+                    message.tool_calls = [p.ToolCall(id=t["id"], function=p.FunctionCall(name=t["name"],
+                                                                                        arguments=t["arguments"]))
+                                          for t in answer.tool_calls]
                 choices.append(p.ChatChoice(index=c.index, message=message, logprobs=lp,
-                                            finish_reason=_tool_finish(c.finish_reason, bool(calls))))
+                                            finish_reason=answer.finish_reason))
             extra = {}
             if plp is not None:
                 extra["prompt_logprobs"] = self.vllm_prompt_logprobs(pp.token_ids, finals[0], plp, plp)
@@ -64,23 +68,27 @@ class OpenAIServingChat(OpenAIServing):
             extra = {"usage": usage} if usage is not None else usage_null
             return sse(p.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, **extra))
 
+        choices = {j: ChoiceEvents(j, tools) for j in range(params[0].n)}
+
         def chunk(i: int, c, first: bool) -> str:
             lp = None
             if req.logprobs and c.delta_token_ids:
                 entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
                 lp = self.chat_logprobs(c.delta_token_ids, entries, top_n)
-            text, deltas, called = tools.stream(c.index, c.delta_text, c.finish_reason is not None)
+            events = choices[c.index].feed(c.delta_text, c.finish_reason, c.stop_reason)
+            text = "".join(e.text for e in events if isinstance(e, TextDelta))
             delta = p.DeltaMessage(content=text) if text else p.DeltaMessage()
-            if deltas:
-                delta.tool_calls = _delta_tool_calls(deltas)
-            return make([p.ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
-                                            finish_reason=_tool_finish(c.finish_reason, called))])
+            calls = _delta_tool_calls(events)
+            if calls:
+                delta.tool_calls = calls
+            finish = next((e.finish_reason for e in events if isinstance(e, Finish)), None)
+            return make([p.ChatStreamChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=finish)])
 
         def head_chunk(j: int) -> str:
             delta = p.DeltaMessage(role="assistant", content="")
-            opening = tools.head(j)
+            opening = _delta_tool_calls(choices[j].head())
             if opening:
-                delta.tool_calls = _delta_tool_calls(opening)
+                delta.tool_calls = opening
             return make([p.ChatStreamChoice(index=j, delta=delta)])
 
         head = [head_chunk(j) for j in range(params[0].n)]
@@ -102,24 +110,22 @@ class OpenAIServingChat(OpenAIServing):
                 "bytes": list(self.vocab.token_bytes(token_id))}
 
 
-def _tool_finish(finish_reason: Optional[str], called: bool) -> Optional[str]:
-    """``"tool_calls"`` for a choice that ended on its own (``"stop"``) with tool calls; a choice cut by
-    ``max_tokens`` stays ``"length"`` (its complete calls are returned all the same: ``tp.forced_calls``)."""
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
-
-
-def _delta_tool_calls(deltas: list) -> list:
-    """``tp.ToolCallDelta``s -> OpenAI ``delta.tool_calls`` (``id``, ``type`` and ``function.name`` only in a
-    call's first piece)."""
-    out = []
-    for d in deltas:
-        fn = p.DeltaFunctionCall(arguments=d.arguments)
-        if d.name is not None:
-            fn.name = d.name
-        call = p.DeltaToolCall(index=d.index, function=fn)
-        if d.id is not None:
-            call.id, call.type = d.id, "function"
-        out.append(call)
+def _delta_tool_calls(events: list) -> list:
+    """The tool-call events of a chunk -> OpenAI ``delta.tool_calls``: a call's first piece has ``id``, ``type``
+    and ``function.name`` (and the arguments that came with it, ``""`` if none yet); later pieces only
+    ``function.arguments``. (A choice cut by ``max_tokens`` keeps ``finish_reason`` "length": ``ChoiceEvents``.)"""
+    out, started = [], {}
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            call = p.DeltaToolCall(index=e.index, id=e.id, type="function",
+                                   function=p.DeltaFunctionCall(name=e.name, arguments=""))
+            started[e.index] = call
+            out.append(call)
+        elif isinstance(e, ToolCallArgsDelta):
+            if e.index in started:
+                started[e.index].function.arguments += e.arguments
+            else:
+                out.append(p.DeltaToolCall(index=e.index, function=p.DeltaFunctionCall(arguments=e.arguments)))
     return out
 
 
@@ -142,27 +148,26 @@ class ToolChoice:
     @classmethod
     def of(cls, req: p.ChatCompletionRequest) -> "ToolChoice":
         """Raises ``OpenAIError`` for a ``tool_choice`` without ``tools`` or naming an unknown function."""
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-        choice = req.tool_choice or ("auto" if tools else "none")
-        if isinstance(choice, p.NamedToolChoice):
-            choice = choice.model_dump()
-        if choice != "none" and not tools:
-            raise OpenAIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
-        try:
-            schema = tp.tool_choice_schema(tools, choice, req.parallel_tool_calls)
-        except ValueError as e:
-            raise OpenAIError(str(e), param="tool_choice") from None
-        return cls(tools, choice, schema)
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, p.NamedToolChoice) else req.tool_choice
+        return cls.create([t.model_dump(exclude_none=True) for t in req.tools or []], choice, req.parallel_tool_calls)
 
-    def extract(self, text: str) -> tuple[Optional[str], list]:
-        """``(content, calls)`` of a finished choice's text (``tp.forced_calls`` for "required" / a named
-        function: no content; the parser's split for "auto")."""
-        if self.schema is not None:
-            return None, tp.forced_calls(text, self.choice)
-        if self.parser is not None:
-            ex = self.parser.extract(text)
-            return ex.content, ex.tool_calls
-        return text, []
+    @classmethod
+    def create(cls, tools: list, choice, parallel_tool_calls: Optional[bool] = None,
+               param: str = "tool_choice") -> "ToolChoice":
+        """From OpenAI ``tools`` (dicts) and a ``tool_choice`` (``None``: "auto" with tools, else "none"; a named
+        one as a dict), as every API maps its own tool fields to them.
+
+        Raises:
+            OpenAIError: (``param``) a choice other than "none" without tools, or naming an unknown function.
+        """
+        choice = choice or ("auto" if tools else "none")
+        if choice != "none" and not tools:
+            raise OpenAIError(f"tool_choice {choice!r} needs tools", param=param)
+        try:
+            schema = tp.tool_choice_schema(tools, choice, parallel_tool_calls)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param) from None
+        return cls(tools, choice, schema)
 
     def head(self, index: int) -> list:
         """The ``tp.ToolCallDelta``s for choice ``index``'s first (role) chunk: a named function's call opens
@@ -175,8 +180,9 @@ class ToolChoice:
         """``(content, deltas, called)`` for a streamed choice's new text ``delta``: the content and the
         ``tp.ToolCallDelta``s to send now, and whether the choice has made a call so far. Forced calls stream as
         they are generated (``tp.ForcedToolStreamer``); "auto" passes content through until a call may begin and
-        sends its calls in the choice's last chunk (``tp.AutoToolStreamer``). The pieces add up to ``extract`` of the
-        whole text."""
+        sends its calls in the choice's last chunk (``tp.AutoToolStreamer``). Any cut of a text into deltas gives
+        pieces that add up to the same answer (a non-streamed answer is the whole text fed at once:
+        ``events.ChoiceEvents``)."""
         if self.schema is not None:
             streamer = self._streams.setdefault(index, tp.ForcedToolStreamer(self.choice))
             deltas = streamer.feed(delta)
