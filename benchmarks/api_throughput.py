@@ -6,7 +6,9 @@ round and per API, ``--concurrency`` streamed requests at once: the same ``--con
 conversations, greedy, ``--max-tokens`` each, so each API renders the same prompts and generates the same tokens
 (a plain user message renders alike in all three). The client reads and parses every event. The APIs take turns
 in a rotated order each round (``--rounds``), so drift in the machine's speed falls on all of them; the table gives
-each API's output tokens/s (median and range over the rounds) and its ratio to Chat Completions' median. Output
+each API's output tokens/s (median and range over the rounds) and its ratio to Chat Completions' median, and the
+process's CPU seconds per 1,000 output tokens (client, server and engine share this process: on a host loaded by
+other work, CPU time moves far less than wall time, and the engine's share is the same for all APIs). Output
 tokens come from each API's own usage report (chat: ``stream_options.include_usage``; Responses:
 ``response.completed``; Messages: ``message_delta``). Issue 48's target: Responses and Messages within 3%.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import threading
 import time
@@ -67,13 +70,19 @@ async def one(client: httpx.AsyncClient, api: str, model: str, prompt: str, max_
     return n
 
 
+def cpu_seconds() -> float:
+    """This process's user + system CPU time (all its threads: the engine's included)."""
+    t = os.times()
+    return t.user + t.system
+
+
 async def run_round(base_url: str, api: str, model: str, prompts: list, max_tokens: int) -> tuple:
-    """``(output tokens, seconds)`` of all ``prompts`` at once on ``api``."""
+    """``(output tokens, wall seconds, CPU seconds)`` of all ``prompts`` at once on ``api``."""
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         counts = await asyncio.gather(*(one(client, api, model, p, max_tokens) for p in prompts))
-        return sum(counts), time.perf_counter() - t0
+        return sum(counts), time.perf_counter() - t0, cpu_seconds() - c0
 
 
 APIS = ("chat", "responses", "messages")
@@ -95,23 +104,26 @@ def run(args, engine_args: dict) -> int:
     try:
         asyncio.run(run_round(base, "chat", model, prompts[:4], 4))  # warm-up
         rates: dict = {a: [] for a in APIS}
+        cpu: dict = {a: [] for a in APIS}
         for r in range(args.rounds):
             order = APIS[r % 3:] + APIS[:r % 3]
             for api in order:
-                tokens, seconds = asyncio.run(run_round(base, api, model, prompts, args.max_tokens))
+                tokens, seconds, cpu_s = asyncio.run(run_round(base, api, model, prompts, args.max_tokens))
                 rates[api].append(tokens / seconds)
-                print(f"round {r} {api:9s} {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s",
-                      flush=True)
+                cpu[api].append(1000 * cpu_s / tokens)
+                print(f"round {r} {api:9s} {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s, "
+                      f"{1000 * cpu_s / tokens:.2f} CPU s per 1k tokens", flush=True)
     finally:
         server.should_exit = True
         thread.join(60)
-    base_rate = statistics.median(rates["chat"])
+    base_rate, base_cpu = statistics.median(rates["chat"]), statistics.median(cpu["chat"])
     print(f"\n| API ({args.concurrency} streams, {args.max_tokens} tokens each) | output tok/s median | range | "
-          f"vs chat |")
-    print("|---|---:|---:|---:|")
+          f"vs chat | CPU s / 1k tokens | vs chat |")
+    print("|---|---:|---:|---:|---:|---:|")
     for api in APIS:
-        med = statistics.median(rates[api])
-        print(f"| {api} | {med:.1f} | {min(rates[api]):.1f}-{max(rates[api]):.1f} | {med / base_rate:.3f} |")
+        med, c = statistics.median(rates[api]), statistics.median(cpu[api])
+        print(f"| {api} | {med:.1f} | {min(rates[api]):.1f}-{max(rates[api]):.1f} | {med / base_rate:.3f} | "
+              f"{c:.2f} | {c / base_cpu:.3f} |")
     return 0
 
 

@@ -344,9 +344,9 @@ class OpenAIServing:
         """SSE strings: ``head`` (a chat's role chunks) with the first output, i.e. once the first token exists, as
         OpenAI and vLLM send it (clients time TTFT from the first chunk); then for each new output of prompt ``i``
         and each of its samples ``c`` with something to send (new text, new tokens when ``with_logprobs``, its
-        first chunk when ``always_first``, or its finish), ``chunk(i, c, first)``; the usage chunk; ``[DONE]``. An engine shutdown or failure ends the
-        stream with an error event. If the consumer stops (client disconnected: the response task is cancelled),
-        the requests are aborted. ``on_output(i, out)``, when given, sees each ``RequestOutput`` before its
+        first chunk when ``always_first``, or its finish), ``chunk(i, c, first)``; the usage chunk; ``[DONE]``. An
+        engine shutdown or failure ends the stream with an error event. If the consumer stops (client
+        disconnected: the response task is cancelled), the requests are aborted. ``on_output(i, out)``, when given, sees each ``RequestOutput`` before its
         chunks."""
         try:
             finals = [None] * len(streams)

@@ -57,6 +57,8 @@ class ResponsesRequest(_Strict):
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
+    prompt_cache_key: Optional[str] = Field(None, description="accepted, not needed: the prefix cache finds shared "
+                                                              "prefixes by their content")
     background: Optional[bool] = Field(None, description="not supported (400 when true)")
     include: Optional[list[str]] = Field(None, description="not supported (400 unless empty)")
     truncation: Optional[Literal["auto", "disabled"]] = Field(None, description="only disabled")
@@ -458,7 +460,8 @@ class OpenAIServingResponses(EventServing):
                 for ev in finish(final):
                     yield _sse(ev)
             except OpenAIError as e:
-                yield _sse(builder.event("error", code=e.code, message=e.message, param=e.param, error=e.body()["error"]))
+                yield _sse(builder.event("error", code=e.code, message=e.message, param=e.param,
+                                         error=e.body()["error"]))
             finally:
                 self.in_flight.pop(rid, None)
                 events.abort()
