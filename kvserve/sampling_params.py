@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from kvserve.validation import check_bool as _boolean
 from kvserve.validation import check_int as _integer
 from kvserve.validation import check_number as _number
-from kvserve.validation import check_text
+from kvserve.validation import ParamError, check_text
 
 if TYPE_CHECKING:
     from kvserve.structured.params import StructuredOutputsParams
@@ -63,6 +63,10 @@ class SamplingParams:
             budget.
         reasoning_markers: ``(start, end)`` texts of the reasoning, for ``thinking_token_budget`` (default
             ``("<think>", "</think>")``; the server sets its reasoning parser's).
+        reasoning_open: whether the output starts inside the reasoning, for ``thinking_token_budget``: the server's
+            reasoning parser says so (``deepseek_r1``: the output is reasoning until ``</think>``, whether or not
+            ``<think>`` was written); ``None`` (default): decided from the prompt (its last start marker after its
+            last end marker).
         structured_outputs: a ``StructuredOutputsParams`` (JSON schema, any JSON object, regex, choice or EBNF
             grammar) the output must match; each sampled token is drawn only from the tokens the grammar allows,
             EOS only where the text may end. ``None`` = unconstrained.
@@ -94,6 +98,7 @@ class SamplingParams:
     bad_words: Optional[list] = None
     thinking_token_budget: Optional[int] = None
     reasoning_markers: tuple = ("<think>", "</think>")
+    reasoning_open: Optional[bool] = None
     structured_outputs: Optional["StructuredOutputsParams"] = None
 
     def __post_init__(self) -> None:
@@ -120,12 +125,13 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+            raise ParamError.of("stop", f" must be a non-empty string or a list of non-empty strings, "
+                                        f"got {self.stop!r}")
         self.stop = list(self.stop)
         for s in self.stop:
             check_text("stop", s)
         if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise ParamError.of("stop_token_ids", f" must be a list of token ids, got {self.stop_token_ids!r}")
         for t in self.stop_token_ids:
             _integer("stop_token_ids[]", t, 0)
         self.stop_token_ids = list(self.stop_token_ids)
@@ -135,32 +141,32 @@ class SamplingParams:
     def _check_token_edits(self) -> None:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+                raise ParamError.of("logit_bias", f" must be a mapping of token id to bias, got {self.logit_bias!r}")
             for t, bias in self.logit_bias.items():
-                _integer("logit_bias token id", t, 0)
+                _integer("logit_bias[] (a token id)", t, 0)
                 _number(f"logit_bias[{t}]", bias, -100.0, 100.0)
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
-                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
-                                 f"{self.allowed_token_ids!r}")
+                raise ParamError.of("allowed_token_ids", f" must be a non-empty list of token ids, got "
+                                                         f"{self.allowed_token_ids!r}")
             for t in self.allowed_token_ids:
                 _integer("allowed_token_ids[]", t, 0)
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w.strip()
                                                                          for w in self.bad_words):
-                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+                raise ParamError.of("bad_words", f" must be a list of non-blank strings, got {self.bad_words!r}")
             for w in self.bad_words:
                 check_text("bad_words[]", w)
             self.bad_words = list(self.bad_words)
         if self.thinking_token_budget is not None:
             _integer("thinking_token_budget", self.thinking_token_budget, 0)
             if self.structured_outputs is not None:
-                raise ValueError("thinking_token_budget cannot be combined with structured_outputs (the forced end "
-                                 "of the reasoning would break the grammar)")
+                raise ParamError.of("thinking_token_budget", " cannot be combined with structured_outputs (the "
+                                    "forced end of the reasoning would break the grammar)")
         rm = self.reasoning_markers
         if not (isinstance(rm, (list, tuple)) and len(rm) == 2 and all(isinstance(m, str) and m for m in rm)):
-            raise ValueError(f"reasoning_markers must be two non-empty strings (start, end), got {rm!r}")
+            raise ParamError.of("reasoning_markers", f" must be two non-empty strings (start, end), got {rm!r}")
         self.reasoning_markers = tuple(rm)
 
     @property
@@ -175,7 +181,7 @@ class SamplingParams:
 
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
+            raise ParamError.of("structured_outputs", f" must be a StructuredOutputsParams, got {type(so).__name__}")
 
     @property
     def greedy(self) -> bool:

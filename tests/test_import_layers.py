@@ -142,3 +142,18 @@ def test_no_upward_import(layer):
     upward = sorted(f"{a} -> {b}" for a, targets in import_graph().items() for b in targets
                     if rank.get(part_of(a)) == layer and rank[part_of(b)] < layer)
     assert upward == []
+
+
+#: Serving code: every HTTP API, the dashboard, the Ray ingress (docs/design: "Above the engine").
+SERVING = ("kvserve.entrypoints.openai", "kvserve.entrypoints.anthropic", "kvserve.entrypoints.dashboard",
+           "kvserve.entrypoints.ray.ingress", "kvserve.entrypoints.events")
+#: The composition roots: the one place each that builds an engine (``AsyncLLM``) for the server or a replica.
+ENGINE_BUILDERS = {"kvserve.entrypoints.openai.api_server": {"kvserve.engine.async_llm"}}
+
+
+def test_serving_reaches_the_engine_only_through_the_client():
+    """Serving imports nothing of ``kvserve.engine`` but ``kvserve.engine.protocol`` (the ``EngineClient``)."""
+    bad = sorted(f"{a} -> {b}" for a, targets in import_graph().items() if a.startswith(SERVING)
+                 for b in targets if b.startswith("kvserve.engine") and b != "kvserve.engine.protocol"
+                 and b not in ENGINE_BUILDERS.get(a, ()))
+    assert bad == []

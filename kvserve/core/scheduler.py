@@ -452,21 +452,6 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def stop_at(self, req: Request, stop_reason: str, num_output_tokens: int) -> None:
-        """Finish ``req`` as stopped by a stop string that its output token ``num_output_tokens - 1`` completed:
-        later tokens of the same step (accepted drafts) are dropped with their logprobs and K/V, so the request
-        ends exactly as it would have without speculation. Works on a request already finished this step (e.g. by
-        ``max_tokens`` on a later token)."""
-        del req.output_token_ids[num_output_tokens:]
-        del req.output_logprobs[num_output_tokens:]
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-        req.stop_reason = stop_reason
-        if req.status.finished:
-            req.status = RequestStatus.FINISHED_STOPPED
-        else:
-            self.kv_cache_manager.trim(req)
-            self.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
         """Finish (e.g. abort, or stop on a stop string) the given requests wherever they are; unknown or
         already finished ids are ignored. Their blocks return to the pool at once."""

@@ -26,18 +26,13 @@ import time
 from typing import Optional
 
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.protocol import EngineDeadError, EngineShutdownError, ModelInfo, EngineClientBase
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an unexpected error; no request can be served any more."""
-
-
-class EngineShutdownError(RuntimeError):
-    """The engine is shutting down: a new request is refused, or an in-flight one was aborted by the shutdown."""
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineShutdownError", "RequestStream"]
 
 
 class RequestStream:
@@ -71,14 +66,16 @@ class RequestStream:
         return item
 
     def abort(self) -> None:
-        """Stop generating for this request; its blocks are freed before the engine's next step."""
+        """Stop generating for this request; its blocks are freed before the engine's next step. A consumer
+        waiting on the stream (another task) sees its end (``StopAsyncIteration``)."""
         if not self.finished:
             self.finished = True
+            self._queue.put_nowait(StopAsyncIteration())
             self._owner.abort(self.request_id)
 
 
-class AsyncLLM:
-    """Async front of one ``LLMEngine``.
+class AsyncLLM(EngineClientBase):
+    """Async front of one ``LLMEngine``: the ``EngineClient`` (``kvserve.engine.protocol``) over a local engine.
 
     Args:
         engine: the engine; from now on only this object may call it.
@@ -95,6 +92,12 @@ class AsyncLLM:
     """
 
     def __init__(self, engine: LLMEngine, stat_logger=None):
+        info = ModelInfo(model_path=str(engine.model_path), max_model_len=engine.max_model_len,
+                         vocab_size=engine.arch.vocab_size, eos_token_ids=tuple(engine.eos_token_ids),
+                         has_chat_template=bool(engine.chat_template
+                                                or getattr(engine.tokenizer, "chat_template", None)),
+                         scheduling_policy=engine.config.scheduler_config.scheduling_policy)
+        super().__init__(engine.tokenizer, info, engine.chat_template, engine.grammar_backend)
         self.engine = engine
         self.stat_logger = stat_logger
         self.state_observer = None
@@ -115,14 +118,6 @@ class AsyncLLM:
         return cls(LLMEngine.from_engine_args(**engine_args), stat_logger=stat_logger)
 
     # ------------------------------------------------------------------------------------------------ state
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
     @property
     def is_running(self) -> bool:
         """True while the loop is alive and new requests are accepted (false while draining)."""

@@ -3,7 +3,8 @@
     scheduler_output = scheduler.schedule()                    # who computes how many tokens, KV slots allocated
     model_output     = model_runner.execute_model(...)         # one flat batch over the paged cache + sampling
     updated          = scheduler.update_from_output(...)       # append tokens, stop checks, free finished blocks
-    outputs          = output processor (text, stop strings)   # RequestOutput objects
+    outputs          = output processor (text, stop strings)   # RequestOutput objects; a stop string finishes
+                                                               # its request (scheduler.finish_requests)
     speculator.step(...)                                       # (speculative decoding) drafts for the next step
 """
 
@@ -34,7 +35,8 @@ from kvserve.sample.thinking import ThinkingBudget
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.structured.backend import GrammarBackend
-from kvserve.validation import check_text
+from kvserve.engine.protocol import tokenize_prompt
+from kvserve.validation import ParamError
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -202,24 +204,10 @@ class LLMEngine:
         ``add_special_tokens`` is false: a chat template's text carries its own), or validated ids as given.
 
         Raises:
-            ValueError: empty prompt, text that is not valid Unicode (a lone surrogate), wrong type, or ids outside
-                ``[0, vocab_size)``.
+            ParamError: (``prompt``) empty prompt, text that is not valid Unicode (a lone surrogate), wrong type, or
+                ids outside ``[0, vocab_size)``.
         """
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            check_text("prompt", prompt)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size}), got {bad[:5]}")
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt must not be empty (it has 0 tokens)")
-        return ids
+        return tokenize_prompt(self.tokenizer, self.arch.vocab_size, prompt, add_special_tokens)
 
     def add_request(
         self,
@@ -234,42 +222,40 @@ class LLMEngine:
         ``add_special_tokens``).
 
         Raises:
-            ValueError: empty or invalid prompt; prompt longer than ``max_model_len``; prompt needing more KV blocks
-                than the whole pool; without chunked prefill, prompt longer than ``max_num_batched_tokens``; a duplicate
-                ``request_id``; a non-integer ``priority``; ``structured_outputs`` the grammar backend cannot
-                compile; a ``logit_bias`` / ``allowed_token_ids`` id outside the vocabulary, or those edits with
-                speculative decoding (``_logits_edits``). Nothing is queued or allocated then.
+            ParamError: (naming the field) empty or invalid prompt; prompt longer than ``max_model_len``; prompt
+                needing more KV blocks than the whole pool; without chunked prefill, prompt longer than
+                ``max_num_batched_tokens``; a duplicate ``request_id``; a non-integer ``priority``;
+                ``structured_outputs`` the grammar backend cannot compile; a ``logit_bias`` / ``allowed_token_ids``
+                id outside the vocabulary, or those edits with speculative decoding (``_logits_edits``). Nothing is
+                queued or allocated then.
         """
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
+            raise ParamError.of("sampling_params", f" must be a SamplingParams, got {type(sp).__name__}")
         bad_stop = [t for t in sp.stop_token_ids if t >= self.arch.vocab_size]
         if bad_stop:
-            raise ValueError(f"stop_token_ids must be in [0, {self.arch.vocab_size}), got {bad_stop[:5]}")
+            raise ParamError.of("stop_token_ids", f" must be in [0, {self.arch.vocab_size}), got {bad_stop[:5]}")
         ids = self.tokenize(prompt, add_special_tokens)
         n = len(ids)
         if n > self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
+            raise ParamError.of("prompt", f" has {n} tokens, more than max_model_len={self.max_model_len}")
         if blocks_needed(n, self.block_size) > self.num_blocks:
-            raise ValueError(
-                f"prompt has {n} tokens and needs {blocks_needed(n, self.block_size)} KV blocks, but the pool has "
-                f"only num_kv_blocks={self.num_blocks} (block_size={self.block_size})"
-            )
+            raise ParamError.of("prompt", f" has {n} tokens and needs {blocks_needed(n, self.block_size)} KV blocks, "
+                                          f"but the pool has only num_kv_blocks={self.num_blocks} "
+                                          f"(block_size={self.block_size})")
         sc = self.config.scheduler_config
         if not sc.enable_chunked_prefill and n > sc.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt has {n} tokens, more than max_num_batched_tokens={sc.max_num_batched_tokens} "
-                f"(enable chunked prefill to run longer prompts)"
-            )
+            raise ParamError.of("prompt", f" has {n} tokens, more than max_num_batched_tokens="
+                                          f"{sc.max_num_batched_tokens} (enable chunked prefill to run longer prompts)")
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+            raise ParamError.of("priority", f" must be an integer, got {priority!r}")
         grammar = None if sp.structured_outputs is None else self.grammar_backend.compile(sp.structured_outputs)
         edits = self._logits_edits(sp, ids)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self.output_processor.groups:
-            raise ValueError(f"request_id {rid!r} is already in use")
+            raise ParamError.of("request_id", f" {rid!r} is already in use")
         if sp.n > self.config.scheduler_config.max_num_seqs:
-            raise ValueError(f"n={sp.n} exceeds max_num_seqs={self.config.scheduler_config.max_num_seqs}")
+            raise ParamError("n", f"n={sp.n} exceeds max_num_seqs={self.config.scheduler_config.max_num_seqs}")
         samples = [
             Request(
                 rid if i == 0 else f"{rid}#{i}",
@@ -305,7 +291,7 @@ class LLMEngine:
         or ``None`` when it sets none of them.
 
         Raises:
-            ValueError: a token id outside the vocabulary, or any of them with speculative decoding (the
+            ParamError: a token id outside the vocabulary, or any of them with speculative decoding (the
                 verifier samples without these edits), naming the field.
         """
         if not sp.edits_logits:
@@ -313,7 +299,7 @@ class LLMEngine:
         if self.speculator is not None:
             name = next(n for n in ("logit_bias", "allowed_token_ids", "bad_words", "thinking_token_budget")
                         if getattr(sp, n))
-            raise ValueError(f"{name} is not supported with speculative decoding")
+            raise ParamError.of(name, " is not supported with speculative decoding")
         logits_edits.check_token_ids(sp, self.arch.vocab_size)
         bad_words = logits_edits.bad_words_token_ids(sp.bad_words or [], self.tokenizer)
 
@@ -321,7 +307,8 @@ class LLMEngine:
             if sp.thinking_token_budget is None:
                 return None
             start, end = (self.tokenizer.encode(m, add_special_tokens=False) for m in sp.reasoning_markers)
-            is_open = logits_edits.reasoning_open_in_prompt(prompt_ids, sp.reasoning_markers, self.tokenizer)
+            is_open = sp.reasoning_open if sp.reasoning_open is not None else logits_edits.reasoning_open_in_prompt(
+                prompt_ids, sp.reasoning_markers, self.tokenizer)
             return ThinkingBudget(sp.thinking_token_budget, start, end, is_open)
 
         return bad_words, make_thinking
@@ -356,9 +343,10 @@ class LLMEngine:
         if self.kv_tier is not None:
             self._save_to_kv_tier()
         for req in updated:
-            match = self.output_processor.update_text(req)
-            if match is not None:  # a stop string: the request ends at the token that completed it
-                self.scheduler.stop_at(req, *match)
+            if self.output_processor.update_text(req) is not None:
+                # a stop string: the request finishes as stopped through the scheduler's one finish path (vLLM
+                # aborts it); its outputs end at the token that completed the string (OutputProcessor)
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         outputs = self.output_processor.make_outputs(updated)
         if self.speculator is not None:
             drafts = self.speculator.step(scheduler_output, model_output, updated, self.scheduler.running)

@@ -15,12 +15,13 @@ from kvserve.request import Request, RequestStatus
 
 
 class _State:
-    __slots__ = ("detok", "num_sent_tokens", "last")
+    __slots__ = ("detok", "num_sent_tokens", "last", "stop")
 
     def __init__(self, detok: IncrementalDetokenizer):
         self.detok = detok
         self.num_sent_tokens = 0
         self.last: Optional[CompletionOutput] = None
+        self.stop: Optional[tuple[str, int]] = None  # (stop string, output tokens kept) once one matched
 
 
 class OutputProcessor:
@@ -47,8 +48,11 @@ class OutputProcessor:
 
     def update_text(self, req: Request) -> Optional[tuple[str, int]]:
         """Detokenize the request's new tokens; on a stop-string match returns ``(stop string, n)``: the match
-        completed at output token ``n - 1``, so the request keeps its first ``n`` output tokens (a multi-token step,
-        speculative decoding, may have appended more) and the caller finishes it.
+        completed at output token ``n - 1``. The caller finishes the request as stopped (the scheduler's one
+        finish path, as vLLM aborts it); its outputs from now on end there: ``token_ids`` and ``logprobs`` hold
+        its first ``n`` output tokens (a multi-token step, speculative decoding, may have appended more to the
+        request), ``finish_reason`` is ``"stop"`` and ``stop_reason`` the string, also when a later token of the
+        same step had ended it otherwise (``max_tokens``).
 
         A token that ends the request by ``stop_token_ids`` or EOS is not added to the text.
         """
@@ -59,7 +63,8 @@ class OutputProcessor:
         for t in new_tokens:
             matched = st.detok.add_token(t)
             if matched is not None:
-                return matched, len(st.detok.token_ids)
+                st.stop = (matched, len(st.detok.token_ids))
+                return st.stop
         return None
 
     def make_outputs(self, updated: list) -> list:
@@ -83,7 +88,7 @@ class OutputProcessor:
                 first_scheduled_time=lead.first_scheduled_time,
                 first_token_time=min(firsts) if firsts else None,
                 finish_time=max(times) if finished else None,
-                num_output_tokens=sum(len(s.output_token_ids) for s in samples),
+                num_output_tokens=sum(self._num_kept(s) for s in samples),
                 num_preemptions=sum(s.num_preemptions for s in samples),
             )
             scored = lead.sampling_params.prompt_logprobs is not None
@@ -102,23 +107,33 @@ class OutputProcessor:
             return last
         return dataclasses.replace(last, delta_text="", delta_token_ids=[])
 
+    def _num_kept(self, req: Request) -> int:
+        """Output tokens of ``req`` its outputs show: up to a stop string's last token, else all."""
+        st = self.states.get(req.request_id)
+        return st.stop[1] if st is not None and st.stop is not None else len(req.output_token_ids)
+
     def _completion(self, req: Request) -> CompletionOutput:
         st = self.states[req.request_id]
         finished = req.status.finished
         if finished:
             st.detok.flush()
         delta_text = st.detok.take_delta(finished)
-        delta_tokens = req.output_token_ids[st.num_sent_tokens :]
-        st.num_sent_tokens = len(req.output_token_ids)
-        lps = req.output_logprobs if req.sampling_params.logprobs is not None else None
+        n = self._num_kept(req)
+        token_ids = req.output_token_ids[:n]
+        delta_tokens = token_ids[st.num_sent_tokens :]
+        st.num_sent_tokens = n
+        lps = req.output_logprobs[:n] if req.sampling_params.logprobs is not None else None
+        finish_reason, stop_reason = req.status.finish_reason, req.stop_reason
+        if st.stop is not None:
+            finish_reason, stop_reason = "stop", st.stop[0]
         return CompletionOutput(
             index=req.sample_index,
             text=st.detok.text[: st.detok.num_emitted_chars],
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=list(lps) if lps is not None else None,
-            cumulative_logprob=sum(e[t] for e, t in zip(lps, req.output_token_ids)) if lps is not None else None,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            logprobs=lps,
+            cumulative_logprob=sum(e[t] for e, t in zip(lps, token_ids)) if lps is not None else None,
             delta_text=delta_text,
             delta_token_ids=delta_tokens,
         )

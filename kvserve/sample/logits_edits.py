@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.sample.thinking import force_thinking_end
+from kvserve.validation import ParamError
 
 
 def apply_logits_edits(logits: torch.Tensor, states: list) -> None:
@@ -52,12 +53,12 @@ def banned_tokens(sequences: list[list[int]], output_token_ids: list[int]) -> li
 
 
 def check_token_ids(sp, vocab_size: int) -> None:
-    """Raises ``ValueError`` naming the field for a ``logit_bias`` or ``allowed_token_ids`` id outside
+    """Raises ``ParamError`` naming the field for a ``logit_bias`` or ``allowed_token_ids`` id outside
     ``[0, vocab_size)``."""
     for name, ids in (("logit_bias", list(sp.logit_bias or ())), ("allowed_token_ids", sp.allowed_token_ids or [])):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:5]}")
+            raise ParamError.of(name, f": token ids must be in [0, {vocab_size}), got {bad[:5]}")
 
 
 def bad_words_token_ids(bad_words: list[str], tokenizer) -> list[list[int]]:

@@ -18,6 +18,7 @@ import torch
 
 from kvserve.extras import MissingExtraError, require
 from kvserve.structured.params import StructuredOutputsParams
+from kvserve.validation import ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class GrammarBackend:
             try:
                 compiler = self._get_compiler()
             except MissingExtraError as e:
-                raise ValueError(f"structured_outputs are not available here: {e}") from None
+                raise ParamError.of("structured_outputs", f" are not available here: {e}") from None
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
@@ -74,7 +75,7 @@ class GrammarBackend:
         except (RuntimeError, ValueError) as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             reason = reason.split(": ", 1)[1] if reason.startswith("[") and ": " in reason else reason
-            raise ValueError(f"structured_outputs.{params.kind} cannot be compiled: {reason}") from None
+            raise ParamError.of(f"structured_outputs.{params.kind}", f" cannot be compiled: {reason}") from None
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from kvserve.structured.schema_check import check_json_schema
-from kvserve.validation import check_text
+from kvserve.validation import ParamError, check_text
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -44,25 +44,25 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}; got "
-                             f"{', '.join(given) if given else 'none'}")
+            raise ParamError.of("structured_outputs", f" must set exactly one of {', '.join(KINDS)}; got "
+                                                      f"{', '.join(given) if given else 'none'}")
         if self.json is not None:
             self.json = _schema(self.json)
         if self.json_object is not None and self.json_object is not True:
-            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
+            raise ParamError.of("structured_outputs.json_object", f" must be true, got {self.json_object!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None:
                 if not isinstance(value, str) or not value:
-                    raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+                    raise ParamError.of(f"structured_outputs.{name}", f" must be a non-empty string, got {value!r}")
                 check_text(f"structured_outputs.{name}", value)
         if self.structural_tag is not None:
             self.structural_tag = _json_object("structured_outputs.structural_tag", self.structural_tag)
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):
-                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
-                                 f"{self.choice!r}")
+                raise ParamError.of("structured_outputs.choice", f" must be a non-empty list of non-empty strings, "
+                                                                 f"got {self.choice!r}")
             self.choice = list(self.choice)
             for c in self.choice:
                 check_text("structured_outputs.choice[]", c)
@@ -99,10 +99,10 @@ def _schema(value: Any) -> dict:
         try:
             value = _json.loads(value)
         except ValueError as e:
-            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            raise ParamError.of("structured_outputs.json", f" is not valid JSON: {e}") from None
     if isinstance(value, bool):  # JSON schema allows true/false; only object schemas are enforceable here
-        raise ValueError("structured_outputs.json must be a JSON schema object, got a boolean schema")
+        raise ParamError.of("structured_outputs.json", " must be a JSON schema object, got a boolean schema")
     if not isinstance(value, dict):
-        raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(value).__name__}")
+        raise ParamError.of("structured_outputs.json", f" must be a JSON schema object, got {type(value).__name__}")
     check_json_schema(value)
     return value

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.validation import ParamError
+
 #: keyword -> why it is refused (the message of the ``ValueError``).
 UNSUPPORTED_KEYWORDS = {
     "not": "'not' (schema negation)",
@@ -36,22 +38,22 @@ def check_json_schema(schema: Any, path: str = "structured_outputs.json") -> Non
     """Walk ``schema`` and raise on the first unsupported feature.
 
     Raises:
-        ValueError: ``"<path>: unsupported JSON schema feature <feature>"``, e.g. for ``not``, ``if``,
+        ParamError: (field ``path``) ``"<path>: unsupported JSON schema feature <feature>"``, e.g. for ``not``, ``if``,
             ``uniqueItems``, ``contains``, ``dependentRequired``, an ``allOf`` of more than one schema, or a
             ``$ref`` outside the document (not ``#`` / ``#/...``); or a subschema that is not an object/boolean.
     """
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
-        raise ValueError(f"{path}: a JSON schema must be an object or a boolean, got {type(schema).__name__}")
+        raise ParamError.of(path, f": a JSON schema must be an object or a boolean, got {type(schema).__name__}")
     for key, value in schema.items():
         if key in UNSUPPORTED_KEYWORDS:
-            raise ValueError(f"{path}: unsupported JSON schema feature {UNSUPPORTED_KEYWORDS[key]}")
+            raise ParamError.of(path, f": unsupported JSON schema feature {UNSUPPORTED_KEYWORDS[key]}")
         if key == "$ref" and not (isinstance(value, str) and (value == "#" or value.startswith("#/"))):
-            raise ValueError(f"{path}: unsupported JSON schema feature '$ref' to {value!r} (only references "
+            raise ParamError.of(path, f": unsupported JSON schema feature '$ref' to {value!r} (only references "
                              f"inside the schema, '#/...', are supported)")
         if key == "allOf" and isinstance(value, list) and len(value) > 1:
-            raise ValueError(f"{path}: unsupported JSON schema feature 'allOf' with more than one schema")
+            raise ParamError.of(path, f": unsupported JSON schema feature 'allOf' with more than one schema")
         if key in _SCHEMA_LIST + ("items",) and isinstance(value, list):  # (draft-4 tuple ``items`` too)
             for i, sub in enumerate(value):
                 check_json_schema(sub, f"{path}.{key}[{i}]")

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from kvserve.entrypoints.openai.api_server import build_server
+from kvserve.entrypoints.openai.serving_options import ServingOptions
 
 
 class LiveServer:
@@ -63,6 +64,16 @@ class LiveServer:
 def server():
     """The main test server: 256 KV blocks, up to 32 running, max_model_len 256."""
     s = LiveServer(num_kv_blocks=256, max_num_seqs=32, max_model_len=256).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def auto_tool_server():
+    """The main test server's twin with ``--enable-auto-tool-choice`` (the Hermes parser, from the fallback tool
+    prompt): what the Responses and Messages tests' "auto" tool calls need."""
+    s = LiveServer(num_kv_blocks=256, max_num_seqs=32, max_model_len=256,
+                   server_kwargs={"options": ServingOptions(enable_auto_tool_choice=True)}).start()
     yield s
     s.stop()
 

@@ -4,6 +4,7 @@ through the ``openai`` client: the model's output is forced to a family's exact 
 
 import json
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -364,5 +365,24 @@ def test_thinking_budget_forces_the_think_token_and_the_parser_splits_there(thin
                                         temperature=0, max_tokens=4, extra_body={
                                             "chat_template_kwargs": {"enable_thinking": False}}).choices[0]
         assert "reasoning_content" not in off.message.model_extra  # the template closed the think: all content
+        # the other APIs take the same path (the prompt that opened <think> reaches their parser): Messages'
+        # thinking.budget_tokens is the budget, Responses' reasoning item is chat's reasoning_content
+        hi = [{"role": "user", "content": "Hi!"}]
+        ref = c.chat.completions.create(model=s.llm_model_name, messages=hi, temperature=0, max_tokens=6, extra_body={
+            "thinking_token_budget": 2, "chat_template_kwargs": {"enable_thinking": True}}).choices[0].message
+        m = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0).messages.create(
+            model=s.llm_model_name, messages=hi, temperature=0, max_tokens=6,
+            thinking={"type": "enabled", "budget_tokens": 2})
+        assert "".join(b.thinking for b in m.content if b.type == "thinking") == ref.model_extra["reasoning_content"]
+        assert "".join(b.text for b in m.content if b.type == "text") == (ref.content or "")
+        no = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0).messages.create(
+            model=s.llm_model_name, messages=hi, temperature=0, max_tokens=4)  # no thinking: the prompt closes it
+        assert [b.type for b in no.content] == ["text"] and no.content[0].text == off.message.content
+        plain = c.chat.completions.create(model=s.llm_model_name, messages=hi, temperature=0,
+                                          max_tokens=6).choices[0].message
+        r = c.responses.create(model=s.llm_model_name, input="Hi!", temperature=0, max_output_tokens=6)
+        assert "".join(part.text for item in r.output if item.type == "reasoning" for part in item.content) == (
+            plain.model_extra.get("reasoning_content") or "")
+        assert r.output_text == (plain.content or "")
     finally:
         s.stop()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
 import gc
 import hashlib
@@ -41,19 +42,24 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
-from kvserve.engine.async_llm import AsyncLLM
-from kvserve.engine.detokenizer import TokenVocab
+from kvserve.engine.async_llm import AsyncLLM  # the composition root: build_server makes the client
+from kvserve.engine.protocol import EngineClient
+from kvserve.entrypoints.anthropic.routes import router as anthropic_router
+from kvserve.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from kvserve.entrypoints.dashboard import hub as dash
 from kvserve.entrypoints.openai import limits as request_limits
 from kvserve.entrypoints.openai.errors import add_exception_handlers, error_response
 from kvserve.entrypoints.openai.limits import RequestBodyMiddleware, RequestLimits
+from kvserve.entrypoints.openai import responses_store
 from kvserve.entrypoints.openai.metrics import HTTPMetrics, HTTPMetricsMiddleware, PrometheusStatLogger
+from kvserve.entrypoints.openai.responses_store import ResponseStore, StoreLimits
 from kvserve.entrypoints.openai.routes import router
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvserve.entrypoints.openai.serving_engine import OpenAIError
 from kvserve.entrypoints.openai import serving_options
 from kvserve.entrypoints.openai.serving_options import ServingOptions
+from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvserve.validation import check_number
 
@@ -63,7 +69,8 @@ API_KEY_ENV = "KVSERVE_API_KEY"
 
 
 class APIKeyMiddleware:
-    """ASGI middleware: every HTTP request needs ``Authorization: Bearer <api_key>`` unless its path is in
+    """ASGI middleware: every HTTP request needs ``Authorization: Bearer <api_key>`` (or ``x-api-key: <api_key>``,
+    Anthropic's header) unless its path is in
     ``exempt``; otherwise a 401 with OpenAI's error body (``code: invalid_api_key``). The SHA-256 digests of the
     sent and the expected key are compared with ``hmac.compare_digest``: the time depends neither on where they
     differ nor on the key's length. Pure ASGI (no request wrapping), so streaming and disconnect detection are
@@ -84,18 +91,22 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self.exempt or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        given = any(k == b"authorization" for k, _ in scope["headers"])
+        given = any(k in (b"authorization", b"x-api-key") for k, _ in scope["headers"])
         message = ("Incorrect API key provided." if given else
-                   "You didn't provide an API key: send it in an Authorization header (Authorization: Bearer KEY).")
+                   "You didn't provide an API key: send it in an Authorization header (Authorization: Bearer KEY) "
+                   "or an x-api-key header.")
         err = OpenAIError(message, status=401, type="invalid_request_error", code="invalid_api_key")
-        await error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        await error_response(err, {"WWW-Authenticate": "Bearer"}, path=scope["path"])(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
+        """``Authorization: Bearer KEY``, or ``x-api-key: KEY`` (Anthropic's header, what its clients send)."""
         value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, token = value.partition(b" ")
-        # compare even when the scheme is wrong, so the time does not tell which part failed
-        digest = hashlib.sha256(token.strip()).digest()
-        return bool(hmac.compare_digest(digest, self.key_digest) & (scheme.lower() == b"bearer"))
+        x_key = next((v for k, v in scope["headers"] if k == b"x-api-key"), b"")
+        # compare both, and even when the scheme is wrong, so the time does not tell which part failed
+        bearer = hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self.key_digest)
+        header = hmac.compare_digest(hashlib.sha256(x_key.strip()).digest(), self.key_digest)
+        return bool((bearer & (scheme.lower() == b"bearer")) | (header & bool(x_key)))
 
 
 def freeze_gc_heap() -> int:
@@ -109,14 +120,16 @@ def freeze_gc_heap() -> int:
     return gc.get_freeze_count()
 
 
-def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None,
+def build_app(llm: EngineClient, served_model_name: str, stat_logger: Optional[PrometheusStatLogger] = None,
               api_key: Optional[str] = None, metrics_auth: bool = True,
               dashboard: bool = False, dashboard_show_prompts: bool = False,
-              limits: Optional[RequestLimits] = None, options: Optional[ServingOptions] = None) -> FastAPI:
+              limits: Optional[RequestLimits] = None, options: Optional[ServingOptions] = None,
+              store_limits: Optional[StoreLimits] = None) -> FastAPI:
     """The FastAPI app. Its lifespan starts ``llm`` and shuts it down.
 
     Args:
-        llm: the async engine (``stat_logger`` should already be attached to it as ``llm.stat_logger``).
+        llm: the engine client (``AsyncLLM``, or the Ray ingress's; ``stat_logger`` should already be attached to
+            it as ``llm.stat_logger``).
         served_model_name: the model id clients must use (or omit).
         stat_logger: what ``/metrics`` exposes; default ``llm.stat_logger``.
         api_key: if set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
@@ -125,7 +138,10 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
         dashboard_show_prompts: the dashboard shows prompt text (else ids and token counts only).
         limits: the request bounds (``limits.RequestLimits``; default its defaults); an unset ``max_prompt_chars``
             is derived from ``llm.max_model_len`` and the vocabulary's longest token.
-        options: parsers, CORS and metric names (``serving_options.ServingOptions``; default: all off).
+        options: parsers, CORS and metric names (``serving_options.ServingOptions``; default: all off); its
+            ``reasoning_parser`` splits reasoning from the answer in every API (chat ``reasoning_content``,
+            Responses' reasoning items, Messages' thinking blocks).
+        store_limits: the bounds of the ``/v1/responses`` store (``responses_store.StoreLimits``).
     """
 
     @asynccontextmanager
@@ -137,8 +153,9 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
         gc.unfreeze()  # a process that builds another app (tests) gets its old objects collectable again
 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible completions and chat completions over the kvserve engine.")
-    vocab = TokenVocab(llm.tokenizer)  # shared: building one reads the whole vocabulary
+                  description="OpenAI-compatible completions, chat completions and responses, and Anthropic's "
+                              "messages, over the kvserve engine.")
+    vocab = llm.token_vocab  # shared: building one reads the whole vocabulary
     state = app.state
     state.engine_client = llm
     state.served_model_name = served_model_name
@@ -146,9 +163,15 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
     limits = (limits or RequestLimits()).resolve(llm.max_model_len, request_limits.longest_token_chars(llm.tokenizer))
     state.limits = limits
     state.openai_serving_completion = OpenAIServingCompletion(llm, served_model_name, vocab, limits)
-    options = options or ServingOptions()
+    options = options or ServingOptions()  # the tool-call format resolved once (logged), for every API
+    options = dataclasses.replace(options, tool_call_parser=options.resolve_tool_parser(
+        llm.chat_template_text(tools=[{}])))
+    state.options = options
     state.openai_serving_chat = OpenAIServingChat(llm, served_model_name, vocab, limits, options)
     state.openai_serving_tokenization = OpenAIServingTokenization(llm, served_model_name, vocab, limits)
+    state.openai_serving_responses = OpenAIServingResponses(llm, served_model_name, vocab, limits, options,
+                                                            ResponseStore(store_limits))
+    state.anthropic_serving_messages = AnthropicServingMessages(llm, served_model_name, vocab, limits, options)
     app.add_middleware(RequestBodyMiddleware, limits=limits)  # inside the key check: no body read without a key
     if api_key is not None:
         exempt = {"/health"} | (set() if metrics_auth else {"/metrics"}) | (dash.page_paths() if dashboard else set())
@@ -160,6 +183,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, stat_logger: Optional[Prome
         app.add_middleware(HTTPMetricsMiddleware, metrics=http_metrics, routes=app.routes)
     add_exception_handlers(app)
     app.include_router(router)
+    app.include_router(anthropic_router)
     app.openapi = lambda: _openapi_schema(app)
     if dashboard:
         hub = dash.mount_dashboard(app, llm, served_model_name, show_prompts=dashboard_show_prompts)
@@ -207,7 +231,7 @@ class KVServeServer(uvicorn.Server):
         shutdown_timeout: seconds to drain after the first signal; 0 (default): abort at once.
     """
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, sock: Optional[socket.socket] = None,
+    def __init__(self, config: uvicorn.Config, llm: EngineClient, sock: Optional[socket.socket] = None,
                  shutdown_timeout: float = 0.0):
         super().__init__(config)
         self.llm = llm
@@ -263,27 +287,30 @@ def build_server(engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
                  access_log: bool = True, api_key: Optional[str] = None, metrics_auth: bool = True,
                  sock: Optional[socket.socket] = None, dashboard: Optional[bool] = None,
                  dashboard_show_prompts: bool = False, limits: Optional[RequestLimits] = None,
-                 shutdown_timeout: float = 0.0, options: Optional[ServingOptions] = None) -> KVServeServer:
+                 shutdown_timeout: float = 0.0, options: Optional[ServingOptions] = None,
+                 store_limits: Optional[StoreLimits] = None) -> KVServeServer:
     """Load the model and build the server (not started). ``served_model_name`` defaults to the model file's stem;
     ``dashboard`` (``/dashboard`` and ``/v1/engine/state``) defaults to on iff ``host`` is a loopback address.
 
     Args:
-        api_key, metrics_auth, limits, options: see ``build_app``.
+        api_key, metrics_auth, limits, options, store_limits: see ``build_app``.
         shutdown_timeout: seconds in-flight requests may run on after SIGTERM / SIGINT (``KVServeServer``).
         sock: an already bound socket (``bind_socket``) to serve on; ``host`` and ``port`` then only name it.
 
     Raises:
-        ValueError: bad engine arguments, an unloadable model or a negative ``shutdown_timeout``.
+        ValueError: bad engine arguments, an unloadable model or a negative ``shutdown_timeout`` (an unknown
+            parser name is refused when ``ServingOptions`` is made, before the model loads).
     """
     check_number("shutdown_timeout", shutdown_timeout, 0, 24 * 3600)
     llm = AsyncLLM.from_engine_args(**engine_args)
-    name = served_model_name or Path(llm.engine.model_path).stem
+    name = served_model_name or Path(llm.model_info.model_path).stem
     options = options or ServingOptions()
     llm.stat_logger = PrometheusStatLogger(name, vllm_metric_names=options.vllm_metric_names)
     if dashboard is None:
         dashboard = dash.is_loopback(host)
     app = build_app(llm, name, api_key=api_key, metrics_auth=metrics_auth, dashboard=dashboard,
-                    dashboard_show_prompts=dashboard_show_prompts, limits=limits, options=options)
+                    dashboard_show_prompts=dashboard_show_prompts, limits=limits, options=options,
+                    store_limits=store_limits)
     if dashboard:
         logger.info("dashboard on: /dashboard (prompt text %s)", "shown" if dashboard_show_prompts else "hidden")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
@@ -348,6 +375,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     dash.add_args(parser)
     request_limits.add_args(parser)
     serving_options.add_args(parser)
+    responses_store.add_args(parser)
 
 
 def run(args: argparse.Namespace, engine_args: dict) -> int:
@@ -365,7 +393,7 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
                               metrics_auth=not args.no_metrics_auth, sock=sock, dashboard=args.dashboard,
                               dashboard_show_prompts=args.dashboard_show_prompts,
                               limits=RequestLimits.from_args(args), shutdown_timeout=args.shutdown_timeout,
-                              options=ServingOptions.from_args(args))
+                              options=ServingOptions.from_args(args), store_limits=StoreLimits.from_args(args))
     except BaseException:
         sock.close()
         raise

@@ -38,17 +38,37 @@ class OpenAIError(Exception):
         return p.ErrorResponse(error=info).model_dump()
 
 
-class ErrorJSONResponse(JSONResponse):
-    """An error body as ASCII JSON: a message may quote client text, which can hold a lone surrogate (valid in
-    JSON, not encodable as UTF-8); escaped, it can never turn a 400 into a 500."""
+class AsciiJSONResponse(JSONResponse):
+    """A body as ASCII JSON: it may quote client text, which can hold a lone surrogate (valid in JSON, not
+    encodable as UTF-8); escaped, it can never turn an answer into a 500."""
 
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def error_response(e: OpenAIError, headers: Optional[dict] = None) -> ErrorJSONResponse:
-    """The HTTP response of ``e``: its body with status ``e.status``, ``e.headers`` and ``headers``."""
-    return ErrorJSONResponse(e.body(), status_code=e.status, headers={**(e.headers or {}), **(headers or {})})
+ErrorJSONResponse = AsciiJSONResponse  # an error body (a message may quote client text)
+
+
+#: Routes whose errors take Anthropic's shape (``anthropic_body``).
+ANTHROPIC_PREFIX = "/v1/messages"
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_body(e: OpenAIError) -> dict:
+    """``e`` in Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}`` (the type from the
+    status: ``invalid_request_error``, ``authentication_error``, ``not_found_error``, ``request_too_large``,
+    ``overloaded_error``, else ``api_error``)."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(e.status, "api_error"), "message": e.message}}
+
+
+def error_response(e: OpenAIError, headers: Optional[dict] = None, path: str = "") -> ErrorJSONResponse:
+    """The HTTP response of ``e``: its body with status ``e.status``, ``e.headers`` and ``headers``; on a route
+    under ``ANTHROPIC_PREFIX`` (``path``) in Anthropic's shape."""
+    body = anthropic_body(e) if path.startswith(ANTHROPIC_PREFIX) else e.body()
+    return ErrorJSONResponse(body, status_code=e.status, headers={**(e.headers or {}), **(headers or {})})
 
 
 def add_exception_handlers(app: FastAPI) -> None:
@@ -57,28 +77,29 @@ def add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, e: OpenAIError):
-        return error_response(e)
+        return error_response(e, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
-        return error_response(validation_error(e, request.headers.get("content-type")))
+        return error_response(validation_error(e, request.headers.get("content-type")), path=request.url.path)
 
     @app.exception_handler(ValidationError)
     async def _model_validation_error(request: Request, e: ValidationError):  # a body validated in a handler
         err = validation_error(RequestValidationError(e.errors()), request.headers.get("content-type"))
-        return error_response(err)
+        return error_response(err, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         message = f"{e.detail}: {request.method} {request.url.path}"
-        return error_response(OpenAIError(message, status=e.status_code, type=kind), getattr(e, "headers", None))
+        return error_response(OpenAIError(message, status=e.status_code, type=kind), getattr(e, "headers", None),
+                              path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         err = OpenAIError(f"internal server error: {type(e).__name__}", status=500, type="internal_server_error")
-        return error_response(err)
+        return error_response(err, path=request.url.path)
 
 
 _UNION_HINTS = {  # by the field's last name

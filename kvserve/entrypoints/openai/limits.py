@@ -85,14 +85,7 @@ class RequestLimits:
         Raises:
             OpenAIError: 400 naming the field (``param``: ``stop``, ``stop[2]``, ``tools[0]``, ...) and the limit.
         """
-        given = getattr(req, "stop", None)
-        stop = [given] if isinstance(given, str) else (given or [])
-        if len(stop) > self.max_stop_strings:
-            raise _too_many("stop strings", len(stop), self.max_stop_strings, "max-stop-strings", "stop")
-        for i, s in enumerate(stop):
-            if len(s) > self.max_stop_string_chars:
-                param = "stop" if isinstance(given, str) else f"stop[{i}]"
-                raise _too_many("characters", len(s), self.max_stop_string_chars, "max-stop-string-chars", param)
+        self.check_stop(getattr(req, "stop", None))
         tools = getattr(req, "tools", None) or []
         if len(tools) > self.max_tools:
             raise _too_many("tools", len(tools), self.max_tools, "max-tools", "tools")
@@ -106,6 +99,32 @@ class RequestLimits:
             size = _json_bytes(value)
             if size > self.max_schema_bytes:
                 raise _too_many("bytes of JSON", size, self.max_schema_bytes, "max-schema-bytes", param)
+
+    def check_stop(self, given, param: str = "stop") -> None:
+        """The stop-string bounds (count, length) of ``given`` (a string, a list or ``None``). Raises
+        ``OpenAIError`` (400, ``param`` / ``param[i]``)."""
+        stop = [given] if isinstance(given, str) else (given or [])
+        if len(stop) > self.max_stop_strings:
+            raise _too_many("stop strings", len(stop), self.max_stop_strings, "max-stop-strings", param)
+        for i, s in enumerate(stop):
+            if len(s) > self.max_stop_string_chars:
+                at = param if isinstance(given, str) else f"{param}[{i}]"
+                raise _too_many("characters", len(s), self.max_stop_string_chars, "max-stop-string-chars", at)
+
+    def check_tools(self, tools: list, param: str = "tools") -> None:
+        """The ``tools`` bounds for an API whose tools are plain JSON (Responses, Messages): count and each one's
+        size. Raises ``OpenAIError`` (400, ``param`` / ``param[i]``)."""
+        if len(tools) > self.max_tools:
+            raise _too_many("tools", len(tools), self.max_tools, "max-tools", param)
+        for i, t in enumerate(tools):
+            self.check_schema(t, f"{param}[{i}]")
+
+    def check_schema(self, value, param: str) -> None:
+        """Raises ``OpenAIError`` (400, ``param``) if ``value`` (a tool, schema, grammar...) is larger than
+        ``max_schema_bytes`` as compact JSON."""
+        size = _json_bytes(value)
+        if size > self.max_schema_bytes:
+            raise _too_many("bytes of JSON", size, self.max_schema_bytes, "max-schema-bytes", param)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RequestLimits":
@@ -249,7 +268,7 @@ class RequestBodyMiddleware:
         content_type = _content_type(scope)
         err = check_json_body(body, self.limits, content_type) if body and _wants_json(content_type) else None
         if err is not None:
-            await error_response(err)(scope, receive, send)
+            await error_response(err, path=scope["path"])(scope, receive, send)
             return
         replayed = False
 
@@ -266,4 +285,4 @@ class RequestBodyMiddleware:
         limit = self.limits.max_request_body_bytes
         err = OpenAIError(f"the request body has {'at least ' if at_least else ''}{size} bytes, more than this server reads ({limit}, --max-request-body-bytes)", status=413,
                           code="request_too_large")
-        await error_response(err, {"Connection": "close"})(scope, receive, send)
+        await error_response(err, {"Connection": "close"}, path=scope["path"])(scope, receive, send)

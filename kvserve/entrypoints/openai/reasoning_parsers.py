@@ -58,6 +58,12 @@ class ReasoningParser:
         """Whether the output starts in the reasoning, for this ``prompt`` text and ``chat_template_kwargs``."""
         return True
 
+    @property
+    def open_at_start(self) -> bool:
+        """Whether the output's first token is already reasoning (what a thinking budget counts from:
+        ``SamplingParams.reasoning_open``)."""
+        return self.starts_in_reasoning
+
     def extract(self, text: str) -> tuple[Optional[str], Optional[str]]:
         """``(reasoning, content)`` of a finished ``text``; an empty part is ``None``."""
         raise NotImplementedError
@@ -242,6 +248,11 @@ class GraniteReasoningParser(ReasoningParser):
     response marker leaves everything after it reasoning."""
 
     markers = ("Here is my thought process:", "Here is my response:")
+
+    @property
+    def open_at_start(self) -> bool:
+        """Granite's reasoning opens only with its own marker at the start of the output."""
+        return False
 
     def extract(self, text: str) -> tuple[Optional[str], Optional[str]]:
         body = text.lstrip()

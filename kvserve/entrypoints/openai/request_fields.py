@@ -16,7 +16,8 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "conti
 
 
 def sampling_fields(req, vocab_size: int, default_budget: Optional[int] = None,
-                    reasoning_markers: Optional[tuple[str, str]] = None) -> dict:
+                    reasoning_markers: Optional[tuple[str, str]] = None,
+                    reasoning_open: Optional[bool] = None) -> dict:
     """``SamplingParams`` keyword arguments of the request's token controls (only those it sets).
 
     Args:
@@ -24,6 +25,8 @@ def sampling_fields(req, vocab_size: int, default_budget: Optional[int] = None,
         vocab_size: token ids must be below it.
         default_budget: the server's ``--thinking-token-budget`` for a request that sets none.
         reasoning_markers: the server's reasoning parser's ``(start, end)`` texts (default: ``<think>``'s).
+        reasoning_open: the request's parser reads the output as reasoning from its first token
+            (``SamplingParams.reasoning_open``); ``None``: the prompt decides.
 
     Raises:
         OpenAIError: a ``logit_bias`` key that is not a token id of this vocabulary (OpenAI's keys are decimal
@@ -52,6 +55,8 @@ def sampling_fields(req, vocab_size: int, default_budget: Optional[int] = None,
         kw["thinking_token_budget"] = budget
         if reasoning_markers is not None:
             kw["reasoning_markers"] = reasoning_markers
+        if reasoning_open is not None:
+            kw["reasoning_open"] = reasoning_open
     return kw
 
 

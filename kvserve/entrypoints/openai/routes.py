@@ -1,11 +1,12 @@
 """The OpenAI-compatible routes (``router``, included by ``api_server.build_app``): ``GET /health``, ``GET /metrics``
 (Prometheus), ``GET /version``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``), ``POST /tokenize``, ``POST /detokenize``
-(vLLM's shapes). Every ``GET`` route answers ``HEAD`` too.
+(vLLM's shapes), ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``
+(OpenAI's Responses API). Every ``GET`` route answers ``HEAD`` too.
 
 A handler finds what it serves with on ``request.app.state`` (set by ``build_app``): ``engine_client`` (the
-``AsyncLLM``), ``served_model_name``, ``stat_logger``, ``openai_serving_completion``, ``openai_serving_chat`` and
-``openai_serving_tokenization``.
+``EngineClient``), ``served_model_name``, ``stat_logger``, ``openai_serving_completion``, ``openai_serving_chat``,
+``openai_serving_tokenization`` and ``openai_serving_responses``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from pydantic import BaseModel
 
 import kvserve
 from kvserve.entrypoints.openai import protocol as p
-from kvserve.engine.async_llm import EngineShutdownError
+from kvserve.engine.protocol import EngineShutdownError
+from kvserve.entrypoints.openai.errors import AsciiJSONResponse
 from kvserve.entrypoints.openai.serving_engine import OpenAIError, engine_error
+from kvserve.entrypoints.openai.serving_responses import ResponsesRequest
 
 router = APIRouter()
 
@@ -42,11 +45,13 @@ def _card(request: Request) -> p.ModelCard:
 
 
 def _to_response(result):
-    """A handler's answer: 499 when the client is gone, JSON for a model, else an SSE stream."""
+    """A handler's answer: 499 when the client is gone, JSON for a model or a dict, else an SSE stream."""
     if result is None:  # the client is gone; nothing will read this
         return Response(status_code=499)
     if isinstance(result, BaseModel):
         return JSONResponse(result.model_dump(mode="json"))
+    if isinstance(result, dict):  # echoes client text (Responses: tools, metadata): ASCII-escaped
+        return AsciiJSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -120,3 +125,32 @@ async def tokenize(request: Request,
 async def detokenize(body: p.DetokenizeRequest, request: Request):
     """The text of token ids."""
     return _to_response(await request.app.state.openai_serving_tokenization.detokenize(body))
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+@router.post("/v1/responses", responses={200: {"description": "the response object, or with stream=true typed "
+                                                              "server-sent events (event: response.created ...)",
+                                               "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                                         404: _ERRORS[400], **_ERRORS})
+async def create_response(body: ResponsesRequest, request: Request):
+    """OpenAI's Responses API (``serving_responses``)."""
+    _check_accepting(request)
+    return _to_response(await request.app.state.openai_serving_responses.create_response(body, request.receive))
+
+
+@_get("/v1/responses/{response_id}", responses={404: {"model": p.ErrorResponse}})
+async def retrieve_response(response_id: str, request: Request):
+    """A stored response (404 if unknown, deleted or expired)."""
+    return AsciiJSONResponse(request.app.state.openai_serving_responses.retrieve(response_id))
+
+
+@router.delete("/v1/responses/{response_id}", responses={404: {"model": p.ErrorResponse}})
+async def delete_response(response_id: str, request: Request):
+    """Forget a stored response."""
+    return AsciiJSONResponse(request.app.state.openai_serving_responses.delete(response_id))
+
+
+@router.post("/v1/responses/{response_id}/cancel", responses={404: {"model": p.ErrorResponse}, **_ERRORS})
+async def cancel_response(response_id: str, request: Request):
+    """Stop a response that is being generated."""
+    return AsciiJSONResponse(request.app.state.openai_serving_responses.cancel(response_id))

@@ -1,8 +1,10 @@
 """``POST /v1/chat/completions`` (vLLM's ``serving_chat``): the chat template over ``messages`` (with the request's
 ``chat_template_kwargs``), ``n`` samples, chat logprobs, tools (``ToolChoice``: "none", "auto" parsed from the
 model's own format by the server's tool parser, "required" or a named function enforced by a grammar), reasoning
-(``--reasoning-parser``; ``chat_output.ChatOutput`` splits reasoning, content and calls) and structured outputs,
-streaming or not.
+(``--reasoning-parser``: ``reasoning_content`` and ``reasoning``) and structured outputs, streaming or not. Each
+choice's text goes through ``events.ChoiceEvents`` (the event model every API renders: the reasoning parser, then
+the tool mode); the non-streamed message is the fold of the events of its whole text, so streamed and non-streamed
+answers agree.
 """
 
 from __future__ import annotations
@@ -10,37 +12,17 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from kvserve.entrypoints.chat_utils import NoChatTemplateError, chat_template_for
+from kvserve.entrypoints.events import (ChoiceEvents, Finish, ReasoningDelta, TextDelta, ToolCallArgsDelta,
+                                        ToolCallStart, fold)
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.entrypoints.openai import request_fields
 from kvserve.entrypoints.openai import tool_parsers as tp
-from kvserve.entrypoints.openai.chat_output import ChatOutput
-from kvserve.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from kvserve.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, include_usage, new_id, now_s, sse,
                                                        usage_of)
 
 
 class OpenAIServingChat(OpenAIServing):
-    """The chat-completions endpoint (arguments: ``OpenAIServing``). ``tool_parser``: the tool-call format of
-    "auto" (``ServingOptions.resolve_tool_parser``: ``--tool-call-parser`` or the chat template's)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        try:
-            template = chat_template_for(self.tokenizer, self.llm.engine.chat_template, tools=[{}])
-        except NoChatTemplateError:
-            template = None
-        self.tool_parser = self.options.resolve_tool_parser(template)
-
-    def reasoning_parser(self, prompt: str, req: p.ChatCompletionRequest, tools: "ToolChoice",
-                         structured) -> Optional[ReasoningParser]:
-        """The request's reasoning parser (``--reasoning-parser``), or ``None`` (none configured, or a forced tool
-        call: the output is the call). Under a grammar (``structured``) the output starts in the content unless the
-        grammar writes the start marker first (``get_reasoning_parser``'s ``constrained``)."""
-        name = self.options.reasoning_parser
-        if name is None or tools.schema is not None:
-            return None
-        return get_reasoning_parser(name, prompt, req.chat_template_kwargs, constrained=structured is not None)
+    """The chat-completions endpoint (arguments: ``OpenAIServing``)."""
 
     async def create_chat_completion(self, req: p.ChatCompletionRequest, receive):
         """``POST /v1/chat/completions``; returns like ``create_completion`` (``ChatCompletionResponse``)."""
@@ -48,18 +30,21 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         self.check_bounds(req)
         self.check_unsupported(req)
-        tools = ToolChoice.of(req, self.tool_parser, self.options.enable_auto_tool_choice)
+        tools = ToolChoice.create([t.model_dump(exclude_none=True) for t in req.tools or []],
+                                  _choice_dict(req.tool_choice), req.parallel_tool_calls, **self.tool_parser_args())
         structured = await self.structured_outputs(req, tools.schema)
+        template_kwargs = request_fields.template_kwargs(req)
         pp = await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                    tools.prompt_tools, request_fields.template_kwargs(req), req.truncate_prompt_tokens)
-        output = ChatOutput(tools, self.reasoning_parser(pp.text, req, tools, structured), req.include_reasoning is not False)
+                                    tools.prompt_tools, template_kwargs, req.truncate_prompt_tokens)
+        reasoning = self.reasoning_parser(pp.text, template_kwargs, tools, structured)
+        include_reasoning = req.include_reasoning is not False
         use_mct = req.max_completion_tokens is not None
         requested = req.max_completion_tokens if use_mct else req.max_tokens
         max_tokens = self.check_length(len(pp.token_ids), requested, "messages",
                                        "max_completion_tokens" if use_mct else "max_tokens")
         top_n = req.top_logprobs or 0
         plp = self.engine_prompt_logprobs(req)
-        params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None, plp, structured)]
+        params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None, plp, structured, reasoning)]
         rid, created = new_id("chatcmpl"), int(time.time())
         streams = await self.start(req, [pp], params, rid, arrival)
 
@@ -70,16 +55,17 @@ class OpenAIServingChat(OpenAIServing):
             choices = []
             for c in finals[0].outputs:
                 lp = self.chat_logprobs(c.token_ids, c.logprobs, top_n) if req.logprobs else None
-                reasoning, content, calls = output.extract(c.text)
-                message = p.ChatResponseMessage(content=content)
-                if reasoning is not None:
-                    message.reasoning_content = message.reasoning = reasoning
-                if calls:
-                    message.tool_calls = [p.ToolCall(id=t.id, function=p.FunctionCall(name=t.name,
-                                                                                     arguments=t.arguments))
-                                          for t in calls]
+                choice = ChoiceEvents(c.index, tools, reasoning)  # the events of the whole text, folded
+                answer = fold(choice.head() + choice.feed(c.text, c.finish_reason, c.stop_reason))
+                message = p.ChatResponseMessage(content=answer.text)
+                if answer.reasoning is not None and include_reasoning:
+                    message.reasoning_content = message.reasoning = answer.reasoning
+                if answer.tool_calls:
+                    message.tool_calls = [p.ToolCall(id=t["id"], function=p.FunctionCall(name=t["name"],
+                                                                                        arguments=t["arguments"]))
+                                          for t in answer.tool_calls]
                 choices.append(p.ChatChoice(index=c.index, message=message, logprobs=lp,
-                                            finish_reason=_tool_finish(c.finish_reason, bool(calls))))
+                                            finish_reason=answer.finish_reason))
             extra = {}
             if plp is not None:
                 extra["prompt_logprobs"] = self.vllm_prompt_logprobs(pp.token_ids, finals[0], plp, plp)
@@ -92,25 +78,30 @@ class OpenAIServingChat(OpenAIServing):
             extra = {"usage": usage} if usage is not None else usage_null
             return sse(p.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, **extra))
 
+        choices = {j: ChoiceEvents(j, tools, reasoning) for j in range(params[0].n)}
+
         def chunk(i: int, c, first: bool) -> str:
             lp = None
             if req.logprobs and c.delta_token_ids:
                 entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
                 lp = self.chat_logprobs(c.delta_token_ids, entries, top_n)
-            reasoning, text, deltas, called = output.stream(c.index, c.delta_text, c.finish_reason is not None)
+            events = choices[c.index].feed(c.delta_text, c.finish_reason, c.stop_reason)
+            text = "".join(e.text for e in events if isinstance(e, TextDelta))
+            thought = "".join(e.text for e in events if isinstance(e, ReasoningDelta)) if include_reasoning else ""
             delta = p.DeltaMessage(content=text) if text else p.DeltaMessage()
-            if reasoning:
-                delta.reasoning_content = delta.reasoning = reasoning
-            if deltas:
-                delta.tool_calls = _delta_tool_calls(deltas)
-            return make([p.ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
-                                            finish_reason=_tool_finish(c.finish_reason, called))])
+            if thought:
+                delta.reasoning_content = delta.reasoning = thought
+            calls = _delta_tool_calls(events)
+            if calls:
+                delta.tool_calls = calls
+            finish = next((e.finish_reason for e in events if isinstance(e, Finish)), None)
+            return make([p.ChatStreamChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=finish)])
 
         def head_chunk(j: int) -> str:
             delta = p.DeltaMessage(role="assistant", content="")
-            opening = tools.head(j)
+            opening = _delta_tool_calls(choices[j].head())
             if opening:
-                delta.tool_calls = _delta_tool_calls(opening)
+                delta.tool_calls = opening
             return make([p.ChatStreamChoice(index=j, delta=delta)])
 
         head = [head_chunk(j) for j in range(params[0].n)]
@@ -132,24 +123,27 @@ class OpenAIServingChat(OpenAIServing):
                 "bytes": list(self.vocab.token_bytes(token_id))}
 
 
-def _tool_finish(finish_reason: Optional[str], called: bool) -> Optional[str]:
-    """``"tool_calls"`` for a choice that ended on its own (``"stop"``) with tool calls; a choice cut by
-    ``max_tokens`` stays ``"length"`` (its complete calls are returned all the same: ``tp.forced_calls``)."""
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+def _choice_dict(choice):
+    """A chat request's ``tool_choice`` as ``ToolChoice.create`` takes it (a named one as a dict)."""
+    return choice.model_dump() if isinstance(choice, p.NamedToolChoice) else choice
 
 
-def _delta_tool_calls(deltas: list) -> list:
-    """``tp.ToolCallDelta``s -> OpenAI ``delta.tool_calls`` (``id``, ``type`` and ``function.name`` only in a
-    call's first piece)."""
-    out = []
-    for d in deltas:
-        fn = p.DeltaFunctionCall(arguments=d.arguments)
-        if d.name is not None:
-            fn.name = d.name
-        call = p.DeltaToolCall(index=d.index, function=fn)
-        if d.id is not None:
-            call.id, call.type = d.id, "function"
-        out.append(call)
+def _delta_tool_calls(events: list) -> list:
+    """The tool-call events of a chunk -> OpenAI ``delta.tool_calls``: a call's first piece has ``id``, ``type``
+    and ``function.name`` (and the arguments that came with it, ``""`` if none yet); later pieces only
+    ``function.arguments``. (A choice cut by ``max_tokens`` keeps ``finish_reason`` "length": ``ChoiceEvents``.)"""
+    out, started = [], {}
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            call = p.DeltaToolCall(index=e.index, id=e.id, type="function",
+                                   function=p.DeltaFunctionCall(name=e.name, arguments=""))
+            started[e.index] = call
+            out.append(call)
+        elif isinstance(e, ToolCallArgsDelta):
+            if e.index in started:
+                started[e.index].function.arguments += e.arguments
+            else:
+                out.append(p.DeltaToolCall(index=e.index, function=p.DeltaFunctionCall(arguments=e.arguments)))
     return out
 
 
@@ -170,39 +164,31 @@ class ToolChoice:
         self._streams: dict = {}
 
     @classmethod
-    def of(cls, req: p.ChatCompletionRequest, parser: Optional[str] = "hermes",
-           auto_enabled: bool = True) -> "ToolChoice":
-        """``parser``: the tool-call format "auto" reads; ``auto_enabled``: ``--enable-auto-tool-choice``.
+    def create(cls, tools: Optional[list], choice, parallel_tool_calls: Optional[bool] = None,
+               param: str = "tool_choice", parser: Optional[str] = "hermes",
+               auto_enabled: bool = True) -> "ToolChoice":
+        """From OpenAI ``tools`` (dicts) and a ``tool_choice`` (``None``: "auto" with tools, else "none"; a named
+        one as a dict), as every API maps its own tool fields to them. ``parser``: the tool-call format "auto"
+        reads (``--tool-call-parser`` or the chat template's); ``auto_enabled``: ``--enable-auto-tool-choice``.
 
         Raises:
-            OpenAIError: a ``tool_choice`` without ``tools`` or naming an unknown function; "auto" (the default
-                with tools) without ``--enable-auto-tool-choice`` or without a tool parser (vLLM's rule).
+            OpenAIError: (``param``) a choice other than "none" without tools, or naming an unknown function;
+                "auto" (the default with tools) without ``--enable-auto-tool-choice`` or without a tool parser
+                (vLLM's rule).
         """
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-        choice = req.tool_choice or ("auto" if tools else "none")
-        if isinstance(choice, p.NamedToolChoice):
-            choice = choice.model_dump()
+        tools = tools or []
+        choice = choice or ("auto" if tools else "none")
         if choice != "none" and not tools:
-            raise OpenAIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+            raise OpenAIError(f"tool_choice {choice!r} needs tools", param=param)
         if choice == "auto" and (not auto_enabled or parser is None):
             raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and a tool-call parser '
                               '(--tool-call-parser, or one the chat template implies) to be set; or send '
-                              'tool_choice "required", "none" or a named function', param="tool_choice")
+                              'tool_choice "required", "none" or a named function', param=param)
         try:
-            schema = tp.tool_choice_schema(tools, choice, req.parallel_tool_calls)
+            schema = tp.tool_choice_schema(tools, choice, parallel_tool_calls)
         except ValueError as e:
-            raise OpenAIError(str(e), param="tool_choice") from None
+            raise OpenAIError(str(e), param=param) from None
         return cls(tools, choice, schema, parser or "hermes")
-
-    def extract(self, text: str) -> tuple[Optional[str], list]:
-        """``(content, calls)`` of a finished choice's text (``tp.forced_calls`` for "required" / a named
-        function: no content; the parser's split for "auto")."""
-        if self.schema is not None:
-            return None, tp.forced_calls(text, self.choice)
-        if self.parser is not None:
-            ex = self.parser.extract(text)
-            return ex.content, ex.tool_calls
-        return text, []
 
     def head(self, index: int) -> list:
         """The ``tp.ToolCallDelta``s for choice ``index``'s first (role) chunk: a named function's call opens
@@ -215,8 +201,9 @@ class ToolChoice:
         """``(content, deltas, called)`` for a streamed choice's new text ``delta``: the content and the
         ``tp.ToolCallDelta``s to send now, and whether the choice has made a call so far. Forced calls stream as
         they are generated (``tp.ForcedToolStreamer``); "auto" passes content through until a call may begin and
-        sends its calls in the choice's last chunk (``tp.AutoToolStreamer``). The pieces add up to ``extract`` of the
-        whole text."""
+        sends its calls in the choice's last chunk (``tp.AutoToolStreamer``). Any cut of a text into deltas gives
+        pieces that add up to the same answer (a non-streamed answer is the whole text fed at once:
+        ``events.ChoiceEvents``)."""
         if self.schema is not None:
             streamer = self._streams.setdefault(index, tp.ForcedToolStreamer(self.choice))
             deltas = streamer.feed(delta)

@@ -1,5 +1,7 @@
 """``POST /v1/completions`` (vLLM's ``serving_completion``): one prompt or several, ``n`` samples each, ``echo``
-(with ``max_tokens: 0``: the prompt alone, scored), the legacy ``logprobs`` shape, streaming or not.
+(with ``max_tokens: 0``: the prompt alone, scored), the legacy ``logprobs`` shape, streaming or not. A choice's
+text is rendered from the event model (``events.ChoiceEvents``: text deltas and the finish, no parser), the
+non-streamed text as the fold of its events.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ import dataclasses
 import itertools
 import time
 
+from kvserve.entrypoints.events import ChoiceEvents, Finish, TextDelta, fold
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, PreparedPrompt, include_usage,
                                                        new_id, now_s, sse, usage_of)
@@ -88,12 +91,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     if want_lp:
                         lp, _ = logprobs_of(i, c.token_ids, c.logprobs, len(echo[i]),
                                             out.prompt_logprobs if req.echo else None)
-                    choices.append(p.CompletionChoice(index=i * n + c.index, text=echo[i] + c.text, logprobs=lp,
-                                                      finish_reason=c.finish_reason, **extra))
+                    answer = fold(ChoiceEvents().feed(c.text, c.finish_reason, c.stop_reason))  # the events, folded
+                    choices.append(p.CompletionChoice(index=i * n + c.index, text=echo[i] + (answer.text or ""),
+                                                      logprobs=lp, finish_reason=answer.finish_reason, **extra))
             return p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                         usage=usage_of(prompts, finals))
 
         chars: dict = {}  # choice index -> text offset after its tokens so far (for text_offset)
+        events: dict = {}  # choice index -> its ChoiceEvents
         prompt_lps: dict = {}  # prompt index -> its RequestOutput.prompt_logprobs (echo + logprobs)
         usage_null = {"usage": None} if include_usage(req) else {}
 
@@ -110,7 +115,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
                 lp, chars[k] = logprobs_of(i, c.delta_token_ids, entries, chars.get(k, len(echo[i])),
                                            prompt_lps.get(i) if first else None)
-            choice = p.CompletionChoice(index=k, text=head + c.delta_text, logprobs=lp, finish_reason=c.finish_reason)
+            evs = events.setdefault(k, ChoiceEvents()).feed(c.delta_text, c.finish_reason, c.stop_reason)
+            text = "".join(e.text for e in evs if isinstance(e, TextDelta))
+            finish = next((e.finish_reason for e in evs if isinstance(e, Finish)), None)
+            choice = p.CompletionChoice(index=k, text=head + text, logprobs=lp, finish_reason=finish)
             return sse(p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
                                             **usage_null))
 

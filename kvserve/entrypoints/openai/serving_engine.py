@@ -1,10 +1,10 @@
 """What every OpenAI endpoint shares (vLLM's ``serving_engine``): the ``OpenAIServing`` base class (model and
 parameter checks, ``SamplingParams`` from a request, prompts into token ids, structured-output grammars, queueing
-on ``AsyncLLM``, collecting or streaming the outputs), the errors (``OpenAIError``, ``ClientDisconnected``,
+on the ``EngineClient``, collecting or streaming the outputs), the errors (``OpenAIError``, ``ClientDisconnected``,
 ``engine_error``), the SSE helpers (``sse``, ``SSE_DONE``, ``merge_streams``) and ``usage_of``.
 
 Every request-level problem becomes an ``OpenAIError`` (HTTP 400 with ``param``) before anything is queued. A client
-that goes away has its requests aborted at once (``RequestStream.abort``), streaming or not. A stream is SSE chunks
+that goes away has its requests aborted at once (``OutputStream.abort``), streaming or not. A stream is SSE chunks
 (``data: {json}``, the last chunk of each choice with ``finish_reason``, an optional usage chunk with empty
 ``choices``, then ``data: [DONE]``). The endpoints themselves: ``serving_completion``, ``serving_chat``,
 ``serving_tokenization``.
@@ -15,21 +15,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
-from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError, RequestStream
-from kvserve.engine.detokenizer import TokenVocab
-from kvserve.entrypoints.chat_utils import (MessageError, NoChatTemplateError, chat_template_for,
-                                            conversation_from_messages, render_chat)
+from kvserve.engine.protocol import (EngineClient, EngineDeadError, EngineShutdownError, NoChatTemplateError,
+                                     OutputStream, ParamError)
+from kvserve.entrypoints.chat_utils import MessageError, conversation_from_messages
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.entrypoints.openai.errors import OpenAIError
 from kvserve.entrypoints.openai import request_fields
 from kvserve.entrypoints.openai.limits import RequestLimits, longest_token_chars
-from kvserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from kvserve.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from kvserve.entrypoints.openai.serving_options import ServingOptions
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.structured import StructuredOutputsParams
@@ -49,19 +47,18 @@ class PreparedPrompt:
 
 
 class OpenAIServing:
-    """The base of the endpoint classes: what they share over one ``AsyncLLM``.
+    """The base of the endpoint classes: what they share over one ``EngineClient``.
 
     Args:
-        llm: the started async engine.
+        llm: the engine client (``AsyncLLM`` or the Ray ingress's ``RayEngineClient``).
         served_model_name: the only model name accepted in requests (``model`` may also be omitted).
-        vocab: the tokens' names and bytes in logprobs answers; built from the tokenizer when not given (the app
-            builds one and shares it: building it reads the whole vocabulary).
+        vocab: the tokens' names and bytes in logprobs answers; default the client's ``token_vocab``.
         limits: the request bounds (``limits.RequestLimits``; default: its defaults, ``max_prompt_chars`` derived
             from ``llm.max_model_len``).
         options: the server's parsers (``serving_options.ServingOptions``; default: none).
     """
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str, vocab: Optional[TokenVocab] = None,
+    def __init__(self, llm: EngineClient, served_model_name: str, vocab=None,
                  limits: Optional[RequestLimits] = None, options: Optional[ServingOptions] = None):
         self.llm = llm
         self.options = options if options is not None else ServingOptions()
@@ -69,8 +66,35 @@ class OpenAIServing:
             llm.max_model_len, longest_token_chars(llm.tokenizer))
         self.model_name = served_model_name
         self.tokenizer = llm.tokenizer
-        self.vocab_size = llm.engine.arch.vocab_size
-        self.vocab = vocab if vocab is not None else TokenVocab(self.tokenizer)
+        self.vocab_size = llm.model_info.vocab_size
+        self.vocab = vocab if vocab is not None else llm.token_vocab
+
+    def tool_parser_args(self) -> dict:
+        """``serving_chat.ToolChoice.create``'s ``parser`` and ``auto_enabled``: the server's tool-call format
+        (``--tool-call-parser``, or the chat template's: resolved once by ``build_app``) and
+        ``--enable-auto-tool-choice``."""
+        return {"parser": self.options.tool_call_parser, "auto_enabled": self.options.enable_auto_tool_choice}
+
+    def reasoning_parser(self, prompt: str, chat_template_kwargs: Optional[dict], tools=None,
+                         structured=None) -> Optional[ReasoningParser]:
+        """A request's reasoning parser (``--reasoning-parser``), or ``None`` (none configured, or a forced tool
+        call, ``tools.schema``: the output is the call). ``prompt`` (the rendered template's text) and
+        ``chat_template_kwargs`` decide whether the output starts in the reasoning (a template that opened
+        ``<think>`` or closed an empty one in the prompt); under a grammar (``structured``) the output starts in
+        the content unless the grammar writes the start marker first (``get_reasoning_parser``'s ``constrained``)."""
+        name = self.options.reasoning_parser
+        if name is None or (tools is not None and tools.schema is not None):
+            return None
+        return get_reasoning_parser(name, prompt, chat_template_kwargs, constrained=structured is not None)
+
+    def budget_facts(self, reasoning: Optional[ReasoningParser]) -> tuple:
+        """``(reasoning_markers, reasoning_open)`` of a thinking budget (``SamplingParams``): the request's parser's
+        markers and whether the output starts in its reasoning; without a request parser the server's parser's
+        markers and ``None`` (the prompt decides); ``(None, None)`` with no parser at all."""
+        if reasoning is not None:
+            return reasoning.markers, reasoning.open_at_start
+        name = self.options.reasoning_parser
+        return (get_reasoning_parser(name).markers if name else None), None
 
     # ------------------------------------------------------------------------------------------------ checks
     def check_model(self, model: Optional[str]) -> None:
@@ -87,7 +111,7 @@ class OpenAIServing:
 
     def check_unsupported(self, req) -> None:
         """400 for every parameter set to something the engine cannot do (never silently ignored)."""
-        policy = self.llm.engine.config.scheduler_config.scheduling_policy
+        policy = self.llm.model_info.scheduling_policy
         def bad(param: str, why: str):
             raise OpenAIError(f"{param}: {why}", param=param, code="unsupported_parameter")
 
@@ -110,10 +134,13 @@ class OpenAIServing:
 
     def sampling_params(self, req, max_tokens: int, logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None,
-                        structured: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+                        structured: Optional[StructuredOutputsParams] = None,
+                        reasoning: Optional[ReasoningParser] = None) -> SamplingParams:
         """``SamplingParams`` from the request's fields (``None`` = default); ``prompt_logprobs`` for ``echo``;
         ``structured`` the request's grammar (``structured_outputs``: then the server's default thinking budget
-        does not apply, and the request's own is a 400).
+        does not apply, and the request's own is a 400); ``reasoning`` the request's reasoning parser
+        (``reasoning_parser``): a thinking budget forces its end marker and counts from the first token when the
+        parser reads the output as reasoning from there.
 
         Raises:
             OpenAIError: a value out of range (the message from ``SamplingParams``, ``param`` the field).
@@ -132,14 +159,12 @@ class OpenAIServing:
                               param="stop_token_ids")
         if isinstance(kw["top_k"], int) and kw["top_k"] > self.vocab_size:
             kw["top_k"] = self.vocab_size  # the same distribution: every token kept
-        parser = self.options.reasoning_parser
         default_budget = self.options.thinking_token_budget if structured is None else None
-        kw.update(request_fields.sampling_fields(req, self.vocab_size, default_budget,
-                                                 get_reasoning_parser(parser).markers if parser else None))
+        kw.update(request_fields.sampling_fields(req, self.vocab_size, default_budget, *self.budget_facts(reasoning)))
         try:
             return SamplingParams(**kw)
-        except ValueError as e:
-            raise _field_error(str(e), req) from None
+        except ParamError as e:
+            raise param_error(e, req) from None
 
     def engine_prompt_logprobs(self, req, echo_k: Optional[int] = None) -> Optional[int]:
         """The engine's ``prompt_logprobs`` for ``req``: vLLM's ``prompt_logprobs`` field and ``echo_k`` (the
@@ -185,7 +210,7 @@ class OpenAIServing:
         """Normalize ``prompt`` (str, list of str, token ids, list of token-id lists) into ``PreparedPrompt``s; with
         ``truncate`` (``truncate_prompt_tokens``) each keeps its last ``truncate`` tokens.
 
-        Text is tokenized off the engine's thread (``asyncio.to_thread``), after its length is checked against
+        Text is tokenized off the engine's thread (``EngineClient.tokenize``), after its length is checked against
         ``limits.max_prompt_chars``.
 
         Raises:
@@ -204,25 +229,25 @@ class OpenAIServing:
         out = []
         for item in prompts:
             try:
-                ids = await asyncio.to_thread(self.llm.engine.tokenize, item)
-            except ValueError as e:
+                ids = await self.llm.tokenize(item)
+            except ParamError as e:
                 raise OpenAIError(str(e), param="prompt") from None
             if truncate is not None:
                 ids = request_fields.truncate_prompt(ids, truncate, self.llm.max_model_len)
-            text = (item if isinstance(item, str) and truncate is None else
-                    await asyncio.to_thread(self.tokenizer.decode, ids))
+            text = item if isinstance(item, str) and truncate is None else await self.llm.detokenize(ids)
             out.append(PreparedPrompt(ids, text))
         return out
 
     async def chat_prompt(self, messages: list, add_generation_prompt: bool = True,
                           continue_final_message: bool = False, tools: Optional[list] = None,
-                          template_kwargs: Optional[dict] = None, truncate: Optional[int] = None) -> PreparedPrompt:
-        """Apply the chat template to ``messages`` (validated by ``conversation_from_messages``, the rule the
-        offline ``LLM.chat`` uses too) and ``tools`` (``chat_utils.render_chat``), with ``template_kwargs`` (the
-        request's ``chat_template_kwargs``: ``request_fields.template_kwargs``); ``truncate``: keep the last tokens
-        (``truncate_prompt_tokens``). The template is rendered and its
-        text tokenized off the engine's thread (``asyncio.to_thread``); the messages' text and then the rendered
-        text are checked against ``limits.max_prompt_chars`` first.
+                          chat_template_kwargs: Optional[dict] = None,
+                          truncate: Optional[int] = None) -> PreparedPrompt:
+        """Apply the chat template to ``messages`` (pydantic messages or plain dicts, validated by
+        ``conversation_from_messages``, the rule the offline ``LLM.chat`` uses too) and ``tools``
+        (``EngineClient.render_chat``, with ``chat_template_kwargs``: ``request_fields.template_kwargs``);
+        ``truncate``: keep the last tokens (``truncate_prompt_tokens``). The template is rendered and its text
+        tokenized off the engine's thread; the messages' text and then the rendered text are checked against
+        ``limits.max_prompt_chars`` first.
 
         Raises:
             OpenAIError: no messages, a bad role or content (``param`` names it, e.g. ``messages[0].content``), a
@@ -230,7 +255,8 @@ class OpenAIServing:
                 no chat template at all (neither the model's nor ``--chat-template``: the message says how to pass one).
         """
         try:
-            conversation = conversation_from_messages([m.model_dump(exclude_unset=True) for m in messages])
+            conversation = conversation_from_messages([m if isinstance(m, dict) else m.model_dump(exclude_unset=True)
+                                                       for m in messages])
         except MessageError as e:
             raise OpenAIError(str(e), param=e.param) from None
         self.limits.check_prompt_chars("".join(_texts(conversation)), "messages")
@@ -239,23 +265,17 @@ class OpenAIServing:
                               param="continue_final_message")
 
         try:
-            template = chat_template_for(self.tokenizer, self.llm.engine.chat_template, tools)
+            text = await self.llm.render_chat(conversation, tools, add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message,
+                                              chat_template_kwargs=chat_template_kwargs)
         except NoChatTemplateError as e:
             raise OpenAIError(str(e)) from None
-
-        def render() -> str:
-            return render_chat(self.tokenizer, conversation, tools, template,
-                               add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message, **(template_kwargs or {}))
-
-        try:
-            text = await asyncio.to_thread(render)
-        except Exception as e:  # a template's raise_exception (jinja2 TemplateError) and the like: bad input
-            raise OpenAIError(f"messages: the chat template rejected the conversation: {e}", param="messages") from None
+        except ParamError as e:
+            raise OpenAIError(str(e), param="messages") from None
         self.limits.check_prompt_chars(text, "messages")
         try:  # the same tokenization as the offline LLM.chat: the template's text carries its special tokens
-            ids = await asyncio.to_thread(self.llm.engine.tokenize, text, False)
-        except ValueError as e:
+            ids = await self.llm.tokenize(text, False)
+        except ParamError as e:
             raise OpenAIError(f"messages: {e}", param="messages") from None
         return PreparedPrompt(request_fields.truncate_prompt(ids, truncate, self.llm.max_model_len), text)
 
@@ -276,7 +296,8 @@ class OpenAIServing:
                 s.abort()
             if isinstance(e, ValueError):
                 default = "prompt" if isinstance(req, p.CompletionRequest) else "messages"
-                raise OpenAIError(str(e), param=_param_of(str(e), req) or default) from None
+                err = param_error(e, req) if isinstance(e, ParamError) else OpenAIError(str(e))
+                raise OpenAIError(str(err), param=err.param or default) from None
             if isinstance(e, (EngineShutdownError, EngineDeadError)):
                 raise engine_error(e) from None
             raise
@@ -328,7 +349,7 @@ class OpenAIServing:
                 if rf.type == "json_object":
                     so = StructuredOutputsParams(json_object=True)
                 elif rf.json_schema is None or rf.json_schema.json_schema is None:
-                    raise ValueError(f"{label} is required with response_format type 'json_schema'")
+                    raise ParamError.of(label, " is required with response_format type 'json_schema'")
                 else:
                     so = StructuredOutputsParams(json=rf.json_schema.json_schema)
             elif name == "tool_choice":
@@ -337,11 +358,14 @@ class OpenAIServing:
                 so = StructuredOutputsParams(**req.structured_outputs.model_dump(exclude_none=True, by_alias=True))
             else:
                 so = StructuredOutputsParams(**{name.removeprefix("guided_"): getattr(req, name)})
-            await asyncio.to_thread(self.llm.engine.grammar_backend.compile, so)
-        except ValueError as e:
-            message = str(e) if name == "structured_outputs" else re.sub(
-                r"structured_outputs\.(json_object|json|regex|choice|grammar|structural_tag)", label, str(e))
-            raise OpenAIError(message, param="tools" if name == "tool_choice" else name) from None
+            await self.llm.check_structured_outputs(so)
+        except ParamError as e:
+            if name == "response_format":
+                kind = "json_object" if req.response_format.type == "json_object" else "json"
+            else:
+                kind = "json" if name == "tool_choice" else name.removeprefix("guided_")
+            e = e.with_prefix(f"structured_outputs.{kind}", label)
+            raise OpenAIError(e.message, param="tools" if name == "tool_choice" else name) from None
         return so
 
     async def _collect(self, streams: list, receive) -> Optional[list]:
@@ -363,18 +387,21 @@ class OpenAIServing:
     @staticmethod
     async def _stream(streams: list, head: list, chunk, usage_chunk, always_first: bool,
                       with_logprobs: bool, on_output=None) -> AsyncIterator[str]:
-        """SSE strings: ``head``; then for each new output of prompt ``i`` and each of its samples ``c`` with
-        something to send (new text, new tokens when ``with_logprobs``, its first chunk when ``always_first``, or
-        its finish), ``chunk(i, c, first)``; the usage chunk; ``[DONE]``. An engine shutdown or failure ends the
-        stream with an error event. If the consumer stops (client disconnected: the response task is cancelled),
-        the requests are aborted. ``on_output(i, out)``, when given, sees each ``RequestOutput`` before its
+        """SSE strings: ``head`` (a chat's role chunks) with the first output, i.e. once the first token exists, as
+        OpenAI and vLLM send it (clients time TTFT from the first chunk); then for each new output of prompt ``i``
+        and each of its samples ``c`` with something to send (new text, new tokens when ``with_logprobs``, its
+        first chunk when ``always_first``, or its finish), ``chunk(i, c, first)``; the usage chunk; ``[DONE]``. An
+        engine shutdown or failure ends the stream with an error event. If the consumer stops (client
+        disconnected: the response task is cancelled), the requests are aborted. ``on_output(i, out)``, when given, sees each ``RequestOutput`` before its
         chunks."""
         try:
-            for h in head:
-                yield h
             finals = [None] * len(streams)
             started, done = set(), set()
             async for i, out in merge_streams(streams):
+                if head:
+                    for h in head:
+                        yield h
+                    head = []
                 if on_output is not None:
                     on_output(i, out)
                 for c in out.outputs:
@@ -419,31 +446,22 @@ def include_usage(req) -> bool:
     return bool(req.stream_options is not None and req.stream_options.include_usage)
 
 
-_FIELD_RE = re.compile(r"^([a-z_]+)(\[\])?\b")
-
-
-def _field_error(message: str, req) -> OpenAIError:
-    """A ``SamplingParams`` error as a 400 naming the request's own field: ``param`` from ``_param_of``, and the
-    message's leading engine name replaced by it (``max_tokens`` -> ``max_completion_tokens``, ``logprobs`` ->
-    ``top_logprobs``) so the message and ``param`` name the same field."""
-    param = _param_of(message, req)
-    m = _FIELD_RE.match(message)
-    if param and m and m.group(1) != param:
-        message = param + message[m.end(1):]
-    return OpenAIError(message, param=param)
-
-
-def _param_of(message: str, req) -> Optional[str]:
-    """The request field a ``SamplingParams`` error names (its message starts with the field name)."""
-    m = _FIELD_RE.match(message)
-    if not m:
-        return None
-    name = m.group(1)
+def param_error(e: ParamError, req) -> OpenAIError:
+    """An engine ``ParamError`` as a 400 naming the request's own field (``e.field``'s leading name: ``stop`` for
+    ``stop[]``): ``max_tokens`` is ``max_completion_tokens`` when the request set that, a chat's ``logprobs`` is
+    ``top_logprobs``; a field the request does not have gives ``param: null``. The message names the same field
+    (``ParamError.renamed``); nothing reads the message."""
+    name = e.field.split("[", 1)[0].split(".", 1)[0]
+    param = name
     if name == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
-        return "max_completion_tokens"
-    if name == "logprobs" and isinstance(req, p.ChatCompletionRequest):
-        return "top_logprobs"
-    return name if name in type(req).model_fields else None
+        param = "max_completion_tokens"
+    elif name == "logprobs" and isinstance(req, p.ChatCompletionRequest):
+        param = "top_logprobs"
+    if param not in type(req).model_fields:
+        return OpenAIError(e.message, param=None)
+    if param != name:
+        e = e.renamed(param + e.field[len(name):])
+    return OpenAIError(e.message, param=param)
 
 
 #: ``Retry-After`` (seconds) of a 503 while the server shuts down or drains: retry soon, on another replica.
@@ -465,7 +483,7 @@ def new_id(prefix: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------- streams
 async def merge_streams(streams: list) -> AsyncIterator[tuple]:
-    """Yield ``(index, RequestOutput)`` from several ``RequestStream``s as outputs arrive, until all finish.
+    """Yield ``(index, RequestOutput)`` from several ``OutputStream``s as outputs arrive, until all finish.
 
     Errors of a stream (shutdown, dead engine) are raised here."""
     if len(streams) == 1:
@@ -474,7 +492,7 @@ async def merge_streams(streams: list) -> AsyncIterator[tuple]:
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, s: RequestStream):
+    async def pump(i: int, s: OutputStream):
         try:
             async for out in s:
                 queue.put_nowait((i, out, None))

@@ -7,7 +7,7 @@ import asyncio
 from kvserve.entrypoints.openai import protocol as p
 from kvserve.entrypoints.openai import request_fields
 from kvserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
-from kvserve.validation import check_text
+from kvserve.validation import ParamError, check_text
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -55,7 +55,7 @@ class OpenAIServingTokenization(OpenAIServing):
             OpenAIError: unknown model, or token ids outside ``[0, vocab_size)``.
         """
         self.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise OpenAIError(f"tokens must be token ids in [0, {self.vocab_size}), got {bad[:5]}", param="tokens")
-        return p.DetokenizeResponse(prompt=await asyncio.to_thread(self.tokenizer.decode, req.tokens))
+        try:
+            return p.DetokenizeResponse(prompt=await self.llm.detokenize(req.tokens))
+        except ParamError as e:
+            raise OpenAIError(str(e), param=e.field) from None

@@ -5,7 +5,7 @@ A model family writes tool calls its own way; a ``ToolParser`` subclass reads th
 a name (``register_tool_parser``, vLLM's names), so another family adds its parser without touching the server:
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen2.5/3, SmolLM3, and
-  the format the fallback tool prompt in ``chat_utils`` asks for);
+  the format the fallback tool prompt, ``kvserve.engine.chat_render.TOOLS_PROMPT``, asks for);
 - ``llama3_json``: ``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``, several joined by
   ``;``); ``pythonic``: ``[f(a=1), g(b="x")]``; ``mistral``: ``[TOOL_CALLS][...]`` or ``[TOOL_CALLS]f[ARGS]{...}``;
   ``granite``: ``<|tool_call|>[...]``; ``phi4_mini_json``: ``functools[...]``.
@@ -314,7 +314,7 @@ def parser_for_template(template: Optional[str]) -> tuple[Optional[str], str]:
     """The tool parser a chat template implies: ``(name, why)``, ``name`` ``None`` when it is ambiguous.
 
     One parser whose ``template_hints`` the template contains: that one. A template that does not know tools:
-    ``hermes`` (``chat_utils.render_chat`` then asks for Hermes calls in the system prompt). Otherwise (none or
+    ``hermes`` (``chat_render.render_chat`` then asks for Hermes calls in the system prompt). Otherwise (none or
     several match): ``None``, and ``--tool-call-parser`` must say.
     """
     if not template:

@@ -1,5 +1,5 @@
 """The ingress of ``kvserve serve --data-parallel-size N``: ``kvserve serve``'s own FastAPI app and uvicorn server
-over ``RayEngineClient`` (an ``AsyncLLM`` stand-in that forwards generation to the Ray Serve replicas of
+over ``RayEngineClient`` (an ``EngineClient`` that forwards generation to the Ray Serve replicas of
 ``replica.KVServeReplica``, chosen by ``router.KVServeRequestRouter``), and the start-up of Ray and the deployment
 (``deploy``, ``build_server``, ``run``).
 """
@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import itertools
 import logging
 import os
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Optional
 
 import ray
@@ -30,13 +28,13 @@ from starlette.middleware import Middleware
 import kvserve
 from kvserve.config import EngineConfig
 from kvserve.distributed.router import ROUTERS
-from kvserve.engine.async_llm import EngineDeadError, EngineShutdownError
-from kvserve.engine.llm_engine import LLMEngine
-from kvserve.model.chat_config import load_chat_template
+from kvserve.engine.protocol import EngineDeadError, EngineShutdownError, ModelInfo, EngineClientBase
 from kvserve.entrypoints.openai.api_server import KVServeServer, api_key_from, bind_socket, build_app
+from kvserve.entrypoints.openai.responses_store import StoreLimits
 from kvserve.entrypoints.openai.serving_options import ServingOptions
 from kvserve.entrypoints.ray.replica import ACCEPTED, APP_NAME, DEPLOYMENT_NAME, MAX_ATTEMPTS, KVServeReplica
 from kvserve.entrypoints.ray.router import KVServeRequestRouter, get_router
+from kvserve.structured.backend import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -94,37 +92,33 @@ def remote_error(e: BaseException, request_id: str) -> BaseException:
     return EngineDeadError(f"replica call failed: {cause!r}")
 
 
-class RayEngineClient:
-    """Stands in for ``AsyncLLM`` under ``OpenAIServing``: the same ``add_request`` / ``abort_all`` / ``start`` /
-    ``shutdown`` and ``engine`` view (tokenizer, ``arch.vocab_size``, ``config``, ``chat_template``, ``tokenize``), generation forwarded
-    to the replicas through ``handle``.
+class RayEngineClient(EngineClientBase):
+    """The ``EngineClient`` (``kvserve.engine.protocol``) of the ingress: the tokenizer side (``EngineClientBase``:
+    tokenize, chat templates, structured-output checks) here, generation forwarded to the replicas through
+    ``handle``.
 
     Args:
         handle: the ``KVServeReplica`` deployment's handle.
         config: the replicas' ``EngineConfig``.
-        tokenizer, arch: the model's (``load_model``).
-        info: one replica's ``KVServeReplica.info()``.
+        info: one replica's ``KVServeReplica.info()`` (its tokenizer, model facts and chat template).
     """
 
-    def __init__(self, handle, config: EngineConfig, tokenizer, arch, info: dict):
+    def __init__(self, handle, config: EngineConfig, info: dict):
+        tokenizer = info["tokenizer"]
+        model_info = ModelInfo(model_path=info["model_path"], max_model_len=info["max_model_len"],
+                               vocab_size=info["vocab_size"], eos_token_ids=tuple(info["eos_token_ids"]),
+                               has_chat_template=bool(info["chat_template"]
+                                                      or getattr(tokenizer, "chat_template", None)),
+                               scheduling_policy=config.scheduler_config.scheduling_policy)
+        grammar = GrammarBackend(tokenizer, model_info.vocab_size, model_info.eos_token_ids)
+        super().__init__(tokenizer, model_info, info["chat_template"], grammar)
         self.handle = handle
-        self.engine = SimpleNamespace(tokenizer=tokenizer, arch=arch, config=config,
-                                      chat_template=load_chat_template(config.model_config.chat_template))
-        self.engine.tokenize = functools.partial(LLMEngine.tokenize, self.engine)  # the engine's own checks
         self.stat_logger = ReplicaMetrics(handle)
         self.state_observer = None
-        self._max_model_len = info["max_model_len"]
         self._streams: dict = {}
         self._ids = itertools.count()
         self._running = False
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
+        self.dead_error = None  # a replica's failure fails its requests only
 
     @property
     def is_running(self) -> bool:
@@ -141,6 +135,10 @@ class RayEngineClient:
         """Refuse new requests and cancel every in-flight one on its replica."""
         self._running = False
         self.abort_all()
+
+    def drain(self) -> None:
+        """Refuse new requests; those in flight run on."""
+        self._running = False
 
     def abort_all(self) -> None:
         for stream in list(self._streams.values()):
@@ -162,7 +160,7 @@ class RayEngineClient:
         if not self._running:
             raise EngineShutdownError("the server is shutting down")
         rid = f"req-{next(self._ids)}" if request_id is None else str(request_id)
-        ids = await asyncio.to_thread(self.engine.tokenize, prompt)
+        ids = await self.tokenize(prompt)
         last: BaseException = EngineShutdownError("no replica")
         for _ in range(MAX_ATTEMPTS):
             response = self.handle.options(stream=True).generate.remote(ids, sampling_params, rid, priority)
@@ -285,20 +283,22 @@ def deploy(engine_args: dict, num_replicas: int, router: str = "prefix", model_n
 
 
 def build_client(handle, engine_args: dict) -> RayEngineClient:
-    """The ingress's engine client; the tokenizer and the architecture come from a replica (no weights here)."""
+    """The ingress's engine client; the tokenizer and the model's facts come from a replica (no weights here)."""
     config = EngineConfig.from_kwargs(**{k: v for k, v in engine_args.items() if v is not None})
     info = handle.info.remote().result()
-    return RayEngineClient(handle, config, info["tokenizer"], info["arch"], info)
+    return RayEngineClient(handle, config, info)
 
 
 def build_server(engine_args: dict, num_replicas: int, router: str = "prefix", host: str = "127.0.0.1",
                  port: int = 8000, served_model_name: Optional[str] = None, log_level: str = "info",
                  access_log: bool = True, api_key: Optional[str] = None, metrics_auth: bool = True,
                  sock=None, ray_address: Optional[str] = None, autoscaling: Optional[dict] = None,
-                 options: Optional[ServingOptions] = None, **router_kwargs) -> KVServeServer:
+                 options: Optional[ServingOptions] = None, store_limits: Optional[StoreLimits] = None,
+                 **router_kwargs) -> KVServeServer:
     """Deploy the replicas and build the ingress server (not started): ``api_server.build_app`` over a
     ``RayEngineClient``; ``/metrics`` per replica. Arguments as ``api_server.build_server`` and ``deploy``
-    (``options``: parsers and CORS; ``--vllm-metric-names`` is not available behind Ray: a ``ValueError``).
+    (``options``: parsers and CORS; ``--vllm-metric-names`` is not available behind Ray: a ``ValueError``;
+    ``store_limits``: the ``/v1/responses`` store's bounds, one store at the ingress).
 
     Raises:
         ValueError: bad arguments (replica count, router, engine arguments).
@@ -310,7 +310,7 @@ def build_server(engine_args: dict, num_replicas: int, router: str = "prefix", h
     handle = deploy(engine_args, num_replicas, router, name, ray_address, autoscaling, **router_kwargs)
     client = build_client(handle, engine_args)
     app = build_app(client, name, stat_logger=client.stat_logger, api_key=api_key, metrics_auth=metrics_auth,
-                    options=options)
+                    options=options, store_limits=store_limits)
     app.user_middleware.append(Middleware(MetricsRefresh, metrics=client.stat_logger))  # innermost
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_keep_alive=5, timeout_graceful_shutdown=30)
@@ -366,7 +366,7 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
                               access_log=not args.no_access_log, api_key=api_key,
                               metrics_auth=not args.no_metrics_auth, sock=sock, ray_address=args.ray_address,
                               balance_abs=args.router_balance_abs, balance_rel=args.router_balance_rel,
-                              options=ServingOptions.from_args(args))
+                              options=ServingOptions.from_args(args), store_limits=StoreLimits.from_args(args))
         asyncio.run(server.serve())
     finally:
         sock.close()

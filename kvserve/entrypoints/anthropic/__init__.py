@@ -1,0 +1,1 @@
+"""Anthropic's Messages API over the engine client (``serving_messages``, ``routes``)."""
