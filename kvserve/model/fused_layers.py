@@ -71,6 +71,28 @@ def _qweight(layer) -> Optional[_QWeight]:
                     pw.out_features, pw.in_features)
 
 
+def _lacks(spec, head_dim: int) -> Optional[str]:
+    """The first op of ``spec`` (a ``DecoderSpec``) this C loop does not run, named; ``None``: it runs them all."""
+    for i, s in enumerate(spec.layers):
+        if s.norms != "pre":
+            return f"{s.norms!r} norms (layer {i})"
+        if s.qk_norm != "none":
+            return f"the {s.qk_norm!r} Q/K norm (layer {i})"
+        if s.rope != 0:
+            return f"a layer without RoPE or with another table (layer {i})"
+        if s.window is not None or s.attn_softcap is not None:
+            return f"a sliding window or an attention soft-cap (layer {i})"
+        if s.mlp != "dense":
+            return f"a {s.mlp!r} MLP (layer {i})"
+    if spec.activation != "silu":
+        return f"the {spec.activation} activation"
+    if spec.o_bias or spec.mlp_bias:
+        return "o_proj or MLP biases"
+    if spec.residual_multiplier != 1.0 or spec.attention_scale != head_dim**-0.5:
+        return "a residual multiplier or another softmax scale"
+    return None
+
+
 def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
@@ -131,13 +153,10 @@ class FusedLayerLoop:
             return no(f"attention runs on {model.attn.name}, not the CPU kernel")
         if d % 8 or hidden % 8 or inter % 8 or model.num_heads % model.num_kv_heads:
             return no("shapes the kernels do not take")
-        nope = a.no_rope_layers is not None and not all(a.no_rope_layers)
-        if a.sliding_window is not None or a.attn_logit_softcapping is not None:
-            return no("a sliding window or attention-logit soft-capping: the Python loop passes them per layer")
-        if a.hidden_act != "silu" or a.o_proj_bias or a.mlp_bias or a.qk_norm or a.scaled or nope:
-            return no(f"{a.hidden_act} MLP, o_proj bias {a.o_proj_bias}, MLP bias {a.mlp_bias}, Q/K norm {a.qk_norm}, "
-                      f"Granite multipliers {a.scaled}, NoPE layers {nope}: "
-                      f"the loop runs SwiGLU with Q/K/V biases only")
+        spec = model.spec
+        lacks = _lacks(spec, d)
+        if lacks:
+            return no(f"the C loop lacks {lacks}")
         layers = (_Layer * len(model.layers))()
         acts = set()
         for i, w in enumerate(model.layers):
@@ -160,7 +179,7 @@ class FusedLayerLoop:
         if norm0.dtype != torch.float32 or not norm0.is_contiguous():
             return no("layer 0's norm not float32 contiguous")
         stack = _Stack(len(model.layers), hidden, model.num_heads, model.num_kv_heads, d, inter, a.rms_norm_eps,
-                       d**-0.5, qkernels.ISAS[isa], qkernels.ACTIVATIONS[act], norm0.data_ptr(),
+                       spec.attention_scale, qkernels.ISAS[isa], qkernels.ACTIVATIONS[act], norm0.data_ptr(),
                        ctypes.addressof(layers), _address(cpu.kvserve_rms_norm_f32),
                        (_ptr * 2)(*(_address(cpu_kernels.attention_fn(dt, attn_isa)) for dt in _KV_DTYPES)),
                        _address(cpu.kvserve_add_rms_norm_f32), _address(cpu.kvserve_silu_mul_f32))
@@ -168,7 +187,7 @@ class FusedLayerLoop:
         lib.kvserve_decoder_stack.restype = ctypes.c_int
         return cls(model, stack, layers, lib)
 
-    def __call__(self, h: torch.Tensor, batch, meta, rope, kv_cache: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, batch, meta, ropes, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run every layer on ``h [T, hidden]`` float32 (the embeddings; left holding the last layer's output, before
         the final norm, as the Python loop leaves it). Returns the final RMSNorm of every row, ``[T, hidden]``
         float32 (a view of this loop's scratch: valid until its next call)."""
@@ -178,7 +197,7 @@ class FusedLayerLoop:
             raise ValueError(f"the fused layer loop does not take this step (attention all in the kernel: "
                              f"{meta.whole_step_in_kernel}; cache {list(kv_cache.shape)} {kv_cache.dtype}, expected "
                              f"{list(self._kv_lead)} x blocks x block_size x {list(self._kv_tail)})")
-        cos, sin = rope
+        cos, sin = ropes[0]
         t = batch.num_tokens
         tables, q_start, q_len, seq_len = meta.kernel
         ints = (batch.slot_mapping, tables, q_start, q_len, seq_len)

@@ -105,7 +105,7 @@ def test_rope_scaling_matches_transformers_in_both_config_layouts(tmp_path_facto
     model = _check_parity(path, hf, tokenizer, loaded)
     # the scaling matters at these lengths: without it the logits move well past the tolerance
     plain = build_model(load_model(str(path)), select_backends("cpu", torch.float32, "fp32"))
-    plain.rope_table.inv_freq, plain.rope_table.attention_scaling = rope_frequencies(16, 500000.0)[0], 1.0
+    plain.rope_tables[0].inv_freq, plain.rope_tables[0].attention_scaling = rope_frequencies(16, 500000.0)[0], 1.0
     ids = tokenizer.encode(PROMPTS[0])
     assert (_logits(plain, ids) - _logits(model, ids)).abs().max().item() > 1e-3
 
