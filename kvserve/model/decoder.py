@@ -235,9 +235,10 @@ class DecoderModel:
         ``[H_q D]``, ``[H_kv D]``; OLMo 2) -- values unchanged: a new ``[T, (H_q + 2 H_kv) D]`` tensor."""
         t, d = qkv.shape[0], self.arch.head_dim
         nq, nk = self.num_heads * d, self.num_kv_heads * d
-        if kind == "head":
-            q = self._norm(qkv[:, :nq].reshape(-1, d), q_norm).view(t, nq)
-            k = self._norm(qkv[:, nq: nq + nk].reshape(-1, d), k_norm).view(t, nk)
+        if kind == "head":  # (contiguous: a single head's slice reshapes to a strided view, which the kernel
+            # norm does not take -- PyTorch's would round differently from the C loop's)
+            q = self._norm(qkv[:, :nq].reshape(-1, d).contiguous(), q_norm).view(t, nq)
+            k = self._norm(qkv[:, nq: nq + nk].reshape(-1, d).contiguous(), k_norm).view(t, nk)
         else:
             q = self._norm(qkv[:, :nq].contiguous(), q_norm)
             k = self._norm(qkv[:, nq: nq + nk].contiguous(), k_norm)
