@@ -25,10 +25,9 @@ from typing import Optional
 from kvserve.layers.rotary import RopeScaling
 from kvserve.model.base import ModelArch
 from kvserve.model.decoder import DecoderModel
-from kvserve.model.layer_spec import DecoderSpec, RopeSpec, llama_spec
-
-#: Hugging Face architectures of this module -> llama.cpp's ``general.architecture``.
-GEMMA_ARCHITECTURES = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+from kvserve.model.family import Family
+from kvserve.model.layer_spec import ACTIVATIONS, DecoderSpec, RopeSpec, llama_spec
+from kvserve.model.qwen3 import QK_NORM_NAMES
 
 
 @dataclass(frozen=True)
@@ -75,3 +74,17 @@ class GemmaModel(DecoderModel):
                           layer_ropes=tuple(int(local and k == "sliding_attention") for k in kinds),
                           norm_offset=1.0, embedding_multiplier=arch.hidden_size**0.5,
                           embedding_multiplier_in_dtype=True, final_logit_softcap=arch.final_logit_softcapping)
+
+
+#: Gemma 2 / 3 (text): their config fields (read by ``hf_config._gemma_arch``); Gemma 3 does not soft-cap attention
+#: logits. llama.cpp's four norms per layer (its ``ffn_norm`` is Gemma's pre-feed-forward norm).
+_GEMMA_FIELDS = {"hidden_activation": ACTIVATIONS, "attention_bias": (False, True), "sliding_window": None,
+                 "layer_types": None, "sliding_window_pattern": None, "query_pre_attn_scalar": None,
+                 "final_logit_softcapping": None, "use_bidirectional_attention": (None, False)}
+_GGUF_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"}
+FAMILY = Family(GemmaModel, {
+    "Gemma2ForCausalLM": {**_GEMMA_FIELDS, "attn_logit_softcapping": None},
+    "Gemma3ForCausalLM": {**_GEMMA_FIELDS, "attn_logit_softcapping": (None,), "rope_local_base_freq": None}},
+    gguf_architectures={"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"},
+    gguf_layer_names={"gemma2": _GGUF_NORMS, "gemma3": {**_GGUF_NORMS, **QK_NORM_NAMES}})

@@ -6,7 +6,14 @@ IBM 2024): the embeddings multiplied by ``embedding_multiplier``, each attention
 from __future__ import annotations
 
 from kvserve.model.decoder import DecoderModel
+from kvserve.model.family import ANY_ACTIVATION, LLAMA_BIASES, Family
 
 
 class GraniteModel(DecoderModel):
     """``DecoderModel`` with Granite's multipliers (``layer_spec.llama_spec`` reads them from the ``ModelArch``)."""
+
+
+FAMILY = Family(GraniteModel, {"GraniteForCausalLM": {
+    **ANY_ACTIVATION, **LLAMA_BIASES, "embedding_multiplier": None, "residual_multiplier": None,
+    "attention_multiplier": None, "logits_scaling": None}},
+    gguf_architectures={"granite": "GraniteForCausalLM"}, gguf_permuted_qk=("granite",))

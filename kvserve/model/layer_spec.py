@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvserve.layers.rotary import RopeScaling
+from kvserve.model.base import HIDDEN_ACTS
 
 #: ``LayerSpec.norms`` values: Llama's two pre-norms, OLMo 2's two post-norms, Gemma's four.
 NORM_PLACEMENTS = ("pre", "post", "both")
@@ -36,7 +37,7 @@ QK_NORMS = ("none", "head", "proj")
 #: ``LayerSpec.mlp`` values; ``"moe"`` is reserved for the mixture-of-experts layer (refused until built).
 MLP_KINDS = ("dense", "moe")
 #: ``DecoderSpec.activation`` values (Hugging Face's names): SiLU, exact GELU, tanh-approximated GELU.
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")
+ACTIVATIONS = HIDDEN_ACTS
 
 
 @dataclass(frozen=True)

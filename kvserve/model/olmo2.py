@@ -7,6 +7,7 @@ parallelism is refused (the Q/K norm spans every head)."""
 from __future__ import annotations
 
 from kvserve.model.decoder import DecoderModel
+from kvserve.model.family import ANY_ACTIVATION, Family
 from kvserve.model.layer_spec import DecoderSpec, llama_spec
 
 
@@ -21,3 +22,12 @@ class Olmo2Model(DecoderModel):
     @classmethod
     def spec(cls, arch) -> DecoderSpec:
         return llama_spec(arch, norms="post", qk_norm="proj")
+
+
+#: Norms after the sub-layers, none before; Q/K norms over the whole projection.
+FAMILY = Family(Olmo2Model, {"Olmo2ForCausalLM": {**ANY_ACTIVATION, "attention_bias": (False, True)}},
+                gguf_architectures={"olmo2": "Olmo2ForCausalLM"},
+                gguf_layer_names={"olmo2": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                                            "attn_norm": None, "ffn_norm": None,
+                                            "post_attention_norm": "post_attention_layernorm",
+                                            "post_ffw_norm": "post_feedforward_layernorm"}})

@@ -17,6 +17,7 @@ from kvserve.layers.rotary import partial_rotary_rows
 from kvserve.model.backends import ModelBackends
 from kvserve.model.base import ModelArch
 from kvserve.model.decoder import DecoderModel
+from kvserve.model.family import ANY_ACTIVATION, Family
 from kvserve.quant.gguf_io import QuantTensor
 
 
@@ -27,6 +28,15 @@ class Phi3Model(DecoderModel):
 
     def __init__(self, arch: ModelArch, weights: dict, backends: ModelBackends):
         super().__init__(arch, llama_weights(arch, weights), backends)
+
+
+#: Fused Q/K/V (or separate), gate and up in one ``ffn_up`` (gate rows first), as Hugging Face's ``gate_up_proj``;
+#: LongRoPE, partial rotary and a window on every layer.
+FAMILY = Family(Phi3Model, {"Phi3ForCausalLM": {**ANY_ACTIVATION, "partial_rotary_factor": None,
+                                                "sliding_window": None}},
+                gguf_architectures={"phi3": "Phi3ForCausalLM"},
+                gguf_layer_names={"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
+                                           "ffn_gate": None}})
 
 
 def _rows(w, start: int, stop: int, index=None, tag: str = ""):

@@ -4,7 +4,13 @@
 from __future__ import annotations
 
 from kvserve.model.decoder import DecoderModel
+from kvserve.model.family import ANY_ACTIVATION, Family
 from kvserve.model.layer_spec import DecoderSpec, llama_spec
+
+#: Qwen2 / Qwen3's window: with ``use_sliding_window``, ``sliding_window`` on the layers ``layer_types`` names, by
+#: default those from ``max_window_layers`` on (transformers' ``Qwen2Config``); without it, no window anywhere.
+QWEN_WINDOW = {"use_sliding_window": (False, True), "sliding_window": None, "max_window_layers": None,
+               "layer_types": None}
 
 
 class Qwen2Model(DecoderModel):
@@ -13,3 +19,7 @@ class Qwen2Model(DecoderModel):
     @classmethod
     def spec(cls, arch) -> DecoderSpec:
         return llama_spec(arch, qkv_bias=True)
+
+
+FAMILY = Family(Qwen2Model, {"Qwen2ForCausalLM": {**ANY_ACTIVATION, **QWEN_WINDOW}},
+                gguf_architectures={"qwen2": "Qwen2ForCausalLM"})

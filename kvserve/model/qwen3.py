@@ -5,7 +5,12 @@ before RoPE (Qwen3 technical report, Yang et al. 2025, section 2: QK-Norm in pla
 from __future__ import annotations
 
 from kvserve.model.decoder import DecoderModel
+from kvserve.model.family import ANY_ACTIVATION, Family
 from kvserve.model.layer_spec import DecoderSpec, llama_spec
+from kvserve.model.qwen2 import QWEN_WINDOW
+
+#: llama.cpp's per-head Q/K norm tensors (also read by Gemma 3).
+QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
 class Qwen3Model(DecoderModel):
@@ -14,3 +19,7 @@ class Qwen3Model(DecoderModel):
     @classmethod
     def spec(cls, arch) -> DecoderSpec:
         return llama_spec(arch, qk_norm="head")
+
+
+FAMILY = Family(Qwen3Model, {"Qwen3ForCausalLM": {**ANY_ACTIVATION, "attention_bias": (False, True), **QWEN_WINDOW}},
+                gguf_architectures={"qwen3": "Qwen3ForCausalLM"}, gguf_layer_names={"qwen3": QK_NORM_NAMES})

@@ -5,7 +5,14 @@ those layers (``layer_spec.llama_spec`` reads ``ModelArch.no_rope_layers``)."""
 from __future__ import annotations
 
 from kvserve.model.decoder import DecoderModel
+from kvserve.model.family import ANY_ACTIVATION, LLAMA_BIASES, Family
 
 
 class SmolLM3Model(DecoderModel):
     """``DecoderModel`` with SmolLM3's NoPE layers."""
+
+
+FAMILY = Family(SmolLM3Model, {"SmolLM3ForCausalLM": {
+    **ANY_ACTIVATION, **LLAMA_BIASES, "use_sliding_window": (False,), "no_rope_layers": None,
+    "no_rope_layer_interval": None}},
+    gguf_architectures={"smollm3": "SmolLM3ForCausalLM"}, gguf_permuted_qk=("smollm3",))
