@@ -2,7 +2,8 @@
 
 A model is a forward over the flat batch (``kvserve.batch.InputBatch``) and the paged KV cache,
 built through ``kvserve.model.registry.build_model`` with the backends chosen at start-up; it returns logits only
-for the rows that sample. Adding a family is one module implementing ``CausalLM`` plus one registry line.
+for the rows that sample. Adding a family is one module (its ``DecoderModel`` and its ``FAMILY``:
+``kvserve.model.family``) plus one registry line.
 """
 
 from __future__ import annotations

@@ -13,43 +13,15 @@ from __future__ import annotations
 from typing import Optional
 
 from kvserve.layers.rotary import ROPE_TYPES, RopeScaling
-from kvserve.model.base import HIDDEN_ACTS, ModelArch
+from kvserve.model.base import ModelArch
+from kvserve.model.registry import FAMILY_FIELDS
 
-#: Qwen2 / Qwen3's window: with ``use_sliding_window``, ``sliding_window`` on the layers ``layer_types`` names, by
-#: default those from ``max_window_layers`` on (transformers' ``Qwen2Config``); without it, no window anywhere.
-_QWEN_WINDOW = {"use_sliding_window": (False, True), "sliding_window": None, "max_window_layers": None,
-                "layer_types": None}
-#: Per family: the math-changing fields it implements -> the values it takes (``None``: any value of the field's
-#: type; the loader reads it). RoPE fields are read by ``parse_rope``.
-FAMILY_FIELDS = {
-    "LlamaForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True)},
-    "Qwen2ForCausalLM": {"hidden_act": HIDDEN_ACTS, **_QWEN_WINDOW},
-    "Qwen3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), **_QWEN_WINDOW},
-    # the Llama decoder; Mistral 7B v0.1's sliding window (4096) on every layer, v0.2+ none
-    "MistralForCausalLM": {"hidden_act": HIDDEN_ACTS, "sliding_window": None},
-    "SmolLM3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True),
-                           "use_sliding_window": (False,), "no_rope_layers": None, "no_rope_layer_interval": None},
-    "GraniteForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True), "mlp_bias": (False, True),
-                           "embedding_multiplier": None, "residual_multiplier": None, "attention_multiplier": None,
-                           "logits_scaling": None},
-    # Phi-3 / 3.5 / Phi-4-mini: fused qkv_proj and gate_up_proj, LongRoPE, partial rotary, a window on every layer
-    "Phi3ForCausalLM": {"hidden_act": HIDDEN_ACTS, "partial_rotary_factor": None, "sliding_window": None},
-    # OLMo 2: post-attention and post-MLP norms, Q/K RMSNorm over the whole projection
-    "Olmo2ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True)},
-}
 #: Mixture-of-experts architectures (Hugging Face names), refused as such (``check_not_moe``).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
                      "PhimoeForCausalLM", "PhiMoEForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DbrxForCausalLM", "JambaForCausalLM",
                      "GptOssForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
                      "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM")
-#: Families with Llama's ``attention_bias`` (Q/K/V and o_proj) and ``mlp_bias``.
-#: Gemma 2 / 3 (text): their fields (read by ``_gemma_arch``); Gemma 3 does not soft-cap attention logits.
-_GEMMA_FIELDS = {"hidden_activation": HIDDEN_ACTS, "attention_bias": (False, True), "sliding_window": None,
-                 "layer_types": None, "sliding_window_pattern": None, "query_pre_attn_scalar": None,
-                 "final_logit_softcapping": None, "use_bidirectional_attention": (None, False)}
-FAMILY_FIELDS["Gemma2ForCausalLM"] = {**_GEMMA_FIELDS, "attn_logit_softcapping": None}
-FAMILY_FIELDS["Gemma3ForCausalLM"] = {**_GEMMA_FIELDS, "attn_logit_softcapping": (None,), "rope_local_base_freq": None}
 #: ``transformers``' defaults for the Gemma fields a config.json may leave out (they differ from Llama's).
 _GEMMA_DEFAULTS = {
     "Gemma2ForCausalLM": dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,

@@ -37,21 +37,14 @@ from kvserve.model.hf_config import arch_from_config, check_not_moe, text_part
 from kvserve.kernels.build import cache_root
 from kvserve.quant.formats import QUANTIZED_TYPES
 from kvserve.quant.gguf_io import QuantTensor, rope_unpermute_index
-from kvserve.model.registry import SUPPORTED_ARCHITECTURES
+from kvserve.model.registry import GGUF_ARCHITECTURES, GGUF_LAYER_NAMES, GGUF_PERMUTED_QK, SUPPORTED_ARCHITECTURES
 from kvserve.model.weight_cache import WeightCache, atomic_write, read_gguf_cached, return_free_heap, source_sha256
 
 logger = logging.getLogger(__name__)
 
-#: GGUF ``general.architecture`` values read, and the registry architecture each maps to.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 #: llama.cpp's mixture-of-experts architectures, refused as such (as is any file with ``<arch>.expert_count``).
 GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "olmoe", "phimoe", "granitemoe", "deepseek2", "dbrx", "llama4",
                           "gpt-oss", "arctic", "grok", "ernie4_5-moe", "hunyuan-moe", "bailingmoe")
-#: Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (llama.cpp's rope type
-#: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
-_GGUF_PERMUTED_QK = ("llama", "granite", "smollm3")
 #: llama.cpp's SmolLM3: every 4th layer applies no RoPE (a constant in llama.cpp, no GGUF key; Hugging Face's
 #: default ``no_rope_layer_interval``).
 _GGUF_SMOLLM3_NOPE_STEP = 4
@@ -193,27 +186,11 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-#: Per-layer tensors only some architectures have (any other architecture refuses them as unknown); ``None``: a
-#: name of the common table this architecture does not have.
-_GGUF_ARCH_LAYER_NAMES = {
-    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-    # Phi-3: fused Q/K/V (or separate), gate and up in one ffn_up (gate rows first), as Hugging Face's gate_up_proj
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj", "ffn_gate": None},
-    # OLMo 2: norms after the sub-layers, none before; Q/K norms over the whole projection
-    "olmo2": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_norm": None,
-              "ffn_norm": None, "post_attention_norm": "post_attention_layernorm",
-              "post_ffw_norm": "post_feedforward_layernorm"},
-}
 #: Whole-model tensors beyond the embedding, final norm and LM head, per architecture (read into the RoPE scheme).
 _GGUF_ROPE_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 #: GGUF YaRN keys (after ``<arch>.rope.scaling.``) and the values kvserve implements (llama.cpp's defaults).
 _GGUF_YARN_OFF = {"yarn_ext_factor": (None, -1.0, 1.0), "yarn_attn_factor": (None, 1.0),
                   "yarn_log_multiplier": (None, 0.0), "attn_factor": (None, 1.0)}
-#: Gemma's four norms per layer (llama.cpp's ``ffn_norm`` is Gemma's pre-feed-forward norm).
-_GGUF_ARCH_LAYER_NAMES["gemma2"] = {"post_attention_norm": "post_attention_layernorm",
-                                    "ffn_norm": "pre_feedforward_layernorm",
-                                    "post_ffw_norm": "post_feedforward_layernorm"}
-_GGUF_ARCH_LAYER_NAMES["gemma3"] = {**_GGUF_ARCH_LAYER_NAMES["gemma2"], **_GGUF_ARCH_LAYER_NAMES["qwen3"]}
 #: Per Gemma architecture, as llama.cpp reads it: the metadata keys read instead of refused, with the values an
 #: absent key means (Gemma 2's paper values), the window pattern (every ``n``-th layer global) and the layer count
 #: of the 27B model (whose softmax scale is ``(hidden / heads) ** -0.5``, not ``head_dim ** -0.5``).
@@ -373,7 +350,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     hidden = int(field(f"{a}.embedding_length"))
     vocab = int(field(f"{a}.vocab_size", tensors["token_embd.weight"].shape[0]))
     head_dim = int(field(f"{a}.attention.key_length", hidden // n_head))
-    layer_names = {k: v for k, v in {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(a, {})}.items() if v}
+    layer_names = {k: v for k, v in {**_GGUF_LAYER_NAMES, **GGUF_LAYER_NAMES.get(a, {})}.items() if v}
     unknown = sorted(n for n in tensors if not _gguf_tensor_known(n, layer_names, a))
     if unknown:
         raise ValueError(f"unknown GGUF tensor(s) {unknown[:8]} in {where}: kvserve does not know their math for "
@@ -425,7 +402,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
             hf = "lm_head.weight"
         elif name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
-            if kind in ("attn_q", "attn_k") and arch_name in _GGUF_PERMUTED_QK:
+            if kind in ("attn_q", "attn_k") and arch_name in GGUF_PERMUTED_QK:
                 heads = n_head if kind == "attn_q" else n_kv
                 if isinstance(w, QuantTensor):
                     w = w.take_rows(rope_unpermute_index(w.out_features, heads))

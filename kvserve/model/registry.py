@@ -1,4 +1,10 @@
-"""Architecture name -> model class, and ``build_model``. One line per model family."""
+"""The model families, one line each, and ``build_model``.
+
+A family is one module (``kvserve/model/<family>.py``) holding its model class and its ``FAMILY`` declaration
+(``kvserve.model.family.Family``: Hugging Face and GGUF architecture names, the config fields it implements, its
+GGUF weight names); adding a family is that module plus its line in ``FAMILY_MODULES``
+(``tests/model/test_family_files.py`` checks that no other module names its architectures).
+"""
 
 from __future__ import annotations
 
@@ -9,20 +15,33 @@ from typing import Optional
 from kvserve.model.backends import ModelBackends
 from kvserve.model.base import CausalLM
 
-#: Hugging Face architecture name -> ``"module:Class"`` (imported on first use).
-_MODELS = {
-    "LlamaForCausalLM": "kvserve.model.llama:LlamaModel",
-    "Qwen2ForCausalLM": "kvserve.model.qwen2:Qwen2Model",
-    "Qwen3ForCausalLM": "kvserve.model.qwen3:Qwen3Model",
-    "MistralForCausalLM": "kvserve.model.llama:LlamaModel",  # Llama's math with v0.1's sliding window
-    "GraniteForCausalLM": "kvserve.model.granite:GraniteModel",
-    "SmolLM3ForCausalLM": "kvserve.model.smollm3:SmolLM3Model",
-    "Phi3ForCausalLM": "kvserve.model.phi3:Phi3Model",
-    "Olmo2ForCausalLM": "kvserve.model.olmo2:Olmo2Model",
-    "Gemma2ForCausalLM": "kvserve.model.gemma:GemmaModel",
-    "Gemma3ForCausalLM": "kvserve.model.gemma:GemmaModel",  # the text model (Gemma 3 1B, or a text-only export)
-}
+#: The family modules, one line each (the order of ``SUPPORTED_ARCHITECTURES``).
+FAMILY_MODULES = (
+    "kvserve.model.llama",
+    "kvserve.model.qwen2",
+    "kvserve.model.qwen3",
+    "kvserve.model.mistral",
+    "kvserve.model.granite",
+    "kvserve.model.smollm3",
+    "kvserve.model.phi3",
+    "kvserve.model.olmo2",
+    "kvserve.model.gemma",  # Gemma 2 and Gemma 3 (text)
+)
+#: module -> its ``Family``.
+FAMILIES = {m: importlib.import_module(m).FAMILY for m in FAMILY_MODULES}
+#: Hugging Face architecture name -> model class.
+_MODELS = {a: f.model for f in FAMILIES.values() for a in f.architectures}
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+#: Per Hugging Face architecture: the math-changing config fields it implements -> the values it takes
+#: (``hf_config.check_fields``).
+FAMILY_FIELDS = {a: fields for f in FAMILIES.values() for a, fields in f.config_fields.items()}
+#: GGUF ``general.architecture`` values read, and the Hugging Face architecture each loads as.
+GGUF_ARCHITECTURES = {g: a for f in FAMILIES.values() for g, a in f.gguf_architectures.items()}
+#: GGUF architecture -> its per-layer tensor names beyond (or absent from: ``None``) the common table.
+GGUF_LAYER_NAMES = {g: names for f in FAMILIES.values() for g, names in f.gguf_layer_names.items()}
+#: GGUF architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (its rope type
+#: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
+GGUF_PERMUTED_QK = tuple(g for f in FAMILIES.values() for g in f.gguf_permuted_qk)
 
 
 def model_class(architecture: str) -> type:
@@ -33,8 +52,7 @@ def model_class(architecture: str) -> type:
     """
     if architecture not in _MODELS:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
-    module, name = _MODELS[architecture].split(":")
-    return getattr(importlib.import_module(module), name)
+    return _MODELS[architecture]
 
 
 def build_model(loaded, backends: ModelBackends, max_model_len: Optional[int] = None) -> CausalLM:
