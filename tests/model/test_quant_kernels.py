@@ -579,6 +579,23 @@ def test_avx512_vnni_path_logic_under_emulation(emulated, kind, rows, act):
     assert np.all(np.abs(got - kernels.reference_qgemm(x, w, act)) <= 1e-5 * mag)
 
 
+@pytest.mark.skipif(not kernels.cpu_supports("avx512_vnni"), reason="CPU lacks AVX-512 VNNI")
+@pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
+@pytest.mark.parametrize("kind", EMU_KINDS)
+def test_emulation_gives_the_native_bits(emulated, kind, act):
+    """On a CPU with AVX-512 VNNI: the emulated build's AVX2 and AVX-512 VNNI paths (activation quantizer included)
+    give the native library's bits at every row count of ``ROWS``, so the emulation checks the code the CPU runs
+    (SIMDe's FMA without a native one rounds twice: the pair quantizer's residual then differs)."""
+    lib = kernels.load()
+    for rows in ROWS:
+        rng = np.random.default_rng(rows)
+        k = 256 if kind in ("q6", "q4k") else 96
+        packed, _ = _random_packed(kind, 40, k, rng)
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        for isa_id in (1, 2):
+            assert np.array_equal(_run(emulated, packed, isa_id, act, x), _run(lib, packed, isa_id, act, x)), (rows, isa_id)
+
+
 AMX_ROWS = (1, 15, 16, 17, 37, 53, 64, 129)  # below one tile, one, one plus a tail, chunks of 32 with tails
 
 
