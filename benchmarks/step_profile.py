@@ -72,7 +72,7 @@ def step_profile(engine_args: dict, batches=(1, 32), context: int = 128, repeats
         setattr(model.attn, name, _Timed(getattr(model.attn, name), "attention", tot))
     for name in ("rms_norm", "add_rms_norm", "silu_mul"):  # add_rms_norm: the residual adds too
         setattr(model.ops, name, _Timed(getattr(model.ops, name), "norms+activation", tot))
-    model._rope = _Timed(model._rope, "rope", tot)
+    model.ropes = _Timed(model.ropes, "rope", tot)
     model.embed = _Timed(model.embed, "embedding", tot)
     model.forward = _Timed(model.forward, "forward", tot)
     runner.sampler = _Timed(runner.sampler, "sampler", tot)

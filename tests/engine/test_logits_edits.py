@@ -59,7 +59,7 @@ def test_allowed_token_ids_only_those_are_sampled(llm):
 
 def test_bad_words_are_never_generated(llm):
     tok = llm.get_tokenizer()
-    prompt = chat(llm, "What is the capital of France?")
+    prompt = chat(llm, "Tell me the capital of France.")
     plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
     assert "Paris" in plain.text
     sp = SamplingParams(temperature=0, max_tokens=16, logprobs=1, bad_words=["Paris"])

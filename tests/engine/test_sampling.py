@@ -72,7 +72,8 @@ def test_streaming_deltas_concatenate_to_text_with_emoji_and_cjk(llm):
     assert all("\ufffd" not in d for d in deltas)
     assert any(ord(c) > 0x2E80 for c in text), text  # CJK or emoji really came out
     tok = llm.get_tokenizer()
-    assert text == tok.decode(final.outputs[0].token_ids, skip_special_tokens=True)
+    # a character cut by max_tokens mid-way is held back, never sent as U+FFFD (decode shows it as one)
+    assert text == tok.decode(final.outputs[0].token_ids, skip_special_tokens=True).rstrip("\ufffd")
     assert final.request_id == rid
 
 
@@ -162,13 +163,15 @@ def test_stop_string_is_never_streamed_before_it_is_cut(tokenizer):
 
 
 def test_finish_reasons_and_eos(llm):
-    out = llm.generate(chat(llm, "What is the capital of France?"), SamplingParams(temperature=0, max_tokens=64))[0]
+    # (not "What is the capital of France?": its first token is a near-tie, "The" -1.88 vs "L" -1.97 on the float32
+    # path, that the default int8 activations tip to "L'Étoile, ...")
+    out = llm.generate(chat(llm, "Tell me the capital of France."), SamplingParams(temperature=0, max_tokens=64))[0]
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.token_ids[-1] in llm.llm_engine.eos_token_ids
     assert "<|im_end|>" not in c.text and "Paris" in c.text
-    short = llm.generate(chat(llm, "What is the capital of France?"), SamplingParams(temperature=0, max_tokens=3))[0]
+    short = llm.generate(chat(llm, "Tell me the capital of France."), SamplingParams(temperature=0, max_tokens=3))[0]
     assert short.outputs[0].finish_reason == "length" and short.outputs[0].token_ids == c.token_ids[:3]
-    ignored = llm.generate(chat(llm, "What is the capital of France?"),
+    ignored = llm.generate(chat(llm, "Tell me the capital of France."),
                            SamplingParams(temperature=0, max_tokens=len(c.token_ids) + 5, ignore_eos=True))[0]
     assert len(ignored.outputs[0].token_ids) == len(c.token_ids) + 5
     assert ignored.outputs[0].token_ids[: len(c.token_ids)] == c.token_ids
