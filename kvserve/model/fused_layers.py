@@ -2,11 +2,16 @@
 
 A decode step of SmolLM2 with 4-bit weights takes a few milliseconds, and the Python loop over its 30 layers -- about
 eight calls into C per layer, each with its checks, a new output tensor and a ``ctypes`` crossing -- was a third of
-it (measured: docs/performance.md, "Decode step breakdown"). ``FusedLayerLoop`` hands the loop to C:
-per layer the same kernels in the same order (quantized Q/K/V projection, RoPE + K/V write + paged attention,
-output projection, residual add + RMSNorm, gate/up, silu * up, down, residual add + the next RMSNorm; after the
-last layer, the model's final RMSNorm), so the residual stream it leaves and the normed rows it returns equal the
-Python loop's and ``rms_norm`` of its rows bit for bit (``tests/model/test_fused_layers.py``).
+it (measured: docs/performance.md, "Decode step breakdown"). ``FusedLayerLoop`` hands the loop to C, which runs
+the model's ``DecoderSpec`` (``kvserve.model.layer_spec``) as the Python loop (``kvserve.model.decoder``) interprets
+it: per layer the same kernels in the same order (quantized Q/K/V projection and its bias, the Q/K norms, RoPE of
+the layer's table + K/V write + paged attention with the layer's window and soft-cap, output projection, bias,
+residual multiplier, post-norm, residual add + RMSNorm, gate/up, the activation, down, residual add + the next
+RMSNorm; after the last layer, the model's final RMSNorm), so the residual stream it leaves and the normed rows it
+returns equal the Python loop's and the final norm of its rows bit for bit (``tests/model/test_fused_layers.py``,
+``tests/model/test_layer_spec.py``: every family). The GELU variants' activation is the Python loop's own PyTorch
+op, called back once per layer (``_TorchActivation``); SwiGLU's is the C kernel. ``build`` declines a spec with
+an op the C loop lacks, naming it (a mixture-of-experts MLP).
 
 Chosen once, at start-up: ``select_backends`` decides from the ``KernelConfig`` (``fused_layers``) and what can run
 here (float32, one process, the CPU kernels and a quantized path) whether models get a loop
@@ -39,20 +44,32 @@ class _QWeight(ctypes.Structure):
     _fields_ = [("fmt", _i64), ("w", _ptr), ("oscale", _ptr), ("n", _i64), ("k", _i64)]
 
 
+#: ``DecoderLayer.qk_norm`` of each ``LayerSpec.qk_norm``; the most RoPE tables a step passes (``MAX_ROPES``).
+_QK_NORMS = {"none": 0, "head": 1, "proj": 2}
+_MAX_ROPES = 4
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("mlp_norm", _ptr), ("next_norm", _ptr), ("qkv_bias", _ptr),
-                ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight)]
+    _fields_ = [("pre_norms", _i64), ("mlp_norm", _ptr), ("next_norm", _ptr), ("post_attn_norm", _ptr),
+                ("post_mlp_norm", _ptr), ("qk_norm", _i64), ("q_norm", _ptr), ("k_norm", _ptr), ("rope", _i64),
+                ("window", _i64), ("softcap", _f32), ("qkv_bias", _ptr), ("o_bias", _ptr), ("gate_up_bias", _ptr),
+                ("down_bias", _ptr), ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight)]
 
 
 class _Stack(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("h_q", _i64), ("h_kv", _i64), ("d", _i64),
-                ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("isa", _i64), ("act", _i64),
-                ("attn_norm", _ptr), ("layers", _ptr), ("rms_norm", _ptr), ("rope_write_attend", _ptr * 2),
-                ("add_rms_norm", _ptr), ("silu_mul", _ptr)]
+                ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("residual_multiplier", _f32),
+                ("isa", _i64), ("act", _i64), ("attn_norm", _ptr), ("layers", _ptr), ("rms_norm", _ptr),
+                ("rope_write_attend", _ptr * 2), ("add_rms_norm", _ptr), ("act_mul", _ptr)]
+
+
+#: ``DecoderStack.act_mul``'s C signature: ``(gu [T, 2I], y [T, I], T, I)``.
+_ACT_MUL = ctypes.CFUNCTYPE(None, _ptr, _ptr, _i64, _i64)
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("T", _i64), ("cos", _ptr), ("sin", _ptr), ("slot_mapping", _ptr), ("block_tables", _ptr),
+    _fields_ = [("T", _i64), ("cos", _ptr * _MAX_ROPES), ("sin", _ptr * _MAX_ROPES), ("slot_mapping", _ptr),
+                ("block_tables", _ptr),
                 ("max_blocks", _i64), ("q_start", _ptr), ("q_len", _ptr), ("seq_len", _ptr), ("num_reqs", _i64),
                 ("block_size", _i64), ("kv_cache", _ptr), ("kv_dtype", _i64), ("layer_bytes", _i64),
                 ("timing_ns", _ptr)]
@@ -71,6 +88,55 @@ def _qweight(layer) -> Optional[_QWeight]:
                     pw.out_features, pw.in_features)
 
 
+def _lacks(spec) -> Optional[str]:
+    """The first op of ``spec`` (a ``DecoderSpec``) this C loop does not run, named; ``None``: it runs them all."""
+    moe = [i for i, s in enumerate(spec.layers) if s.mlp != "dense"]
+    if moe:
+        return f"the {spec.layers[moe[0]].mlp!r} MLP (layer {moe[0]})"
+    return None
+
+
+def _readable(t: Optional[torch.Tensor]) -> bool:
+    """``t`` is absent, or float32 contiguous (a pointer the C loop can read)."""
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous())
+
+
+def _addr(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+class _TorchActivation:
+    """The C loop's ``act_mul`` for the GELU variants: a C-callable function that runs the Python loop's own
+    ``ops.act_mul`` on the loop's gate/up scratch rows and copies the result into its activation scratch, so both
+    loops give the same bits (one call back into Python per layer; SwiGLU runs its C kernel instead).
+    ``bind`` it to the step's scratch before the loop runs; an exception inside is kept and raised by
+    ``raise_error`` after the loop returns (a callback cannot raise through C)."""
+
+    def __init__(self, ops, activation: str):
+        self.ops, self.activation, self.error = ops, activation, None
+        self.scratch, self.gu_ptr, self.act_ptr = None, 0, 0
+        self.fn = _ACT_MUL(self)
+
+    def bind(self, scratch: torch.Tensor, gu_ptr: int, act_ptr: int) -> None:
+        self.scratch, self.gu_ptr, self.act_ptr = scratch, gu_ptr, act_ptr
+
+    def __call__(self, gu_ptr, act_ptr, t, inter) -> None:
+        try:
+            base = self.scratch.data_ptr()
+            if gu_ptr != self.gu_ptr or act_ptr != self.act_ptr:
+                raise ValueError("the activation callback was called on memory it was not bound to")
+            g0, a0 = (gu_ptr - base) // 4, (act_ptr - base) // 4
+            gu = self.scratch[g0: g0 + t * 2 * inter].view(t, 2 * inter)
+            self.scratch[a0: a0 + t * inter].view(t, inter).copy_(self.ops.act_mul(gu, self.activation))
+        except Exception as e:  # noqa: BLE001 - raised after the C call (raise_error)
+            self.error = e
+
+    def raise_error(self) -> None:
+        e, self.error = self.error, None
+        if e is not None:
+            raise e
+
+
 def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
@@ -78,9 +144,10 @@ def _address(fn) -> int:
 class FusedLayerLoop:
     """All decoder layers of one step in one ``kvserve_decoder_stack`` call. Build with ``FusedLayerLoop.build``.
 
-    Call with ``(h, batch, meta, rope, kv_cache)``: ``h [T, hidden]`` float32 contiguous, the residual stream
+    Call with ``(h, batch, meta, ropes, kv_cache)``: ``h [T, hidden]`` float32 contiguous, the residual stream
     (the embeddings; updated in place to the last layer's output, before the final norm); ``batch`` the step's
-    ``InputBatch``; ``meta`` its attention metadata; ``rope`` ``(cos, sin)`` ``[T, 1, D]`` float32;
+    ``InputBatch``; ``meta`` its attention metadata; ``ropes`` the model's ``(cos, sin)`` pairs
+    (``DecoderModel.ropes``: one per RoPE table, then NoPE's identity), each ``[T, 1, D]`` float32;
     ``kv_cache`` ``[layers, 2, num_blocks, block_size, H_kv, D]`` float32 or bfloat16 contiguous; ``meta`` must
     have ``whole_step_in_kernel``. Returns the final RMSNorm of every row, ``[T, hidden]`` float32 (a view of the
     loop's scratch, valid until its next call: the LM head's input); ``h`` then holds the last layer's output and
@@ -97,9 +164,10 @@ class FusedLayerLoop:
             the attention kernel and the element-wise kernels (``kvserve bench throughput --profile-step``).
     """
 
-    def __init__(self, model, stack: _Stack, layers, lib):
-        # the model is held so the weights the C structs point into stay alive as long as this loop
-        self._model, self._stack, self._layers, self._lib = model, stack, layers, lib
+    def __init__(self, model, stack: _Stack, layers, lib, act_mul=None):
+        # the model is held so the weights the C structs point into stay alive as long as this loop (and the
+        # activation callback, when there is one, as long as the stack that points to it)
+        self._model, self._stack, self._layers, self._lib, self._act_mul = model, stack, layers, lib, act_mul
         self._scratch = torch.empty(0, dtype=torch.float32)
         self._x_views: dict = {}  # row count -> the [T, hidden] view of the scratch's start (cleared on growth)
         self.timings: Optional[torch.Tensor] = None
@@ -114,9 +182,9 @@ class FusedLayerLoop:
 
     @classmethod
     def build(cls, model) -> Optional["FusedLayerLoop"]:
-        """The fused loop for ``model`` (a ``LlamaModel``), or ``None`` when its backends run no fused loop
-        (``ModelBackends.fused_layers``) or a projection has no ``kernel_weight`` (the reason is logged at debug
-        level): see the module docstring."""
+        """The fused loop for ``model`` (a ``DecoderModel``), or ``None`` when its backends run no fused loop
+        (``ModelBackends.fused_layers``), its spec has an op the C loop lacks, or a projection has no
+        ``kernel_weight`` (the reason, naming the op, is logged at debug level): see the module docstring."""
         def no(reason: str) -> None:
             logger.debug("fused layer loop off: %s", reason)
             return None
@@ -131,44 +199,49 @@ class FusedLayerLoop:
             return no(f"attention runs on {model.attn.name}, not the CPU kernel")
         if d % 8 or hidden % 8 or inter % 8 or model.num_heads % model.num_kv_heads:
             return no("shapes the kernels do not take")
-        nope = a.no_rope_layers is not None and not all(a.no_rope_layers)
-        if a.sliding_window is not None or a.attn_logit_softcapping is not None:
-            return no("a sliding window or attention-logit soft-capping: the Python loop passes them per layer")
-        if a.hidden_act != "silu" or a.o_proj_bias or a.mlp_bias or a.qk_norm or a.scaled or nope:
-            return no(f"{a.hidden_act} MLP, o_proj bias {a.o_proj_bias}, MLP bias {a.mlp_bias}, Q/K norm {a.qk_norm}, "
-                      f"Granite multipliers {a.scaled}, NoPE layers {nope}: "
-                      f"the loop runs SwiGLU with Q/K/V biases only")
-        layers = (_Layer * len(model.layers))()
-        acts = set()
-        for i, w in enumerate(model.layers):
+        spec = model.spec
+        lacks = _lacks(spec)
+        if lacks:
+            return no(f"the C loop lacks {lacks}")
+        num_ropes = len(spec.ropes) + any(s.rope is None for s in spec.layers)  # (+ NoPE's identity: model.ropes)
+        if num_ropes > _MAX_ROPES:
+            return no(f"{num_ropes} RoPE tables (the C loop takes {_MAX_ROPES})")
+        n, layers, acts = len(model.layers), (_Layer * len(model.layers))(), set()
+        for i, (w, s) in enumerate(zip(model.layers, spec.layers)):
             parts = [_qweight(w[k]) for k in ("qkv", "o", "gate_up", "down")]
             if any(p is None for p in parts):
                 return no(f"layer {i}: a projection without a kernel_weight")
             acts.update((w[k].isa, w[k].activations) for k in ("qkv", "o", "gate_up", "down"))
             # the next layer's input norm; after the last layer, the final norm (its rows are the LM head's input)
-            nxt = model.layers[i + 1]["attn_norm"] if i + 1 < len(model.layers) else model.final_norm
-            norms = [w["mlp_norm"], nxt]
-            bias = w["qkv_bias"]
-            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms + ([bias] if bias is not None else [])):
-                return no(f"layer {i}: norm or bias not float32 contiguous")
-            layers[i] = _Layer(w["mlp_norm"].data_ptr(), nxt.data_ptr(),
-                               None if bias is None else bias.data_ptr(), *parts)
+            nxt = model.final_norm if i + 1 == n else (
+                model.layers[i + 1]["attn_norm"] if spec.layers[i + 1].pre_norms else None)
+            q_norm, k_norm = w["qk_norm"] or (None, None)
+            tensors = [w["mlp_norm"], nxt, w["post_attn_norm"], w["post_mlp_norm"], q_norm, k_norm, w["qkv_bias"],
+                       w["o_bias"], w["gate_up_bias"], w["down_bias"]]
+            if not all(map(_readable, tensors)):
+                return no(f"layer {i}: a norm or bias not float32 contiguous")
+            layers[i] = _Layer(s.pre_norms, *map(_addr, tensors[:4]), _QK_NORMS[s.qk_norm], _addr(q_norm),
+                               _addr(k_norm), num_ropes - 1 if s.rope is None else s.rope, s.window or 0,
+                               s.attn_softcap or 0.0, *map(_addr, tensors[6:]), *parts)
         if len(acts) != 1:
             return no(f"mixed kernel paths or activation quantizations {sorted(acts)}")
         isa, act = acts.pop()
         norm0 = model.layers[0]["attn_norm"]
-        if norm0.dtype != torch.float32 or not norm0.is_contiguous():
+        if not _readable(norm0):
             return no("layer 0's norm not float32 contiguous")
-        stack = _Stack(len(model.layers), hidden, model.num_heads, model.num_kv_heads, d, inter, a.rms_norm_eps,
-                       d**-0.5, qkernels.ISAS[isa], qkernels.ACTIVATIONS[act], norm0.data_ptr(),
-                       ctypes.addressof(layers), _address(cpu.kvserve_rms_norm_f32),
-                       (_ptr * 2)(*(_address(cpu_kernels.attention_fn(dt, attn_isa)) for dt in _KV_DTYPES)),
-                       _address(cpu.kvserve_add_rms_norm_f32), _address(cpu.kvserve_silu_mul_f32))
+        torch_act = None if spec.activation == "silu" else _TorchActivation(model.ops, spec.activation)
+        stack = _Stack(n, hidden, model.num_heads, model.num_kv_heads, d, inter, a.rms_norm_eps,
+                       spec.attention_scale, spec.residual_multiplier, qkernels.ISAS[isa], qkernels.ACTIVATIONS[act],
+                       _addr(norm0), ctypes.addressof(layers), _address(cpu.kvserve_rms_norm_f32),
+                       (_ptr * 2)(*(_address(cpu_kernels.attention_fn(dt, attn_isa, windowed=True))
+                                    for dt in _KV_DTYPES)),
+                       _address(cpu.kvserve_add_rms_norm_f32),
+                       _address(cpu.kvserve_silu_mul_f32 if torch_act is None else torch_act.fn))
         lib.kvserve_decoder_stack.argtypes = [_ptr] * 9  # stack, step, h, x, qkv, attn, delta, gate_up, act
         lib.kvserve_decoder_stack.restype = ctypes.c_int
-        return cls(model, stack, layers, lib)
+        return cls(model, stack, layers, lib, torch_act)
 
-    def __call__(self, h: torch.Tensor, batch, meta, rope, kv_cache: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, batch, meta, ropes, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run every layer on ``h [T, hidden]`` float32 (the embeddings; left holding the last layer's output, before
         the final norm, as the Python loop leaves it). Returns the final RMSNorm of every row, ``[T, hidden]``
         float32 (a view of this loop's scratch: valid until its next call)."""
@@ -178,11 +251,11 @@ class FusedLayerLoop:
             raise ValueError(f"the fused layer loop does not take this step (attention all in the kernel: "
                              f"{meta.whole_step_in_kernel}; cache {list(kv_cache.shape)} {kv_cache.dtype}, expected "
                              f"{list(self._kv_lead)} x blocks x block_size x {list(self._kv_tail)})")
-        cos, sin = rope
         t = batch.num_tokens
         tables, q_start, q_len, seq_len = meta.kernel
         ints = (batch.slot_mapping, tables, q_start, q_len, seq_len)
-        if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        rot = [x for cs in ropes for x in cs]
+        if not (all(x.dtype == torch.float32 and x.is_contiguous() for x in rot) and len(ropes) <= _MAX_ROPES
                 and all(v.dtype == torch.int64 and v.is_contiguous() for v in ints)
                 and h.dtype == torch.float32 and h.is_contiguous()):
             raise ValueError("the fused layer loop takes float32 rows and rope, int64 tables, all contiguous")
@@ -195,11 +268,16 @@ class FusedLayerLoop:
             ptrs.append(base)
             base += 4 * t * w
         layer_bytes = kv_cache.stride(0) * kv_cache.element_size()  # one layer's K and V (contiguous)
-        step = _Step(t, cos.data_ptr(), sin.data_ptr(), batch.slot_mapping.data_ptr(), tables.data_ptr(),
+        step = _Step(t, (_ptr * _MAX_ROPES)(*(c.data_ptr() for c, _ in ropes)),
+                     (_ptr * _MAX_ROPES)(*(s.data_ptr() for _, s in ropes)), batch.slot_mapping.data_ptr(), tables.data_ptr(),
                      tables.shape[1], q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), tables.shape[0],
                      kv_cache.shape[3], kv_cache.data_ptr(), _KV_DTYPES[kv_cache.dtype], layer_bytes,
                      None if self.timings is None else self.timings.data_ptr())
+        if self._act_mul is not None:
+            self._act_mul.bind(self._scratch, ptrs[4], ptrs[5])
         rc = self._lib.kvserve_decoder_stack(ctypes.byref(self._stack), ctypes.byref(step), h.data_ptr(), *ptrs)
+        if self._act_mul is not None:
+            self._act_mul.raise_error()
         if rc == -1:
             raise ValueError("kvserve_decoder_stack: the model's shapes do not match its weights")
         if rc:

@@ -4,7 +4,7 @@ the Llama decoder with the Q/K/V projections stored as one ``qkv_proj`` and the 
 (``partial_rotary_factor``). The fused weights are cut back into Llama's parts (views, or row selections of a GGUF
 block tensor: nothing is dequantized), and for partial rotary each head's Q and K rows are reordered so the
 full-width RoPE kernels rotate exactly the features Hugging Face rotates (``partial_rotary_rows``); then it is
-``LlamaModel``, fused C layer loop included."""
+Llama's decoder, fused C layer loop included."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import torch
 from kvserve.layers.rotary import partial_rotary_rows
 from kvserve.model.backends import ModelBackends
 from kvserve.model.base import ModelArch
-from kvserve.model.llama import LlamaModel
+from kvserve.model.decoder import DecoderModel
 from kvserve.quant.gguf_io import QuantTensor
 
 
-class Phi3Model(LlamaModel):
-    """``LlamaModel`` over Phi-3's weights: ``self_attn.qkv_proj.weight`` ``[(H_q + 2 H_kv) D, hidden]`` and
+class Phi3Model(DecoderModel):
+    """``DecoderModel`` over Phi-3's weights: ``self_attn.qkv_proj.weight`` ``[(H_q + 2 H_kv) D, hidden]`` and
     ``mlp.gate_up_proj.weight`` ``[2 I, hidden]`` (Hugging Face names; GGUF ``attn_qkv``, ``ffn_up``), or already
     separate Q/K/V (llama.cpp may write ``attn_q``/``attn_k``/``attn_v``)."""
 

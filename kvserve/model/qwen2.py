@@ -1,13 +1,15 @@
 """Qwen2 family (Qwen2ForCausalLM): the Llama decoder with a bias on the Q, K and V projections
-(Qwen2 technical report, Yang et al. 2024, §2.1). Sliding-window attention is not supported (configs that enable
-it are refused by the loader)."""
+(Qwen2 technical report, Yang et al. 2024, §2.1), and the window of ``use_sliding_window`` on the layers it names."""
 
 from __future__ import annotations
 
-from kvserve.model.llama import LlamaModel
+from kvserve.model.decoder import DecoderModel
+from kvserve.model.layer_spec import DecoderSpec, llama_spec
 
 
-class Qwen2Model(LlamaModel):
-    """``LlamaModel`` whose fused QKV projection requires ``self_attn.{q,k,v}_proj.bias``."""
+class Qwen2Model(DecoderModel):
+    """``DecoderModel`` whose fused QKV projection requires ``self_attn.{q,k,v}_proj.bias``."""
 
-    qkv_bias = True
+    @classmethod
+    def spec(cls, arch) -> DecoderSpec:
+        return llama_spec(arch, qkv_bias=True)

@@ -40,7 +40,7 @@ import torch
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
 from kvserve.core.sched_output import ScheduledRequest
 from kvserve.model.fused_layers import FusedLayerLoop
-from kvserve.model.llama import LlamaModel
+from kvserve.model.decoder import DecoderModel
 from kvserve.sample import nucleus
 from kvserve.sample.argmax import argmax
 from kvserve.sample.sampler import Sampler
@@ -49,7 +49,7 @@ from kvserve.batch import build_input_batch
 from kvserve.worker.kv_pool import lazy_zeros
 
 
-def early_exit_model(target: LlamaModel, num_layers: int) -> LlamaModel:
+def early_exit_model(target: DecoderModel, num_layers: int) -> DecoderModel:
     """A view of ``target`` that runs only its first ``num_layers`` layers, then its final norm and LM head.
 
     Shares every weight tensor with ``target`` (nothing is copied); ``kv_cache_shape`` / ``bytes_per_block``
@@ -70,15 +70,16 @@ def early_exit_model(target: LlamaModel, num_layers: int) -> LlamaModel:
     per_layer = {f: getattr(target.arch, f)[:num_layers] for f in ("layer_types", "no_rope_layers")
                  if getattr(target.arch, f) is not None}  # (windows, NoPE layers: the first num_layers')
     view.arch = dataclasses.replace(target.arch, num_hidden_layers=num_layers, **per_layer)
+    view.spec = target.spec.first(num_layers)
     view.fused_layers = FusedLayerLoop.build(view)  # the target's would run all its layers on the draft's cache
     return view
 
 
-def relative_cost(draft: LlamaModel, target: LlamaModel) -> float:
+def relative_cost(draft: DecoderModel, target: DecoderModel) -> float:
     """Multiply-adds per token of ``draft`` over those of ``target`` (layers + LM head; attention over the
     context and the embedding lookup are left out), e.g. about 0.32 for a 4-layer early exit of SmolLM2-135M."""
 
-    def macs(m: LlamaModel) -> int:
+    def macs(m: DecoderModel) -> int:
         per_layer = sum(w[name].numel() for w in m.layers[:1] for name in ("qkv", "o", "gate_up", "down"))
         return per_layer * len(m.layers) + m.lm_head.numel()
 
@@ -107,7 +108,7 @@ class DraftModelProposer(Proposer):
     """Batched draft-model proposer with its own paged KV cache (see the module docstring).
 
     Args:
-        model: the draft model (``early_exit_model(target, L)`` or a separately loaded ``LlamaModel``).
+        model: the draft model (``early_exit_model(target, L)`` or a separately loaded ``DecoderModel``).
         num_blocks: blocks in the draft pool. Size it so that every running request can hold its tokens + ``k``:
             e.g. the target pool's blocks + ``max_num_seqs * (ceil((k + 1) / block_size) + 1)``. Should the pool
             still run dry (the target shares prefix-cached blocks, the draft does not), the request that cannot
@@ -123,7 +124,7 @@ class DraftModelProposer(Proposer):
             model's dtype.
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler, cost: float = 0.0,
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, sampler: Sampler, cost: float = 0.0,
                  max_catch_up_tokens: int = 512, generator: Optional[torch.Generator] = None,
                  kv_cache_dtype: Optional[torch.dtype] = None):
         self.model = model

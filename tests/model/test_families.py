@@ -105,7 +105,7 @@ def test_rope_scaling_matches_transformers_in_both_config_layouts(tmp_path_facto
     model = _check_parity(path, hf, tokenizer, loaded)
     # the scaling matters at these lengths: without it the logits move well past the tolerance
     plain = build_model(load_model(str(path)), select_backends("cpu", torch.float32, "fp32"))
-    plain.rope_table.inv_freq, plain.rope_table.attention_scaling = rope_frequencies(16, 500000.0)[0], 1.0
+    plain.rope_tables[0].inv_freq, plain.rope_tables[0].attention_scaling = rope_frequencies(16, 500000.0)[0], 1.0
     ids = tokenizer.encode(PROMPTS[0])
     assert (_logits(plain, ids) - _logits(model, ids)).abs().max().item() > 1e-3
 
@@ -122,7 +122,7 @@ def test_llama3_greedy_tokens_match_transformers(llama3, tokenizer):
 def test_llama_variants_match_transformers(tmp_path_factory, tokenizer, kw):
     path, hf = _tiny(tmp_path_factory, tokenizer, "variant", bias=True, **kw)
     model = _check_parity(path, hf, tokenizer)
-    assert model.fused_layers is None  # the C loop runs SwiGLU with Q/K/V biases only: the Python loop runs these
+    assert model.fused_layers is None  # float32 projections (fp32): the Python loop (int8: test_layer_spec.py)
     _greedy_equal(path, hf, tokenizer)
 
 

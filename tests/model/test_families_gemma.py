@@ -112,7 +112,7 @@ def test_gemma3_matches_transformers_and_its_local_rope_base_matters(gemma3, tok
     model = build_model(loaded, select_backends("cpu", torch.float32, "fp32"))
     ids = tokenizer.encode(PROMPTS[0])
     right = _logits(model, ids)
-    model.local_rope_table = model.rope_table
+    model.rope_tables[1] = model.rope_tables[0]  # the local layers' table (spec.ropes[1])
     assert (_logits(model, ids) - right).abs().max().item() > 1e-3
 
 
@@ -384,7 +384,7 @@ def test_gemma_weights_without_their_feed_forward_norms_are_refused(tmp_path, ge
     weights = load_file(str(path / "model.safetensors"))
     del weights["model.layers.1.post_feedforward_layernorm.weight"]
     save_file(weights, str(path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM needs pre- and post-feed-forward norms; missing "
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM needs these norm weights; missing "
                                          r"\['model.layers.1.post_feedforward_layernorm.weight'\]"):
         build_model(load_model(str(path)), select_backends("cpu", torch.float32, "fp32"))
 
