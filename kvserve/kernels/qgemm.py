@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvserve.kernels.build import build_library
-from kvserve.quant import formats
+from kvserve.quant import formats, layouts
 from kvserve.quant import pack as P
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 #: The library's sources: the matmul, and the whole-layer-loop entry point that calls it
 #: (``kvserve.model.fused_layers``); the header they include; the flags (no ``-m`` ISA flag: see above).
 _SOURCES = ("qgemm.c", "decoder.c")
-_HEADERS = ("qgemm_amx.h",)
+_HEADERS = ("qgemm_amx.h", "qgemm_layouts.h", "qgemm_mx4.h")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 #: Instruction-set paths, best first, with qgemm.c's ids.
 ISAS = {"amx_int8": 3, "avx512_vnni": 2, "avx2": 1}
@@ -78,11 +78,15 @@ def load():
     lib.kvserve_q_quantize_rows.restype = None
     lib.kvserve_q_unpack_rows.argtypes = [cint, ptr, i64, i64, ptr, ptr, i64, ptr]
     lib.kvserve_q_unpack_rows.restype = cint
-    layout = (ctypes.c_int64 * 9)()
-    lib.kvserve_q_layout(layout)
-    if tuple(layout) != (P.QK, P.G, P.Q4_BLOCK, P.Q8_BLOCK, P.Q4F_BLOCK, P.Q6_BLOCK, P.Q5F_BLOCK, P.Q4K_BLOCK,
-                         P.Q4K_SUPER):
-        _reason = f"layout mismatch between qgemm.c {tuple(layout)} and pack.py"
+    lib.kvserve_q_layout_n.restype = i64
+    expected = layouts.c_constants()
+    n = lib.kvserve_q_layout_n()
+    got = (ctypes.c_int64 * n)()
+    lib.kvserve_q_layout(got)
+    if n != len(expected) or tuple(got) != tuple(v for _, v in expected):
+        diff = [f"{name} {v} != {g}" for (name, v), g in zip(expected, got) if v != g]
+        _reason = (f"layout mismatch between qgemm_layouts.h ({n} constants) and kvserve/quant/layouts.py "
+                   f"({len(expected)}): {', '.join(diff[:5]) or 'count differs'}")
         return None
     return lib
 
@@ -185,7 +189,7 @@ def qgemm(x: torch.Tensor, w: P.PackedWeight, isa_name: Optional[str] = None,
 
     Args:
         x: ``[M, in_features]``, float32 (another float dtype is converted first); made contiguous if it is not.
-        w: from ``pack.pack_q4`` / ``pack.pack_q5`` / ``pack.pack_q8`` / ``pack.pack_q6``.
+        w: a ``pack.PackedWeight`` of any layout (``traits.LAYOUT_TRAITS``).
         isa_name: a key of ``ISAS``; default ``isa()``.
         activations: ``"int8"`` or ``"int8x2"``.
 
@@ -249,7 +253,7 @@ def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray, activations: str = "in
 
 
 def self_check(name: str) -> bool:
-    """Run path ``name`` on small random Q4, Q4F, Q5F, Q8 (40 x 96), Q6 and Q4K (40 x 256) weights (1/5/13/53 rows: partial output groups, row
+    """Run path ``name`` on small random Q4, Q4F, Q5F, Q8, MX4 (40 x 96), Q6 and Q4K (40 x 256) weights (1/5/13/53 rows: partial output groups, row
     tiles, and full 16-row AMX tiles with a tail), with both ``ACTIVATIONS``, and compare with ``reference_qgemm``: relative error at most 1e-5 of
     ``sum |w| |x|`` (float32 rounding of the per-block sums). False if the CPU lacks it or any output is off."""
     if not cpu_supports(name):
@@ -281,6 +285,11 @@ def self_check(name: str) -> bool:
     ddmin = (rng.random((n, 1, 2)) * 0.01 + 0.001).astype(np.float16)
     dk, mk = formats.q4_k_values(scmn, ddmin)
     cases.append((P.pack_q4k(q4k, scmn, ddmin), np.repeat(dk, 32, 1) * q4k + np.repeat(mk, 32, 1)))
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    ex = rng.integers(118, 126, (n, k // 32), dtype=np.uint8)
+    wx = (P.MX4_KVALUES[codes].astype(np.float32).reshape(n, -1, 32) *
+          np.ldexp(np.float32(1), ex.astype(np.int32) - 128)[..., None]).reshape(n, k)
+    cases.append((P.pack_mx4(codes, ex), wx))
     for packed, wd in cases:
         k = packed.in_features
         for rows in (1, 5, 13, 53):

@@ -50,6 +50,7 @@ from kvserve.kernels import qgemm as kernels
 from kvserve.layers.linear import Linear, linear_16bit
 from kvserve.quant import formats
 from kvserve.quant import pack as P
+from kvserve.quant import traits
 from kvserve.quant.gguf_io import QuantTensor
 
 #: Allowed values of ``quantization`` (``None`` means ``"auto"``: the weight's own format).
@@ -90,44 +91,8 @@ def unpack_rows(w: P.PackedWeight, rows: np.ndarray) -> np.ndarray:
     rows = np.asarray(rows, np.int64).reshape(-1)
     if rows.size and (rows.min() < 0 or rows.max() >= w.out_features):
         raise IndexError(f"rows must be in [0, {w.out_features}), got {rows.min()}..{rows.max()}")
-    data = w.data.numpy()  # [groups, nb, block bytes]; row r is output r % 16 of group r // 16
-    g, o, t = rows // P.G, rows % P.G, len(rows)
-    groups, nb = data.shape[0], w.in_features // P.QK if w.fmt == P.FMT_Q4K else data.shape[1]
-
-    def scales(a: int, b: int, dtype: str) -> np.ndarray:  # [T, nb] float32: each row's scale per block
-        return data[..., a:b].view(dtype).reshape(groups, nb, P.G)[g, :, o].astype(np.float32)
-
-    if w.fmt == P.FMT_Q6:
-        sc = data[..., 32:64].view(np.int8).reshape(groups, nb, 2, P.G)[g, :, :, o].astype(np.float32)  # [T, nb, 2]
-        nib = data[..., 64:320].reshape(groups, nb, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
-        hb = data[..., 320:448].reshape(groups, nb, 2, P.G, 4)[g, :, :, o, :]  # [T, nb, j >> 1, i]
-        hb = np.stack([hb[:, :, 0], hb[:, :, 0] >> 4, hb[:, :, 1], hb[:, :, 1] >> 4], axis=2)  # [T, nb, j, i]
-        q = np.stack([(nib & 0x0F) | ((hb & 3) << 4), (nib >> 4) | (((hb >> 2) & 3) << 4)], axis=2)
-        q = q.reshape(t, nb, 2, 16).astype(np.float32) - np.float32(32)  # [T, nb, half, 16]
-        full = (scales(0, 32, "<f2")[..., None] * sc)[..., None] * q
-    elif w.fmt == P.FMT_Q8:
-        q = data[..., 32:].view(np.int8).reshape(groups, nb, 8, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
-        full = q.reshape(t, nb, 32).astype(np.float32) * scales(0, 32, "<f2")[..., None]
-        if w.oscale is not None:
-            full = full * w.oscale.numpy()[rows][:, None, None]
-    else:
-        if w.fmt == P.FMT_Q4K:  # [groups, nb / 8, 2368]: d[16], dmin[16] float16, then 8 x (sc[16], mn[16], nibbles)
-            ddmin = data[..., :64].view("<f2").reshape(groups, nb // 8, 2, P.G)[g, :, :, o]  # [T, nb / 8, 2]
-            blk = data[..., 64:].reshape(groups, nb, P.Q4K_BLOCK)
-            d, m = formats.q4_k_values(blk[..., :32].reshape(groups, nb, 2, P.G)[g, :, :, o], ddmin)
-            nib = blk[..., 32:].reshape(groups, nb, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
-        else:
-            d, m, qo = ((scales(0, 32, "<f2"), scales(32, 64, "<f2"), 64) if w.fmt == P.FMT_Q4
-                        else (scales(0, 64, "<f4"), scales(64, 128, "<f4"), 128))
-            nib = data[..., qo:qo + 256].reshape(groups, nb, 4, P.G, 4)[g, :, :, o, :]  # [T, nb, j, i]
-        q = np.stack([nib & 0x0F, nib >> 4], axis=2)  # [T, nb, half, j, i]
-        if w.fmt == P.FMT_Q5F:  # the fifth bit of (half, j) at bit 2j + half of byte o * 4 + i
-            hb = data[..., 384:448].reshape(groups, nb, P.G, 4)[g, :, o, :][:, :, None, None, :]  # [T, nb, 1, 1, i]
-            shift = (2 * np.arange(4)[None, :] + np.arange(2)[:, None]).astype(np.uint8)[:, :, None]  # [half, j, 1]
-            q = q | (((hb >> shift) & 1) << 4)
-        q = q.reshape(t, nb, 32).astype(np.float32)  # [T, nb, half j i]
-        full = d[..., None] * q + m[..., None]
-    return np.ascontiguousarray(full.reshape(t, nb * 32)[:, : w.in_features])
+    full = traits.LAYOUT_TRAITS[w.fmt].unpack(w, rows)
+    return np.ascontiguousarray(full[:, : w.in_features])
 
 
 class QuantLinear:
@@ -232,27 +197,16 @@ def _chunked(t: QuantTensor, fn) -> tuple:
 
 
 def _canonical(t: QuantTensor, quantization: str) -> tuple:
-    """One GGUF tensor -> ``(kind, fmt, q, d, extra)``: the arrays ``pack_q4`` (extra: m) / ``pack_q8`` (extra:
-    ``None``) / ``pack_q6`` (``d`` the int8 sub-block scales, extra the float16 super-block scales) take; every
-    array has one row per output, so a fused projection's parts concatenate."""
-    if t.qtype not in formats.QUANTIZED_TYPES:
-        raise ValueError(f"{t.name}: unsupported GGML type {t.qtype.name}")
-    if quantization == "int8":
-        q, d = _chunked(t, P.quantize_q8_blocks)  # GGUF rows are whole blocks: K is a multiple of 32
-        return "int8", P.FMT_Q8, q, d, None
-    if t.qtype in (formats.Q4_0, formats.Q4_1):
-        return ("q4", P.FMT_Q4, *formats.decode_q4(t.raw, t.qtype, t.in_features))
-    if t.qtype == formats.Q8_0:
-        return ("q8", P.FMT_Q8, *formats.decode_q8(t.raw, t.in_features), None)
-    if t.qtype == formats.IQ4_NL:  # the grid's int8 values and the file's d: Q8 blocks, exact (8.5 bits a weight)
-        return ("iq4_nl", P.FMT_Q8, *formats.decode_iq4_nl(t.raw, t.in_features), None)
-    if t.qtype in (formats.Q5_0, formats.Q5_1):  # 5-bit values with exact float32 d, m: Q5F blocks
-        return (t.qtype.name.lower(), P.FMT_Q5F, *formats.decode_q5(t.raw, t.qtype, t.in_features))
-    if t.qtype == formats.Q4_K:  # the stored 6-bit scales and float16 super-block scales (4.625 bits a weight)
-        return ("q4_k", P.FMT_Q4K, *formats.decode_q4_k_parts(t.raw, t.in_features))
-    if t.qtype == formats.Q5_K:
-        return ("q5_k", P.FMT_Q5F, *formats.decode_q5_k(t.raw, t.in_features))
-    return ("q6_k", P.FMT_Q6, *formats.decode_q6_k(t.raw, t.in_features))  # Q6_K
+    """One GGUF tensor -> ``(kind, fmt, parts)``: the layer kind, the kernel layout's format id and the arrays its
+    ``pack`` takes (``traits``: one row per output in each, so a fused projection's parts concatenate).
+
+    Raises:
+        ValueError: a GGUF type with no ``traits.TYPE_TRAITS`` record.
+    """
+    if quantization == "int8" and t.qtype in formats.QUANTIZED_TYPES:  # GGUF rows are whole blocks: K % 32 == 0
+        return "int8", P.FMT_Q8, _chunked(t, P.quantize_q8_blocks)
+    tt = traits.type_traits(t.qtype, t.name)
+    return tt.kind, tt.layout.fmt, tt.decode(t.raw, t.in_features)
 
 
 class ConcatLinear:
@@ -314,13 +268,10 @@ def make_linear_method(weight, quantization: Optional[str] = None, path: Optiona
             dtype = torch.bfloat16 if parts[0].qtype == formats.BF16 else torch.float16
             return linear_16bit(torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(dtype), use_kernels)
         canon = [_canonical(p, quantization) for p in parts]
-        kinds = {(c[1], c[0] == "int8") for c in canon}
-        if len(kinds) > 1:
+        if len({(c[1], c[0] == "int8") for c in canon}) > 1:  # layouts differ: one packed weight per part
             return ConcatLinear([_pack(c, path, use_kernels) for c in canon])
         kind = "+".join(dict.fromkeys(c[0] for c in canon))
-        extra = None if canon[0][4] is None else np.concatenate([c[4] for c in canon])  # m, or int8 scales
-        return _pack((kind, canon[0][1], np.concatenate([c[2] for c in canon]),
-                      np.concatenate([c[3] for c in canon]), extra), path, use_kernels)
+        return _pack((kind, canon[0][1], traits.concat_parts([c[2] for c in canon])), path, use_kernels)
     ws = [p if isinstance(p, np.ndarray) else p.detach().cpu().float().numpy() for p in parts]
     if any(w.ndim != 2 for w in ws) or len({w.shape[1] for w in ws}) != 1:
         raise ValueError(f"linear weights must be 2-D [out_features, in_features] with one in_features, got "
@@ -338,16 +289,9 @@ def _path_args(path: kernels.QuantPath, use_kernels: bool = True) -> dict:
 
 
 def _pack(c: tuple, path: kernels.QuantPath, use_kernels: bool = True) -> QuantLinear:
-    kind, fmt, q, d, extra = c
-    if fmt == P.FMT_Q6:
-        return QuantLinear(P.pack_q6(q, d, extra), kind, **_path_args(path, use_kernels))
-    if fmt == P.FMT_Q5F:
-        return QuantLinear(P.pack_q5(q, d, extra), kind, **_path_args(path, use_kernels))
-    if fmt == P.FMT_Q4K:
-        return QuantLinear(P.pack_q4k(q, d, extra), kind, **_path_args(path, use_kernels))
-    if fmt in (P.FMT_Q4, P.FMT_Q4F):
-        return QuantLinear(P.pack_q4(q, d, extra), kind, **_path_args(path, use_kernels))
-    return QuantLinear(P.pack_q8(q, d, extra), kind, **_path_args(path, use_kernels))
+    """``(kind, fmt, parts)`` (``_canonical``) -> a ``QuantLinear`` over the layout's packed weight."""
+    kind, fmt, parts = c
+    return QuantLinear(traits.LAYOUT_TRAITS[fmt].pack(*parts), kind, **_path_args(path, use_kernels))
 
 
 def weight_formats(parts: list, layer) -> list:

@@ -13,7 +13,8 @@ Keys:
   the same layout. The first hash reads the file once (fast next to the packing it guards).
 - **Quantization**: ``"auto"`` or ``"int8"`` (``"fp32"`` keeps no packed weights).
 - **Code version** (``code_version``): ``PACK_VERSION`` plus a hash of the sources that define the packed layout
-  and how it is made (``quant/pack.py``, ``quant/formats.py``, ``quant/linear.py``, ``csrc/qgemm.c``): a change
+  and how it is made (``quant/pack.py``, ``formats.py``, ``layouts.py``, ``traits.py``, ``layers/quant_linear.py``,
+  ``csrc/qgemm*.{c,h}``): a change
   to any of them makes a new entry (and the old one of that model and quantization is deleted).
 
 The GGUF metadata cache (``read_gguf_cached``) lives in the same root: ``<root>/gguf-meta/<sha256 of the model
@@ -23,11 +24,15 @@ file with ``gguf.GGUFReader`` (slow: a numpy view per vocabulary item; logged as
 later runs read the JSON and memory-map the file. An entry that is unreadable, of another version or model, fails
 its checksum, or whose tensor table does not fit the file is rebuilt, never used.
 
-File layout of a ``.kvpack``: ``b"KVSPACK1"``, ``uint64`` header length, ``uint32`` CRC-32 of header and payload, the JSON header
-(format, keys, and per fused projection the packed parts: kind, format, shapes, payload offsets), zero padding to
-64 bytes, then the payload (each array 64-byte aligned). Written to a temporary file and ``os.replace``-d into
-place (readers see nothing or the whole file). Read with ``numpy.memmap`` (copy-on-write mapping: the weights are
-the file's pages, never copied); before use the size, the header's keys and the CRC are checked, and anything
+File layout of a ``.kvpack``: the payload (each array at a 64-byte aligned offset), the JSON header (format, keys,
+and per fused projection the packed parts: kind, format, shapes, payload offsets), then a trailer: ``b"KVSPACK2"``,
+``uint64`` payload bytes, ``uint64`` header bytes, ``uint32`` CRC-32 of payload and header. The header comes last so
+that a first run streams the entry: each projection's packed arrays are appended to a temporary file as soon as the
+projection is built and the layer then computes from those bytes, memory-mapped (``_EntryWriter``), so no second,
+anonymous copy of the packed weights exists even while packing, and the GGUF pages each projection was packed from
+leave the resident set at once (``QuantTensor.release``); the finished file is ``os.replace``-d into place (readers
+see nothing or the whole file). Read with ``numpy.memmap`` (copy-on-write mapping: the weights are the file's
+pages, never copied); before use the size, the trailer, the header's keys and the CRC are checked, and anything
 wrong (truncated, flipped bytes, another version or model) means the entry is rebuilt, never used.
 
 ``WeightCache.build_model`` is called by ``registry.build_model``: it gives the model a ``make_linear`` that serves
@@ -63,13 +68,14 @@ from kvserve.layers.quant_linear import ConcatLinear, QuantLinear, describe_weig
 logger = logging.getLogger(__name__)
 
 #: Bump when the entry format or the meaning of its fields changes (source changes are hashed anyway).
-PACK_VERSION = 3  # 2: Q6_K kept in its own packed format (FMT_Q6); 3: Q4_K as stored (FMT_Q4K)
-_MAGIC = b"KVSPACK1"
-_PREAMBLE = struct.Struct("<8sQI")
+PACK_VERSION = 4  # 2: Q6_K kept in its own packed format (FMT_Q6); 3: Q4_K as stored (FMT_Q4K); 4: header at the end
+_MAGIC = b"KVSPACK2"
+_TRAILER = struct.Struct("<8sQQI")  # magic, payload bytes, header bytes, CRC-32 of payload and header
 _ALIGN = 64
 _PKG = Path(__file__).resolve().parents[1]
-_VERSIONED_SOURCES = [_PKG / "quant" / "pack.py", _PKG / "quant" / "formats.py", _PKG / "layers" / "quant_linear.py",
-                      _PKG / "kernels" / "csrc" / "qgemm.c", _PKG / "kernels" / "csrc" / "qgemm_amx.h"]
+_VERSIONED_SOURCES = [_PKG / "quant" / n for n in ("pack.py", "formats.py", "layouts.py", "traits.py")] + \
+    [_PKG / "layers" / "quant_linear.py"] + \
+    [_PKG / "kernels" / "csrc" / n for n in ("qgemm.c", "qgemm_amx.h", "qgemm_layouts.h", "qgemm_mx4.h")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,28 +170,60 @@ class WeightCache:
         entry = self.read(quantization, backends.quant_path, backends.use_kernels)
         if entry is None:
             logger.info("first run: packing weights into %s (one-off)", path)
-        built: dict = {}
         make = backends.make_linear
         runs_as: list = []  # (the file's format, the layer's path) per weight tensor, for the load log
+        writer = None
+        if entry is None:
+            try:
+                writer = _EntryWriter(path, backends.quant_path, backends.use_kernels)
+            except OSError as e:
+                logger.warning("cannot write the packed-weight cache %s: %s", path, e)
 
         def make_linear(parts: list):
+            nonlocal writer
             key = _names(parts)
-            layer = entry[key] if key is not None and entry is not None and key in entry else make(parts)
-            if key is not None and (entry is None or key not in entry):
-                built[key] = layer
+            if key is not None and entry is not None and key in entry:
+                layer = entry[key]
+            else:
+                layer = make(parts)
+                for p in parts:  # its blocks are packed: the file's pages and any reordered copy can go
+                    if isinstance(p, QuantTensor):
+                        p.release()
+                if key is not None and writer is not None:
+                    try:  # written at once, and computed from the entry's mapped pages: no second copy
+                        layer = writer.add(key, layer)
+                    except OSError as e:
+                        logger.warning("cannot write the packed-weight cache %s: %s", path, e)
+                        writer.abort()
+                        writer = None
             runs_as.extend(weight_formats(parts, layer))
             return layer
 
-        model = build(dataclasses.replace(backends, make_linear=make_linear))
+        try:
+            model = build(dataclasses.replace(backends, make_linear=make_linear))
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
         if runs_as:
             logger.info("weights: %s", describe_weight_formats(runs_as))
-        if entry is None and built:
+        if writer is not None and not writer.layers:  # nothing quantized to keep
+            writer.abort()
+        elif writer is not None:
             try:
-                self.write(quantization, built)
+                writer.finish(self._expected(quantization), self._delete_others)
             except OSError as e:
                 logger.warning("cannot write the packed-weight cache %s: %s", path, e)
+                writer.abort()
             return_free_heap()
         return model
+
+    def _delete_others(self, path: Path) -> None:
+        """Delete the entries of this model and ``path``'s quantization other than ``path`` (older versions)."""
+        quantization = path.name.split("-")[1]
+        for old in path.parent.glob(f"{self.source_hash[:16]}-{quantization}-*.kvpack"):
+            if old != path:
+                old.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------------------------------------ write
     def write(self, quantization: str, layers: dict) -> Path:
@@ -196,48 +234,14 @@ class WeightCache:
         Raises:
             OSError: the folder or file cannot be written.
         """
-        header = dict(self._expected(quantization), layers={})
-        arrays, offset = [], 0
-        for key, layer in layers.items():
-            parts = _quant_parts(layer)
-            if parts is None:
-                continue
-            specs = []
-            for q in parts:
-                pw = q.packed
-                spec = {"kind": q.path.rsplit("/", 1)[0], "fmt": pw.fmt, "out_features": pw.out_features,
-                        "in_features": pw.in_features, "layer_in_features": q.in_features}
-                for field, t in (("data", pw.data), ("oscale", pw.oscale)):
-                    if t is None:
-                        spec[field] = None
-                        continue
-                    a = t.numpy()
-                    spec[field] = {"offset": offset, "dtype": a.dtype.str, "shape": list(a.shape)}
-                    arrays.append((offset, a))
-                    offset += -(-a.nbytes // _ALIGN) * _ALIGN
-                specs.append(spec)
-            header["layers"][key] = specs
-        header["payload_bytes"] = offset
-        hbytes = json.dumps(header, sort_keys=True).encode()
-        start = -(-(_PREAMBLE.size + len(hbytes)) // _ALIGN) * _ALIGN
-        pad_head = bytes(start - _PREAMBLE.size - len(hbytes))
-        payload_chunks, pos = [], 0
-        for off, a in arrays:
-            if off > pos:
-                payload_chunks.append(bytes(off - pos))
-            payload_chunks.append(memoryview(np.ascontiguousarray(a)).cast("B"))
-            pos = off + a.nbytes
-        if offset > pos:
-            payload_chunks.append(bytes(offset - pos))
-        crc = zlib.crc32(hbytes)
-        for c in payload_chunks:
-            crc = zlib.crc32(c, crc)
-        path = self.entry_path(quantization)
-        atomic_write(path, [_PREAMBLE.pack(_MAGIC, len(hbytes), crc), hbytes, pad_head, *payload_chunks])
-        for old in path.parent.glob(f"{self.source_hash[:16]}-{quantization}-*.kvpack"):
-            if old != path:
-                old.unlink(missing_ok=True)
-        return path
+        writer = _EntryWriter(self.entry_path(quantization), map_layers=False)
+        try:
+            for key, layer in layers.items():
+                writer.add(key, layer)
+            return writer.finish(self._expected(quantization), self._delete_others)
+        except BaseException:
+            writer.abort()
+            raise
 
     # ------------------------------------------------------------------------------------------------- read
     def read(self, quantization: str, path: Optional[QuantPath] = None, use_kernels: bool = True) -> Optional[dict]:
@@ -256,41 +260,116 @@ class WeightCache:
 
     def _read(self, path: Path, quantization: str, quant_path: QuantPath, use_kernels: bool) -> dict:
         mm = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: writable views, pages never copied
-        if len(mm) < _PREAMBLE.size:
+        if len(mm) < _TRAILER.size:
             raise ValueError("truncated")
-        magic, hlen, crc = _PREAMBLE.unpack(bytes(mm[: _PREAMBLE.size]))
+        magic, payload_bytes, hlen, crc = _TRAILER.unpack(bytes(mm[len(mm) - _TRAILER.size:]))
         if magic != _MAGIC:
             raise ValueError(f"bad magic {magic!r}")
-        start = -(-(_PREAMBLE.size + hlen) // _ALIGN) * _ALIGN
-        if len(mm) < start:
-            raise ValueError("truncated header")
-        hbytes = bytes(mm[_PREAMBLE.size: _PREAMBLE.size + hlen])
-        payload = mm[start:]
-        if zlib.crc32(memoryview(payload), zlib.crc32(hbytes)) != crc:  # before anything is parsed
+        if payload_bytes + hlen + _TRAILER.size != len(mm):
+            raise ValueError(f"{len(mm)} bytes, expected {payload_bytes + hlen + _TRAILER.size} (truncated)")
+        payload = mm[:payload_bytes]
+        hbytes = bytes(mm[payload_bytes: payload_bytes + hlen])
+        if zlib.crc32(hbytes, zlib.crc32(memoryview(payload))) != crc:  # before anything is parsed
             raise ValueError("checksum mismatch (truncated or corrupt)")
         header = json.loads(hbytes)
         for k, v in self._expected(quantization).items():
             if header.get(k) != v:
                 raise ValueError(f"stale: {k} is {header.get(k)!r}, expected {v!r}")
-        if len(payload) != header["payload_bytes"]:
-            raise ValueError(f"payload of {len(payload)} bytes, expected {header['payload_bytes']}")
+        if header["payload_bytes"] != payload_bytes:
+            raise ValueError(f"payload of {payload_bytes} bytes, the header says {header['payload_bytes']}")
+        return {key: _layer(specs, lambda spec: _array(payload, spec), quant_path, use_kernels)
+                for key, specs in header["layers"].items()}
 
-        def array(spec):
-            if spec is None:
-                return None
-            dt = np.dtype(spec["dtype"])
-            n = int(np.prod(spec["shape"], dtype=np.int64))
-            a = payload[spec["offset"]: spec["offset"] + n * dt.itemsize].view(dt).reshape(spec["shape"])
-            return torch.from_numpy(a)
 
-        layers = {}
-        for key, specs in header["layers"].items():
-            parts = [QuantLinear(P.PackedWeight(s["fmt"], array(s["data"]), s["out_features"], s["in_features"],
-                                                array(s["oscale"])), s["kind"], in_features=s["layer_in_features"],
-                                 isa=quant_path.isa, activations=quant_path.activations, use_kernels=use_kernels)
-                     for s in specs]
-            layers[key] = parts[0] if len(parts) == 1 else ConcatLinear(parts)
-        return layers
+def _array(payload: np.ndarray, spec: Optional[dict]) -> Optional[torch.Tensor]:
+    """The tensor ``spec`` (``{"offset", "dtype", "shape"}`` or ``None``) describes, a view of ``payload``."""
+    if spec is None:
+        return None
+    dt = np.dtype(spec["dtype"])
+    n = int(np.prod(spec["shape"], dtype=np.int64))
+    return torch.from_numpy(payload[spec["offset"]: spec["offset"] + n * dt.itemsize].view(dt).reshape(spec["shape"]))
+
+
+def _layer(specs: list, array: Callable, quant_path: QuantPath, use_kernels: bool):
+    """A ``QuantLinear`` (one spec) or ``ConcatLinear`` over the arrays ``array(spec)`` gives for each part."""
+    parts = [QuantLinear(P.PackedWeight(s["fmt"], array(s["data"]), s["out_features"], s["in_features"],
+                                        array(s["oscale"])), s["kind"], in_features=s["layer_in_features"],
+                         isa=quant_path.isa, activations=quant_path.activations, use_kernels=use_kernels)
+             for s in specs]
+    return parts[0] if len(parts) == 1 else ConcatLinear(parts)
+
+
+class _EntryWriter:
+    """Writes a ``.kvpack`` entry one layer at a time: each layer's packed arrays are appended to a temporary file
+    in the entry's folder as soon as the layer is built, and (``map_layers``) ``add`` returns the same layer over
+    those bytes, memory-mapped, so the freshly packed copy is dropped at once: a first run never holds a second
+    copy of the packed weights. ``finish`` appends the header and trailer and renames the file into place (the
+    mappings stay valid: the same file). Payload arrays start at 64-byte aligned offsets."""
+
+    def __init__(self, path: Path, quant_path: Optional[QuantPath] = None, use_kernels: bool = True,
+                 map_layers: bool = True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        self.path, self.tmp, self.f = path, Path(tmp), os.fdopen(fd, "wb")
+        self.quant_path = default_path() if quant_path is None else quant_path
+        self.use_kernels, self.map_layers = use_kernels, map_layers
+        self.offset, self.crc, self.layers = 0, 0, {}
+
+    def _append(self, chunk) -> None:
+        self.f.write(chunk)
+        self.crc = zlib.crc32(chunk, self.crc)
+        self.offset += len(chunk)
+
+    def add(self, key: str, layer):
+        """Append ``layer``'s packed arrays (a ``QuantLinear`` or a ``ConcatLinear`` of them; anything else is
+        returned as it is, unwritten); returns the layer to use: over the written bytes when ``map_layers``."""
+        parts = _quant_parts(layer)
+        if parts is None:
+            return layer
+        specs = []
+        for q in parts:
+            pw = q.packed
+            spec = {"kind": q.path.rsplit("/", 1)[0], "fmt": pw.fmt, "out_features": pw.out_features,
+                    "in_features": pw.in_features, "layer_in_features": q.in_features}
+            for field, t in (("data", pw.data), ("oscale", pw.oscale)):
+                if t is None:
+                    spec[field] = None
+                    continue
+                a = np.ascontiguousarray(t.numpy())
+                self._append(bytes(-self.offset % _ALIGN))
+                spec[field] = {"offset": self.offset, "dtype": a.dtype.str, "shape": list(a.shape)}
+                self._append(memoryview(a).cast("B"))
+            specs.append(spec)
+        self.layers[key] = specs
+        if not self.map_layers:
+            return layer
+        self.f.flush()  # the bytes in the page cache, where the mapping reads them
+        return _layer(specs, self._mapped, self.quant_path, self.use_kernels)
+
+    def _mapped(self, spec: Optional[dict]) -> Optional[torch.Tensor]:
+        if spec is None:
+            return None
+        dt = np.dtype(spec["dtype"])
+        m = np.memmap(self.tmp, dtype=dt, mode="c", offset=spec["offset"], shape=tuple(spec["shape"]))
+        return torch.from_numpy(m)
+
+    def finish(self, expected: dict, delete_others: Callable) -> Path:
+        """Append the header (``expected`` keys, the layers, the payload size) and the trailer, rename the file to
+        the entry's path, and ``delete_others(path)``. Returns the path."""
+        self._append(bytes(-self.offset % _ALIGN))
+        payload_bytes = self.offset
+        hbytes = json.dumps(dict(expected, layers=self.layers, payload_bytes=payload_bytes), sort_keys=True).encode()
+        self._append(hbytes)
+        self.f.write(_TRAILER.pack(_MAGIC, payload_bytes, len(hbytes), self.crc))
+        self.f.close()
+        os.replace(self.tmp, self.path)
+        delete_others(self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Close and delete the temporary file (layers already mapped keep their pages until dropped)."""
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 def return_free_heap() -> None:

@@ -1,4 +1,4 @@
-"""GGUF block formats decoded in numpy: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K.
+"""GGUF block formats decoded in numpy: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4.
 
 Layouts from the GGUF spec / llama.cpp ``ggml-common.h`` (``block_q4_0`` ...) and the arithmetic of
 ``ggml-quants.c`` ``dequantize_row_*``, done in float32 in the same order, so ``dequantize`` equals
@@ -22,6 +22,11 @@ Block layouts (``d``, ``dmin``, ``m`` are little-endian float16; ``QK_K = 256``)
 - Q6_K (256 values, 210 bytes): ``ql[128]``, ``qh[64]``, ``scales[16]`` int8, ``d``; with ``e = 128h + r``: low 4 bits
   are nibble ``r // 64`` of ``ql[64h + r % 64]``, high 2 bits are bits ``2 (r // 32)`` of ``qh[32h + r % 32]``;
   ``w = (d * sc[e // 16]) * (q - 32)``.
+- Q3_K (256 values, 110 bytes): ``hmask[32]``, ``qs[64]``, ``scales[12]`` (sixteen 6-bit scales ``s``), ``d``; value
+  ``e = 128h + 32s + l``: 2 low bits at bit ``2s`` of ``qs[32h + l]``, high-mask bit ``e // 32`` of ``hmask[l]``;
+  ``w = (d * (s[e // 16] - 32)) * (low - (bit ? 0 : 4))``.
+- MXFP4 (32 values, 17 bytes; OCP Microscaling v1.0): ``e`` (E8M0), ``qs[16]`` as Q4_0's, 4-bit E2M1 codes;
+  ``w = MXFP4_VALUES[code] * 2^(e - 128)`` (twice the E2M1 value times half the block scale ``2^(e - 127)``).
 """
 
 from __future__ import annotations
@@ -34,12 +39,15 @@ Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQua
 Q4_K, Q5_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K
 Q5_0, Q5_1, IQ4_NL = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.IQ4_NL
 F16, BF16 = GGMLQuantizationType.F16, GGMLQuantizationType.BF16
+Q3_K, MXFP4 = GGMLQuantizationType.Q3_K, GGMLQuantizationType.MXFP4
 #: 16-bit float weights, kept in 16 bits (``kvserve.layers.linear.linear_16bit``).
 FLOAT16_TYPES = (F16, BF16)
 #: The formats kvserve keeps in their own bits (block formats, and 2-D F16 / BF16 weights).
-QUANTIZED_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K, F16, BF16)
+QUANTIZED_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, F16, BF16)
 #: IQ4_NL's non-linear 4-bit grid (llama.cpp ``kvalues_iq4nl``, ``ggml-common.h``).
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+#: Twice the E2M1 values of the 16 MXFP4 codes (OCP MX v1.0; llama.cpp ``kvalues_mxfp4``): ``w = value * 2^(e - 128)``.
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
 def block_size(qtype) -> tuple[int, int]:
@@ -180,6 +188,49 @@ def decode_q6_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.nda
     return q, blk[..., 192:208].view(np.int8).reshape(n, k // 16), _f16(blk[..., 208:210])
 
 
+def decode_q3_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q3_K rows -> ``decode_q6_k``'s form ``(q uint8 [N, K] in 28..35, sc int8 [N, K/16] in -32..31, d float16
+    [N, K/256])`` with ``w = (d * sc) * (q - 32)``: Q3_K's ``(d * (s - 32)) * q3`` with ``q3 = q - 32`` in -4..3
+    (2 low bits, minus 4 where the high-mask bit is clear) and ``s`` its 6-bit scale, the same products as
+    ``dequantize``, so Q3_K runs on the Q6 kernels exactly."""
+    blk = _blocks(raw, Q3_K, k)
+    n, nb = blk.shape[:2]
+    hmask, qs, scales = blk[..., 0:32], blk[..., 32:96], blk[..., 96:108]
+    lo = (scales[..., 0:8].reshape(n, nb, 1, 8) >> np.array([0, 4], np.uint8).reshape(2, 1)).reshape(n, nb, 16)
+    hi = (scales[..., 8:12].reshape(n, nb, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)).reshape(n, nb, 16)
+    sc = ((lo & 0x0F) | ((hi & 0x03) << 4)).astype(np.int8) - np.int8(32)
+    ql = (qs.reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)).reshape(n, nb, 256) & 3
+    qh = (hmask.reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)).reshape(n, nb, 256) & 1
+    q = ql + (qh << 2) + np.uint8(28)  # q3 + 32 = ql - 4 (1 - qh) + 32
+    return q.reshape(n, k), sc.reshape(n, k // 16), _f16(blk[..., 108:110])
+
+
+def decode_mxfp4(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 rows (GGUF: per 32 values an E8M0 byte ``e``, then ``qs[16]`` as Q4_0's) -> ``(codes uint8 [N, K] in
+    0..15, e uint8 [N, K/32])`` with ``w = MXFP4_VALUES[code] * 2^(e - 128)`` (OCP MX v1.0; gguf's
+    ``MXFP4.dequantize_blocks``): ``pack.pack_mx4``'s input."""
+    blk = _blocks(raw, MXFP4, k)
+    return _nibbles(blk[..., 1:17], _Q4_BYTE, _Q4_SHIFT).reshape(raw.shape[0], k), np.ascontiguousarray(blk[..., 0])
+
+
+def decode_mxfp4_hf(blocks: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Hugging Face MXFP4 weight (gpt-oss's ``*_blocks`` uint8 ``[..., N, K/32, 16]``: byte ``b`` holds value
+    ``2b`` in its low nibble and ``2b + 1`` in its high; ``*_scales`` uint8 ``[..., N, K/32]``: E8M0, ``w =
+    FP4_VALUES[code] * 2^(scale - 127)``, transformers' ``convert_moe_packed_tensors``) -> ``decode_mxfp4``'s
+    ``(codes [..., N, K], e [..., N, K/32])``: the same codes, and ``e = scale`` since ``FP4_VALUES`` are half of
+    ``MXFP4_VALUES``.
+
+    Raises:
+        ValueError: shapes that do not match.
+    """
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.ndim < 3 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks [..., N, K/32, 16] and scales [..., N, K/32] expected, got "
+                         f"{list(blocks.shape)} and {list(scales.shape)}")
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [..., N, K/32, 16, 2]: value 2b, 2b + 1
+    return codes.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32), scales
+
+
 def _k_scales(sc12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K ``scales[12]`` -> eight 6-bit scales and eight 6-bit mins (llama.cpp ``get_scale_min_k4``)."""
     a, b, c = sc12[..., 0:4], sc12[..., 4:8], sc12[..., 8:12]
@@ -230,6 +281,16 @@ def dequantize(raw: np.ndarray, qtype, k: int) -> np.ndarray:
         dm = (dmin[..., None] * mn.astype(np.float32))[..., None]
         w = ds * q.reshape(*q.shape[:-1], 8, 32).astype(np.float32) - dm
         return w.reshape(n, k)
+    if qtype == Q3_K:
+        q, sc, d = decode_q3_k(raw, k)
+        ds = (d.astype(np.float32)[..., None] * sc.reshape(n, -1, 16).astype(np.float32))[..., None]  # [N, nb, 16, 1]
+        q3 = (q.astype(np.int8) - np.int8(32)).astype(np.float32).reshape(n, -1, 16, 16)
+        return (ds * q3).reshape(n, k)
+    if qtype == MXFP4:
+        codes, e = decode_mxfp4(raw, k)
+        bits = np.where(e < 2, np.uint32(0x00200000) << e.astype(np.uint32), (e.astype(np.uint32) - 1) << np.uint32(23))
+        d = bits.view(np.float32)  # 2^(e - 128), gguf's e8m0_to_fp32_half
+        return (d[..., None] * MXFP4_VALUES[codes].reshape(n, -1, 32).astype(np.float32)).reshape(n, k)
     if qtype == Q6_K:
         blk = _blocks(raw, qtype, k)
         lo = (blk[..., 0:128][..., _Q6_LBYTE] >> _Q6_LSHIFT) & np.uint8(0x0F)

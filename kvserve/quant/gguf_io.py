@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ class QuantTensor:
         source: ``uint8 [rows of the source, bytes_per_row]``: the blocks as stored (a view of the memory-mapped
             file); each row is ``in_features / values_per_block`` blocks.
         shape: ``(out_features, in_features)`` (row-major; GGUF lists it reversed).
+        experts: ``0``, or the number of experts of a stacked 3-D tensor (``expert(e)`` gives one).
         rows: ``None``, or the source rows this tensor's rows are, in order (``take_rows``): applied on the first
             read of ``raw``, so a reordered tensor that is never read (its packed form served from the
             ``weight_cache``) costs neither a copy nor a read of the file's pages.
@@ -57,6 +59,24 @@ class QuantTensor:
     shape: tuple
     rows: Optional[np.ndarray] = None
     file: Optional[tuple] = None
+    experts: int = 0
+
+    def expert(self, e: int) -> "QuantTensor":
+        """Expert ``e`` of a stacked tensor (``experts > 0``: a 3-D GGUF tensor ``[experts, out, in]`` held as
+        ``[experts * out, in]``): its ``[out, in]`` rows, a view of the same bytes (no copy), named
+        ``<name>#<e>``.
+
+        Raises:
+            ValueError: not a stacked tensor, or ``e`` outside ``[0, experts)``.
+        """
+        if not self.experts or self.rows is not None:
+            raise ValueError(f"{self.name} is not a stacked expert tensor")
+        if not 0 <= e < self.experts:
+            raise ValueError(f"expert must be in [0, {self.experts}), got {e}")
+        n = self.out_features // self.experts
+        src = self.source[e * n:(e + 1) * n]
+        file = None if self.file is None else (self.file[0], self.file[1] + e * n * self.source.shape[1])
+        return QuantTensor(f"{self.name}#{e}", self.qtype, src, (n, self.in_features), None, file)
 
     @functools.cached_property
     def raw(self) -> np.ndarray:
@@ -89,6 +109,23 @@ class QuantTensor:
         else:
             raw = self.raw[np.asarray(rows)]
         return formats.dequantize(raw, self.qtype, self.in_features)
+
+    def release(self) -> None:
+        """Give back what reading this tensor made resident, once it is packed: the reordered copy ``raw`` made
+        (if any), and the mapped file's pages of its blocks (``madvise(MADV_DONTNEED)`` on the mapping: the
+        process's resident set shrinks; the pages stay in the page cache, and a later read faults them in again).
+        Nothing changes what the tensor reads."""
+        self.__dict__.pop("raw", None)
+        m = getattr(self.source, "_mmap", None)  # numpy memmap views carry the mapping they view
+        if m is None or not hasattr(m, "madvise") or not self.source.flags.c_contiguous or not self.source.nbytes:
+            return
+        try:
+            off = self.source.ctypes.data - np.frombuffer(m, np.uint8, count=1).ctypes.data  # from the mapping's start
+            lo = off // mmap.PAGESIZE * mmap.PAGESIZE
+            if 0 <= lo and off + self.source.nbytes <= len(m):
+                m.madvise(mmap.MADV_DONTNEED, lo, off + self.source.nbytes - lo)
+        except (OSError, ValueError):  # advice only
+            pass
 
     def take_rows(self, index: np.ndarray) -> "QuantTensor":
         """The tensor with its rows reordered (``new[i] = old[index[i]]``): exact, rows are independent blocks.
@@ -239,6 +276,9 @@ def _as_tensor(name: str, qtype: GGMLQuantizationType, shape: tuple,
     elif qtype == GGMLQuantizationType.BF16:
         bits = np.asarray(data).view("<u2").astype(np.uint32) << 16
         return bits.view(np.float32).reshape(shape)
+    if len(shape) == 3:  # a mixture of experts' stacked weights (llama.cpp's ffn_*_exps): [experts, out, in]
+        return QuantTensor(name, qtype, data.reshape(shape[0] * shape[1], -1), (shape[0] * shape[1], shape[2]),
+                           experts=shape[0])
     if len(shape) != 2:
-        raise ValueError(f"{name}: quantized tensors must be 2-D, got shape {list(shape)}")
+        raise ValueError(f"{name}: quantized tensors must be 2-D (or 3-D: experts), got shape {list(shape)}")
     return QuantTensor(name, qtype, data.reshape(shape[0], -1), shape)

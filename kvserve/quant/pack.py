@@ -22,10 +22,20 @@ from typing import Optional
 import numpy as np
 import torch
 
-QK, G = 32, 16
-Q4_BLOCK, Q8_BLOCK, Q4F_BLOCK, Q6_BLOCK, Q5F_BLOCK = 320, 544, 384, 448, 448
-Q4K_BLOCK, Q4K_SUPER = 288, 64 + 8 * 288  # a Q4K block; a Q4K super-block (8 blocks and their d, dmin)
-FMT_Q4, FMT_Q8, FMT_Q4F, FMT_Q6, FMT_Q5F, FMT_Q4K = 0, 1, 2, 3, 4, 5
+from kvserve.quant import layouts as L
+from kvserve.quant.formats import MXFP4_VALUES, q4_k_values
+from kvserve.quant.layouts import G, Q4K_BLOCK, QK
+
+# Names kept for callers: block bytes and format ids (the records are ``layouts.LAYOUTS``).
+Q4_BLOCK, Q8_BLOCK, Q4F_BLOCK, Q6_BLOCK, Q5F_BLOCK, MX4_BLOCK = (L.Q4.block_bytes, L.Q8.block_bytes, L.Q4F.block_bytes,
+                                                                 L.Q6.block_bytes, L.Q5F.block_bytes, L.MX4.block_bytes)
+Q4K_SUPER = L.Q4K.super_bytes  # a Q4K super-block (8 blocks and their d, dmin)
+FMT_Q4, FMT_Q8, FMT_Q4F, FMT_Q6, FMT_Q5F, FMT_Q4K, FMT_MX4 = (L.Q4.fmt, L.Q8.fmt, L.Q4F.fmt, L.Q6.fmt, L.Q5F.fmt,
+                                                               L.Q4K.fmt, L.MX4.fmt)
+#: Twice the E2M1 values of the 16 MXFP4 codes (``formats.MXFP4_VALUES``).
+MX4_KVALUES = MXFP4_VALUES
+#: MX4 exponents whose 2^(e - 128) is a float16 value (the kernel expands MX4 blocks to Q8 blocks' float16 d).
+MX4_E_RANGE = (104, 143)
 
 
 @dataclass
@@ -119,6 +129,32 @@ def _pack_nibbles(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple:
     return data, n, k
 
 
+def pack_mx4(codes: np.ndarray, e: np.ndarray) -> PackedWeight:
+    """MXFP4 weights -> ``PackedWeight`` (FMT_MX4, 4.25 bits a weight as the file): ``codes uint8 [N, K]`` (0..15,
+    E2M1 codes: ``w = MX4_KVALUES[code] * 2^(e - 128)``), ``e uint8 [N, K/32]`` (E8M0 block exponents). Per block:
+    ``e[16]`` then the codes as ``pack_q4``'s nibbles.
+
+    Raises:
+        ValueError: a block with a non-zero value whose exponent is outside ``MX4_E_RANGE`` (``2^(e - 128)`` not a
+            float16 value, which the kernels need); an all-zero block's exponent is stored as 128 (same values).
+    """
+    codes, e = np.asarray(codes, np.uint8), np.asarray(e, np.uint8).copy()
+    n, k = codes.shape
+    zero = (MX4_KVALUES[codes & 0x0F] == 0).reshape(n, k // QK, QK).all(axis=-1)
+    e[zero] = 128
+    bad = (e < MX4_E_RANGE[0]) | (e > MX4_E_RANGE[1])
+    if bad.any():
+        raise ValueError(f"MXFP4 block exponent {int(e[bad][0])} (scale 2^{int(e[bad][0]) - 128}) outside the "
+                         f"kernels' range {MX4_E_RANGE[0]}..{MX4_E_RANGE[1]} (2^-24..2^15)")
+    nb, groups = k // QK, -(-n // G)
+    codes, e = _pad_rows(codes, groups * G), _pad_rows(e, groups * G)
+    e[n:] = 128
+    q6 = codes.reshape(groups, G, nb, 2, 4, 4).transpose(0, 2, 4, 1, 5, 3)  # [g, b, j, o, i, half]
+    nib = ((q6[..., 0] & 0x0F) | ((q6[..., 1] & 0x0F) << 4)).reshape(groups, nb, 256).astype(np.uint8)
+    data = np.concatenate([np.ascontiguousarray(e.reshape(groups, G, nb).transpose(0, 2, 1)), nib], axis=-1)
+    return PackedWeight(FMT_MX4, torch.from_numpy(np.ascontiguousarray(data)), n, k)
+
+
 def pack_q8(q: np.ndarray, d: np.ndarray, oscale: Optional[np.ndarray] = None) -> PackedWeight:
     """``q int8 [N, K]``, ``d float16 [N, K/32]`` (``w = d * q``, times ``oscale[N]`` float32 if given) ->
     ``PackedWeight`` (FMT_Q8)."""
@@ -175,3 +211,84 @@ def quantize_q8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(d[..., None] > 0, np.rint(b / d[..., None]), 0)
     return np.clip(q, -127, 127).astype(np.int8).reshape(n, k), d16
+
+
+# ---- unpacking: rows of the weight a PackedWeight represents, in float32 as gguf dequantizes (one per layout) ----
+
+def _sel(w: PackedWeight, rows: np.ndarray) -> tuple:
+    """``(data uint8 [groups, nb (Q4K: nb / 8), bytes], g [T], o [T], groups, nb)`` of ``rows``: row r is output
+    ``r % 16`` of group ``r // 16``."""
+    data = w.data.numpy()
+    return data, rows // G, rows % G, data.shape[0], w.in_features // QK
+
+
+def _block_scales(data, lay: L.Layout, part: str, dtype: str, g, o, groups: int, nb: int) -> np.ndarray:
+    """``[T, nb]`` float32: each row's per-block value of ``part`` (16 values of ``dtype`` per block)."""
+    a = lay.off(part)
+    return data[..., a:a + G * np.dtype(dtype).itemsize].view(dtype).reshape(groups, nb, G)[g, :, o].astype(np.float32)
+
+
+def _nibbles(data, off: int, g, o, groups: int, nb: int) -> np.ndarray:
+    """``[T, nb, half, j, i]`` uint8: the 4-bit fields of a block's 256 bytes at ``off`` (input
+    ``16 half + 4j + i``)."""
+    nib = data[..., off:off + 256].reshape(groups, nb, 4, G, 4)[g, :, :, o, :]  # [T, nb, j, i]
+    return np.stack([nib & 0x0F, nib >> 4], axis=2)
+
+
+def unpack_rows_q8(w: PackedWeight, rows: np.ndarray) -> np.ndarray:
+    """Q8: ``d * q`` (times ``oscale[row]``), float32 ``[T, K]``."""
+    data, g, o, groups, nb = _sel(w, rows)
+    q = data[..., L.Q8.off("QS"):].view(np.int8).reshape(groups, nb, 8, G, 4)[g, :, :, o, :]  # [T, nb, j, i]
+    d = _block_scales(data, L.Q8, "D", "<f2", g, o, groups, nb)
+    full = q.reshape(len(rows), nb, QK).astype(np.float32) * d[..., None]
+    if w.oscale is not None:
+        full = full * w.oscale.numpy()[rows][:, None, None]
+    return full.reshape(len(rows), nb * QK)
+
+
+def unpack_rows_q6(w: PackedWeight, rows: np.ndarray) -> np.ndarray:
+    """Q6: ``(d * sc) * (q - 32)`` per 16 inputs, float32 ``[T, K]``."""
+    data, g, o, groups, nb = _sel(w, rows)
+    lay, t = L.Q6, len(rows)
+    a = lay.off("SC_LO")
+    sc = data[..., a:a + 2 * G].view(np.int8).reshape(groups, nb, 2, G)[g, :, :, o].astype(np.float32)  # [T, nb, 2]
+    nib = _nibbles(data, lay.off("QL"), g, o, groups, nb)  # [T, nb, half, j, i]
+    a = lay.off("QH")
+    hb = data[..., a:a + 128].reshape(groups, nb, 2, G, 4)[g, :, :, o, :]  # [T, nb, j >> 1, i]
+    hb = np.stack([hb[:, :, 0], hb[:, :, 0] >> 4, hb[:, :, 1], hb[:, :, 1] >> 4], axis=2)  # [T, nb, j, i]
+    q = nib | (np.stack([hb & 3, (hb >> 2) & 3], axis=2) << 4)
+    q = q.reshape(t, nb, 2, 16).astype(np.float32) - np.float32(32)  # [T, nb, half, 16]
+    full = (_block_scales(data, lay, "D", "<f2", g, o, groups, nb)[..., None] * sc)[..., None] * q
+    return full.reshape(t, nb * QK)
+
+
+def unpack_rows_q4(w: PackedWeight, rows: np.ndarray) -> np.ndarray:
+    """Q4, Q4F, Q5F, Q4K: ``d * q + m`` per block (Q4K: ``d = d_sb * sc``, ``m = -(dmin_sb * mn)``), float32
+    ``[T, K]``."""
+    data, g, o, groups, nb = _sel(w, rows)
+    lay, t = L.LAYOUTS[w.fmt], len(rows)
+    if w.fmt == FMT_Q4K:  # [groups, nb / 8, super-block]: d[16], dmin[16] float16, then 8 blocks
+        ddmin = data[..., :lay.super_offsets["BLOCKS"]].view("<f2").reshape(groups, nb // 8, 2, G)[g, :, :, o]
+        blk = data[..., lay.super_offsets["BLOCKS"]:].reshape(groups, nb, Q4K_BLOCK)
+        a = lay.off("SC")
+        d, m = q4_k_values(blk[..., a:a + 2 * G].reshape(groups, nb, 2, G)[g, :, :, o], ddmin)
+        q = _nibbles(blk, lay.off("QS"), g, o, groups, nb)
+    else:
+        dt = "<f2" if w.fmt == FMT_Q4 else "<f4"
+        d, m = (_block_scales(data, lay, part, dt, g, o, groups, nb) for part in ("D", "M"))
+        q = _nibbles(data, lay.off("QS"), g, o, groups, nb)
+    if w.fmt == FMT_Q5F:  # the fifth bit of (half, j) at bit 2j + half of byte o * 4 + i
+        a = lay.off("QH")
+        hb = data[..., a:a + 64].reshape(groups, nb, G, 4)[g, :, o, :][:, :, None, None, :]  # [T, nb, 1, 1, i]
+        shift = (2 * np.arange(4)[None, :] + np.arange(2)[:, None]).astype(np.uint8)[:, :, None]  # [half, j, 1]
+        q = q | (((hb >> shift) & 1) << 4)
+    return (d[..., None] * q.reshape(t, nb, QK).astype(np.float32) + m[..., None]).reshape(t, nb * QK)
+
+
+def unpack_rows_mx4(w: PackedWeight, rows: np.ndarray) -> np.ndarray:
+    """MX4: ``MX4_KVALUES[code] * 2^(e - 128)``, float32 ``[T, K]`` (gguf's MXFP4 dequantize)."""
+    data, g, o, groups, nb = _sel(w, rows)
+    e = data[..., L.MX4.off("E"):L.MX4.off("E") + G].reshape(groups, nb, G)[g, :, o].astype(np.int32)  # [T, nb]
+    d = np.ldexp(np.float32(1), e - 128).astype(np.float32)
+    q = MX4_KVALUES[_nibbles(data, L.MX4.off("QS"), g, o, groups, nb)].reshape(len(rows), nb, QK)
+    return (d[..., None] * q.astype(np.float32)).reshape(len(rows), nb * QK)

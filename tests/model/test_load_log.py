@@ -75,3 +75,20 @@ def test_weight_formats_line_names_paths_and_exactness():
         "F16: 1 tensor on f16/kvserve (exact); "
         f"Q6_K: 1 tensor on int8/{suffix} (re-quantized to int8 per 32 weights, not the file's values); "
         f"Q6_K: 1 tensor on q6_k/{suffix} (exact); Q8_0: 1 tensor on q8/{suffix} (exact)")
+
+
+@pytest.mark.skipif(kernels.isa() is None, reason=str(kernels.unavailable_reason()))
+def test_q3_k_and_mxfp4_are_named_with_their_kernels():
+    """Q3_K and MXFP4 are kept (no float32 widening) and the load log names what they run as: q3_k (the Q6
+    kernels) and mxfp4, both exact."""
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 256, (16, 110), dtype=np.uint8)
+    raw[:, 108:110] = (rng.random((16, 1)) * 0.01).astype("<f2").view(np.uint8)
+    q3 = QuantTensor("a", formats.Q3_K, raw, (16, 256))
+    mx = QuantTensor("b", formats.MXFP4, gguf.quants.quantize(rng.standard_normal((16, 256)).astype(np.float32) * 0.1,
+                                                               formats.MXFP4), (16, 256))
+    records = weight_formats([q3, mx], make_linear_method([q3, mx]))
+    path = kernels.default_path()
+    suffix = f"{path.isa}{'+a16' if path.activations == 'int8x2' else ''}"
+    assert describe_weight_formats(records) == (f"MXFP4: 1 tensor on mxfp4/{suffix} (exact); "
+                                                f"Q3_K: 1 tensor on q3_k/{suffix} (exact)")

@@ -98,13 +98,17 @@ def test_gguf_quantized_blocks_decode_exactly(qtype):
             gguf.quants.dequantize(raw, qtype))
 
 
-@pytest.mark.parametrize("qtype", [formats.Q4_K, formats.Q5_K, formats.Q6_K])
+@pytest.mark.parametrize("qtype", [formats.Q3_K, formats.Q4_K, formats.Q5_K, formats.Q6_K, formats.MXFP4])
 def test_k_quant_blocks_decode_exactly(qtype):
+    """Random blocks (finite float16 scales; MXFP4: every exponent 0..255, subnormal scales included)."""
     rng = np.random.default_rng(int(qtype))
     bs, tb = formats.block_size(qtype)
     raw = rng.integers(0, 256, (7, 3, tb), dtype=np.uint8)
-    for off in {formats.Q4_K: [0, 2], formats.Q5_K: [0, 2], formats.Q6_K: [208]}[qtype]:  # finite float16 scales
+    for off in {formats.Q4_K: [0, 2], formats.Q5_K: [0, 2], formats.Q6_K: [208], formats.Q3_K: [108],
+                formats.MXFP4: []}[qtype]:  # finite float16 scales
         raw[..., off:off + 2] = (rng.standard_normal((7, 3)) * 0.05).astype("<f2")[..., None].view(np.uint8)
+    if qtype == formats.MXFP4:
+        raw[..., 0] = np.arange(21).reshape(7, 3) * 12  # 0, 12, ..., 240: subnormal, normal and large scales
     raw = raw.reshape(7, -1)
     _same_bits(formats.dequantize(raw, qtype, 3 * bs), gguf.quants.dequantize(raw, qtype))
 
@@ -113,4 +117,58 @@ def test_bad_shapes_and_types_are_value_errors():
     with pytest.raises(ValueError, match=r"Q8_0 rows of 64 values need uint8 \[N, 68\]"):
         formats.dequantize(np.zeros((2, 60), np.uint8), formats.Q8_0, 64)
     with pytest.raises(ValueError, match="unsupported GGML type"):
-        formats.dequantize(np.zeros((2, 8), np.uint8), gguf.GGMLQuantizationType.Q2_K, 256)
+        formats.dequantize(np.zeros((2, 84), np.uint8), gguf.GGMLQuantizationType.Q2_K, 256)
+
+
+def test_the_c_layout_header_is_generated_from_the_table():
+    """``csrc/qgemm_layouts.h`` is what ``layouts.render_c_header`` writes (regenerate: ``python -m
+    kvserve.quant.layouts``), and the compiled library reports the table's constants (else it is refused)."""
+    from kvserve.quant import layouts
+
+    assert layouts.HEADER_PATH.read_text() == layouts.render_c_header()
+    if kernels.load() is not None:
+        lib = kernels.load()
+        got = (__import__("ctypes").c_int64 * lib.kvserve_q_layout_n())()
+        lib.kvserve_q_layout(got)
+        assert list(got) == [v for _, v in layouts.c_constants()]
+
+
+def test_every_kept_type_has_one_record():
+    """Each GGUF type kept in its own bits has a ``traits`` record whose block geometry is gguf's and whose layout
+    has a pack and an unpack; the rest are refused by name."""
+    from kvserve.quant import traits
+
+    assert set(traits.TYPE_TRAITS) == set(formats.QUANTIZED_TYPES) - set(formats.FLOAT16_TYPES)
+    for qt, t in traits.TYPE_TRAITS.items():
+        assert (t.block_values, t.block_bytes) == formats.block_size(qt)
+        assert t.layout.fmt in traits.LAYOUT_TRAITS
+    with pytest.raises(ValueError, match="w: unsupported GGML type Q2_K"):
+        traits.type_traits(gguf.GGMLQuantizationType.Q2_K, "w")
+
+
+def test_stacked_expert_tensors_are_views_per_expert(tmp_path):
+    """A 3-D GGUF block tensor (llama.cpp's ``ffn_gate_exps``: ``[experts, out, in]``) reads as a stacked
+    ``QuantTensor``; ``expert(e)`` is expert e's rows (a view: no copy), equal to gguf's dequantize of that slice,
+    and its row reads from the file agree."""
+    from kvserve.quant.gguf_io import gguf_metadata, gguf_tensors, open_gguf
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((4, 24, 64)) * 0.1).astype(np.float32)
+    raw = gguf.quants.quantize(w.reshape(96, 64), formats.MXFP4).reshape(4, 24, -1)
+    writer = gguf.GGUFWriter(str(tmp_path / "e.gguf"), "olmoe")
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", raw, raw_dtype=formats.MXFP4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = tmp_path / "e.gguf"
+    t = gguf_tensors(path, gguf_metadata(open_gguf(path)))["blk.0.ffn_gate_exps.weight"]
+    assert t.experts == 4 and t.shape == (96, 64)
+    for e in range(4):
+        x = t.expert(e)
+        assert x.shape == (24, 64) and np.shares_memory(x.raw, t.source)
+        want = gguf.quants.dequantize(raw[e], formats.MXFP4)
+        _same_bits(x.dequantize(), want)
+        _same_bits(x.dequantize(np.array([3, 0])), want[[3, 0]])
+    with pytest.raises(ValueError, match=r"expert must be in \[0, 4\), got 4"):
+        t.expert(4)

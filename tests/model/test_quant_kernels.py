@@ -61,7 +61,7 @@ def _path(kind, isa):
 
 def _gguf_tensor(qtype, n, k, seed):
     rng = np.random.default_rng(seed)
-    if qtype in (formats.Q4_0, formats.Q4_1, formats.Q8_0, formats.Q5_0, formats.Q5_1):
+    if qtype in (formats.Q4_0, formats.Q4_1, formats.Q8_0, formats.Q5_0, formats.Q5_1, formats.MXFP4):
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
         w[0] = 0.0  # an all-zero row: zero scales
         w[1, :32] = np.linspace(-1, 3, 32)  # an outlier block
@@ -69,7 +69,8 @@ def _gguf_tensor(qtype, n, k, seed):
     else:  # K-quants: gguf cannot quantize them; random blocks with finite float16 scales
         bs, tb = formats.block_size(qtype)
         raw = rng.integers(0, 256, (n, k // bs, tb), dtype=np.uint8)
-        scale_at = {formats.Q4_K: [0, 2], formats.Q5_K: [0, 2], formats.Q6_K: [208], formats.IQ4_NL: [0]}[qtype]
+        scale_at = {formats.Q4_K: [0, 2], formats.Q5_K: [0, 2], formats.Q6_K: [208], formats.IQ4_NL: [0],
+                    formats.Q3_K: [108]}[qtype]
         for off in scale_at:
             raw[..., off:off + 2] = (rng.random((n, k // bs)) * 0.01).astype("<f2")[..., None].view(np.uint8)
         raw = raw.reshape(n, -1)
@@ -90,6 +91,22 @@ def _check(layer, x, w64):
     bound = (dx / 2) @ np.abs(w64).T
     err = np.abs(got - x.astype(np.float64) @ w64.T)
     assert np.all(err <= bound * (1 + 1e-6) + 1e-5 * mag)
+
+
+def _check_file_values(layer, t, rows):
+    """``layer`` holds ``t``'s values: its packed weight decodes (numpy, and C on three rows) to
+    ``gguf.quants.dequantize`` bit for bit, and ``rows`` random rows multiply within ``_check``'s bounds."""
+    n, k = t.shape
+    w = gguf.quants.dequantize(t.raw, t.qtype).reshape(n, k)
+    np.testing.assert_array_equal(layer.dequantized().view(np.uint32), w.view(np.uint32))
+    rows_at = np.array([0, n // 2, n - 1], np.int64)
+    out = np.empty((3, k), np.float32)
+    assert kernels.load().kvserve_q_unpack_rows(layer.packed.fmt, layer.packed.data.data_ptr(), n, k, None,
+                                                rows_at.ctypes.data, 3, out.ctypes.data) == 0
+    np.testing.assert_array_equal(out.view(np.uint32), w[rows_at].view(np.uint32))
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    x[0, 7] = 25.0
+    _check(layer, x, w.astype(np.float64))
 
 
 @pytest.mark.parametrize("qtype,n,k", [(formats.Q4_0, 40, 96), (formats.Q4_1, 40, 96), (formats.Q8_0, 40, 96),
@@ -137,16 +154,58 @@ def test_k_quants_kept_exactly(isa, qtype, n, k, rows):
     layer = make_linear_method(t)
     kind, fmt = K_FORMATS[qtype]
     assert layer.path == _path(kind, isa) and layer.packed.fmt == fmt
-    w = gguf.quants.dequantize(t.raw, qtype).reshape(n, k)
-    np.testing.assert_array_equal(layer.dequantized().view(np.uint32), w.view(np.uint32))
-    rows_at = np.array([0, n // 2, n - 1], np.int64)
-    out = np.empty((3, k), np.float32)
-    assert kernels.load().kvserve_q_unpack_rows(fmt, layer.packed.data.data_ptr(), n, k, None,
-                                                rows_at.ctypes.data, 3, out.ctypes.data) == 0
-    np.testing.assert_array_equal(out.view(np.uint32), w[rows_at].view(np.uint32))
-    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
-    x[0, 7] = 25.0
-    _check(layer, x, w.astype(np.float64))
+    _check_file_values(layer, t, rows)
+
+
+NEW_FORMATS = {formats.Q3_K: ("q3_k", P.FMT_Q6, 7.0), formats.MXFP4: ("mxfp4", P.FMT_MX4, 4.25)}
+
+
+@pytest.mark.parametrize("qtype", list(NEW_FORMATS))
+@pytest.mark.parametrize("n,k", [(40, 512), (33, 256), (16, 2880)])
+@pytest.mark.parametrize("rows", ROWS)
+def test_q3_k_and_mxfp4_kept_exactly(isa, qtype, n, k, rows):
+    """Q3_K on the Q6 kernels (its 3-bit values + 32 and signed 6-bit scales: the same products), MXFP4 in its own
+    4.25-bit MX4 layout (E2M1 codes and E8M0 exponents, each group expanded to Q8 blocks in the kernel): the packed
+    weight decodes to ``gguf.quants.dequantize`` bit for bit (numpy and C), the product is within the activation
+    rounding of a float64 matmul; K = 2880 is gpt-oss's hidden size (not a multiple of 256: MXFP4 only)."""
+    if qtype == formats.Q3_K and k % 256:
+        k = 2816
+    t = _gguf_tensor(qtype, n, k, seed=rows)
+    layer = make_linear_method(t)
+    kind, fmt, bits = NEW_FORMATS[qtype]
+    assert layer.path == _path(kind, isa) and layer.packed.fmt == fmt
+    if fmt == P.FMT_MX4:  # the file's 4.25 bits a weight
+        assert layer.packed.data.numel() * 8 == -(-n // 16) * 16 * k * bits
+    _check_file_values(layer, t, rows)
+
+
+def test_mxfp4_exponents_outside_float16_are_refused():
+    """The kernels expand MX4 blocks to Q8 blocks with float16 d = 2^(e - 128): a non-zero block whose exponent has
+    no float16 value is refused by name (never silently flushed); an all-zero block's exponent does not matter."""
+    codes = np.ones((16, 64), np.uint8)
+    e = np.full((16, 2), 120, np.uint8)
+    P.pack_mx4(codes, e)
+    e[3, 1] = 150
+    with pytest.raises(ValueError, match="MXFP4 block exponent 150"):
+        P.pack_mx4(codes, e)
+    codes[3, 32:] = 8  # code 8 is -0: an all-zero block
+    assert P.pack_mx4(codes, e).data.numel() == 2 * 272
+
+
+def test_mxfp4_from_the_hugging_face_layout():
+    """gpt-oss's safetensors ``*_blocks`` / ``*_scales`` decode to the values transformers' own converter gives."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, (2, 24, 3, 16), dtype=np.uint8)
+    scales = rng.integers(118, 130, (2, 24, 3), dtype=np.uint8)
+    codes, e = formats.decode_mxfp4_hf(blocks, scales)
+    assert codes.shape == (2, 24, 96) and e.shape == (2, 24, 3)
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales.astype(np.int32)),
+                                      dtype=torch.float32).transpose(1, 2).numpy()  # [E, out, in]
+    for x in range(2):
+        got = unpack(P.pack_mx4(codes[x], e[x]))
+        np.testing.assert_array_equal(got, want[x])
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 53, 97])
@@ -482,6 +541,8 @@ def _random_packed(kind, n, k, rng):
         q = rng.integers(0, 64, (n, k), dtype=np.uint8)
         sc = rng.integers(-128, 128, (n, k // 16)).astype(np.int8)
         packed = P.pack_q6(q, sc, (rng.random((n, k // 256)) * 0.01 + 0.001).astype(np.float16))
+    elif kind == "mx4":
+        packed = P.pack_mx4(rng.integers(0, 16, (n, k), dtype=np.uint8), rng.integers(104, 144, (n, nb), dtype=np.uint8))
     else:
         q = rng.integers(-128, 128, (n, k)).astype(np.int8)
         d = (rng.random((n, nb)) * 0.02 + 0.001).astype(np.float16)
@@ -501,7 +562,7 @@ def _run(lib, packed, isa_id, act, x):
     return y[:, : packed.out_features].numpy()
 
 
-EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6", "q5f", "q4k"]
+EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6", "q5f", "q4k", "mx4"]
 
 
 @pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
@@ -554,11 +615,12 @@ def test_amx_equals_avx512_vnni_bit_for_bit(kind, act):
             assert np.array_equal(_run(lib, packed, 3, act, x), _run(lib, packed, 2, act, x)), (n, k, rows)
 
 
-@pytest.mark.parametrize("qtype", [formats.Q4_1, formats.Q8_0, formats.Q4_K, formats.Q6_K, formats.Q5_K])
+@pytest.mark.parametrize("qtype", [formats.Q4_1, formats.Q8_0, formats.Q4_K, formats.Q6_K, formats.Q5_K, formats.Q3_K,
+                                   formats.MXFP4])
 def test_a_row_gives_the_same_bits_alone_and_in_any_tile(isa, qtype):
     """Batch invariance of the matmul: a row's output does not depend on the other rows of the call, nor on its
     place in a row tile (1 to 4 or 6 rows; 16-row AMX tiles, their tails and 32-row chunks)."""
-    k = 512 if qtype in (formats.Q4_K, formats.Q6_K, formats.Q5_K) else 288
+    k = 512 if qtype in (formats.Q4_K, formats.Q6_K, formats.Q5_K, formats.Q3_K) else 288
     layer = make_linear_method(_gguf_tensor(qtype, 48, k, seed=11))
     x = torch.from_numpy(np.random.default_rng(5).standard_normal((53, k)).astype(np.float32))
     whole = layer(x)

@@ -64,15 +64,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define QK 32
-#define G 16
-#define Q4_BLOCK 320
-#define Q4F_BLOCK 384
-#define Q8_BLOCK 544
-#define Q6_BLOCK 448
-#define Q5F_BLOCK 448
-#define Q4K_BLOCK 288                    /* one Q4K block: sc[16], mn[16], 256 bytes of nibbles */
-#define Q4K_SUPER (64 + 8 * Q4K_BLOCK)   /* a Q4K super-block: d[16], dmin[16] (fp16) and 8 blocks */
+#include "qgemm_layouts.h" /* QK, G, FMT_*, each layout's block bytes and named offsets (kvserve/quant/layouts.py) */
 #define MR6 4 /* rows per AVX-512 Q6 tile (four accumulators per row) */
 #define MR2 4 /* rows per AVX2 tile */
 #define MR5 6 /* rows per AVX-512 tile */
@@ -82,7 +74,6 @@
 #define RES 254                  /* ACT_PAIR: x ~= d (RES q1 + q2) */
 #define Q4K_EXPAND_TILES 8       /* Q4K over more row tiles than this: each group expanded to Q4F blocks first */
 
-enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_Q4F = 2, FMT_Q6 = 3, FMT_Q5F = 4, FMT_Q4K = 5 };
 enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AMX_INT8 = 3 };
 enum { ACT_INT8 = 0, ACT_PAIR = 1 }; /* activation precision: one int8 per value, or a pair (15 bits) */
 
@@ -657,12 +648,14 @@ static int64_t block_bytes(int fmt) {
     case FMT_Q4F: return Q4F_BLOCK;
     case FMT_Q6: return Q6_BLOCK;
     case FMT_Q5F: return Q5F_BLOCK;
-    case FMT_Q4K: return Q4K_SUPER / 8; /* per block on average: the group stride is nb * this */
+    case FMT_Q4K: return Q4K_AVG_BLOCK; /* per block on average: the group stride is nb * this */
+    case FMT_MX4: return MX4_BLOCK;
     default: return 0;
     }
 }
 
 #include "qgemm_amx.h"
+#include "qgemm_mx4.h"
 
 /* One group's Q4K blocks (nb of them) rewritten as Q4F blocks at out (nb * Q4F_BLOCK bytes): d * sc and -(dmin * mn)
  * as float32 (the floats the Q4K tiles form), the nibbles copied. For many rows the tiles then read ready scales
@@ -731,6 +724,7 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
     const int serial_quant = M * K <= SERIAL_QUANT;
     if (serial_quant)
         for (int64_t m = 0; m < M; m++) quantize_row_avx2(x + m * K, K, xq + m * xrow, xd + m * nb, xs + m * nb, pair);
+    int failed = 0; /* a thread could not get its MX4 expansion buffer */
 #pragma omp parallel if (M * N * K >= SERIAL_MACS)
     {
         if (!serial_quant) {
@@ -739,7 +733,12 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
                 quantize_row_avx2(x + m * K, K, xq + m * xrow, xd + m * nb, xs + m * nb, pair);
         }
         if (isa == ISA_AMX_INT8 && M >= AMX_ROWS) { /* fewer rows: all of them on the VNNI tiles */
-            amx_rows(fmt, pair, w, nb, groups, xq, xd, xs, M, K, y, ldy, oscale);
+            if (fmt == FMT_MX4) { /* its groups expanded to Q8 blocks first (qgemm_mx4.h) */
+                if (amx_rows_mx4(pair, w, nb, groups, xq, xd, xs, M, K, y, ldy))
+                    __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+            } else {
+                amx_rows(fmt, pair, w, nb, groups, xq, xd, xs, M, K, y, ldy, oscale);
+            }
         } else {
             /* Q4K over more than Q4K_EXPAND_TILES row tiles: each group first as Q4F blocks (q4k_group_to_q4f) */
             const int avx512 = isa == ISA_AVX512_VNNI || isa == ISA_AMX_INT8;
@@ -751,7 +750,10 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
                 const float *os = oscale ? oscale + g * G : NULL;
                 int f = fmt;
                 if (q4f) q4k_group_to_q4f(wg, nb, q4f), wg = q4f, f = FMT_Q4F;
-                if (avx512)
+                if (fmt == FMT_MX4) /* its own tiles (qgemm_mx4.h) */
+                    avx512 ? mx4_group_avx512(pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy)
+                           : mx4_group_avx2(pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy);
+                else if (avx512)
                     group_avx512(f, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
                 else
                     group_avx2(f, pair, wg, nb, xq, xd, xs, M, K, y + g * G, ldy, os);
@@ -760,14 +762,14 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
         }
     }
     if (!on_stack) { free(xq); free(xd); free(xs); }
-    return 0;
+    return failed ? -2 : 0;
 }
 
 /* out[t, K] = row rows[t] of a packed weight (fmt, K as for kvserve_qgemm), decoded to float32 as
- * kvserve/layers/quant_linear.py's unpack does: d q + m (FMT_Q4, FMT_Q4F, FMT_Q5F, FMT_Q4K), d q times oscale[row] when given (FMT_Q8),
- * (d sc) (q - 32) (FMT_Q6),
- * each product and sum rounded on its own (no fused multiply-add), so the bits equal numpy's. An embedding lookup
- * from a tied LM head. Returns 0; -1 for a bad fmt or K, -2 for a row outside [0, N) (nothing written). */
+ * kvserve/quant/pack.py's unpackers do: d q + m (FMT_Q4, FMT_Q4F, FMT_Q5F, FMT_Q4K), d q times oscale[row] when
+ * given (FMT_Q8), (d sc) (q - 32) (FMT_Q6), kvalues[code] 2^(e - 128) (FMT_MX4), each product and sum rounded on
+ * its own (no fused multiply-add), so the bits equal numpy's. An embedding lookup from a tied LM head. Returns 0;
+ * -1 for a bad fmt or K, -2 for a row outside [0, N) (nothing written). */
 T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(int fmt, const uint8_t *w, int64_t N,
                                                                               int64_t K, const float *oscale,
                                                                               const int64_t *rows, int64_t T,
@@ -782,37 +784,47 @@ T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(in
             const uint8_t *blk = fmt == FMT_Q4K ? q4k_block(w, g * nb + b) : w + (g * nb + b) * bb;
             float *y = out + t * K + b * QK;
             if (fmt == FMT_Q8) {
-                const float d = _cvtsh_ss(((const uint16_t *)blk)[o]);
-                const int8_t *q = (const int8_t *)(blk + 32);
+                const float d = _cvtsh_ss(((const uint16_t *)(blk + Q8_D))[o]);
+                const int8_t *q = (const int8_t *)(blk + Q8_QS);
                 for (int j = 0; j < 8; j++)
                     for (int i = 0; i < 4; i++) {
                         float v = (float)q[j * 64 + o * 4 + i] * d;
                         y[j * 4 + i] = oscale ? v * oscale[r] : v;
                     }
-            } else if (fmt == FMT_Q6) { /* (d sc) (q - 32), as formats.dequantize */
-                const float d = _cvtsh_ss(((const uint16_t *)blk)[o]);
-                const float dlo = d * (float)((const int8_t *)blk)[32 + o], dhi = d * (float)((const int8_t *)blk)[48 + o];
+            } else if (fmt == FMT_MX4) { /* kvalues[code] * 2^(e - 128), as gguf's MXFP4 dequantize */
+                const float d = ldexpf(1.0f, (int)blk[MX4_E + o] - 128);
                 for (int j = 0; j < 4; j++)
                     for (int i = 0; i < 4; i++) {
-                        const uint8_t byte = blk[64 + j * 64 + o * 4 + i];
-                        const uint8_t h = blk[320 + (j >> 1) * 64 + o * 4 + i] >> (4 * (j & 1));
+                        const uint8_t byte = blk[MX4_QS + j * 64 + o * 4 + i];
+                        y[j * 4 + i] = d * (float)MX4_KVALUES[byte & 0x0F];
+                        y[16 + j * 4 + i] = d * (float)MX4_KVALUES[byte >> 4];
+                    }
+            } else if (fmt == FMT_Q6) { /* (d sc) (q - 32), as formats.dequantize */
+                const float d = _cvtsh_ss(((const uint16_t *)(blk + Q6_D))[o]);
+                const float dlo = d * (float)((const int8_t *)blk)[Q6_SC_LO + o];
+                const float dhi = d * (float)((const int8_t *)blk)[Q6_SC_HI + o];
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t byte = blk[Q6_QL + j * 64 + o * 4 + i];
+                        const uint8_t h = blk[Q6_QH + (j >> 1) * 64 + o * 4 + i] >> (4 * (j & 1));
                         y[j * 4 + i] = dlo * (float)(((byte & 0x0F) | ((h & 3) << 4)) - 32);
                         y[16 + j * 4 + i] = dhi * (float)(((byte >> 4) | (((h >> 2) & 3) << 4)) - 32);
                     }
             } else {
-                const int f32 = fmt == FMT_Q4F || fmt == FMT_Q5F;
-                float d = f32 ? ((const float *)blk)[o] : _cvtsh_ss(((const uint16_t *)blk)[o]);
-                float m = f32 ? ((const float *)(blk + 64))[o] : _cvtsh_ss(((const uint16_t *)(blk + 32))[o]);
-                const uint8_t *nib = blk + (f32 ? 128 : 64);
+                const int f32 = fmt == FMT_Q4F || fmt == FMT_Q5F; /* Q5F's d, m, nibbles where Q4F's are */
+                float d = f32 ? ((const float *)(blk + Q4F_D))[o] : _cvtsh_ss(((const uint16_t *)(blk + Q4_D))[o]);
+                float m = f32 ? ((const float *)(blk + Q4F_M))[o] : _cvtsh_ss(((const uint16_t *)(blk + Q4_M))[o]);
+                const uint8_t *nib = blk + (f32 ? Q4F_QS : Q4_QS);
                 if (fmt == FMT_Q4K) { /* d * sc, -(dmin * mn), as formats.decode_q4_k */
-                    const uint16_t *sb = (const uint16_t *)q4k_super(w, g * nb + b);
-                    d = _cvtsh_ss(sb[o]) * (float)blk[o], m = -(_cvtsh_ss(sb[16 + o]) * (float)blk[16 + o]);
-                    nib = blk + 32;
+                    const uint8_t *sb = q4k_super(w, g * nb + b);
+                    d = _cvtsh_ss(((const uint16_t *)(sb + Q4K_SB_D))[o]) * (float)blk[Q4K_SC + o];
+                    m = -(_cvtsh_ss(((const uint16_t *)(sb + Q4K_SB_DMIN))[o]) * (float)blk[Q4K_MN + o]);
+                    nib = blk + Q4K_QS;
                 }
                 for (int j = 0; j < 4; j++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t byte = nib[j * 64 + o * 4 + i];
-                        const uint8_t h = fmt == FMT_Q5F ? (uint8_t)(blk[384 + o * 4 + i] >> (2 * j)) : 0;
+                        const uint8_t h = fmt == FMT_Q5F ? (uint8_t)(blk[Q5F_QH + o * 4 + i] >> (2 * j)) : 0;
                         y[j * 4 + i] = d * (float)((byte & 0x0F) | ((h & 1) << 4)) + m;
                         y[16 + j * 4 + i] = d * (float)((byte >> 4) | ((h & 2) << 3)) + m;
                     }
@@ -822,9 +834,10 @@ T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(in
     return 0;
 }
 
-/* Layout constants, so Python and C cannot disagree: out[9] = {QK, G, Q4, Q8, Q4F, Q6, Q5F block bytes, Q4K block
- * and super-block bytes}. */
+/* Layout constants as compiled, so Python and C cannot disagree: KVSERVE_Q_LAYOUT_N values (qgemm_layouts.h, in
+ * kvserve.quant.layouts.c_constants' order) to out, which must hold kvserve_q_layout_n() of them. */
+int64_t kvserve_q_layout_n(void) { return KVSERVE_Q_LAYOUT_N; }
 void kvserve_q_layout(int64_t *out) {
-    out[0] = QK; out[1] = G; out[2] = Q4_BLOCK; out[3] = Q8_BLOCK; out[4] = Q4F_BLOCK; out[5] = Q6_BLOCK;
-    out[6] = Q5F_BLOCK; out[7] = Q4K_BLOCK; out[8] = Q4K_SUPER;
+    static const int64_t v[KVSERVE_Q_LAYOUT_N] = KVSERVE_Q_LAYOUT;
+    memcpy(out, v, sizeof v);
 }
