@@ -37,12 +37,32 @@ FAMILY_FIELDS = {
     # OLMo 2: post-attention and post-MLP norms, Q/K RMSNorm over the whole projection
     "Olmo2ForCausalLM": {"hidden_act": HIDDEN_ACTS, "attention_bias": (False, True)},
 }
-#: Mixture-of-experts architectures (Hugging Face names), refused as such (``check_not_moe``).
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                     "PhimoeForCausalLM", "PhiMoEForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DbrxForCausalLM", "JambaForCausalLM",
-                     "GptOssForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
-                     "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM")
+#: Mixture-of-experts families: the expert fields each implements (``_moe``). ``num_experts`` /
+#: ``num_local_experts`` and ``num_experts_per_tok`` are read; the training-only fields (``router_aux_loss_coef``,
+#: ``output_router_logits``, ``router_jitter_noise``) change nothing at inference.
+_MOE_FIELDS = {"num_experts": None, "num_local_experts": None, "num_experts_per_tok": None}
+_QWEN_MOE = {**_MOE_FIELDS, "hidden_act": ("silu",), "moe_intermediate_size": None, "norm_topk_prob": (False, True),
+             "decoder_sparse_step": None, "mlp_only_layers": None, "use_sliding_window": (False,),
+             "sliding_window": None, "max_window_layers": None}
+FAMILY_FIELDS.update({
+    "Qwen3MoeForCausalLM": {**_QWEN_MOE, "attention_bias": (False, True)},
+    "Qwen2MoeForCausalLM": {**_QWEN_MOE, "shared_expert_intermediate_size": None, "qkv_bias": (True,)},
+    "OlmoeForCausalLM": {**_MOE_FIELDS, "hidden_act": ("silu",), "attention_bias": (False, True),
+                         "norm_topk_prob": (False, True), "clip_qkv": (None,)},
+    "MixtralForCausalLM": {**_MOE_FIELDS, "hidden_act": ("silu",), "sliding_window": None},
+    "GraniteMoeForCausalLM": {**_MOE_FIELDS, "hidden_act": ("silu",), "attention_bias": (False, True),
+                              "embedding_multiplier": None, "residual_multiplier": None,
+                              "attention_multiplier": None, "logits_scaling": None},
+})
+#: Mixture-of-experts architectures (Hugging Face names) kvserve does not run, refused as such (``check_not_moe``):
+#: DeepSeek's multi-head latent attention, hybrid linear-attention / state-space models (Jamba), DBRX's clipped
+#: fused QKV and its own expert layout, Llama 4's interleaved chunked attention, PhiMoE's sparsemixer router,
+#: Granite-MoE with a shared expert, gpt-oss (attention sinks; not wired yet), and the rest.
+MOE_ARCHITECTURES = ("PhimoeForCausalLM", "PhiMoEForCausalLM", "GraniteMoeSharedForCausalLM",
+                     "GraniteMoeHybridForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                     "DbrxForCausalLM", "JambaForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",
+                     "Llama4ForConditionalGeneration", "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM",
+                     "Qwen3NextForCausalLM")
 #: Families with Llama's ``attention_bias`` (Q/K/V and o_proj) and ``mlp_bias``.
 #: Gemma 2 / 3 (text): their fields (read by ``_gemma_arch``); Gemma 3 does not soft-cap attention logits.
 _GEMMA_FIELDS = {"hidden_activation": HIDDEN_ACTS, "attention_bias": (False, True), "sliding_window": None,
@@ -71,7 +91,10 @@ TEXT_PARTS = {
 }
 #: Families with Llama's ``attention_bias`` (Q/K/V and o_proj) and ``mlp_bias``.
 _LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
-                 "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                 "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
+                 "OlmoeForCausalLM", "GraniteMoeForCausalLM")
+#: Families with Granite's four scalars.
+_GRANITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM")
 
 #: Fields of other families (or of features not built yet) that change the math, and the values that mean "off";
 #: any other value is refused.
@@ -116,8 +139,8 @@ def check_not_moe(architectures, where: str) -> None:
     mixture-of-experts model (``MOE_ARCHITECTURES``)."""
     moe = [a for a in architectures or () if a in MOE_ARCHITECTURES]
     if moe:
-        raise ValueError(f"unsupported architecture {moe[0]!r} in {where}: mixture-of-experts models are not "
-                         f"supported yet")
+        raise ValueError(f"unsupported architecture {moe[0]!r} in {where}: this mixture-of-experts model is not "
+                         f"supported (supported MoE families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE)")
 
 
 def parse_rope(cfg: dict, where: str, architecture: str = "") -> tuple[float, Optional[RopeScaling]]:
@@ -209,7 +232,7 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         theta, scaling = parse_rope(cfg, where, architecture)
     n_head = cfg["num_attention_heads"]
     llama_bias = architecture in _LLAMA_BIASES and bool(cfg.get("attention_bias", False))
-    granite = architecture == "GraniteForCausalLM"
+    granite = architecture in _GRANITES
     gemma = architecture in _GEMMA_DEFAULTS
     cls, extra = ModelArch, {}
     if gemma:
@@ -230,7 +253,7 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         architecture=architecture,
-        attention_bias=architecture == "Qwen2ForCausalLM" or llama_bias,
+        attention_bias=architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or llama_bias,
         o_proj_bias=llama_bias,
         mlp_bias=architecture in _LLAMA_BIASES and bool(cfg.get("mlp_bias", False)),
         hidden_act=cfg["hidden_activation"] if gemma else cfg.get("hidden_act", "silu"),
@@ -243,9 +266,42 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
         no_rope_layers=(tuple(int(x) for x in cfg["no_rope_layers"])
                         if architecture == "SmolLM3ForCausalLM" and cfg.get("no_rope_layers") else None),
+        moe=_moe(cfg, architecture, where),
         **_window(cfg, architecture),
         **extra,
     )
+
+
+def _moe(cfg: dict, architecture: str, where: str):
+    """The ``MoEArch`` of a mixture-of-experts config (``None`` for the other families): the expert count
+    (``num_experts`` or ``num_local_experts``), ``num_experts_per_tok``, the expert width (``moe_intermediate_size``,
+    else ``intermediate_size``), ``norm_topk_prob`` (Mixtral always renormalizes; Granite-MoE's top-k-then-softmax
+    needs no renormalization), Qwen2-MoE's shared expert, and which layers are sparse (Qwen's
+    ``decoder_sparse_step`` and ``mlp_only_layers``, as transformers' ``Qwen2MoeDecoderLayer``).
+
+    Raises:
+        ValueError: no expert count, or ``num_experts_per_tok`` outside ``[1, experts]`` (naming the field)."""
+    from kvserve.model.base import MoEArch
+
+    if architecture not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM",
+                            "GraniteMoeForCausalLM"):
+        return None
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok", 2)
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"{architecture} in {where} needs num_experts (or num_local_experts) >= 1, got {experts!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(f"unsupported num_experts_per_tok={top_k!r} for {architecture} in {where}; supported: "
+                         f"1..{experts}")
+    n, step = cfg["num_hidden_layers"], int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    return MoEArch(num_experts=experts, top_k=top_k,
+                   intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                   renormalize=architecture == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
+                   shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+                   if architecture == "Qwen2MoeForCausalLM" else 0,
+                   sparse_layers=sparse)
 
 
 def _window(cfg: dict, architecture: str) -> dict:
@@ -254,7 +310,7 @@ def _window(cfg: dict, architecture: str) -> dict:
     only with ``use_sliding_window``, on the layers of ``layer_types``, by default those with index
     ``>= max_window_layers`` (default 28); other families: no window (``check_fields`` refused one)."""
     window = cfg.get("sliding_window")
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return {"sliding_window": window}
     if architecture == "Phi3ForCausalLM":  # every layer, as Mistral; a window covering the whole context is none
         covers = window is None or window >= cfg.get("max_position_embeddings", 2048)

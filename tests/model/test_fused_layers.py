@@ -92,7 +92,7 @@ def test_a_decode_step_returns_the_final_norm_of_every_row(qllm):
     batch = build_input_batch(plan, block_size=16)
     with torch.inference_mode():
         h = model.embed(batch.input_ids)
-        x = model.fused_layers(h, batch, model.attn.build_metadata(batch), model._rope(batch),
+        x = model.fused_layers(h, batch, model.attn.build_metadata(batch), model.ropes(batch),
                                torch.zeros(model.kv_cache_shape(16, 16)))  # h: left the last layer's output
         _assert_bitwise(x, model.ops.rms_norm(h, model.final_norm, model.arch.rms_norm_eps))
 
@@ -120,7 +120,7 @@ def test_a_step_planned_by_another_backend_is_refused(qllm):
     before = h.clone()
     cache = torch.zeros(model.kv_cache_shape(8, 16))
     with pytest.raises(ValueError, match="does not take this step"):
-        model.fused_layers(h, batch, meta, model._rope(batch), cache)
+        model.fused_layers(h, batch, meta, model.ropes(batch), cache)
     assert torch.equal(h, before) and not cache.any()  # nothing done
 
 
@@ -173,7 +173,7 @@ def test_an_early_exit_draft_gets_its_own_loop_and_a_foreign_cache_is_refused(ql
     # the target's loop is handed the draft's 2-layer cache: refused, nothing written
     foreign = torch.zeros(draft.kv_cache_shape(4, 16))
     with pytest.raises(ValueError, match="does not take this step"):
-        target.fused_layers(h, batch, meta, target._rope(batch), foreign)
+        target.fused_layers(h, batch, meta, target.ropes(batch), foreign)
     assert not foreign.any()
 
 
