@@ -343,7 +343,7 @@ def test_a_qwen2_gguf_keeps_its_rows_and_biases(tmp_path_factory, tokenizer):
 @pytest.mark.parametrize("extra_tensors, extra_fields, message", [
     ([("blk.0.attn_q_norm.weight", np.ones(16, np.float32))], [], r"unknown GGUF tensor\(s\) \['blk.0.attn_q_norm"),
     ([], [("llama.rope.dimension_count", 8)], r"rope.dimension_count=8"),
-    ([], [("llama.expert_count", 8)], r"llama.expert_count=8"),
+    ([], [("llama.expert_count", 8)], r"unknown GGUF tensor\(s\) \['blk.0.ffn_down.weight'"),  # Mixtral's names
 ], ids=["unknown-tensor", "partial-rotary", "moe"])
 def test_gguf_fields_and_tensors_kvserve_does_not_implement_are_refused(tmp_path, llama3, extra_tensors,
                                                                         extra_fields, message):

@@ -87,7 +87,7 @@ def test_specs_are_checked_by_name():
         LayerSpec(window=0)
     with pytest.raises(ValueError, match=r"layers \[1\] name a RoPE table outside the 1 of the spec"):
         DecoderSpec(layers=(LayerSpec(), LayerSpec(rope=1)), ropes=(RopeSpec(1e4),))
-    with pytest.raises(ValueError, match=r"layers \[0\] have a mixture-of-experts MLP: not supported yet"):
+    with pytest.raises(ValueError, match=r"layers \[0\] have a mixture-of-experts MLP but the spec has no router"):
         DecoderSpec(layers=(LayerSpec(mlp="moe"),), ropes=(RopeSpec(1e4),))
     spec = DecoderSpec(layers=(LayerSpec(), LayerSpec(rope=None)), ropes=(RopeSpec(1e4),))
     assert spec.first(1).layers == (LayerSpec(),)
