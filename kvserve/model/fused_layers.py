@@ -10,7 +10,9 @@ residual multiplier, post-norm, residual add + RMSNorm, gate/up, the activation,
 RMSNorm; after the last layer, the model's final RMSNorm), so the residual stream it leaves and the normed rows it
 returns equal the Python loop's and the final norm of its rows bit for bit (``tests/model/test_fused_layers.py``,
 ``tests/model/test_layer_spec.py``: every family). The GELU variants' activation is the Python loop's own PyTorch
-op, called back once per layer (``_TorchActivation``); SwiGLU's is the C kernel. A mixture-of-experts MLP is the
+op, called back once per layer (``_TorchActivation``); SwiGLU's is the C kernel. A Q/K/V projection whose parts
+differ in format (``ConcatLinear``: a Q4_K_M file's Q6_K ``attn_v`` beside Q4_K ``attn_q`` / ``attn_k``) runs as
+the Python loop runs it, one matmul per part, each into its columns of the Q/K/V rows. A mixture-of-experts MLP is the
 Python loop's own ``MoE`` object, called back once per MoE layer (``_MoECallback``: the router's top-k and the
 grouping by expert are Python's). ``build`` declines a spec with an op the C loop lacks, naming it (none today).
 
@@ -56,7 +58,7 @@ class _Layer(ctypes.Structure):
                 ("post_mlp_norm", _ptr), ("qk_norm", _i64), ("q_norm", _ptr), ("k_norm", _ptr), ("rope", _i64),
                 ("window", _i64), ("softcap", _f32), ("qkv_bias", _ptr), ("o_bias", _ptr), ("gate_up_bias", _ptr),
                 ("down_bias", _ptr), ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight),
-                ("mlp", _ptr)]
+                ("mlp", _ptr), ("qkv_rest", _QWeight * 2)]
 
 
 class _Stack(ctypes.Structure):
@@ -91,6 +93,16 @@ def _qweight(layer) -> Optional[_QWeight]:
         return None
     return _QWeight(pw.fmt, pw.data.data_ptr(), None if pw.oscale is None else pw.oscale.data_ptr(),
                     pw.out_features, pw.in_features)
+
+
+def _qkv_parts(layer) -> Optional[list]:
+    """The C views of a Q/K/V projection, 3 of them (``DecoderLayer.qkv`` and ``qkv_rest``): one packed weight and
+    two empty, or the parts of a ``ConcatLinear`` (parts whose formats differ) and empty ones; ``None`` when a part
+    has no ``kernel_weight``."""
+    parts = [_qweight(p) for p in getattr(layer, "parts", [layer])]
+    if len(parts) > 3 or any(p is None for p in parts):
+        return None
+    return parts + [_QWeight()] * (3 - len(parts))
 
 
 def _lacks(spec) -> Optional[str]:
@@ -241,12 +253,13 @@ class FusedLayerLoop:
         n, layers, acts = len(model.layers), (_Layer * len(model.layers))(), set()
         moe = _MoECallback([w["moe"] for w in model.layers], hidden) if any(w["moe"] for w in model.layers) else None
         for i, (w, s) in enumerate(zip(model.layers, spec.layers)):
-            names = ("qkv", "o") if w["moe"] is not None else ("qkv", "o", "gate_up", "down")
-            parts = [_qweight(w[k]) for k in names]
-            if any(p is None for p in parts):
+            names = ("o",) if w["moe"] is not None else ("o", "gate_up", "down")
+            qkv, parts = _qkv_parts(w["qkv"]), [_qweight(w[k]) for k in names]
+            if qkv is None or any(p is None for p in parts):
                 return no(f"layer {i}: a projection without a kernel_weight")
-            parts += [_QWeight()] * (4 - len(parts))  # (a MoE layer's MLP: the callback's)
-            acts.update((w[k].isa, w[k].activations) for k in names)
+            parts += [_QWeight()] * (3 - len(parts))  # (a MoE layer's MLP: the callback's)
+            acts.update((p.isa, p.activations) for p in [*getattr(w["qkv"], "parts", [w["qkv"]]),
+                                                         *(w[k] for k in names)])
             # the next layer's input norm; after the last layer, the final norm (its rows are the LM head's input)
             nxt = model.final_norm if i + 1 == n else (
                 model.layers[i + 1]["attn_norm"] if spec.layers[i + 1].pre_norms else None)
@@ -257,8 +270,8 @@ class FusedLayerLoop:
                 return no(f"layer {i}: a norm or bias not float32 contiguous")
             layers[i] = _Layer(s.pre_norms, *map(_addr, tensors[:4]), _QK_NORMS[s.qk_norm], _addr(q_norm),
                                _addr(k_norm), num_ropes - 1 if s.rope is None else s.rope, s.window or 0,
-                               s.attn_softcap or 0.0, *map(_addr, tensors[6:]), *parts,
-                               _address(moe.fn) if w["moe"] is not None else None)
+                               s.attn_softcap or 0.0, *map(_addr, tensors[6:]), qkv[0], *parts,
+                               _address(moe.fn) if w["moe"] is not None else None, (_QWeight * 2)(*qkv[1:]))
         if len(acts) != 1:
             return no(f"mixed kernel paths or activation quantizations {sorted(acts)}")
         isa, act = acts.pop()

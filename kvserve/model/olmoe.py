@@ -22,8 +22,9 @@ class OlmoeModel(DecoderModel):
 
 
 #: ``clip_qkv`` is refused; llama.cpp's ``olmoe`` never renormalizes (its Q/K norms: ``attn_{q,k}_norm``).
-FAMILY = Family(OlmoeModel, {"OlmoeForCausalLM": {**MOE_FIELDS, "hidden_act": ("silu",), "attention_bias": (False, True),
-                                                  "norm_topk_prob": (False, True), "clip_qkv": (None,)}},
+FAMILY = Family(OlmoeModel, {"OlmoeForCausalLM": {**MOE_FIELDS, "hidden_act": ("silu",),
+                                                  "attention_bias": (False, True), "norm_topk_prob": (False, True),
+                                                  "clip_qkv": (None,)}},
                 gguf_architectures={"olmoe": "OlmoeForCausalLM"},
                 gguf_layer_names={"olmoe": {**QK_NORM_NAMES, **GGUF_MOE_NAMES}},
                 experts=Experts(renormalize=None, gguf={"olmoe": False}))

@@ -70,9 +70,12 @@ typedef struct {
     int64_t rope;                      /* index of the layer's cos/sin in DecoderStep */
     int64_t window;                    /* attention window in tokens, 0: none */
     float softcap;                     /* attention-score soft-cap, 0: none */
-    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* [qkv.n], [hidden], [2 intermediate], [hidden] */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* [qkv_width], [hidden], [2 intermediate], [hidden] */
     QWeight qkv, o, gate_up, down;     /* gate_up and down unused when mlp is set */
     mlp_fn mlp;                        /* NULL: the gated MLP of gate_up / down; else the caller's MLP (MoE) */
+    QWeight qkv_rest[2];               /* the rest of a Q/K/V projection whose parts differ in format (a Q4_K_M
+                                        * file's Q6_K v beside Q4_K q/k): qkv is its first part, these the next
+                                        * columns (n = 0: none); each part its own matmul into qkv's rows */
 } DecoderLayer;
 
 /* The model: set once. */
@@ -130,6 +133,9 @@ static void bias_scale(float *y, const float *b, float m, int64_t T, int64_t n) 
         for (int64_t j = 0; j < T * n; j++) y[j] *= m;
 }
 
+/* The width of a layer's Q/K/V projection (its parts': DecoderLayer.qkv_rest). */
+static int64_t qkv_width(const DecoderLayer *L) { return L->qkv.n + L->qkv_rest[0].n + L->qkv_rest[1].n; }
+
 /* The Q/K norms of qkv's T rows (stride nqkv), in place: per head over d (rms_norm of h rows of d) or over each
  * whole projection (one row of h d). */
 static void qk_norm(const DecoderStack *s, const DecoderLayer *L, float *qkv, int64_t T, int64_t nqkv) {
@@ -161,7 +167,8 @@ int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h,
     const rope_write_attend_fn attend = s->rope_write_attend[p->kv_dtype];
     for (int64_t i = 0; i < s->num_layers; i++) {
         const DecoderLayer *L = s->layers + i;
-        if (L->qkv.k != H || L->qkv.n != (s->h_q + 2 * s->h_kv) * s->d || L->o.k != qd || L->o.n != H ||
+        if (L->qkv.k != H || qkv_width(L) != (s->h_q + 2 * s->h_kv) * s->d || L->o.k != qd || L->o.n != H ||
+            (L->qkv_rest[0].n && L->qkv_rest[0].k != H) || (L->qkv_rest[1].n && L->qkv_rest[1].k != H) ||
             (!L->mlp && (L->gate_up.k != H || L->gate_up.n != 2 * I || L->down.k != I || L->down.n != H)) ||
             L->rope < 0 ||
             L->rope >= MAX_ROPES || !p->cos[L->rope] || !p->sin[L->rope] || (L->qk_norm && !(L->q_norm && L->k_norm)))
@@ -172,12 +179,14 @@ int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h,
     lap(p, &t0, T_ELEMENTWISE);
     for (int64_t i = 0; i < s->num_layers; i++) {
         const DecoderLayer *L = s->layers + i;
-        const int64_t nqkv = L->qkv.n;
+        const int64_t nqkv = qkv_width(L);
         char *k_cache = (char *)p->kv_cache + i * p->layer_bytes, *v_cache = k_cache + p->layer_bytes / 2;
         const float *in = L->pre_norms ? x : h;
-        if (kvserve_qgemm((int)L->qkv.fmt, (int)s->isa, (int)s->act, in, T, H, L->qkv.w, nqkv, L->qkv.oscale, qkv,
-                          nqkv))
-            return -2;
+        const QWeight *parts[3] = {&L->qkv, &L->qkv_rest[0], &L->qkv_rest[1]};
+        for (int64_t j = 0, col = 0; j < 3; col += parts[j]->n, j++)
+            if (parts[j]->n && kvserve_qgemm((int)parts[j]->fmt, (int)s->isa, (int)s->act, in, T, H, parts[j]->w,
+                                             parts[j]->n, parts[j]->oscale, qkv + col, nqkv))
+                return -2;
         bias_scale(qkv, L->qkv_bias, 1.0f, T, nqkv);
         lap(p, &t0, T_MATMUL);
         if (L->qk_norm) qk_norm(s, L, qkv, T, nqkv);
