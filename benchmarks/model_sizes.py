@@ -1,5 +1,5 @@
 """``python -m benchmarks.model_sizes``: kvserve against llama.cpp on random-weight GGUFs of Llama-3.2-1B and -3B
-shapes, in one run.
+shapes, and of the mixture-of-experts OLMoE-1B-7B and Qwen3-30B-A3B (``--sizes olmoe-1b-7b``), in one run.
 
 Each file is written in seconds (``write_gguf``): the real architecture (llama.cpp's tensor names and metadata,
 ``llama3`` RoPE scaling as the ``rope_freqs.weight`` divisors llama.cpp's converter stores, tied embeddings as in
@@ -59,14 +59,33 @@ class Shape:
     high_freq_factor: float = 4.0
     original_context: int = 8192
     context: int = 131072
+    arch: str = "llama"
+    head_width: int = 0
+    experts: int = 0
+    experts_used: int = 0
+    qk_norm: str = ""
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_width or self.hidden // self.heads
+
+    @property
+    def llama3_rope(self) -> bool:
+        """Llama 3's RoPE scaling (``rope_freqs.weight``): the ``llama`` shapes only."""
+        return self.arch == "llama"
 
 
+#: A mixture of experts (``experts`` > 0) has ``ffn`` = one expert's width, a float32 router ``ffn_gate_inp`` with
+#: random logits (tokens choose varied experts, as a trained router's do), the experts stacked as
+#: ``ffn_{gate,up,down}_exps``, an untied LM head, and ``qk_norm`` (``head``: per head, Qwen3; ``proj``: over the
+#: whole projection, OLMoE).
 SHAPES = {"1b": Shape(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192),
-          "3b": Shape(layers=28, hidden=3072, heads=24, kv_heads=8, ffn=8192)}
+          "3b": Shape(layers=28, hidden=3072, heads=24, kv_heads=8, ffn=8192),
+          "olmoe-1b-7b": Shape(layers=16, hidden=2048, heads=16, kv_heads=16, ffn=1024, rope_theta=10000.0,
+                               context=4096, arch="olmoe", experts=64, experts_used=8, qk_norm="proj"),
+          "qwen3-30b-a3b": Shape(layers=48, hidden=2048, heads=32, kv_heads=4, ffn=768, rope_theta=1e6,
+                                 context=40960, arch="qwen3moe", head_width=128, experts=128, experts_used=8,
+                                 qk_norm="head")}
 #: File format -> (GGUF ``general.file_type``, llama.cpp's name of it).
 FORMATS = {"q4_0": (2, "Q4_0"), "q4_k_m": (15, "Q4_K_M"), "q8_0": (7, "Q8_0")}
 #: The interpreter with ``llama_cpp`` (built outside the project): ``$KVSERVE_LLAMA_PYTHON`` or this venv's.
@@ -94,21 +113,27 @@ def tensor_types(shape: Shape, fmt: str) -> dict:
         raise ValueError(f"format must be one of {tuple(FORMATS)}, got {fmt!r}")
     base = {"q4_0": T.Q4_0, "q4_k_m": T.Q4_K, "q8_0": T.Q8_0}[fmt]
     out = {"token_embd.weight": T.Q6_K if fmt == "q4_k_m" else base}
+    if shape.experts:
+        out["output.weight"] = T.Q6_K if fmt == "q4_k_m" else base
+    ffn = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if shape.experts else ("ffn_gate", "ffn_up", "ffn_down")
     for i in range(shape.layers):
-        for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
-            six = fmt == "q4_k_m" and kind in ("attn_v", "ffn_down") and more_bits(i, shape.layers)
+        for kind in ("attn_q", "attn_k", "attn_v", "attn_output") + ffn:
+            six = fmt == "q4_k_m" and kind in ("attn_v", ffn[2]) and more_bits(i, shape.layers)
             out[f"blk.{i}.{kind}.weight"] = T.Q6_K if six else base
     return out
 
 
 def _matrix_shape(name: str, shape: Shape, vocab: int) -> tuple:
-    """``(rows, columns)`` of a matrix: rows = output features (the GGUF ``ne[1]``), columns = input features."""
-    kv = shape.kv_heads * shape.head_dim
+    """``(rows, columns)`` of a matrix: rows = output features (the GGUF ``ne[1]``), columns = input features; the
+    stacked experts' ``(experts, rows, columns)``."""
+    kv, q = shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim
     kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
-    return {"token_embd": (vocab, shape.hidden), "attn_q": (shape.hidden, shape.hidden), "attn_k": (kv, shape.hidden),
-            "attn_v": (kv, shape.hidden), "attn_output": (shape.hidden, shape.hidden),
+    e = (shape.experts,)
+    return {"token_embd": (vocab, shape.hidden), "output": (vocab, shape.hidden), "attn_q": (q, shape.hidden),
+            "attn_k": (kv, shape.hidden), "attn_v": (kv, shape.hidden), "attn_output": (shape.hidden, q),
             "ffn_gate": (shape.ffn, shape.hidden), "ffn_up": (shape.ffn, shape.hidden),
-            "ffn_down": (shape.hidden, shape.ffn)}[kind]
+            "ffn_down": (shape.hidden, shape.ffn), "ffn_gate_exps": e + (shape.ffn, shape.hidden),
+            "ffn_up_exps": e + (shape.ffn, shape.hidden), "ffn_down_exps": e + (shape.hidden, shape.ffn)}[kind]
 
 
 def random_blocks(qtype, n: int, rng):
@@ -199,8 +224,8 @@ def write_gguf(path, shape: Shape, fmt: str, seed: int = 0, tokenizer_source=Non
     rng = np.random.default_rng(seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"random Llama-3.2 {shape.layers}x{shape.hidden} ({FORMATS[fmt][1]}, benchmarks.model_sizes)")
+    w = gguf.GGUFWriter(str(path), shape.arch)
+    w.add_name(f"random {shape.arch} {shape.layers}x{shape.hidden} ({FORMATS[fmt][1]}, benchmarks.model_sizes)")
     w.add_file_type(FORMATS[fmt][0])
     w.add_quantization_version(2)
     w.add_block_count(shape.layers)
@@ -215,29 +240,45 @@ def write_gguf(path, shape: Shape, fmt: str, seed: int = 0, tokenizer_source=Non
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
+    if shape.experts:
+        w.add_uint32(f"{shape.arch}.expert_count", shape.experts)
+        w.add_uint32(f"{shape.arch}.expert_used_count", shape.experts_used)
+        w.add_uint32(f"{shape.arch}.expert_feed_forward_length", shape.ffn)
     for key, val, vtype, sub in tok:
         w.add_key_value(key, val, vtype, sub_type=sub)
 
     ones = lambda n: np.ones(n, np.float32)  # noqa: E731
-    tensors = [("token_embd.weight", None), ("rope_freqs.weight", np.asarray(llama3_rope_factors(shape), np.float32))]
+    tensors = [("token_embd.weight", None)]
+    if shape.llama3_rope:
+        tensors.append(("rope_freqs.weight", np.asarray(llama3_rope_factors(shape), np.float32)))
+    ffn = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if shape.experts else ("ffn_gate", "ffn_up", "ffn_down")
+    q_norm = {"head": shape.head_dim, "proj": shape.heads * shape.head_dim}.get(shape.qk_norm)
+    k_norm = {"head": shape.head_dim, "proj": shape.kv_heads * shape.head_dim}.get(shape.qk_norm)
     for i in range(shape.layers):
         tensors.append((f"blk.{i}.attn_norm.weight", ones(shape.hidden)))
         tensors += [(f"blk.{i}.{k}.weight", None) for k in ("attn_q", "attn_k", "attn_v", "attn_output")]
+        if q_norm:
+            tensors += [(f"blk.{i}.attn_q_norm.weight", ones(q_norm)), (f"blk.{i}.attn_k_norm.weight", ones(k_norm))]
         tensors.append((f"blk.{i}.ffn_norm.weight", ones(shape.hidden)))
-        tensors += [(f"blk.{i}.{k}.weight", None) for k in ("ffn_gate", "ffn_up", "ffn_down")]
+        if shape.experts:
+            router = rng.standard_normal((shape.experts, shape.hidden), dtype=np.float32) * 0.05
+            tensors.append((f"blk.{i}.ffn_gate_inp.weight", router))
+        tensors += [(f"blk.{i}.{k}.weight", None) for k in ffn]
     tensors.append(("output_norm.weight", ones(shape.hidden)))
+    if shape.experts:
+        tensors.append(("output.weight", None))
 
     def byte_shape(name):
-        rows, cols = _matrix_shape(name, shape, vocab)
+        *lead, cols = _matrix_shape(name, shape, vocab)
         bs, tb = gguf.GGML_QUANT_SIZES[types[name]]
         if cols % bs:
             raise ValueError(f"{name}: {cols} columns is not a multiple of {types[name].name}'s {bs}-value block")
-        return rows, cols // bs * tb
+        return (*lead, cols // bs * tb)
 
     for name, arr in tensors:
         if arr is None:
-            rows, nbytes = byte_shape(name)
-            w.add_tensor_info(name, (rows, nbytes), np.dtype(np.uint8), rows * nbytes, raw_dtype=types[name])
+            bshape = byte_shape(name)
+            w.add_tensor_info(name, bshape, np.dtype(np.uint8), int(np.prod(bshape)), raw_dtype=types[name])
         else:
             w.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes)
     w.write_header_to_file()
@@ -246,11 +287,11 @@ def write_gguf(path, shape: Shape, fmt: str, seed: int = 0, tokenizer_source=Non
     pools = {t: random_blocks(t, 1 << 20 if shape.hidden >= 1024 else 1 << 14, rng) for t in set(types.values())}
     for name, arr in tensors:
         if arr is None:
-            rows, nbytes = byte_shape(name)
+            bshape = byte_shape(name)
             pool = pools[types[name]]
-            n = rows * nbytes // pool.shape[1]
+            n = int(np.prod(bshape)) // pool.shape[1]
             idx = (int(rng.integers(len(pool))) + np.arange(n)) % len(pool)
-            arr = pool[idx].reshape(rows, nbytes)
+            arr = pool[idx].reshape(bshape)
         w.write_tensor_data(arr)
     w.close()
     return path
@@ -448,6 +489,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _family(size: str) -> str:
+    """The file-name prefix of a ``SHAPES`` entry: ``llama-3.2-`` for the dense sizes (the MoE sizes are named)."""
+    return "llama-3.2-" if SHAPES[size].arch == "llama" else ""
+
+
 def run(args: argparse.Namespace) -> int:
     """Write the files, measure each with both engines, print the machine, the table and the bandwidth."""
     import logging
@@ -464,7 +510,7 @@ def run(args: argparse.Namespace) -> int:
     files = []
     for size in args.sizes:
         for fmt in args.formats:
-            path = Path(args.out_dir) / f"random-llama-3.2-{size}-{fmt}.gguf"
+            path = Path(args.out_dir) / f"random-{_family(size)}{size}-{fmt}.gguf"
             if args.rewrite or not path.exists():
                 t = time.perf_counter()
                 write_gguf(path, SHAPES[size], fmt, seed=args.seed)
@@ -481,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
     rows, report = [], {"cpu": info, "threads": threads, "bandwidth_gbs": bw, "files": []}
     for path in files:
         t = time.perf_counter()
-        row = {"file": path.name.removeprefix("random-llama-3.2-").removesuffix(".gguf"),
+        row = {"file": path.name.removeprefix("random-").removeprefix("llama-3.2-").removesuffix(".gguf"),
                "mb": path.stat().st_size / 1e6, "kvserve": {}, "llama.cpp": {}}
         if "kvserve" in args.engines:
             row["kvserve"] = kvserve_measure(path, args, rng, threads)

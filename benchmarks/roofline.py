@@ -93,11 +93,18 @@ def prefill_bound_tokens_per_s(cost: ModelCost, peak_gops: float) -> float:
 
 
 def model_cost(model, kv_cache_dtype: Optional[torch.dtype] = None) -> ModelCost:
-    """``ModelCost`` of a built ``CausalLM`` (``kvserve.model.llama.LlamaModel``): its projections and LM head, and
-    the KV bytes per token in ``kv_cache_dtype`` (default: the model's dtype)."""
+    """``ModelCost`` of a built ``CausalLM`` (``kvserve.model.decoder.DecoderModel``): its projections and LM head
+    (of a mixture of experts: the router and ``top_k`` experts, the bytes one token reads), and the KV bytes per
+    token in ``kv_cache_dtype`` (default: the model's dtype)."""
     from kvserve.layers.quant_linear import QuantLinear
 
-    linears = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
+    linears = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")
+                                 if layer[k] is not None]
+    for layer in model.layers:  # a mixture of experts: what a token reads -- the router, top_k experts, the shared
+        moe = layer.get("moe")
+        if moe is not None:
+            per_token = [moe.router] + [lin for e in moe.experts[: moe.spec.top_k] for lin in (e.gate_up, e.down)]
+            linears += per_token + ([moe.shared_expert.gate_up, moe.shared_expert.down] if moe.shared_expert else [])
     parts = [p for lin in linears for p in getattr(lin, "parts", [lin])]
     nbytes = sum(p.weight_bytes() if hasattr(p, "weight_bytes") else p.numel() * model.dtype.itemsize for p in parts)
     return ModelCost(weight_bytes=int(nbytes), macs_per_token=int(sum(p.numel() for p in parts)),

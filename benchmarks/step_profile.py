@@ -65,8 +65,9 @@ def step_profile(engine_args: dict, batches=(1, 32), context: int = 128, repeats
     if fused is not None:
         fused.timings = torch.zeros(3, dtype=torch.int64)
     for layer in model.layers:
-        for k in ("qkv", "o", "gate_up", "down"):
-            layer[k] = _Timed(layer[k], "weights", tot)
+        for k in ("qkv", "o", "gate_up", "down", "moe"):  # (a MoE layer: its whole MLP, the router included)
+            if layer.get(k) is not None:
+                layer[k] = _Timed(layer[k], "weights", tot)
     model.lm_head = _Timed(model.lm_head, "weights", tot)
     for name in ("build_metadata", "forward_qkv"):  # forward_qkv: RoPE on q/k, K/V write, attention
         setattr(model.attn, name, _Timed(getattr(model.attn, name), "attention", tot))

@@ -21,6 +21,30 @@ HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")
 
 
 @dataclass(frozen=True)
+class MoEArch:
+    """A mixture-of-experts decoder's expert layout, read from the model's metadata (``hf_config``, ``loader``).
+
+    Attributes:
+        num_experts: routed experts per MoE layer (Hugging Face ``num_experts`` / ``num_local_experts``; GGUF
+            ``expert_count``).
+        top_k: experts per token (``num_experts_per_tok``; GGUF ``expert_used_count``).
+        intermediate_size: one expert's MLP width (``moe_intermediate_size``, else ``intermediate_size``; GGUF: the
+            ``ffn_gate_exps`` rows per expert).
+        renormalize: the chosen softmax probabilities are divided by their sum (``norm_topk_prob``; Mixtral: always).
+        shared_intermediate_size: the width of a shared expert every token runs (Qwen2-MoE), 0: none.
+        sparse_layers: per layer, whether its MLP is the MoE (Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``:
+            the others run a dense MLP of ``ModelArch.intermediate_size``).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool = False
+    shared_intermediate_size: int = 0
+    sparse_layers: tuple = ()
+
+
+@dataclass(frozen=True)
 class ModelArch:
     """Hyperparameters of a decoder, read from the model's own metadata.
 
@@ -43,6 +67,7 @@ class ModelArch:
             ``None`` with a ``sliding_window``: every layer is windowed. See ``layer_window``.
         attn_logit_softcapping: attention scores become ``c * tanh(s / c)`` before the softmax (Gemma 2);
             ``None``: no capping.
+        moe: the expert layout of a mixture-of-experts model (``MoEArch``); ``None``: every MLP is dense.
         Others: as in Hugging Face's configs (sizes in features, ``rope_theta`` the RoPE base).
     """
 
@@ -72,6 +97,7 @@ class ModelArch:
     sliding_window: Optional[int] = None
     layer_types: Optional[tuple] = None
     attn_logit_softcapping: Optional[float] = None
+    moe: Optional[MoEArch] = None
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The attention window (tokens) of layer ``layer``, or ``None`` where it attends to every earlier key."""

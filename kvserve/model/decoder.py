@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.kv_layout import pool_bytes
 from kvserve.batch import InputBatch
+from kvserve.layers.moe import MoE, ExpertMLP
 from kvserve.layers.rotary import RopeTable, rope_frequencies
 from kvserve.model.backends import ModelBackends
 from kvserve.model.base import ModelArch
@@ -79,6 +80,9 @@ class DecoderModel:
             if any(s.qk_norm == "proj" for s in spec.layers):
                 raise ValueError(f"tensor_parallel_size={tp} is not supported for {arch.architecture}: its Q/K "
                                  f"norms span every head; use 1")
+            if any(s.mlp == "moe" for s in spec.layers):
+                raise ValueError(f"tensor_parallel_size={tp} is not supported for {arch.architecture}: a "
+                                 f"mixture-of-experts model runs on one rank; use 1")
         self.num_heads, self.num_kv_heads = arch.num_attention_heads // tp, arch.num_key_value_heads // tp
         self.intermediate_size = arch.intermediate_size // tp  # this rank's share of the MLP
         column, row = backends.column_linear, backends.row_linear
@@ -102,8 +106,9 @@ class DecoderModel:
             if missing:
                 raise ValueError(f"{arch.architecture} needs Q/K/V biases; missing {missing}")
             o_bias = _declared_bias(weights, [p + "self_attn.o_proj.bias"], spec.o_bias, "attention_bias")
-            mlp = _declared_bias(weights, [p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")], spec.mlp_bias,
-                                 "mlp_bias")
+            moe = s.mlp == "moe"
+            mlp = [] if moe else _declared_bias(weights, [p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")],
+                                                spec.mlp_bias, "mlp_bias")
             if tp > 1 and (o_bias or mlp):
                 raise ValueError("tensor parallelism does not take o_proj or MLP biases yet")
             norms = {role: self._norm_weight(weights[p + name]) for role, name in self._norm_names(s).items()}
@@ -112,10 +117,11 @@ class DecoderModel:
                 qkv_bias=backends.column_bias([weights[n] for n in bias_names]) if has_bias else None,
                 o=row(weights[p + "self_attn.o_proj.weight"], what=p + "o_proj"),
                 o_bias=o_bias[0] if o_bias else None,
-                gate_up=column([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]],
-                               what=p + "gate_up_proj"),
+                gate_up=None if moe else column([weights[p + "mlp.gate_proj.weight"],
+                                                 weights[p + "mlp.up_proj.weight"]], what=p + "gate_up_proj"),
                 gate_up_bias=torch.cat(mlp[:2]) if mlp else None,
-                down=row(weights[p + "mlp.down_proj.weight"], what=p + "down_proj"),
+                down=None if moe else row(weights[p + "mlp.down_proj.weight"], what=p + "down_proj"),
+                moe=self._moe(weights, p) if moe else None,
                 down_bias=mlp[2] if mlp else None,
                 **{role: norms.get(role) for role in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm")},
                 qk_norm=[norms["q_norm"], norms["k_norm"]] if s.qk_norm != "none" else None,
@@ -130,6 +136,45 @@ class DecoderModel:
         self.fused_layers = FusedLayerLoop.build(self)
 
     # ------------------------------------------------------------------------------------------------ weights
+
+    def _moe(self, weights: dict, p: str) -> MoE:
+        """The mixture-of-experts MLP of the layer with prefix ``p`` (``kvserve.layers.moe``), from Hugging Face
+        (Qwen-MoE's) names: the router ``mlp.gate.weight`` ``[E, hidden]``; each expert's
+        ``mlp.experts.<e>.{gate,up,down}_proj.weight``, or the experts stacked as ``mlp.experts.{gate,up,down}_proj
+        .weight`` (``[E, out, in]``: a 3-D float tensor, or a stacked GGUF ``QuantTensor``: each expert a view of
+        its blocks); with ``spec.shared_expert``, ``mlp.shared_expert.{gate,up,down}_proj.weight`` and
+        ``mlp.shared_expert_gate.weight`` ``[1, hidden]``. Family modules rename their checkpoints' tensors into
+        these names.
+
+        Raises:
+            ValueError: a tensor missing (named)."""
+        column, row, spec = self.backends.column_linear, self.backends.row_linear, self.spec
+
+        def get(name):
+            if name not in weights:
+                raise ValueError(f"{self.arch.architecture} needs {name}; missing")
+            return weights[name]
+
+        def expert(kind, e):
+            w = weights.get(f"{p}mlp.experts.{e}.{kind}_proj.weight")
+            if w is not None:
+                return w
+            w = get(f"{p}mlp.experts.{kind}_proj.weight")
+            return w.expert(e) if hasattr(w, "expert") else w[e]
+
+        def mlp(prefix, gate, up, down):
+            return ExpertMLP(column([gate, up], what=prefix + "gate_up_proj"), row(down, what=prefix + "down_proj"))
+
+        experts = [mlp(f"{p}mlp.experts.{e}.", expert("gate", e), expert("up", e), expert("down", e))
+                   for e in range(spec.router.num_experts)]
+        shared = gate = None
+        if spec.shared_expert:
+            q = p + "mlp.shared_expert."
+            shared = mlp(q, get(q + "gate_proj.weight"), get(q + "up_proj.weight"), get(q + "down_proj.weight"))
+            g = get(p + "mlp.shared_expert_gate.weight")
+            gate = column([g.reshape(1, -1) if g.dim() == 1 else g], what=p + "shared_expert_gate")
+        router = column([get(p + "mlp.gate.weight")], what=p + "router")
+        return MoE(router, spec.router, experts, shared_expert=shared, shared_gate=gate)
 
     def _norm_names(self, s) -> dict:
         """role -> weight name (after the layer prefix) of the norms layer spec ``s`` reads."""
@@ -280,10 +325,13 @@ class DecoderModel:
                 h, x = self._add_norm(h, o, w["mlp_norm"], x_buf)
             else:
                 h = x = h + o
-            gate_up = w["gate_up"](x)
-            if w["gate_up_bias"] is not None:
-                gate_up = gate_up + w["gate_up_bias"]
-            down = w["down"](self.ops.act_mul(gate_up, act, act_buf))
+            if w["moe"] is not None:  # float32 rows in, float32 out (kvserve.layers.moe)
+                down = w["moe"](x).to(dt)
+            else:
+                gate_up = w["gate_up"](x)
+                if w["gate_up_bias"] is not None:
+                    gate_up = gate_up + w["gate_up_bias"]
+                down = w["down"](self.ops.act_mul(gate_up, act, act_buf))
             down = self._sublayer_out(down, w["down_bias"], res, w["post_mlp_norm"])
             if i + 1 < len(layers) and spec.layers[i + 1].pre_norms:
                 h, x = self._add_norm(h, down, layers[i + 1]["attn_norm"], x_buf)

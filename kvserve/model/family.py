@@ -28,6 +28,7 @@ class Family:
             ``None``) the common table (``loader._GGUF_LAYER_NAMES``) -> Hugging Face module names.
         gguf_permuted_qk: the GGUF architectures whose Q/K rows llama.cpp's converter permutes for its
             interleaved RoPE (its rope type "norm"), unpermuted at load.
+        experts: a mixture-of-experts family's routing rules (``Experts``); ``None``: a dense family.
     """
 
     model: type
@@ -35,11 +36,14 @@ class Family:
     gguf_architectures: dict = field(default_factory=dict)
     gguf_layer_names: dict = field(default_factory=dict)
     gguf_permuted_qk: tuple = ()
+    experts: Optional["Experts"] = None
 
     def __post_init__(self) -> None:
         unknown = {g: a for g, a in self.gguf_architectures.items() if a not in self.config_fields}
         if unknown:
             raise ValueError(f"GGUF architectures {unknown} load as architectures this family does not declare")
+        if self.experts is not None and len(self.config_fields) != 1:
+            raise ValueError("a mixture-of-experts family declares one Hugging Face architecture")
 
     @property
     def architectures(self) -> tuple:
@@ -47,6 +51,34 @@ class Family:
         return tuple(self.config_fields)
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts family's router rules, as its reference computes them (read by ``hf_config._moe`` and
+    the GGUF loader into ``base.MoEArch``).
+
+    Attributes:
+        renormalize: whether the chosen experts' softmax weights are renormalized to sum to 1 (Hugging Face):
+            ``True`` / ``False`` always, ``None``: as the config's ``norm_topk_prob`` says (default ``False``).
+        gguf: llama.cpp ``general.architecture`` values that, with ``<arch>.expert_count``, load as this family ->
+            whether llama.cpp's graph renormalizes (its ``build_moe_ffn`` flag; the file holds no key for it).
+        shared_expert: a shared expert every token runs, scaled by a sigmoid gate (Qwen2-MoE's
+            ``shared_expert_intermediate_size``).
+    """
+
+    renormalize: Optional[bool]
+    gguf: dict = field(default_factory=dict)
+    shared_expert: bool = False
+
+
+#: The mixture-of-experts config fields every MoE family reads (``num_experts`` / ``num_local_experts``,
+#: ``num_experts_per_tok``); the training-only ones (``router_aux_loss_coef``, ``output_router_logits``,
+#: ``router_jitter_noise``) change nothing at inference.
+MOE_FIELDS = {"num_experts": None, "num_local_experts": None, "num_experts_per_tok": None}
+#: llama.cpp's per-layer mixture-of-experts tensors -> the decoder's names (``*_exps``: the experts stacked,
+#: ``[experts, out, in]``); a MoE layer has no dense ``ffn_gate`` / ``ffn_up`` / ``ffn_down``.
+GGUF_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                  "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+                  "ffn_gate": None, "ffn_up": None, "ffn_down": None}
 #: The ``hidden_act`` values every family takes.
 ANY_ACTIVATION = {"hidden_act": ACTIVATIONS}
 #: Llama's biases (``attention_bias``: Q/K/V and o_proj; ``mlp_bias``), as a config field table.
@@ -58,7 +90,3 @@ def layer_names(family: Family, gguf_arch: str, common: dict) -> dict:
     own entries over it (``None`` entries removed)."""
     return {k: v for k, v in {**common, **family.gguf_layer_names.get(gguf_arch, {})}.items() if v}
 
-
-def find(families: dict, architecture: str) -> Optional[Family]:
-    """The family (of ``families``: module -> ``Family``) declaring Hugging Face ``architecture``, or ``None``."""
-    return next((f for f in families.values() if architecture in f.config_fields), None)

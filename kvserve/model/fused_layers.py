@@ -10,8 +10,11 @@ residual multiplier, post-norm, residual add + RMSNorm, gate/up, the activation,
 RMSNorm; after the last layer, the model's final RMSNorm), so the residual stream it leaves and the normed rows it
 returns equal the Python loop's and the final norm of its rows bit for bit (``tests/model/test_fused_layers.py``,
 ``tests/model/test_layer_spec.py``: every family). The GELU variants' activation is the Python loop's own PyTorch
-op, called back once per layer (``_TorchActivation``); SwiGLU's is the C kernel. ``build`` declines a spec with
-an op the C loop lacks, naming it (a mixture-of-experts MLP).
+op, called back once per layer (``_TorchActivation``); SwiGLU's is the C kernel. A Q/K/V projection whose parts
+differ in format (``ConcatLinear``: a Q4_K_M file's Q6_K ``attn_v`` beside Q4_K ``attn_q`` / ``attn_k``) runs as
+the Python loop runs it, one matmul per part, each into its columns of the Q/K/V rows. A mixture-of-experts MLP is the
+Python loop's own ``MoE`` object, called back once per MoE layer (``_MoECallback``: the router's top-k and the
+grouping by expert are Python's). ``build`` declines a spec with an op the C loop lacks, naming it (none today).
 
 Chosen once, at start-up: ``select_backends`` decides from the ``KernelConfig`` (``fused_layers``) and what can run
 here (float32, one process, the CPU kernels and a quantized path) whether models get a loop
@@ -54,7 +57,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [("pre_norms", _i64), ("mlp_norm", _ptr), ("next_norm", _ptr), ("post_attn_norm", _ptr),
                 ("post_mlp_norm", _ptr), ("qk_norm", _i64), ("q_norm", _ptr), ("k_norm", _ptr), ("rope", _i64),
                 ("window", _i64), ("softcap", _f32), ("qkv_bias", _ptr), ("o_bias", _ptr), ("gate_up_bias", _ptr),
-                ("down_bias", _ptr), ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight)]
+                ("down_bias", _ptr), ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight),
+                ("mlp", _ptr), ("qkv_rest", _QWeight * 2)]
 
 
 class _Stack(ctypes.Structure):
@@ -66,6 +70,8 @@ class _Stack(ctypes.Structure):
 
 #: ``DecoderStack.act_mul``'s C signature: ``(gu [T, 2I], y [T, I], T, I)``.
 _ACT_MUL = ctypes.CFUNCTYPE(None, _ptr, _ptr, _i64, _i64)
+#: ``DecoderLayer.mlp``'s C signature: ``(x [T, hidden], y [T, hidden], T, layer) -> 0 | error``.
+_MLP = ctypes.CFUNCTYPE(ctypes.c_int, _ptr, _ptr, _i64, _i64)
 
 
 class _Step(ctypes.Structure):
@@ -89,11 +95,19 @@ def _qweight(layer) -> Optional[_QWeight]:
                     pw.out_features, pw.in_features)
 
 
+def _qkv_parts(layer) -> Optional[list]:
+    """The C views of a Q/K/V projection, 3 of them (``DecoderLayer.qkv`` and ``qkv_rest``): one packed weight and
+    two empty, or the parts of a ``ConcatLinear`` (parts whose formats differ) and empty ones; ``None`` when a part
+    has no ``kernel_weight``."""
+    parts = [_qweight(p) for p in getattr(layer, "parts", [layer])]
+    if len(parts) > 3 or any(p is None for p in parts):
+        return None
+    return parts + [_QWeight()] * (3 - len(parts))
+
+
 def _lacks(spec) -> Optional[str]:
-    """The first op of ``spec`` (a ``DecoderSpec``) this C loop does not run, named; ``None``: it runs them all."""
-    moe = [i for i, s in enumerate(spec.layers) if s.mlp != "dense"]
-    if moe:
-        return f"the {spec.layers[moe[0]].mlp!r} MLP (layer {moe[0]})"
+    """The first op of ``spec`` (a ``DecoderSpec``) this C loop does not run, named; ``None``: it runs them all
+    (a ``"moe"`` MLP runs through ``_MoECallback``)."""
     return None
 
 
@@ -138,6 +152,34 @@ class _TorchActivation:
             raise e
 
 
+class _MoECallback:
+    """The C loop's ``DecoderLayer.mlp`` for mixture-of-experts layers: a C-callable function that runs the layer's
+    ``kvserve.layers.moe.MoE`` (the Python loop's own object, so both loops give the same bits) on the loop's input
+    rows and writes its output into the loop's ``delta`` rows -- one call back into Python per MoE layer. An
+    exception inside is kept and raised by ``raise_error`` after the loop returns (a callback cannot raise
+    through C)."""
+
+    def __init__(self, moes: list, hidden: int):
+        self.moes, self.hidden, self.error = moes, hidden, None
+        self.fn = _MLP(self)
+
+    def __call__(self, x_ptr, y_ptr, t, layer) -> int:
+        try:
+            n = t * self.hidden
+            x = torch.frombuffer((ctypes.c_float * n).from_address(x_ptr), dtype=torch.float32).view(t, -1)
+            y = torch.frombuffer((ctypes.c_float * n).from_address(y_ptr), dtype=torch.float32).view(t, -1)
+            y.copy_(self.moes[layer](x))
+            return 0
+        except Exception as e:  # noqa: BLE001 - raised after the C call (raise_error)
+            self.error = e
+            return 1
+
+    def raise_error(self) -> None:
+        e, self.error = self.error, None
+        if e is not None:
+            raise e
+
+
 def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
@@ -165,10 +207,11 @@ class FusedLayerLoop:
             the attention kernel and the element-wise kernels (``kvserve bench throughput --profile-step``).
     """
 
-    def __init__(self, model, stack: _Stack, layers, lib, act_mul=None):
+    def __init__(self, model, stack: _Stack, layers, lib, act_mul=None, moe=None):
         # the model is held so the weights the C structs point into stay alive as long as this loop (and the
-        # activation callback, when there is one, as long as the stack that points to it)
+        # activation and MoE callbacks, when there are, as long as the stack that points to them)
         self._model, self._stack, self._layers, self._lib, self._act_mul = model, stack, layers, lib, act_mul
+        self._moe = moe
         self._scratch = torch.empty(0, dtype=torch.float32)
         self._x_views: dict = {}  # row count -> the [T, hidden] view of the scratch's start (cleared on growth)
         self.timings: Optional[torch.Tensor] = None
@@ -208,11 +251,15 @@ class FusedLayerLoop:
         if num_ropes > _MAX_ROPES:
             return no(f"{num_ropes} RoPE tables (the C loop takes {_MAX_ROPES})")
         n, layers, acts = len(model.layers), (_Layer * len(model.layers))(), set()
+        moe = _MoECallback([w["moe"] for w in model.layers], hidden) if any(w["moe"] for w in model.layers) else None
         for i, (w, s) in enumerate(zip(model.layers, spec.layers)):
-            parts = [_qweight(w[k]) for k in ("qkv", "o", "gate_up", "down")]
-            if any(p is None for p in parts):
+            names = ("o",) if w["moe"] is not None else ("o", "gate_up", "down")
+            qkv, parts = _qkv_parts(w["qkv"]), [_qweight(w[k]) for k in names]
+            if qkv is None or any(p is None for p in parts):
                 return no(f"layer {i}: a projection without a kernel_weight")
-            acts.update((w[k].isa, w[k].activations) for k in ("qkv", "o", "gate_up", "down"))
+            parts += [_QWeight()] * (3 - len(parts))  # (a MoE layer's MLP: the callback's)
+            acts.update((p.isa, p.activations) for p in [*getattr(w["qkv"], "parts", [w["qkv"]]),
+                                                         *(w[k] for k in names)])
             # the next layer's input norm; after the last layer, the final norm (its rows are the LM head's input)
             nxt = model.final_norm if i + 1 == n else (
                 model.layers[i + 1]["attn_norm"] if spec.layers[i + 1].pre_norms else None)
@@ -223,7 +270,8 @@ class FusedLayerLoop:
                 return no(f"layer {i}: a norm or bias not float32 contiguous")
             layers[i] = _Layer(s.pre_norms, *map(_addr, tensors[:4]), _QK_NORMS[s.qk_norm], _addr(q_norm),
                                _addr(k_norm), num_ropes - 1 if s.rope is None else s.rope, s.window or 0,
-                               s.attn_softcap or 0.0, *map(_addr, tensors[6:]), *parts)
+                               s.attn_softcap or 0.0, *map(_addr, tensors[6:]), qkv[0], *parts,
+                               _address(moe.fn) if w["moe"] is not None else None, (_QWeight * 2)(*qkv[1:]))
         if len(acts) != 1:
             return no(f"mixed kernel paths or activation quantizations {sorted(acts)}")
         isa, act = acts.pop()
@@ -240,7 +288,7 @@ class FusedLayerLoop:
                        _address(cpu.kvserve_silu_mul_f32 if torch_act is None else torch_act.fn))
         lib.kvserve_decoder_stack.argtypes = [_ptr] * 9  # stack, step, h, x, qkv, attn, delta, gate_up, act
         lib.kvserve_decoder_stack.restype = ctypes.c_int
-        return cls(model, stack, layers, lib, torch_act)
+        return cls(model, stack, layers, lib, torch_act, moe)
 
     def __call__(self, h: torch.Tensor, batch, meta, ropes, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run every layer on ``h [T, hidden]`` float32 (the embeddings; left holding the last layer's output, before
@@ -280,6 +328,10 @@ class FusedLayerLoop:
         rc = self._lib.kvserve_decoder_stack(ctypes.byref(self._stack), ctypes.byref(step), h.data_ptr(), *ptrs)
         if self._act_mul is not None:
             self._act_mul.raise_error()
+        if self._moe is not None:
+            self._moe.raise_error()
+        if rc == -4:
+            raise RuntimeError("kvserve_decoder_stack: a mixture-of-experts layer failed")
         if rc == -1:
             raise ValueError("kvserve_decoder_stack: the model's shapes do not match its weights")
         if rc:

@@ -14,14 +14,18 @@ from typing import Optional
 
 from kvserve.layers.rotary import ROPE_TYPES, RopeScaling
 from kvserve.model.base import ModelArch
-from kvserve.model.registry import FAMILY_FIELDS
+from kvserve.model.registry import FAMILY_FIELDS, FAMILY_OF
 
-#: Mixture-of-experts architectures (Hugging Face names), refused as such (``check_not_moe``).
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                     "PhimoeForCausalLM", "PhiMoEForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DbrxForCausalLM", "JambaForCausalLM",
-                     "GptOssForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
-                     "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM")
+#: Mixture-of-experts architectures (Hugging Face names) kvserve does not run, refused as such (``check_not_moe``):
+#: DeepSeek's multi-head latent attention, hybrid linear-attention / state-space models (Jamba, Qwen3-Next,
+#: Granite-MoE-Hybrid), DBRX's clipped fused QKV and its own expert layout, Llama 4's interleaved chunked attention,
+#: PhiMoE's sparsemixer router, Granite-MoE with a shared expert, gpt-oss (attention sinks; not wired yet), and the
+#: rest. The MoE families kvserve runs are registry families (``family.Experts``).
+MOE_ARCHITECTURES = ("PhimoeForCausalLM", "PhiMoEForCausalLM", "GraniteMoeSharedForCausalLM",
+                     "GraniteMoeHybridForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                     "DbrxForCausalLM", "JambaForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",
+                     "Llama4ForConditionalGeneration", "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM",
+                     "Qwen3NextForCausalLM")
 #: ``transformers``' defaults for the Gemma fields a config.json may leave out (they differ from Llama's).
 _GEMMA_DEFAULTS = {
     "Gemma2ForCausalLM": dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
@@ -41,9 +45,6 @@ TEXT_PARTS = {
              num_key_value_heads=4, rms_norm_eps=1e-6),
         {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}),
 }
-#: Families with Llama's ``attention_bias`` (Q/K/V and o_proj) and ``mlp_bias``.
-_LLAMA_BIASES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
-                 "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 #: Fields of other families (or of features not built yet) that change the math, and the values that mean "off";
 #: any other value is refused.
@@ -88,8 +89,8 @@ def check_not_moe(architectures, where: str) -> None:
     mixture-of-experts model (``MOE_ARCHITECTURES``)."""
     moe = [a for a in architectures or () if a in MOE_ARCHITECTURES]
     if moe:
-        raise ValueError(f"unsupported architecture {moe[0]!r} in {where}: mixture-of-experts models are not "
-                         f"supported yet")
+        raise ValueError(f"unsupported architecture {moe[0]!r} in {where}: this mixture-of-experts model is not "
+                         f"supported (supported MoE families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE)")
 
 
 def parse_rope(cfg: dict, where: str, architecture: str = "") -> tuple[float, Optional[RopeScaling]]:
@@ -180,8 +181,10 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
     else:
         theta, scaling = parse_rope(cfg, where, architecture)
     n_head = cfg["num_attention_heads"]
-    llama_bias = architecture in _LLAMA_BIASES and bool(cfg.get("attention_bias", False))
-    granite = architecture == "GraniteForCausalLM"
+    fields = FAMILY_FIELDS[architecture]
+    llama_biases = "attention_bias" in fields  # Llama's attention_bias (Q/K/V and o_proj) and mlp_bias
+    llama_bias = llama_biases and bool(cfg.get("attention_bias", False))
+    granite = "embedding_multiplier" in fields  # Granite's four scalars (Granite, Granite-MoE)
     gemma = architecture in _GEMMA_DEFAULTS
     cls, extra = ModelArch, {}
     if gemma:
@@ -202,9 +205,9 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         architecture=architecture,
-        attention_bias=architecture == "Qwen2ForCausalLM" or llama_bias,
+        attention_bias=architecture == "Qwen2ForCausalLM" or "qkv_bias" in fields or llama_bias,
         o_proj_bias=llama_bias,
-        mlp_bias=architecture in _LLAMA_BIASES and bool(cfg.get("mlp_bias", False)),
+        mlp_bias=llama_biases and bool(cfg.get("mlp_bias", False)),
         hidden_act=cfg["hidden_activation"] if gemma else cfg.get("hidden_act", "silu"),
         rope_scaling=scaling,
         qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
@@ -215,22 +218,57 @@ def arch_from_config(cfg: dict, architecture: str, where: str) -> ModelArch:
         logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
         no_rope_layers=(tuple(int(x) for x in cfg["no_rope_layers"])
                         if architecture == "SmolLM3ForCausalLM" and cfg.get("no_rope_layers") else None),
+        moe=_moe(cfg, architecture, where),
         **_window(cfg, architecture),
         **extra,
     )
+
+
+def _moe(cfg: dict, architecture: str, where: str):
+    """The ``MoEArch`` of a mixture-of-experts config (``None`` for the other families): the expert count
+    (``num_experts`` or ``num_local_experts``), ``num_experts_per_tok``, the expert width (``moe_intermediate_size``,
+    else ``intermediate_size``), the renormalization (the family's ``Experts.renormalize``, else ``norm_topk_prob``),
+    Qwen2-MoE's shared expert, and which layers are sparse (Qwen's
+    ``decoder_sparse_step`` and ``mlp_only_layers``, as transformers' ``Qwen2MoeDecoderLayer``).
+
+    Raises:
+        ValueError: no expert count, or ``num_experts_per_tok`` outside ``[1, experts]`` (naming the field)."""
+    from kvserve.model.base import MoEArch
+
+    rules = FAMILY_OF[architecture].experts
+    if rules is None:
+        return None
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok", 2)
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"{architecture} in {where} needs num_experts (or num_local_experts) >= 1, got {experts!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(f"unsupported num_experts_per_tok={top_k!r} for {architecture} in {where}; supported: "
+                         f"1..{experts}")
+    n, step = cfg["num_hidden_layers"], int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    return MoEArch(num_experts=experts, top_k=top_k,
+                   intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                   renormalize=(rules.renormalize if rules.renormalize is not None
+                                else bool(cfg.get("norm_topk_prob", False))),
+                   shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+                   if rules.shared_expert else 0,
+                   sparse_layers=sparse)
 
 
 def _window(cfg: dict, architecture: str) -> dict:
     """``ModelArch``'s ``sliding_window`` and ``layer_types`` as transformers reads them: Mistral windows every layer
     (transformers ignores a Mistral's ``layer_types``; ``check_fields`` refuses one that is not all full); Qwen2/3
     only with ``use_sliding_window``, on the layers of ``layer_types``, by default those with index
-    ``>= max_window_layers`` (default 28); other families: no window (``check_fields`` refused one)."""
-    window = cfg.get("sliding_window")
-    if architecture == "MistralForCausalLM":
-        return {"sliding_window": window}
+    ``>= max_window_layers`` (default 28); other families: no window (``check_fields`` refused one; Gemma's
+    windows are read by ``_gemma_fields``)."""
+    window, fields = cfg.get("sliding_window"), FAMILY_FIELDS[architecture]
     if architecture == "Phi3ForCausalLM":  # every layer, as Mistral; a window covering the whole context is none
         covers = window is None or window >= cfg.get("max_position_embeddings", 2048)
         return {} if covers else {"sliding_window": window}
+    if "sliding_window" in fields and not {"use_sliding_window", "layer_types"} & set(fields):
+        return {"sliding_window": window}  # Mistral, Mixtral: every layer
     if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not (cfg.get("use_sliding_window") and window):
         return {}
     n, first = cfg["num_hidden_layers"], cfg.get("max_window_layers", 28)

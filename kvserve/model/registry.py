@@ -26,22 +26,31 @@ FAMILY_MODULES = (
     "kvserve.model.phi3",
     "kvserve.model.olmo2",
     "kvserve.model.gemma",  # Gemma 2 and Gemma 3 (text)
+    "kvserve.model.qwen3_moe",
+    "kvserve.model.olmoe",
+    "kvserve.model.mixtral",
+    "kvserve.model.qwen2_moe",
+    "kvserve.model.granite_moe",
 )
 #: module -> its ``Family``.
 FAMILIES = {m: importlib.import_module(m).FAMILY for m in FAMILY_MODULES}
+#: Hugging Face architecture name -> its ``Family``.
+FAMILY_OF = {a: f for f in FAMILIES.values() for a in f.architectures}
 #: Hugging Face architecture name -> model class.
-_MODELS = {a: f.model for f in FAMILIES.values() for a in f.architectures}
+_MODELS = {a: f.model for a, f in FAMILY_OF.items()}
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 #: Per Hugging Face architecture: the math-changing config fields it implements -> the values it takes
 #: (``hf_config.check_fields``).
 FAMILY_FIELDS = {a: fields for f in FAMILIES.values() for a, fields in f.config_fields.items()}
 #: GGUF ``general.architecture`` values read, and the Hugging Face architecture each loads as.
 GGUF_ARCHITECTURES = {g: a for f in FAMILIES.values() for g, a in f.gguf_architectures.items()}
-#: GGUF architecture -> its per-layer tensor names beyond (or absent from: ``None``) the common table.
-GGUF_LAYER_NAMES = {g: names for f in FAMILIES.values() for g, names in f.gguf_layer_names.items()}
+#: GGUF architectures read with ``<arch>.expert_count`` -> (the Hugging Face architecture such a file loads as,
+#: whether llama.cpp's graph renormalizes the chosen experts' weights): ``family.Experts.gguf``.
+GGUF_EXPERTS = {g: (f.architectures[0], renorm) for f in FAMILIES.values() if f.experts
+                for g, renorm in f.experts.gguf.items()}
 #: GGUF architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (its rope type
 #: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
-GGUF_PERMUTED_QK = tuple(g for f in FAMILIES.values() for g in f.gguf_permuted_qk)
+GGUF_PERMUTED_QK = tuple(dict.fromkeys(g for f in FAMILIES.values() for g in f.gguf_permuted_qk))
 
 
 def model_class(architecture: str) -> type:

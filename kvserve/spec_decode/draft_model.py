@@ -80,7 +80,9 @@ def relative_cost(draft: DecoderModel, target: DecoderModel) -> float:
     context and the embedding lookup are left out), e.g. about 0.32 for a 4-layer early exit of SmolLM2-135M."""
 
     def macs(m: DecoderModel) -> int:
-        per_layer = sum(w[name].numel() for w in m.layers[:1] for name in ("qkv", "o", "gate_up", "down"))
+        w = m.layers[0]  # (a mixture of experts: the router and the top-k experts a token runs)
+        per_layer = sum(w[name].numel() for name in ("qkv", "o")) + (
+            w["moe"].numel() if w["moe"] is not None else w["gate_up"].numel() + w["down"].numel())
         return per_layer * len(m.layers) + m.lm_head.numel()
 
     return macs(draft) / macs(target)

@@ -119,3 +119,33 @@ def test_command_line_and_table():
     assert "prefill kvserve int8 / llama.cpp" in table[0]
     assert table[-1] == ("| 1b-q4_0 | 700 | 20.0 | 40.0 / 32.0 | 1.25x | 1.56x | 1.25x | 300 / 150 | 2.00x | 450 | 3.00x "
                          "| 200.0 | 61 |")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("arch, qk_norm", [("olmoe", "proj"), ("qwen3moe", "head")])
+def test_a_mixture_of_experts_file_loads_and_generates(tmp_path, arch, qk_norm, llm):
+    """The MoE shapes' writer (a tiny one): stacked Q4_K / Q6_K experts, a float32 router, the expert keys; kvserve
+    reads it as the family's MoE and generates; the roofline counts the top-k experts a token reads."""
+    from benchmarks.roofline import model_cost
+
+    tiny = Shape(layers=2, hidden=256, heads=4, kv_heads=2, ffn=256, rope_theta=10000.0, context=512, arch=arch,
+                 head_width=64, experts=8, experts_used=2, qk_norm=qk_norm)
+    path = write_gguf(tmp_path / "moe.gguf", tiny, "q4_k_m", seed=0)
+    r = gguf.GGUFReader(str(path))
+    got = {t.name: (t.tensor_type, [int(x) for x in t.shape]) for t in r.tensors}
+    assert got["blk.0.ffn_gate_exps.weight"] == (Q.Q4_K, [256, 256, 8])
+    assert got["blk.1.ffn_down_exps.weight"][0] == Q.Q6_K and got["blk.0.ffn_gate_inp.weight"][0] == Q.F32
+    assert r.fields[f"{arch}.expert_count"].contents() == 8
+    eng = LLM(model=str(path), max_model_len=256, num_kv_blocks=32, enable_prefix_caching=False)
+    model = eng.llm_engine.model
+    assert model.arch.moe.num_experts == 8 and model.spec.layers[0].mlp == "moe"
+    out = eng.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+    def nbytes(lin):
+        parts = getattr(lin, "parts", [lin])
+        return sum(p.weight_bytes() if hasattr(p, "weight_bytes") else p.numel() * 4 for p in parts)
+
+    read = nbytes(model.lm_head) + sum(nbytes(w["qkv"]) + nbytes(w["o"]) + nbytes(w["moe"].router) + 2 * (
+        nbytes(w["moe"].experts[0].gate_up) + nbytes(w["moe"].experts[0].down)) for w in model.layers)
+    assert model_cost(model).weight_bytes == read  # 2 of the 8 experts per layer

@@ -264,3 +264,50 @@ def test_the_exact_greedy_ids_of_each_instruction_set_path(prompt, cpu_isa):
     assert llm.llm_engine.model.attn.isa == key
     ids = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
     assert ids.outputs[0].token_ids == EXPECTED[key]
+
+
+# ------------------------------------------------------------------------------------------------ mixture of experts
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory, tokenizer):
+    """A tiny random Qwen3-MoE (8 experts, 2 per token, every layer sparse) as a Hugging Face directory: the
+    default path runs its projections and experts on the quantized kernels."""
+    from tests.model.test_families_moe import _tiny_moe
+
+    return _tiny_moe(tmp_path_factory, tokenizer, "qwen3_moe")[0]
+
+
+def test_moe_bits_alone_batched_with_other_experts_chunked_and_after_a_prefix_hit(moe_path, prompt):
+    """A MoE model's request gives the same token ids and logprobs, bit for bit, alone, beside 7 other requests whose
+    tokens choose other experts (checked: a step's rows choose different expert pairs), in
+    16-token chunks, and after prefix-cache hits of 2 and all full blocks."""
+    base = LLM(model=str(moe_path), num_kv_blocks=256, max_num_seqs=8, enable_prefix_caching=False)
+    alone = _answer(base.generate([prompt], _greedy())[0])
+    model = base.llm_engine.model
+    moe = model.layers[0]["moe"]
+    chosen, route = [], moe.route
+
+    def recording(x):
+        w, ids = route(x)
+        chosen.append(ids)
+        return w, ids
+
+    moe.route = recording
+    outs = base.generate(_others(3) + [prompt] + _others(4), [SamplingParams(temperature=0.0, max_tokens=6 + i)
+                                                              for i in range(3)] + [_greedy()]
+                         + [SamplingParams(temperature=0.0, max_tokens=4 + i) for i in range(4)])
+    moe.route = route
+    steps = [ids for ids in chosen if ids.shape[0] > 1]  # a decode step's rows: one per request
+    assert sum(len({tuple(sorted(r)) for r in ids.tolist()}) > 1 for ids in steps) > len(steps) // 2
+    assert _answer(outs[3]) == alone
+    chunked = LLM(model=str(moe_path), num_kv_blocks=256, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert _answer(chunked.generate([prompt, _others(1)[0]], [_greedy(), SamplingParams(temperature=0.0)])[0]) == alone
+    cached = LLM(model=str(moe_path), num_kv_blocks=256, enable_prefix_caching=True)
+    kv = cached.llm_engine.scheduler.kv_cache_manager
+    warm = prompt[:32] + [t + 1 for t in prompt[32:52]]
+    cached.generate([warm], SamplingParams(temperature=0.0, max_tokens=2))
+    hits = kv.prefix_cache_hits
+    assert _answer(cached.generate([prompt], _greedy())[0]) == alone
+    assert kv.prefix_cache_hits - hits == 32
+    assert _answer(cached.generate([prompt], _greedy())[0]) == alone  # every full block

@@ -394,7 +394,8 @@ def test_gemma_weights_without_their_feed_forward_norms_are_refused(tmp_path, ge
      r"unknown GGUF tensor\(s\) \['blk.0.attn_q_norm.weight'\]"),
     ("gemma3", [("gemma3.attn_logit_softcapping", 50.0)], [],
      r"unsupported GGUF gemma3.attn_logit_softcapping=50.0"),
-    ("gemma2", [("gemma2.expert_count", 8)], [], r"'gemma2' with gemma2.expert_count=8 .*mixture-of-experts models are not supported yet"),
+    ("gemma2", [("gemma2.expert_count", 8)], [],
+     r"'gemma2' with gemma2.expert_count=8 .*this mixture-of-experts model is not supported"),
 ], ids=["q-norm-in-gemma2", "gemma3-attn-softcap", "moe"])
 def test_gemma_gguf_fields_kvserve_does_not_implement_are_refused(tmp_path, request, family, extra_fields,
                                                                   extra_tensors, message):

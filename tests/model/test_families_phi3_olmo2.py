@@ -275,10 +275,10 @@ def llama(tmp_path_factory, tokenizer):
                                                        r"\['long_factor'\]"),
     (lambda c: c["rope_parameters"].update(beta_fast=32), r"unsupported rope_parameters key\(s\) \['beta_fast'\] for "
                                                           r"rope_type 'longrope'"),
-    (lambda c: c.update(architectures=["MixtralForCausalLM"]),
-     r"unsupported architecture 'MixtralForCausalLM' in .*: mixture-of-experts models are not supported yet"),
-    (lambda c: c.update(architectures=["Qwen3MoeForCausalLM"]), r"'Qwen3MoeForCausalLM' .* mixture-of-experts"),
-], ids=["longrope-no-original", "longrope-no-long", "longrope-key", "mixtral", "qwen3-moe"])
+    (lambda c: c.update(architectures=["DeepseekV3ForCausalLM"]),
+     r"unsupported architecture 'DeepseekV3ForCausalLM' in .*: this mixture-of-experts model is not supported"),
+    (lambda c: c.update(architectures=["PhimoeForCausalLM"]), r"'PhimoeForCausalLM' .* mixture-of-experts"),
+], ids=["longrope-no-original", "longrope-no-long", "longrope-key", "deepseek-v3", "phimoe"])
 def test_phi3_fields_and_moe_architectures_are_refused(tmp_path, phi3, edit, message):
     import shutil
 
@@ -311,17 +311,17 @@ def test_partial_rotary_outside_phi3_is_refused(tmp_path_factory, tokenizer):
 
 
 @pytest.mark.parametrize("arch, fields, message", [
-    ("qwen3moe", [("qwen3moe.expert_count", 8)], r"unsupported GGUF architecture 'qwen3moe' with "
-                                                  r"qwen3moe.expert_count=8 .*mixture-of-experts models are not"),
-    ("llama", [("llama.expert_count", 8)], r"'llama' with llama.expert_count=8 .*mixture-of-experts"),
-    ("olmoe", [], r"'olmoe' .*mixture-of-experts models are not supported yet"),
+    ("deepseek2", [("deepseek2.expert_count", 8)], r"unsupported GGUF architecture 'deepseek2' with "
+                                                    r"deepseek2.expert_count=8 .*this mixture-of-experts model is not"),
+    ("gemma2", [("gemma2.expert_count", 8)], r"'gemma2' with gemma2.expert_count=8 .*mixture-of-experts"),
+    ("phimoe", [], r"'phimoe' .*this mixture-of-experts model is not supported"),
     ("llama", [("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.yarn_attn_factor", 2.0)],
      r"unsupported GGUF llama.rope.scaling.yarn_attn_factor=2.0"),
     ("llama", [("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.yarn_log_multiplier", 0.1)],
      r"unsupported GGUF llama.rope.scaling.yarn_log_multiplier=0.1"),
     ("llama", [("llama.rope.scaling.type", "longrope")], r"unsupported GGUF llama.rope.scaling.type='longrope'"),
     ("llama", [("llama.rope.dimension_count", 12)], r"unsupported GGUF llama.rope.dimension_count=12 .*partial"),
-], ids=["qwen3moe", "mixtral", "olmoe", "yarn-attn-factor", "yarn-log-mul", "longrope-no-factors", "partial"])
+], ids=["deepseek2", "gemma2-experts", "phimoe", "yarn-attn-factor", "yarn-log-mul", "longrope-no-factors", "partial"])
 def test_gguf_moe_and_rope_fields_are_refused(tmp_path, llama, arch, fields, message):
     path = _write_gguf(tmp_path / "x.gguf", llama[1], arch, LLAMA_NAMES, fields, permute=True)
     with pytest.raises(ValueError, match=message):

@@ -59,7 +59,14 @@ def test_the_c_loop_runs_every_family_with_the_python_loops_bits(tmp_path_factor
     path, _ = _checkpoint(kind, tmp_path_factory, tokenizer)
     model = build_model(load_model(str(path), weights_only=True), select_backends("cpu", torch.float32, "int8"))
     assert isinstance(model.fused_layers, FusedLayerLoop), kind
-    # a 20-token prompt (longer than every window), 6 new tokens over 17 cached ones, two decode rows
+    lf, cf, lp, cp = _both_loops(model)
+    assert torch.equal(_bits(lf), _bits(lp)) and torch.equal(_bits(cf), _bits(cp)), kind
+
+
+def _both_loops(model):
+    """``(logits, cache)`` of the C loop, then of the Python loop, on the same step: a 20-token prompt (longer than
+    every window), 6 new tokens over 17 cached ones, two decode rows (the cached context: the same random values
+    for both runs)."""
     shape = [(0, 20), (17, 6), (40, 1), (9, 1)]
     tables = scattered_block_tables(shape, 4)
     reqs = [([(7 * i + 3 * j) % 30000 + 100 for j in range(q)], ctx, t) for i, ((ctx, q), t) in
@@ -75,7 +82,28 @@ def test_the_c_loop_runs_every_family_with_the_python_loops_bits(tmp_path_factor
         out.append((model.forward(batch, cache), cache))
     model.fused_layers = loop
     (lf, cf), (lp, cp) = out
-    assert torch.equal(_bits(lf), _bits(lp)) and torch.equal(_bits(cf), _bits(cp)), kind
+    return lf, cf, lp, cp
+
+
+@pytest.mark.skipif(qkernels.load() is None or qkernels.isa() is None, reason="quantized kernels unavailable")
+def test_a_qkv_projection_mixing_formats_runs_in_the_c_loop(tmp_path, tmp_path_factory, tokenizer):
+    """Q/K/V in different formats (a Q4_K_M file's Q6_K ``attn_v`` beside Q4_K ``attn_q`` / ``attn_k``; here Q5_0
+    beside Q8_0): no one packed weight holds them (``ConcatLinear``), so the C loop runs each part's matmul into
+    its columns of the Q/K/V rows (``DecoderLayer.qkv_rest``) -- the Python loop's logits and KV cache bit for bit."""
+    from kvserve.layers.quant_linear import ConcatLinear
+    from tests.model.test_families import _write_gguf
+
+    _, hf = _tiny(tmp_path_factory, tokenizer, "mixed-qkv")
+    names = [f"blk.{i}.{k}.weight" for i in range(2)
+             for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    v = [f"blk.{i}.attn_v.weight" for i in range(2)]
+    path = _write_gguf(tmp_path / "mixed.gguf", hf, "llama", True, q5_0=v, q8_0=names)
+    model = build_model(load_model(str(path), keep_quantized=True, weights_only=True),
+                        select_backends("cpu", torch.float32, "auto"))
+    assert all(isinstance(w["qkv"], ConcatLinear) for w in model.layers)
+    assert isinstance(model.fused_layers, FusedLayerLoop)
+    lf, cf, lp, cp = _both_loops(model)
+    assert torch.equal(_bits(lf), _bits(lp)) and torch.equal(_bits(cf), _bits(cp))
 
 
 def test_specs_are_checked_by_name():
@@ -87,7 +115,7 @@ def test_specs_are_checked_by_name():
         LayerSpec(window=0)
     with pytest.raises(ValueError, match=r"layers \[1\] name a RoPE table outside the 1 of the spec"):
         DecoderSpec(layers=(LayerSpec(), LayerSpec(rope=1)), ropes=(RopeSpec(1e4),))
-    with pytest.raises(ValueError, match=r"layers \[0\] have a mixture-of-experts MLP: not supported yet"):
+    with pytest.raises(ValueError, match=r"layers \[0\] have a mixture-of-experts MLP but the spec has no router"):
         DecoderSpec(layers=(LayerSpec(mlp="moe"),), ropes=(RopeSpec(1e4),))
     spec = DecoderSpec(layers=(LayerSpec(), LayerSpec(rope=None)), ropes=(RopeSpec(1e4),))
     assert spec.first(1).layers == (LayerSpec(),)

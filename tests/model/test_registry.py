@@ -37,7 +37,8 @@ def test_registry_lists_both_families():
     assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                        "MistralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
                                        "Phi3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM",
-                                       "Gemma3ForCausalLM")
+                                       "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                                       "MixtralForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM")
     assert model_class("Qwen2ForCausalLM") is Qwen2Model
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         model_class("GPT2LMHeadModel")

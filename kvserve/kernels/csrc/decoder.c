@@ -42,6 +42,9 @@ typedef void (*rms_norm_fn)(const float *x, const float *w, float *y, int64_t T,
 typedef void (*add_rms_norm_fn)(float *h, const float *delta, const float *w, float *y, int64_t T, int64_t H,
                                 float eps);
 typedef void (*act_mul_fn)(const float *gu, float *y, int64_t T, int64_t I);
+/* A layer's whole MLP run by the caller (a mixture of experts: kvserve/layers/moe.py): x [T, hidden] -> y [T, hidden];
+ * returns 0, or non-zero on failure (the loop stops with -4). */
+typedef int (*mlp_fn)(const float *x, float *y, int64_t T, int64_t layer);
 
 /* One packed quantized weight (kvserve/quant/pack.py): fmt, the bytes, per-output scales or NULL, N x K
  * (N a multiple of 16: no padded outputs). */
@@ -67,8 +70,12 @@ typedef struct {
     int64_t rope;                      /* index of the layer's cos/sin in DecoderStep */
     int64_t window;                    /* attention window in tokens, 0: none */
     float softcap;                     /* attention-score soft-cap, 0: none */
-    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* [qkv.n], [hidden], [2 intermediate], [hidden] */
-    QWeight qkv, o, gate_up, down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* [qkv_width], [hidden], [2 intermediate], [hidden] */
+    QWeight qkv, o, gate_up, down;     /* gate_up and down unused when mlp is set */
+    mlp_fn mlp;                        /* NULL: the gated MLP of gate_up / down; else the caller's MLP (MoE) */
+    QWeight qkv_rest[2];               /* the rest of a Q/K/V projection whose parts differ in format (a Q4_K_M
+                                        * file's Q6_K v beside Q4_K q/k): qkv is its first part, these the next
+                                        * columns (n = 0: none); each part its own matmul into qkv's rows */
 } DecoderLayer;
 
 /* The model: set once. */
@@ -126,6 +133,9 @@ static void bias_scale(float *y, const float *b, float m, int64_t T, int64_t n) 
         for (int64_t j = 0; j < T * n; j++) y[j] *= m;
 }
 
+/* The width of a layer's Q/K/V projection (its parts': DecoderLayer.qkv_rest). */
+static int64_t qkv_width(const DecoderLayer *L) { return L->qkv.n + L->qkv_rest[0].n + L->qkv_rest[1].n; }
+
 /* The Q/K norms of qkv's T rows (stride nqkv), in place: per head over d (rms_norm of h rows of d) or over each
  * whole projection (one row of h d). */
 static void qk_norm(const DecoderStack *s, const DecoderLayer *L, float *qkv, int64_t T, int64_t nqkv) {
@@ -145,7 +155,8 @@ static void add_into(float *h, const float *delta, int64_t n) {
 /* Runs every layer. h [T, hidden]: the residual stream (the embeddings in; the last layer's output, before the
  * final norm, out). Scratch: x [T, hidden] (each layer's normed input), qkv [T, qkv.n], attn [T, h_q d],
  * delta [T, hidden], gu [T, 2 intermediate], act [T, intermediate]. Returns 0;
- * -1 for inconsistent shapes (nothing done); -2 when a matmul could not allocate scratch memory and -3 when the
+ * -1 for inconsistent shapes (nothing done); -4 when a caller's MLP failed, -2 when a matmul could not allocate
+ * scratch memory and -3 when the
  * attention could not, both mid-way: h, x and this step's cache slots are then partly written (the caller recomputes
  * the step from the embeddings; rewriting a slot with the same values is harmless). */
 int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h, float *x, float *qkv, float *attn,
@@ -156,8 +167,10 @@ int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h,
     const rope_write_attend_fn attend = s->rope_write_attend[p->kv_dtype];
     for (int64_t i = 0; i < s->num_layers; i++) {
         const DecoderLayer *L = s->layers + i;
-        if (L->qkv.k != H || L->qkv.n != (s->h_q + 2 * s->h_kv) * s->d || L->o.k != qd || L->o.n != H ||
-            L->gate_up.k != H || L->gate_up.n != 2 * I || L->down.k != I || L->down.n != H || L->rope < 0 ||
+        if (L->qkv.k != H || qkv_width(L) != (s->h_q + 2 * s->h_kv) * s->d || L->o.k != qd || L->o.n != H ||
+            (L->qkv_rest[0].n && L->qkv_rest[0].k != H) || (L->qkv_rest[1].n && L->qkv_rest[1].k != H) ||
+            (!L->mlp && (L->gate_up.k != H || L->gate_up.n != 2 * I || L->down.k != I || L->down.n != H)) ||
+            L->rope < 0 ||
             L->rope >= MAX_ROPES || !p->cos[L->rope] || !p->sin[L->rope] || (L->qk_norm && !(L->q_norm && L->k_norm)))
             return -1;
     }
@@ -166,12 +179,14 @@ int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h,
     lap(p, &t0, T_ELEMENTWISE);
     for (int64_t i = 0; i < s->num_layers; i++) {
         const DecoderLayer *L = s->layers + i;
-        const int64_t nqkv = L->qkv.n;
+        const int64_t nqkv = qkv_width(L);
         char *k_cache = (char *)p->kv_cache + i * p->layer_bytes, *v_cache = k_cache + p->layer_bytes / 2;
         const float *in = L->pre_norms ? x : h;
-        if (kvserve_qgemm((int)L->qkv.fmt, (int)s->isa, (int)s->act, in, T, H, L->qkv.w, nqkv, L->qkv.oscale, qkv,
-                          nqkv))
-            return -2;
+        const QWeight *parts[3] = {&L->qkv, &L->qkv_rest[0], &L->qkv_rest[1]};
+        for (int64_t j = 0, col = 0; j < 3; col += parts[j]->n, j++)
+            if (parts[j]->n && kvserve_qgemm((int)parts[j]->fmt, (int)s->isa, (int)s->act, in, T, H, parts[j]->w,
+                                             parts[j]->n, parts[j]->oscale, qkv + col, nqkv))
+                return -2;
         bias_scale(qkv, L->qkv_bias, 1.0f, T, nqkv);
         lap(p, &t0, T_MATMUL);
         if (L->qk_norm) qk_norm(s, L, qkv, T, nqkv);
@@ -194,18 +209,24 @@ int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h,
             in = h;
         }
         lap(p, &t0, T_ELEMENTWISE);
-        if (kvserve_qgemm((int)L->gate_up.fmt, (int)s->isa, (int)s->act, in, T, H, L->gate_up.w, 2 * I,
-                          L->gate_up.oscale, gu, 2 * I))
-            return -2;
-        bias_scale(gu, L->gate_up_bias, 1.0f, T, 2 * I);
-        lap(p, &t0, T_MATMUL);
-        s->act_mul(gu, act, T, I);
-        lap(p, &t0, T_ELEMENTWISE);
-        if (kvserve_qgemm((int)L->down.fmt, (int)s->isa, (int)s->act, act, T, I, L->down.w, H, L->down.oscale, delta,
-                          H))
-            return -2;
-        bias_scale(delta, L->down_bias, res, T, H);
-        lap(p, &t0, T_MATMUL);
+        if (L->mlp) {
+            if (L->mlp(in, delta, T, i)) return -4;
+            bias_scale(delta, NULL, res, T, H);
+            lap(p, &t0, T_MATMUL);
+        } else {
+            if (kvserve_qgemm((int)L->gate_up.fmt, (int)s->isa, (int)s->act, in, T, H, L->gate_up.w, 2 * I,
+                              L->gate_up.oscale, gu, 2 * I))
+                return -2;
+            bias_scale(gu, L->gate_up_bias, 1.0f, T, 2 * I);
+            lap(p, &t0, T_MATMUL);
+            s->act_mul(gu, act, T, I);
+            lap(p, &t0, T_ELEMENTWISE);
+            if (kvserve_qgemm((int)L->down.fmt, (int)s->isa, (int)s->act, act, T, I, L->down.w, H, L->down.oscale,
+                              delta, H))
+                return -2;
+            bias_scale(delta, L->down_bias, res, T, H);
+            lap(p, &t0, T_MATMUL);
+        }
         if (L->post_mlp_norm) s->rms_norm(delta, L->post_mlp_norm, delta, T, H, s->eps);
         if (L->next_norm)
             s->add_rms_norm(h, delta, L->next_norm, x, T, H, s->eps);
