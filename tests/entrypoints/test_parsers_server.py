@@ -133,7 +133,7 @@ def test_a_malformed_or_cut_call(tool_server):
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_choice_in_the_family_format(tool_server, choice):
     """With --tool-call-parser X, "required" and a named function are grammar-enforced in X's own format
-    (``ToolParser.call_format``; pythonic keeps the JSON path) and read back by X: the real model's greedy output
+    (``ToolParser.choice_constraint``; pythonic: Python literals) and read back by X: the real model's greedy output
     parses into one call valid under the schema, streamed equal to non-streamed, in chat and in Responses."""
     name, server = tool_server
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)

@@ -174,24 +174,31 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "granite", "phi4_mini_json", "pythonic"])
 def test_tool_choice_grammar_is_the_parsers_own_format(name):
-    """"required" / named in a parser's format: the structural tag accepts the format's calls of the tools (and
-    nothing else: not the JSON path's list, not an unknown function, not a second call when one is asked), and
-    the parser reads what it accepts. Pythonic has no grammar (``None``: the JSON path)."""
+    """"required" / named in a parser's format: the grammar accepts the format's calls of the tools (and nothing
+    else: not the JSON path's list, not an unknown function, not arguments outside the schema, not a second call
+    when one is asked), and the parser reads what it accepts (pythonic: Python literals, read back as JSON)."""
     xgt = pytest.importorskip("xgrammar.testing")
     import xgrammar as xgr
 
     parser = tp.get_tool_parser(name)
-    tag = tp.tool_choice_tag(parser, TOOLS, "required", None)
     if name == "pythonic":
-        assert parser.call_format is None and tag is None
-        return
-    opener, begin, end, sep, closer = parser.call_format
+        opener, sep, closer = "[", ", ", "]"
 
-    def call(fn, args):
-        return begin.replace("NAME", json.dumps(fn)) + args + end
+        def call(fn, args):
+            return fn + "(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in json.loads(args).items()) + ")"
+    else:
+        opener, begin, end, sep, closer = parser.call_format
 
-    def accepts(tag, text):
-        return xgt._is_grammar_accept_string(xgr.Grammar.from_structural_tag(json.dumps(tag)), text)
+        def call(fn, args):
+            return begin.replace("NAME", json.dumps(fn)) + args + end
+
+    def accepts(constraint, text):
+        (kind, value), = constraint.items()
+        g = (xgr.Grammar.from_ebnf(value) if kind == "grammar" else
+             xgr.Grammar.from_structural_tag(json.dumps(value)))
+        return xgt._is_grammar_accept_string(g, text)
+
+    tag = parser.choice_constraint(TOOLS, "required", None)
 
     two = opener + call("get_weather", '{"city": "Paris"}') + sep + call("now", "{}") + closer
     assert accepts(tag, two)
@@ -199,10 +206,32 @@ def test_tool_choice_grammar_is_the_parsers_own_format(name):
     assert not accepts(tag, '[{"name": "now", "arguments": {}}]')
     assert not accepts(tag, opener + call("other", "{}") + closer)
     assert not accepts(tag, opener + call("get_weather", '{"town": "Paris"}') + closer)
-    one = tp.tool_choice_tag(parser, TOOLS, "required", False)
+    one = parser.choice_constraint(TOOLS, "required", False)
     assert accepts(one, opener + call("now", "{}") + closer) and not accepts(one, two)
-    named = tp.tool_choice_tag(parser, TOOLS, {"type": "function", "function": {"name": "now"}}, None)
+    named = parser.choice_constraint(TOOLS, {"type": "function", "function": {"name": "now"}}, None)
     assert accepts(named, opener + call("now", "{}") + closer)
     assert not accepts(named, opener + call("get_weather", '{"city": "Paris"}') + closer)
+    assert parser.choice_constraint(TOOLS, "auto", None) is None
     with pytest.raises(ValueError, match="tool_choice"):
-        tp.tool_choice_tag(parser, TOOLS, {"type": "function", "function": {"name": "nope"}}, None)
+        parser.choice_constraint(TOOLS, {"type": "function", "function": {"name": "nope"}}, None)
+
+
+def test_pythonic_grammar_writes_python_literals_and_falls_back_to_json():
+    """Python's True / None and nested values under the schema; a property that is not an identifier: no grammar
+    (the JSON path)."""
+    xgt = pytest.importorskip("xgrammar.testing")
+    import xgrammar as xgr
+
+    parser = tp.get_tool_parser("pythonic")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "on": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": ["a", None]}},
+        "n": {"type": "integer"}}, "required": ["n"]}}}]
+    g = xgr.Grammar.from_ebnf(parser.choice_constraint(tools, "required", None)["grammar"])
+    text = '[f(n=2, on=True, tags=["a", None]), f(n=-1)]'
+    assert xgt._is_grammar_accept_string(g, text)
+    assert calls_of("pythonic", text) == (None, [("f", {"n": 2, "on": True, "tags": ["a", None]}), ("f", {"n": -1})])
+    assert not xgt._is_grammar_accept_string(g, "[f(n=2, on=true)]")  # JSON's literal is not Python's
+    assert not xgt._is_grammar_accept_string(g, "[f(on=True)]")  # n is required
+    dashed = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "max-n": {"type": "integer"}}}}}]
+    assert parser.choice_constraint(dashed, "required", None) is None

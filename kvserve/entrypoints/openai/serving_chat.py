@@ -151,22 +151,24 @@ def _delta_tool_calls(events: list) -> list:
 class ToolChoice:
     """A chat request's tool mode: ``choice`` "none" (tools left out of the prompt), "auto" (the model's own
     format, parsed by a ``ToolParser``), "required" or a named function (enforced by a grammar: in the tool
-    parser's own format when the server names one, ``--tool-call-parser``, and the format has a grammar
-    (``ToolParser.call_format``), the calls then read back by that parser; else the JSON of ``schema``).
+    parser's own format when the server names one, ``--tool-call-parser`` (``ToolParser.choice_constraint``), the
+    calls then read back by that parser; else the JSON of ``schema``).
 
     Attributes:
         tools: the OpenAI tools as dicts; ``prompt_tools``: those the chat template gets.
         choice: "none", "auto", "required" or ``{"type": "function", "function": {"name"}}``.
         schema: the JSON schema of "required" / a named choice (``tp.tool_choice_schema``), else ``None``.
-        tag: the structural tag that enforces it in the parser's format (``tp.tool_choice_tag``), else ``None``.
-        parser: the ``ToolParser`` that reads the output ("auto", or a forced choice with ``tag``), else ``None``.
+        forced: the ``StructuredOutputsParams`` fields that enforce it in the parser's format
+            (``ToolParser.choice_constraint``), else ``None``.
+        parser: the ``ToolParser`` that reads the output ("auto", or a forced choice with ``forced``), else
+            ``None``.
     """
 
     def __init__(self, tools: list, choice, schema: Optional[dict], parser: str = "hermes",
-                 tag: Optional[dict] = None):
-        self.tools, self.choice, self.schema, self.tag = tools, choice, schema, tag
+                 forced: Optional[dict] = None):
+        self.tools, self.choice, self.schema, self.forced = tools, choice, schema, forced
         self.prompt_tools = tools if choice != "none" else None
-        self.parser = tp.get_tool_parser(parser) if choice == "auto" or tag is not None else None
+        self.parser = tp.get_tool_parser(parser) if choice == "auto" or forced is not None else None
         self._streams: dict = {}
 
     @classmethod
@@ -194,16 +196,16 @@ class ToolChoice:
                               'tool_choice "required", "none" or a named function', param=param)
         try:
             schema = tp.tool_choice_schema(tools, choice, parallel_tool_calls)
-            tag = (tp.tool_choice_tag(tp.get_tool_parser(forced_format), tools, choice, parallel_tool_calls)
-                   if forced_format is not None and schema is not None else None)
+            forced = (tp.get_tool_parser(forced_format).choice_constraint(tools, choice, parallel_tool_calls)
+                      if forced_format is not None and schema is not None else None)
         except ValueError as e:
             raise OpenAIError(str(e), param=param) from None
-        if tag is not None:
-            return cls(tools, choice, schema, forced_format, tag)
+        if forced is not None:
+            return cls(tools, choice, schema, forced_format, forced)
         return cls(tools, choice, schema, parser or "hermes")
 
     def constraint(self) -> Optional[StructuredOutputsParams]:
-        """The output constraint of a forced choice (``tag``, else ``schema`` as JSON), ``None`` otherwise.
+        """The output constraint of a forced choice (``forced``, else ``schema`` as JSON), ``None`` otherwise.
 
         Raises:
             ParamError: (``structured_outputs.json``) a tool's ``parameters`` the grammar cannot enforce (checked
@@ -212,13 +214,13 @@ class ToolChoice:
         if self.schema is None:
             return None
         so = StructuredOutputsParams(json=self.schema)
-        return so if self.tag is None else StructuredOutputsParams(structural_tag=self.tag)
+        return so if self.forced is None else StructuredOutputsParams(**self.forced)
 
     def head(self, index: int) -> list:
         """The ``tp.ToolCallDelta``s for choice ``index``'s first (role) chunk: a named function's call opens
         there (id, name, ``arguments: ""``), as in OpenAI's stream (the JSON path; in a parser's format the call
         opens when the parser reads it)."""
-        if self.schema is None or self.tag is not None:
+        if self.schema is None or self.forced is not None:
             return []
         return self._streams.setdefault(index, tp.ForcedToolStreamer(self.choice)).head()
 
@@ -229,7 +231,7 @@ class ToolChoice:
         arrives (``tp.AutoToolStreamer``: a call opens once its name and the start of its arguments are read, then
         its arguments go out as fragments). Any cut of a text into deltas gives pieces that add up to the same
         answer (a non-streamed answer is the whole text fed at once: ``events.ChoiceEvents``)."""
-        if self.schema is not None and self.tag is None:
+        if self.schema is not None and self.forced is None:
             streamer = self._streams.setdefault(index, tp.ForcedToolStreamer(self.choice))
             deltas = streamer.feed(delta)
             return deltas, bool(streamer.calls)

@@ -16,9 +16,9 @@ arguments stream as fragments; text that stops fitting the format before a commi
 after a commit the call keeps the arguments read so far and the rest is content (``tool_scan``'s docstring).
 ``parser_for_template`` picks a parser from a chat template when that is unambiguous.
 
-"required" and a named ``tool_choice`` are grammar-enforced. With a parser whose format has a grammar
-(``ToolParser.call_format``; all but pythonic) and the server's explicit ``--tool-call-parser``, in that format
-(``tool_choice_tag``, an xgrammar structural tag), the output read back by the same parser. Otherwise by a JSON
+"required" and a named ``tool_choice`` are grammar-enforced. With the server's explicit ``--tool-call-parser``, in
+that parser's format (``ToolParser.choice_constraint``: an xgrammar structural tag from ``call_format``; pythonic's
+an EBNF, ``pythonic_grammar``), the output read back by the same parser. Otherwise by a JSON
 schema (``tool_choice_schema``): a named function's output *is* its arguments object; "required" outputs
 ``[{"name": ..., "arguments": {...}}, ...]`` (``forced_calls``, ``ForcedToolStreamer``). Either way the arguments
 are valid JSON under the tool's ``parameters`` unless ``max_tokens`` cuts them.
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvserve.entrypoints.openai import tool_scan as ts
+from kvserve.entrypoints.openai.pythonic_grammar import pythonic_grammar
 
 
 @dataclass
@@ -88,6 +89,17 @@ class ToolParser:
         """Read one call region at ``r.pos`` (a marker, or a lead character), committing its calls
         (``r.commit``); raises ``ts.NoFit`` / ``ts.NeedMore`` (``tool_scan``)."""
         raise NotImplementedError
+
+    def choice_constraint(self, tools: list[dict], choice: Any,
+                          parallel_tool_calls: Optional[bool]) -> Optional[dict]:
+        """The ``StructuredOutputsParams`` fields that enforce a forced ``choice`` ("required" or named) in this
+        format (``tool_choice_tag``), or ``None``: no grammar of its own (the JSON path).
+
+        Raises:
+            ValueError: a named function that is not among ``tools``.
+        """
+        tag = tool_choice_tag(self, tools, choice, parallel_tool_calls)
+        return None if tag is None else {"structural_tag": tag}
 
     def extract(self, text: str) -> ExtractedToolCalls:
         """Split a whole output ``text`` into content and calls (the rule: ``tool_scan``'s docstring)."""
@@ -178,6 +190,19 @@ class PythonicToolParser(ToolParser):
 
     def read_calls(self, r: ts.Reader) -> None:
         ts.python_call_list(r)
+
+    def choice_constraint(self, tools: list[dict], choice: Any,
+                          parallel_tool_calls: Optional[bool]) -> Optional[dict]:
+        """An EBNF of ``[f(a=...)]`` calls (``pythonic_grammar``); ``None`` (the JSON path) when a name is not a
+        Python identifier or a schema does not convert (the JSON path then reports it)."""
+        if tool_choice_schema(tools, choice, parallel_tool_calls) is None:
+            return None
+        names = [choice["function"]["name"]] if isinstance(choice, dict) else [t["function"]["name"] for t in tools]
+        try:
+            ebnf = pythonic_grammar(tools, names, isinstance(choice, dict) or parallel_tool_calls is False)
+        except (ImportError, ValueError, RuntimeError):
+            return None
+        return None if ebnf is None else {"grammar": ebnf}
 
 
 @register_tool_parser("mistral")
