@@ -33,7 +33,8 @@ CASES = [
     ("hermes", "<tool_call>{bad json</tool_call>", ("<tool_call>{bad json</tool_call>", [])),
     ("hermes", 'A\n<tool_call>{"nam": 1}</tool_call>\n<tool_call>{"name": "v", "arguments": {}}</tool_call>\nDone.',
      ('A\n<tool_call>{"nam": 1}</tool_call>\nDone.', [("v", {})])),
-    ("hermes", '<tool_call>{"name": "w", "arguments": {"a": "x\\"}"}}</tool_call', ("</tool_call", [("w", {"a": 'x"}'})])),
+    ("hermes", '<tool_call>{"name": "w", "arguments": {"a": "x\\"}"}}</tool_call',
+     ("</tool_call", [("w", {"a": 'x"}'})])),
     # llama3_json
     ("llama3_json", '{"name": "w", "parameters": ' + W + '}', (None, [("w", {"city": "Paris"})])),
     ("llama3_json", '<|python_tag|>{"name": "w", "parameters": {}}; {"name": "v", "arguments": {"x": [1]}}',
@@ -54,7 +55,8 @@ CASES = [
     ("pythonic", "[f(x=g())]", ("[f(x=g())]", [])),
     ("pythonic", '[f(x="a"), g(', ("g(", [("f", {"x": "a"})])),
     ("pythonic", '[f(x="a", y=g())]', ("y=g())]", [("f", '{"x": "a"')])),
-    ("pythonic", "[f(x=(1, 2), y='it''s', z={'k': True},)]", (None, [("f", {"x": [1, 2], "y": "its", "z": {"k": True}})])),
+    ("pythonic", "[f(x=(1, 2), y='it''s', z={'k': True},)]",
+     (None, [("f", {"x": [1, 2], "y": "its", "z": {"k": True}})])),
     ("pythonic", "Call [f(x=1)]", ("Call [f(x=1)]", [])),
     ("pythonic", "[1, 2]", ("[1, 2]", [])),
     # mistral
