@@ -66,7 +66,8 @@ class ChoiceEvents:
     Args:
         index: the choice's index (the tool handling keeps its state per index).
         tools: the request's tool mode (``serving_chat.ToolChoice``: ``head(index)`` and ``stream(index, delta,
-            finished) -> (content, deltas, called)``), or ``None`` (all text is content).
+            finished) -> (pieces, called)``, pieces content texts and ``ToolCallDelta``s in order), or ``None`` (all
+            text is content).
         reasoning: a ``ReasoningParser`` (``reasoning_parsers``), or ``None`` (no reasoning split).
     """
 
@@ -84,7 +85,7 @@ class ChoiceEvents:
 
     def feed(self, delta: str, finish_reason: Optional[str] = None, stop_reason: Any = None) -> list[Event]:
         """The events of the next text ``delta``; with ``finish_reason`` the choice ends here (held-back text is
-        released, "auto" tool calls parsed, and ``Finish`` is the last event)."""
+        released, and ``Finish`` is the last event)."""
         if self.finished:
             return []
         finishing = finish_reason is not None
@@ -100,10 +101,9 @@ class ChoiceEvents:
                 content += text
         called = False
         if self.tools is not None:
-            content, deltas, called = self.tools.stream(self.index, content, finishing)
-            if content:
-                out.append(TextDelta(content))
-            out += _tool_events(deltas)
+            pieces, called = self.tools.stream(self.index, content, finishing)
+            for piece in pieces:
+                out += [TextDelta(piece)] if isinstance(piece, str) else _tool_events([piece])
         elif content:
             out.append(TextDelta(content))
         if finishing:

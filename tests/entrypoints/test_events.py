@@ -8,7 +8,8 @@ import json
 import pytest
 
 from kvserve.entrypoints.anthropic.serving_messages import MessageBuilder
-from kvserve.entrypoints.events import ChoiceEvents, Finish, ReasoningDelta, TextDelta, fold
+from kvserve.entrypoints.events import (ChoiceEvents, Finish, ReasoningDelta, TextDelta, ToolCallArgsDelta,
+                                        ToolCallStart, fold)
 from kvserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from kvserve.entrypoints.openai.responses_store import ResponseStore, StoreLimits
 from kvserve.entrypoints.openai.serving_chat import ToolChoice
@@ -113,6 +114,47 @@ def test_every_cut_point_gives_the_same_answer(text, tools, reasoning):
         events = run(pieces, tools, reasoning)
         assert strip(vars(fold(events))) == expected, pieces
         assert rendered(events) == expected_render, pieces
+
+
+#: each parser's call text, with content before (and, where the format allows, after) the calls
+SAMPLES = {
+    "hermes": 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\nDone.',
+    "llama3_json": 'Ok.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                   '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+    "pythonic": '[get_weather(city="Paris", days=2), get_weather(city=\'Rome\')]',
+    "mistral": 'Ok.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"} ok',
+    "granite": 'Ok. <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+               '{"name": "get_weather", "arguments": {"city": "Rome"}}] done',
+    "phi4_mini_json": 'functools[{"name": "get_weather", "arguments": {"city": "Rome"}}]',
+}
+
+
+@pytest.mark.parametrize("parser", sorted(SAMPLES))
+def test_each_parser_streams_fragments_equal_to_the_whole_answer_in_every_api(parser):
+    """Every single cut of each parser's sample (and its cut-short prefixes, every 7th) gives the same fold and the
+    same Responses / Messages rendering as the whole text; one character per delta, the calls' arguments arrive
+    in several fragments, each call's name first."""
+    tools = lambda: ToolChoice.create(TOOLS, "auto", parser=parser)  # noqa: E731
+    text = SAMPLES[parser]
+    for end in list(range(1, len(text), 7)) + [len(text)]:
+        whole = run([text[:end]], tools, finish="length" if end < len(text) else "stop")
+        expected, expected_render = strip(vars(fold(whole))), rendered(whole)
+        for i in range(1, end):
+            pieces = [text[:end][:i], text[:end][i:]]
+            events = run(pieces, tools, finish="length" if end < len(text) else "stop")
+            assert strip(vars(fold(events))) == expected, (parser, pieces)
+            assert rendered(events) == expected_render, (parser, pieces)
+    answer = fold(run([text], tools))
+    assert [(c["name"], json.loads(c["arguments"])["city"]) for c in answer.tool_calls][-1] == ("get_weather",
+                                                                                               "Rome")
+    assert answer.finish_reason == "tool_calls"
+    events = run(list(text), tools)
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    frags = [e for e in events if isinstance(e, ToolCallArgsDelta)]
+    assert [e.index for e in starts] == list(range(len(answer.tool_calls)))
+    assert len(frags) > len(starts) and all(events.index(s) < events.index(f) for s in starts[:1]
+                                                  for f in frags if f.index == 0)
 
 
 def test_fold_of_a_tool_call_and_the_renderings():

@@ -101,15 +101,60 @@ def test_each_family_call_text_is_parsed_into_calls(tool_server):
     assert [(n, json.loads(a)) for n, a in calls.values()] == got
 
 
-def test_a_malformed_call_stays_content(tool_server):
+def test_a_malformed_or_cut_call(tool_server):
+    """Broken before its arguments begin, a call stays content; cut inside its arguments (after its name went out
+    in the stream), it stays a call with the arguments written so far, and the text after it is content: streamed
+    equal to non-streamed either way (docs/server.md, "Tool calls")."""
     name, server = tool_server
-    text = CALLS[name][0][:-3]  # cut inside the call
+    text = CALLS[name][0]
+    first = text.index("Paris") if "Paris" in text else text.index("Rome")
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-    kw = dict(model=server.llm_model_name, messages=ASK, tools=WEATHER, temperature=0, max_tokens=120,
-              extra_body={"guided_regex": regex_of(text)})
-    choice = c.chat.completions.create(**kw).choices[0]
-    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
-    assert stream(c, **kw) == (None, text, {}, "stop")
+    broken = "<tool_call>{bad" if name == "hermes" else text[:text.index("get_weather") + 3]
+    inside = text[:first + 2]  # inside the first call's arguments
+    for cut, committed in ((broken, False), (inside, True)):
+        kw = dict(model=server.llm_model_name, messages=ASK, tools=WEATHER, temperature=0, max_tokens=120,
+                  extra_body={"guided_regex": regex_of(cut)})
+        choice = c.chat.completions.create(**kw).choices[0]
+        if not committed:
+            assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (cut, None, "stop")
+            assert stream(c, **kw) == (None, cut, {}, "stop")
+            continue
+        calls = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls or []]
+        if name == "pythonic":  # a pythonic call commits with its first complete keyword argument: not yet
+            assert (choice.message.content, calls, choice.finish_reason) == (cut, [], "stop")
+        else:
+            city = CALLS[name][1][0]
+            assert (choice.message.content, calls, choice.finish_reason) == (
+                None, [("get_weather", '{"city": "' + city[:2])], "tool_calls")
+        assert stream(c, **kw) == (None, choice.message.content, {i: list(t) for i, t in enumerate(calls)},
+                                   choice.finish_reason)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_choice_in_the_family_format(tool_server, choice):
+    """With --tool-call-parser X, "required" and a named function are grammar-enforced in X's own format
+    (``ToolParser.choice_constraint``; pythonic: Python literals) and read back by X: the real model's greedy output
+    parses into one call valid under the schema, streamed equal to non-streamed, in chat and in Responses."""
+    name, server = tool_server
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    tools = WEATHER + [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+    kw = dict(model=server.llm_model_name, messages=ASK, tools=tools, temperature=0, max_tokens=200,
+              tool_choice=choice, parallel_tool_calls=False)
+    ch = c.chat.completions.create(**kw).choices[0]
+    calls = [(t.function.name, t.function.arguments) for t in ch.message.tool_calls]
+    assert len(calls) == 1 and ch.message.content is None, (name, ch.message)
+    fn = next(t["function"] for t in tools if t["function"]["name"] == calls[0][0])
+    assert_valid(json.loads(calls[0][1]), fn["parameters"])
+    if isinstance(choice, dict):
+        assert calls[0][0] == "get_weather"
+    assert ch.finish_reason in ("tool_calls", "stop")
+    assert stream(c, **kw) == (None, None, {0: list(calls[0])}, ch.finish_reason)
+    r = c.responses.create(model=server.llm_model_name, input=ASK[0]["content"], tools=[
+        {"type": "function", **t["function"]} for t in tools], tool_choice=choice if choice == "required" else {
+        "type": "function", "name": "get_weather"}, temperature=0, max_output_tokens=200, parallel_tool_calls=False)
+    got = [(o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"]
+    assert len(got) == 1 and got[0][0] in ("get_weather", "get_time"), (name, r.output)
 
 
 # ---------------------------------------------------------------------------------------------------- reasoning

@@ -165,7 +165,7 @@ def build_app(llm: EngineClient, served_model_name: str, stat_logger: Optional[P
     state.openai_serving_completion = OpenAIServingCompletion(llm, served_model_name, vocab, limits)
     options = options or ServingOptions()  # the tool-call format resolved once (logged), for every API
     options = dataclasses.replace(options, tool_call_parser=options.resolve_tool_parser(
-        llm.chat_template_text(tools=[{}])))
+        llm.chat_template_text(tools=[{}])), forced_tool_format=options.tool_call_parser)
     state.options = options
     state.openai_serving_chat = OpenAIServingChat(llm, served_model_name, vocab, limits, options)
     state.openai_serving_tokenization = OpenAIServingTokenization(llm, served_model_name, vocab, limits)

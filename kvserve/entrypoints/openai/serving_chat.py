@@ -19,6 +19,7 @@ from kvserve.entrypoints.openai import request_fields
 from kvserve.entrypoints.openai import tool_parsers as tp
 from kvserve.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, include_usage, new_id, now_s, sse,
                                                        usage_of)
+from kvserve.structured import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -32,7 +33,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_unsupported(req)
         tools = ToolChoice.create([t.model_dump(exclude_none=True) for t in req.tools or []],
                                   _choice_dict(req.tool_choice), req.parallel_tool_calls, **self.tool_parser_args())
-        structured = await self.structured_outputs(req, tools.schema)
+        structured = await self.structured_outputs(req, tools)
         template_kwargs = request_fields.template_kwargs(req)
         pp = await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
                                     tools.prompt_tools, template_kwargs, req.truncate_prompt_tokens)
@@ -149,27 +150,36 @@ def _delta_tool_calls(events: list) -> list:
 
 class ToolChoice:
     """A chat request's tool mode: ``choice`` "none" (tools left out of the prompt), "auto" (the model's own
-    format, parsed by a ``ToolParser``), "required" or a named function (enforced by ``schema``).
+    format, parsed by a ``ToolParser``), "required" or a named function (enforced by a grammar: in the tool
+    parser's own format when the server names one, ``--tool-call-parser`` (``ToolParser.choice_constraint``), the
+    calls then read back by that parser; else the JSON of ``schema``).
 
     Attributes:
         tools: the OpenAI tools as dicts; ``prompt_tools``: those the chat template gets.
         choice: "none", "auto", "required" or ``{"type": "function", "function": {"name"}}``.
-        schema: the JSON schema that enforces "required" / a named choice, else ``None``.
+        schema: the JSON schema of "required" / a named choice (``tp.tool_choice_schema``), else ``None``.
+        forced: the ``StructuredOutputsParams`` fields that enforce it in the parser's format
+            (``ToolParser.choice_constraint``), else ``None``.
+        parser: the ``ToolParser`` that reads the output ("auto", or a forced choice with ``forced``), else
+            ``None``.
     """
 
-    def __init__(self, tools: list, choice, schema: Optional[dict], parser: str = "hermes"):
-        self.tools, self.choice, self.schema = tools, choice, schema
+    def __init__(self, tools: list, choice, schema: Optional[dict], parser: str = "hermes",
+                 forced: Optional[dict] = None):
+        self.tools, self.choice, self.schema, self.forced = tools, choice, schema, forced
         self.prompt_tools = tools if choice != "none" else None
-        self.parser = tp.get_tool_parser(parser) if choice == "auto" else None
+        self.parser = tp.get_tool_parser(parser) if choice == "auto" or forced is not None else None
         self._streams: dict = {}
 
     @classmethod
     def create(cls, tools: Optional[list], choice, parallel_tool_calls: Optional[bool] = None,
                param: str = "tool_choice", parser: Optional[str] = "hermes",
-               auto_enabled: bool = True) -> "ToolChoice":
+               auto_enabled: bool = True, forced_format: Optional[str] = None) -> "ToolChoice":
         """From OpenAI ``tools`` (dicts) and a ``tool_choice`` (``None``: "auto" with tools, else "none"; a named
         one as a dict), as every API maps its own tool fields to them. ``parser``: the tool-call format "auto"
-        reads (``--tool-call-parser`` or the chat template's); ``auto_enabled``: ``--enable-auto-tool-choice``.
+        reads (``--tool-call-parser`` or the chat template's); ``auto_enabled``: ``--enable-auto-tool-choice``;
+        ``forced_format``: the parser whose format "required" / named choices are written in (the server's
+        explicit ``--tool-call-parser``), ``None``: the JSON path.
 
         Raises:
             OpenAIError: (``param``) a choice other than "none" without tools, or naming an unknown function;
@@ -186,33 +196,47 @@ class ToolChoice:
                               'tool_choice "required", "none" or a named function', param=param)
         try:
             schema = tp.tool_choice_schema(tools, choice, parallel_tool_calls)
+            forced = (tp.get_tool_parser(forced_format).choice_constraint(tools, choice, parallel_tool_calls)
+                      if forced_format is not None and schema is not None else None)
         except ValueError as e:
             raise OpenAIError(str(e), param=param) from None
+        if forced is not None:
+            return cls(tools, choice, schema, forced_format, forced)
         return cls(tools, choice, schema, parser or "hermes")
+
+    def constraint(self) -> Optional[StructuredOutputsParams]:
+        """The output constraint of a forced choice (``forced``, else ``schema`` as JSON), ``None`` otherwise.
+
+        Raises:
+            ParamError: (``structured_outputs.json``) a tool's ``parameters`` the grammar cannot enforce (checked
+                as JSON either way, so the 400 is the same).
+        """
+        if self.schema is None:
+            return None
+        so = StructuredOutputsParams(json=self.schema)
+        return so if self.forced is None else StructuredOutputsParams(**self.forced)
 
     def head(self, index: int) -> list:
         """The ``tp.ToolCallDelta``s for choice ``index``'s first (role) chunk: a named function's call opens
-        there (id, name, ``arguments: ""``), as in OpenAI's stream."""
-        if self.schema is None:
+        there (id, name, ``arguments: ""``), as in OpenAI's stream (the JSON path; in a parser's format the call
+        opens when the parser reads it)."""
+        if self.schema is None or self.forced is not None:
             return []
         return self._streams.setdefault(index, tp.ForcedToolStreamer(self.choice)).head()
 
-    def stream(self, index: int, delta: str, finished: bool) -> tuple[str, list, bool]:
-        """``(content, deltas, called)`` for a streamed choice's new text ``delta``: the content and the
-        ``tp.ToolCallDelta``s to send now, and whether the choice has made a call so far. Forced calls stream as
-        they are generated (``tp.ForcedToolStreamer``); "auto" passes content through until a call may begin and
-        sends its calls in the choice's last chunk (``tp.AutoToolStreamer``). Any cut of a text into deltas gives
-        pieces that add up to the same answer (a non-streamed answer is the whole text fed at once:
-        ``events.ChoiceEvents``)."""
-        if self.schema is not None:
+    def stream(self, index: int, delta: str, finished: bool) -> tuple[list, bool]:
+        """``(pieces, called)`` for a streamed choice's new text ``delta``: the content texts and
+        ``tp.ToolCallDelta``s to send now, in order, and whether the choice has made a call so far. Forced calls
+        stream as they are generated (``tp.ForcedToolStreamer``); "auto" streams content and calls as the text
+        arrives (``tp.AutoToolStreamer``: a call opens once its name and the start of its arguments are read, then
+        its arguments go out as fragments). Any cut of a text into deltas gives pieces that add up to the same
+        answer (a non-streamed answer is the whole text fed at once: ``events.ChoiceEvents``)."""
+        if self.schema is not None and self.forced is None:
             streamer = self._streams.setdefault(index, tp.ForcedToolStreamer(self.choice))
             deltas = streamer.feed(delta)
-            return "", deltas, bool(streamer.calls)
+            return deltas, bool(streamer.calls)
         if self.parser is None:
-            return delta, [], False
+            return [delta] if delta else [], False
         streamer = self._streams.setdefault(index, tp.AutoToolStreamer(self.parser))
-        out = streamer.feed(delta)
-        if not finished:
-            return out, [], False
-        rest, calls = streamer.finish()
-        return out + rest, tp.whole_call_deltas(calls), bool(calls)
+        pieces = streamer.feed(delta, finished)
+        return pieces, streamer.called

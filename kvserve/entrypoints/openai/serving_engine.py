@@ -70,10 +70,12 @@ class OpenAIServing:
         self.vocab = vocab if vocab is not None else llm.token_vocab
 
     def tool_parser_args(self) -> dict:
-        """``serving_chat.ToolChoice.create``'s ``parser`` and ``auto_enabled``: the server's tool-call format
-        (``--tool-call-parser``, or the chat template's: resolved once by ``build_app``) and
-        ``--enable-auto-tool-choice``."""
-        return {"parser": self.options.tool_call_parser, "auto_enabled": self.options.enable_auto_tool_choice}
+        """``serving_chat.ToolChoice.create``'s ``parser``, ``auto_enabled`` and ``forced_format``: the server's
+        tool-call format (``--tool-call-parser``, or the chat template's: resolved once by ``build_app``),
+        ``--enable-auto-tool-choice``, and the format forced choices are written in (an explicit
+        ``--tool-call-parser``, else ``None``: JSON)."""
+        return {"parser": self.options.tool_call_parser, "auto_enabled": self.options.enable_auto_tool_choice,
+                "forced_format": self.options.forced_tool_format}
 
     def reasoning_parser(self, prompt: str, chat_template_kwargs: Optional[dict], tools=None,
                          structured=None) -> Optional[ReasoningParser]:
@@ -321,10 +323,10 @@ class OpenAIServing:
             answer.append(d)
         return answer
 
-    async def structured_outputs(self, req, tool_schema: Optional[dict] = None) -> Optional[StructuredOutputsParams]:
+    async def structured_outputs(self, req, tools=None) -> Optional[StructuredOutputsParams]:
         """The request's grammar: ``response_format`` (json_object / json_schema), one of vLLM's ``guided_*``
-        fields, or ``tool_schema``, the tool-call schema of ``tool_choice`` "required" / a named function
-        (``serving_chat.ToolChoice.schema``); compiled now (cached per engine), so a bad one is a 400 before
+        fields, or the tool-call grammar of ``tool_choice`` "required" / a named function (``tools``, a
+        ``serving_chat.ToolChoice``: ``constraint()``); compiled now (cached per engine), so a bad one is a 400 before
         anything is queued.
 
         Raises:
@@ -334,7 +336,7 @@ class OpenAIServing:
         given = [n for n in ("response_format", "structured_outputs", *GUIDED_FIELDS) if getattr(req, n) is not None]
         if req.response_format is not None and req.response_format.type == "text":
             given.remove("response_format")
-        if tool_schema is not None:
+        if tools is not None and tools.schema is not None:
             given.append("tool_choice")
         if len(given) > 1:
             raise OpenAIError(f"{given[1]}: cannot be combined with {given[0]} (one output constraint per request)",
@@ -342,6 +344,7 @@ class OpenAIServing:
         if not given:
             return None
         name = given[0]
+        so = None
         label = {"response_format": "response_format.json_schema.schema", "tool_choice": "tools"}.get(name, name)
         try:
             if name == "response_format":
@@ -353,7 +356,7 @@ class OpenAIServing:
                 else:
                     so = StructuredOutputsParams(json=rf.json_schema.json_schema)
             elif name == "tool_choice":
-                so = StructuredOutputsParams(json=tool_schema)
+                so = tools.constraint()
             elif name == "structured_outputs":
                 so = StructuredOutputsParams(**req.structured_outputs.model_dump(exclude_none=True, by_alias=True))
             else:
@@ -363,7 +366,8 @@ class OpenAIServing:
             if name == "response_format":
                 kind = "json_object" if req.response_format.type == "json_object" else "json"
             else:
-                kind = "json" if name == "tool_choice" else name.removeprefix("guided_")
+                kind = (so.kind if so is not None else "json") if name == "tool_choice" else name.removeprefix(
+                    "guided_")
             e = e.with_prefix(f"structured_outputs.{kind}", label)
             raise OpenAIError(e.message, param="tools" if name == "tool_choice" else name) from None
         return so

@@ -45,14 +45,15 @@ class EventServing(OpenAIServing):
         if structured is not None and tools.schema is not None:
             raise OpenAIError(f"{names['structured']}: cannot be combined with a forced tool_choice",
                               param=names["structured"])
-        so = structured if structured is not None else (
-            StructuredOutputsParams(json=tools.schema) if tools.schema is not None else None)
-        if so is not None:
-            try:
+        so = None
+        try:
+            so = structured if structured is not None else tools.constraint()
+            if so is not None:
                 await self.llm.check_structured_outputs(so)
-            except ParamError as e:
-                label = names["structured"] if structured is not None else "tools"
-                raise OpenAIError(e.with_prefix("structured_outputs.json", label).message, param=label) from None
+        except ParamError as e:
+            label = names["structured"] if structured is not None else "tools"
+            raise OpenAIError(e.with_prefix(f"structured_outputs.{so.kind if so else 'json'}", label).message,
+                              param=label) from None
         pp = await self.chat_prompt(messages, tools=tools.prompt_tools, chat_template_kwargs=chat_template_kwargs)
         max_tokens = self.check_length(len(pp.token_ids), max_tokens, names["messages"], names["max_tokens"])
         kw = {k: v for k, v in sampling.items() if v is not None}

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServingOptions:
-    """What ``build_app`` serves beyond the engine (every field a flag of the same name: ``add_args``).
+    """What ``build_app`` serves beyond the engine (every field but ``forced_tool_format`` a flag of the same name:
+    ``add_args``).
 
     Raises:
         ValueError: an unknown parser name, a negative budget, a CORS list that is not a list of strings.
@@ -55,6 +56,9 @@ class ServingOptions:
     allow_credentials: bool = field(default=False, metadata={"help": "CORS: allow credentials"})
     vllm_metric_names: bool = field(default=False, metadata={
         "help": "also publish the engine metrics under vLLM's vllm: names (for vLLM's Grafana dashboard)"})
+    #: not a flag (``build_app`` sets it): the parser whose own format "required" / named ``tool_choice`` grammars
+    #: write, the ``--tool-call-parser`` given explicitly; ``None``: their JSON path (docs/structured_outputs.md)
+    forced_tool_format: Optional[str] = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         for name, known in (("reasoning_parser", reasoning_parser_names()), ("tool_call_parser", tool_parser_names())):
@@ -89,7 +93,7 @@ class ServingOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServingOptions":
         """The options given on the command line (``add_args``)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.metadata.get("flag", True)})
 
 
 def _json_list(text: str) -> list:
@@ -107,6 +111,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parsers, CORS and metric names (vLLM's flags)")
     defaults = ServingOptions()
     for f in fields(ServingOptions):
+        if not f.metadata.get("flag", True):
+            continue
         flag, default, help_text = "--" + f.name.replace("_", "-"), getattr(defaults, f.name), f.metadata["help"]
         if isinstance(default, bool):
             g.add_argument(flag, action="store_true", help=help_text)

@@ -10,27 +10,33 @@ a name (``register_tool_parser``, vLLM's names), so another family adds its pars
   ``;``); ``pythonic``: ``[f(a=1), g(b="x")]``; ``mistral``: ``[TOOL_CALLS][...]`` or ``[TOOL_CALLS]f[ARGS]{...}``;
   ``granite``: ``<|tool_call|>[...]``; ``phi4_mini_json``: ``functools[...]``.
 
-Text that does not parse as the format's calls stays content (never an error). ``parser_for_template`` picks a
-parser from a chat template when that is unambiguous.
+The calls are read by ``tool_scan.scan``, one left-to-right reader for the streamed and the non-streamed answer:
+content flows until a marker; a call commits once its name and the start of its arguments are read, then its
+arguments stream as fragments; text that stops fitting the format before a commit stays content (never an error),
+after a commit the call keeps the arguments read so far and the rest is content (``tool_scan``'s docstring).
+``parser_for_template`` picks a parser from a chat template when that is unambiguous.
 
-"required" and a named ``tool_choice`` are enforced by a JSON schema (``tool_choice_schema``): a named function's
-output *is* its arguments object; "required" outputs ``[{"name": ..., "arguments": {...}}, ...]``. Either way the
-arguments are valid JSON under the tool's ``parameters`` (unless ``max_tokens`` cuts them: ``forced_calls``).
+"required" and a named ``tool_choice`` are grammar-enforced. With the server's explicit ``--tool-call-parser``, in
+that parser's format (``ToolParser.choice_constraint``: an xgrammar structural tag from ``call_format``; pythonic's
+an EBNF, ``pythonic_grammar``), the output read back by the same parser. Otherwise by a JSON
+schema (``tool_choice_schema``): a named function's output *is* its arguments object; "required" outputs
+``[{"name": ..., "arguments": {...}}, ...]`` (``forced_calls``, ``ForcedToolStreamer``). Either way the arguments
+are valid JSON under the tool's ``parameters`` unless ``max_tokens`` cuts them.
 
 Streaming (``ForcedToolStreamer``, ``AutoToolStreamer``) is built on the same functions as the non-streamed
-answer (``forced_calls``, ``ToolParser.extract``), so the streamed pieces always add up to it.
+answer (``forced_calls``, ``tool_scan.scan``), so the streamed pieces always add up to it.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kvserve.entrypoints.openai.reasoning_parsers import held_suffix
+from kvserve.entrypoints.openai import tool_scan as ts
+from kvserve.entrypoints.openai.pythonic_grammar import pythonic_grammar
 
 
 @dataclass
@@ -53,58 +59,62 @@ class ExtractedToolCalls:
 class ToolParser:
     """Reads a model family's tool-call format out of generated text.
 
-    Subclasses set where calls may begin and implement ``extract``:
+    Subclasses set where calls may begin and implement ``read_calls`` (one call region, on a
+    ``tool_scan.Reader``); ``extract`` and the stream (``AutoToolStreamer``) both run ``tool_scan.scan`` over it,
+    so the streamed pieces join to the non-streamed answer at every cut point.
 
     Attributes:
         markers: texts that open the calls anywhere in the output (``<tool_call>``, ``[TOOL_CALLS]`` ...); the text
             before the first one is content (``content_before_call``).
-        lead_markers: texts that open the calls only at the very start of the output, leading whitespace allowed
-            (Llama 3's bare ``{``, the pythonic ``[``); such an output has no content.
+        lead_markers: characters that open the calls only at the very start of the output, leading whitespace
+            allowed (Llama 3's bare ``{``, the pythonic ``[``).
         template_hints: texts whose presence in a chat template says the model writes this format
             (``parser_for_template``).
-
-    Streaming (``AutoToolStreamer``) holds back text that may begin a marker, so its pieces equal ``extract``.
+        call_format: ``(opener, call begin, call end, separator, closer)``, the exact text a grammar-enforced
+            ``tool_choice`` writes (``tool_choice_tag``; ``NAME`` in the call begin is the function's name as a JSON
+            string, the arguments object follows it), or ``None``: no grammar in this format (the JSON path).
     """
 
     markers: tuple[str, ...] = ()
     lead_markers: tuple[str, ...] = ()
     template_hints: tuple[str, ...] = ()
+    call_format: Optional[tuple[str, str, str, str, str]] = None
 
     @property
     def start_marker(self) -> str:
         """The first of ``markers`` (the format's call opener)."""
         return self.markers[0] if self.markers else ""
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        """Split ``text`` into content and calls; text that does not parse as calls stays content."""
+    def read_calls(self, r: ts.Reader) -> None:
+        """Read one call region at ``r.pos`` (a marker, or a lead character), committing its calls
+        (``r.commit``); raises ``ts.NoFit`` / ``ts.NeedMore`` (``tool_scan``)."""
         raise NotImplementedError
+
+    def choice_constraint(self, tools: list[dict], choice: Any,
+                          parallel_tool_calls: Optional[bool]) -> Optional[dict]:
+        """The ``StructuredOutputsParams`` fields that enforce a forced ``choice`` ("required" or named) in this
+        format (``tool_choice_tag``), or ``None``: no grammar of its own (the JSON path).
+
+        Raises:
+            ValueError: a named function that is not among ``tools``.
+        """
+        tag = tool_choice_tag(self, tools, choice, parallel_tool_calls)
+        return None if tag is None else {"structural_tag": tag}
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        """Split a whole output ``text`` into content and calls (the rule: ``tool_scan``'s docstring)."""
+        parts = ts.scan(self, text, final=True)
+        content = "".join(x for x in parts if isinstance(x, str))
+        return ExtractedToolCalls(content or None, [ParsedToolCall(c.name, c.arguments) for c in parts
+                                                    if isinstance(c, ts.ScannedCall)])
 
     @staticmethod
     def content_before_call(text: str) -> str:
         """The content of ``text``, the model's text before a call's marker: without its trailing
         whitespace (the newline a model writes before the marker). The one rule for streamed and non-streamed
-        answers (``AutoToolStreamer`` holds trailing whitespace back until it knows whether a call follows); the
-        result must be a prefix of ``text``. Text without a call is content as it is."""
+        answers (the stream holds trailing whitespace back until it knows whether a call follows); the result
+        must be a prefix of ``text``."""
         return text.rstrip()
-
-    def call_start(self, text: str) -> int:
-        """Where the calls begin in ``text``: 0 when it opens with a ``lead_markers`` text, else the first of
-        ``markers``; -1 when neither."""
-        if any(text.lstrip().startswith(m) for m in self.lead_markers):
-            return 0
-        hits = [i for m in self.markers for i in [text.find(m)] if i >= 0]
-        return min(hits) if hits else -1
-
-    def split(self, text: str, parse) -> ExtractedToolCalls:
-        """``extract`` for formats whose calls run from ``call_start`` to the end: ``parse(region)`` -> the calls,
-        or ``None`` when the region does not parse (then the whole text is content)."""
-        start = self.call_start(text)
-        if start < 0:
-            return ExtractedToolCalls(text or None)
-        calls = parse(text[start:])
-        if not calls:
-            return ExtractedToolCalls(text or None)
-        return ExtractedToolCalls(self.content_before_call(text[:start]) or None, calls)
 
 
 _PARSERS: dict[str, type[ToolParser]] = {}
@@ -136,79 +146,15 @@ class HermesToolParser(ToolParser):
 
     markers = ("<tool_call>",)
     template_hints = ("<tool_call>",)
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+    call_format = ("", '<tool_call>\n{"name": NAME, "arguments": ', "}\n</tool_call>", "\n", "")
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        start = text.find(self.start_marker)
-        if start < 0:
-            return ExtractedToolCalls(text or None)
-        calls = []
-        for m in self._BLOCK.finditer(text, start):
-            call = _call_from_json(m.group(1))
-            if call is None:
-                return ExtractedToolCalls(text or None)
-            calls.append(call)
-        return ExtractedToolCalls(self.content_before_call(text[:start]) or None, calls)
-
-
-def _call_from_json(s: str) -> Optional[ParsedToolCall]:
-    """``{"name", "arguments"}`` JSON text -> a call, else ``None`` (``_call_from_obj``)."""
-    try:
-        return _call_from_obj(json.loads(s))
-    except ValueError:
-        return None
-
-
-def _call_from_obj(obj: Any) -> Optional[ParsedToolCall]:
-    """``{"name": str, "arguments": object}`` (``arguments`` may be a JSON text of an object; ``parameters``, Llama
-    3's key, accepted too) -> a call, else ``None``."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-_DECODER = json.JSONDecoder()
-
-
-def _json_values(text: str, sep: Optional[str] = None) -> Optional[list]:
-    """The JSON values that make up all of ``text`` (whitespace around them; ``sep`` between them when several are
-    allowed), or ``None`` when ``text`` is anything else."""
-    values, pos = [], 0
-    while True:
-        pos = _WS.match(text, pos).end()
-        try:
-            value, pos = _DECODER.raw_decode(text, pos)
-        except ValueError:
-            return None
-        values.append(value)
-        pos = _WS.match(text, pos).end()
-        if pos == len(text):
-            return values
-        if sep is None or text[pos] != sep:
-            return None
-        pos += 1
-
-
-def _calls_of(objs: Optional[list]) -> Optional[list[ParsedToolCall]]:
-    """Every object of ``objs`` as a call (``_call_from_obj``), or ``None`` if one is not a call."""
-    if not objs:
-        return None
-    calls = [_call_from_obj(o) for o in objs]
-    return None if any(c is None for c in calls) else calls
-
-
-def _json_array_calls(text: str) -> Optional[list[ParsedToolCall]]:
-    """``[{"name", "arguments"}, ...]`` (all of ``text``, whitespace around) -> calls, else ``None``."""
-    values = _json_values(text)
-    return _calls_of(values[0]) if values and isinstance(values[0], list) else None
+    def read_calls(self, r: ts.Reader) -> None:
+        r.expect("<tool_call>")
+        r.ws()
+        ts.json_call(r)
+        r.ws()
+        if not r.eof() and r.accept("</tool_call>"):
+            r.mark = r.pos
 
 
 @register_tool_parser("llama3_json")
@@ -219,46 +165,44 @@ class Llama3JsonToolParser(ToolParser):
     markers = ("<|python_tag|>",)
     lead_markers = ("{",)
     template_hints = ("<|python_tag|>",)
+    call_format = ("", '{"name": NAME, "parameters": ', "}", "; ", "")
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        def parse(region: str):
-            region = region.lstrip().removeprefix("<|python_tag|>")
-            return _calls_of(_json_values(region, sep=";"))
-        return self.split(text, parse)
+    def read_calls(self, r: ts.Reader) -> None:
+        r.accept("<|python_tag|>")
+        while True:
+            r.ws()
+            ts.json_call(r)
+            r.ws()
+            if r.eof() or not r.accept(";"):
+                return
+            r.ws()
+            r.mark = r.pos
 
 
 @register_tool_parser("pythonic")
 class PythonicToolParser(ToolParser):
     """Python call syntax, the whole output a list: ``[get_weather(city="Paris"), f(x=1)]`` (Llama 3.2 / 4 and
-    others); keyword arguments only, their values Python literals (``ast.literal_eval``), returned as JSON."""
+    others); keyword arguments only, their values Python literals (``ast.literal_eval``), returned as JSON
+    (``tool_scan.python_call_list``: one fragment per keyword argument)."""
 
     lead_markers = ("[",)
     template_hints = ("func_name1(",)
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        return self.split(text, _pythonic_calls)
+    def read_calls(self, r: ts.Reader) -> None:
+        ts.python_call_list(r)
 
-
-def _pythonic_calls(region: str) -> Optional[list[ParsedToolCall]]:
-    try:
-        tree = ast.parse(region.strip(), mode="eval").body
-    except (SyntaxError, ValueError):
-        return None
-    if not isinstance(tree, ast.List) or not tree.elts:
-        return None
-    calls = []
-    for node in tree.elts:
-        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+    def choice_constraint(self, tools: list[dict], choice: Any,
+                          parallel_tool_calls: Optional[bool]) -> Optional[dict]:
+        """An EBNF of ``[f(a=...)]`` calls (``pythonic_grammar``); ``None`` (the JSON path) when a name is not a
+        Python identifier or a schema does not convert (the JSON path then reports it)."""
+        if tool_choice_schema(tools, choice, parallel_tool_calls) is None:
             return None
+        names = [choice["function"]["name"]] if isinstance(choice, dict) else [t["function"]["name"] for t in tools]
         try:
-            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-            arguments = json.dumps(args, ensure_ascii=False)
-        except (ValueError, TypeError, SyntaxError):  # not a literal, or not JSON-serializable (a set, bytes)
+            ebnf = pythonic_grammar(tools, names, isinstance(choice, dict) or parallel_tool_calls is False)
+        except (ImportError, ValueError, RuntimeError):
             return None
-        if len(args) != len(node.keywords):  # **kwargs
-            return None
-        calls.append(ParsedToolCall(node.func.id, arguments))
-    return calls
+        return None if ebnf is None else {"grammar": ebnf}
 
 
 @register_tool_parser("mistral")
@@ -269,23 +213,23 @@ class MistralToolParser(ToolParser):
 
     markers = ("[TOOL_CALLS]",)
     template_hints = ("[TOOL_CALLS]",)
-    _NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
+    call_format = ("[TOOL_CALLS][", '{"name": NAME, "arguments": ', "}", ", ", "]")
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        def parse(region: str):
-            calls = []
-            for segment in region.split("[TOOL_CALLS]")[1:]:
-                m = self._NAMED.match(segment)
-                if m is None:
-                    more = _json_array_calls(segment)
-                else:
-                    values = _json_values(segment[m.end():])
-                    more = _calls_of([{"name": m.group(1), "arguments": values[0]}]) if values else None
-                if more is None:
-                    return None
-                calls += more
-            return calls
-        return self.split(text, parse)
+    def read_calls(self, r: ts.Reader) -> None:
+        r.expect("[TOOL_CALLS]")
+        r.ws()
+        if not r.eof() and r.text[r.pos] == "[":
+            ts.json_call_list(r)
+            return
+        name = r.word(lambda ch: ch.isalnum() or ch in "_.-")
+        if r.accept("[CALL_ID]"):
+            r.word(str.isalnum)
+        r.expect("[ARGS]")
+        r.ws()
+        if r.eof() or r.text[r.pos] != "{":
+            raise ts.NoFit
+        ts.json_value(r, r.commit(name))
+        r.mark = r.pos
 
 
 @register_tool_parser("granite")
@@ -294,9 +238,11 @@ class GraniteToolParser(ToolParser):
 
     markers = ("<|tool_call|>",)
     template_hints = ("<|tool_call|>",)
+    call_format = ("<|tool_call|>[", '{"name": NAME, "arguments": ', "}", ", ", "]")
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        return self.split(text, lambda region: _json_array_calls(region[len("<|tool_call|>"):]))
+    def read_calls(self, r: ts.Reader) -> None:
+        r.expect("<|tool_call|>")
+        ts.json_call_list(r)
 
 
 @register_tool_parser("phi4_mini_json")
@@ -305,9 +251,11 @@ class Phi4MiniJsonToolParser(ToolParser):
 
     markers = ("functools[",)
     template_hints = ("functools",)
+    call_format = ("functools[", '{"name": NAME, "arguments": ', "}", ", ", "]")
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        return self.split(text, lambda region: _json_array_calls(region[len("functools"):]))
+    def read_calls(self, r: ts.Reader) -> None:
+        r.expect("functools")
+        ts.json_call_list(r)
 
 
 def parser_for_template(template: Optional[str]) -> tuple[Optional[str], str]:
@@ -360,6 +308,31 @@ def tool_choice_schema(tools: list[dict], choice: Any, parallel_tool_calls: Opti
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
     return schema
+
+
+def tool_choice_tag(parser: ToolParser, tools: list[dict], choice: Any,
+                    parallel_tool_calls: Optional[bool]) -> Optional[dict]:
+    """The xgrammar structural tag that enforces ``choice`` in ``parser``'s own format (``ToolParser.call_format``),
+    or ``None`` when the format has none (pythonic) or ``choice`` is not forced. "required": one or more calls
+    (exactly one with ``parallel_tool_calls`` ``False``), each the format's call of one of ``tools`` with arguments
+    valid under its ``parameters``; a named function: one call of it. The text it writes is what ``parser`` reads.
+
+    Raises:
+        ValueError: a named function that is not among ``tools`` (``tool_choice_schema``'s message).
+    """
+    schema = tool_choice_schema(tools, choice, parallel_tool_calls)
+    if schema is None or parser.call_format is None:
+        return None
+    opener, begin, end, separator, closer = parser.call_format
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    names = [choice["function"]["name"]] if isinstance(choice, dict) else list(params)
+    tags = [{"type": "tag", "begin": begin.replace("NAME", json.dumps(n, ensure_ascii=False)),
+             "content": {"type": "json_schema", "json_schema": params[n]}, "end": end} for n in names]
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
+             "stop_after_first": isinstance(choice, dict) or parallel_tool_calls is False}
+    elements = [{"type": "const_string", "value": opener}] if opener else []
+    elements += [calls] + ([{"type": "const_string", "value": closer}] if closer else [])
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
 
 
 # ---------------------------------------------------------------------------------------------------- forced calls
@@ -470,43 +443,50 @@ class ForcedToolStreamer:
 
 
 class AutoToolStreamer:
-    """Streams "auto" output: content passes through until one of the parser's ``markers`` may have begun (or, with
-    ``lead_markers``, while the output may still open with one); text that could be a marker's prefix, and trailing whitespace (which ``ToolParser.content_before_call`` drops
-    before a call), are held back. From the marker on everything is buffered and parsed when the choice finishes
-    (``finish``), exactly as the non-streamed answer is (``ToolParser.extract``)."""
+    """Streams "auto" output as it is generated: each ``feed`` scans the text so far (``tool_scan.scan``) and
+    returns what its parts add to those already sent, in order: content (``str``) and ``ToolCallDelta``s (a call's
+    first piece has its id and name and the arguments read so far, then argument fragments). The scan of a text is
+    a prefix of the scan of any longer one, so the pieces join to ``ToolParser.extract`` of the whole text (the
+    non-streamed answer: ``events.ChoiceEvents`` feeds it as one piece)."""
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
         self.text = ""  # everything generated so far
-        self.sent = 0  # characters of ``text`` sent as content
-        self.in_call = False
+        self.sent: list = []  # the parts sent: str | [name, arguments]
+        self.ids: list[str] = []  # the calls' ids, by index
+        self._cache: dict = {}
 
-    def feed(self, delta: str) -> str:
-        """Add ``delta``; returns the content that may be sent now."""
+    def feed(self, delta: str, final: bool = False) -> list:
+        """Add ``delta`` (``final``: the choice ends with it); returns the pieces to send now."""
         self.text += delta
-        if self.in_call:
-            return ""
-        p = self.parser
-        if self.sent == 0 and p.lead_markers:
-            body = self.text.lstrip()
-            if any(m.startswith(body) or body.startswith(m) for m in p.lead_markers):
-                self.in_call = any(body.startswith(m) for m in p.lead_markers)
-                return ""  # the calls may open the output: nothing is content until they are parsed
-        at = p.call_start(self.text)
-        if at >= 0:
-            self.in_call = True
-            end = at
-        else:
-            end = len(self.text) - (held_suffix(self.text[self.sent:], p.markers) if p.markers else 0)
-        end = max(self.sent, len(p.content_before_call(self.text[:end])))
-        out, self.sent = self.text[self.sent:end], end
+        parts = ts.scan(self.parser, self.text, final, self._cache)
+        out: list = []
+        ncalls = 0
+        for i, part in enumerate(parts):
+            is_call = isinstance(part, ts.ScannedCall)
+            if i < len(self.sent):
+                old = self.sent[i]
+                if is_call:
+                    ncalls += 1
+                    grown = part.arguments[len(old[1]):]
+                    if grown:
+                        out.append(ToolCallDelta(ncalls - 1, grown))
+                        old[1] = part.arguments
+                elif len(part) > len(old):
+                    out.append(part[len(old):])
+                    self.sent[i] = part
+                continue
+            if is_call:
+                self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                out.append(ToolCallDelta(ncalls, part.arguments, self.ids[ncalls], part.name))
+                self.sent.append([part.name, part.arguments])
+                ncalls += 1
+            else:
+                out.append(part)
+                self.sent.append(part)
         return out
 
-    def finish(self) -> tuple[str, list[ParsedToolCall]]:
-        """At the choice's end: ``(content still to send, calls)``. Content already sent stays; the held-back
-        rest is parsed."""
-        extracted = self.parser.extract(self.text)
-        if not extracted.tool_calls:
-            out, self.sent = self.text[self.sent:], len(self.text)
-            return out, []
-        return "", extracted.tool_calls
+    @property
+    def called(self) -> bool:
+        """Whether a call has been sent."""
+        return bool(self.ids)
