@@ -510,3 +510,43 @@ class AutoToolStreamer:
             out, self.sent = self.text[self.sent:], len(self.text)
             return out, []
         return "", extracted.tool_calls
+
+
+_HARMONY_CALL = re.compile(r"(?P<header>(?:<\|start\|>|<\|channel\|>)(?:(?!<\|message\|>).)*)<\|message\|>"
+                           r"(?P<body>(?:(?!<\|(?:end|call|return|start)\|>).)*)(?:<\|(?:end|call|return)\|>)?",
+                           re.DOTALL)
+
+
+@register_tool_parser("openai")
+class HarmonyToolParser(ToolParser):
+    """gpt-oss's harmony tool calls: ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
+    <|call|>`` (the recipient may also follow the role: ``<|start|>assistant to=functions.NAME<|channel|>commentary
+    json<|message|>``); several may follow each other. The calls run from the first message addressed to
+    ``functions.*`` to the end; each such message's body must be a JSON object (its arguments), else the whole text
+    is content. Messages in that region addressed to no function (a ``final`` answer after a call) are dropped,
+    as the streamed answer drops them (``AutoToolStreamer``). The markers are special tokens: ``special_tokens``."""
+
+    markers = ("<|start|>assistant<|channel|>commentary to=functions.", "<|channel|>commentary to=functions.",
+               "<|start|>assistant to=functions.")
+    template_hints = ("<|call|>",)
+    special_tokens = True
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        from kvserve.entrypoints.openai.reasoning_parsers import harmony_header
+
+        def parse(region: str):
+            calls = []
+            for m in _HARMONY_CALL.finditer(region):
+                _, recipient = harmony_header(m.group("header"))
+                if recipient is None or not recipient.startswith("functions."):
+                    continue
+                try:
+                    args = json.loads(m.group("body"))
+                except ValueError:
+                    return None
+                if not isinstance(args, dict):
+                    return None
+                calls.append(ParsedToolCall(recipient[len("functions."):], json.dumps(args, ensure_ascii=False)))
+            return calls or None
+
+        return self.split(text, parse)

@@ -1,0 +1,94 @@
+"""gpt-oss's harmony channels: the ``openai_gptoss`` reasoning parser (analysis -> reasoning, final -> content) and
+the ``openai`` tool parser (``commentary to=functions.NAME`` -> calls); each finished text's split, and the
+streamed pieces equal to it at every cut point and for any text (hypothesis), alone and chained (the reasoning
+parser's content is what the tool parser reads)."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.entrypoints.openai import tool_parsers as tp
+from kvserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser, harmony_header
+from tests.entrypoints.test_reasoning_parsers import stream as stream_reasoning
+from tests.entrypoints.test_tool_parsers import calls_of, stream as stream_tools
+
+A = "<|channel|>analysis<|message|>"
+F = "<|start|>assistant<|channel|>final<|message|>"
+CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+
+REASONING_CASES = [
+    (A + "User asks 2+2.<|end|>" + F + "It is 4.", ("User asks 2+2.", "It is 4.")),
+    (A + "Think<|end|>" + F + "Done.<|return|>", ("Think", "Done.")),
+    (A + "cut while thinking", ("cut while thinking", None)),
+    ("<|channel|>final<|message|>Only an answer.", (None, "Only an answer.")),
+    ("Plain text, no channels.", (None, "Plain text, no channels.")),
+    (A + "Need weather.<|end|>" + CALL + "<|call|>", ("Need weather.", CALL + "<|call|>")),
+    (A + "a <|constrain|> b<|end|>" + F + "x", ("a <|constrain|> b", "x")),
+    (A + "r<|end|><|start|>assistant<|channel|>fin", ("r", "<|start|>assistant<|channel|>fin")),
+    (A + "r<|end|><|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>",
+     ("r", "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>")),
+]
+
+
+@pytest.mark.parametrize("text,expected", REASONING_CASES)
+def test_reasoning_split_and_every_cut(text, expected):
+    parser = get_reasoning_parser("openai_gptoss")
+    assert parser.special_tokens and parser.extract(text) == expected
+    for cut in range(len(text) + 1):
+        assert stream_reasoning(parser, text, [cut]) == expected
+    assert stream_reasoning(parser, text, list(range(len(text)))) == expected
+
+
+W = {"city": "Paris"}
+TOOL_CASES = [
+    (CALL + "<|call|>", (None, [("get_weather", W)])),
+    (CALL, (None, [("get_weather", W)])),  # <|call|> is a stop token: the text may end at the body
+    ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+     (None, [("get_weather", W)])),
+    ("Checking." + CALL + "<|call|>" + CALL.replace("get_weather", "get_time") + "<|call|>",
+     ("Checking.", [("get_weather", W), ("get_time", W)])),
+    ("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{not json}<|call|>",
+     ("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{not json}<|call|>", [])),
+    ("It is 4.", ("It is 4.", [])),
+    ("<|channel|>commentary to=functions.f<|message|>[1]", ("<|channel|>commentary to=functions.f<|message|>[1]", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", TOOL_CASES)
+def test_tool_calls_and_every_cut(text, expected):
+    assert tp.get_tool_parser("openai").special_tokens
+    assert calls_of("openai", text) == expected
+    for cut in range(len(text) + 1):
+        assert stream_tools("openai", text, [cut]) == expected
+    assert stream_tools("openai", text, range(len(text))) == expected
+
+
+def test_reasoning_then_tools_reads_a_whole_harmony_turn():
+    text = A + "The user wants the weather in Paris.<|end|>" + CALL + "<|call|>"
+    reasoning, content = get_reasoning_parser("openai_gptoss").extract(text)
+    assert reasoning == "The user wants the weather in Paris."
+    assert calls_of("openai", content) == (None, [("get_weather", W)])
+
+
+def test_headers():
+    assert harmony_header("<|channel|>commentary to=functions.f <|constrain|>json") == ("commentary", "functions.f")
+    assert harmony_header("<|start|>assistant to=functions.g<|channel|>commentary json") == ("commentary", "functions.g")
+    assert harmony_header("<|start|>assistant<|channel|>final") == ("final", None)
+    assert tp.parser_for_template("{{ tools }} <|call|>")[0] == "openai"
+
+
+PIECES = st.sampled_from(["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>",
+                          "<|constrain|>", "assistant", "analysis", "final", "commentary", " to=functions.f", "json",
+                          '{"a": 1}', "<|", "|>", "<", "Hi", " ", "\n"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(PIECES, max_size=12), cuts=st.lists(st.integers(0, 200), max_size=6))
+def test_stream_equals_extract_for_any_text_and_cuts(parts, cuts):
+    text = "".join(parts)
+    parser = get_reasoning_parser("openai_gptoss")
+    assert stream_reasoning(parser, text, cuts) == parser.extract(text)
+    assert stream_tools("openai", text, cuts) == calls_of("openai", text)
+    assert json.dumps(calls_of("openai", text)[1])  # calls are JSON objects
