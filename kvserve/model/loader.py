@@ -514,8 +514,9 @@ def _gguf_tokenizer(path: Path, source_hash: str):
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except ValueError as e:  # an architecture transformers' GGUF reader does not list (olmoe, granitemoe, ...)
-        if "is not supported yet" not in str(e):
+    except (ValueError, TypeError) as e:  # an architecture transformers' GGUF reader does not list (olmoe,
+        # granitemoe, ...) or cannot read the model metadata of (gpt-oss's: a TypeError in transformers 5.25)
+        if isinstance(e, ValueError) and "is not supported yet" not in str(e):
             raise
         tmp.mkdir(parents=True, exist_ok=True)
         _tokenizer_only_gguf(path, tmp / "tokenizer.gguf")

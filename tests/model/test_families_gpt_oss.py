@@ -48,6 +48,8 @@ def _tiny_gpt_oss(path, tokenizer):
                 p.normal_(0, 1.0)
             elif n.endswith("sinks"):
                 p.normal_(0, 1.5)
+            elif n.endswith("embed_tokens.weight"):  # (larger than the biases: rows choose varied experts)
+                p.normal_(0, 1.0)
     tokenizer.save_pretrained(str(path))
     return _randomize(path, hf)  # norms and biases
 
