@@ -55,6 +55,7 @@ class DecoderModel:
     Raises:
         ValueError: a Q/K/V bias the spec needs is missing; the config declares an o_proj or MLP bias the weights
             lack, or the weights hold one it does not declare; a norm weight the spec needs is missing (named);
+            attention sinks the spec needs missing or not ``[num_attention_heads]``;
             a tensor-parallel size that does not divide the heads, KV heads, ``intermediate_size`` or
             ``vocab_size``, or tensor parallelism with whole-projection Q/K norms or o_proj / MLP biases.
     """

@@ -92,3 +92,39 @@ def test_stream_equals_extract_for_any_text_and_cuts(parts, cuts):
     assert stream_reasoning(parser, text, cuts) == parser.extract(text)
     assert stream_tools("openai", text, cuts) == calls_of("openai", text)
     assert json.dumps(calls_of("openai", text)[1])  # calls are JSON objects
+
+
+# ------------------------------------------------------------------------------------------------- on a server
+@pytest.fixture(scope="module")
+def harmony_server():
+    from tests.entrypoints.conftest import LiveServer
+    from kvserve.entrypoints.openai.serving_options import ServingOptions
+
+    s = LiveServer(num_kv_blocks=64, max_num_seqs=4, max_model_len=1024, server_kwargs={"options": ServingOptions(
+        reasoning_parser="openai_gptoss", tool_call_parser="openai", enable_auto_tool_choice=True)})
+    yield s.start()
+    s.stop()
+
+
+@pytest.mark.real_model
+@pytest.mark.server
+@pytest.mark.parametrize("text, want", [
+    (A + "Add them.<|end|>" + F + "Four.", ("Add them.", "Four.", [])),
+    (A + "Need weather." + "<|end|>" + CALL, ("Need weather.", None, [("get_weather", W)])),
+])
+def test_a_harmony_turn_through_the_api(harmony_server, text, want):
+    """SmolLM2 forced to a harmony text (a regex structured output; the markers are plain text to its tokenizer):
+    the API returns its analysis as reasoning, its final channel as content, its commentary call as a tool call,
+    streamed equal to non-streamed."""
+    import openai
+
+    from tests.entrypoints.test_parsers_server import WEATHER, regex_of, stream
+
+    c = openai.OpenAI(base_url=harmony_server.url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model=harmony_server.llm_model_name, messages=[{"role": "user", "content": "Hi"}], tools=WEATHER,
+              temperature=0, max_tokens=120, extra_body={"guided_regex": regex_of(text)})
+    m = c.chat.completions.create(**kw).choices[0].message
+    calls = [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls or []]
+    assert ((m.model_extra or {}).get("reasoning_content"), m.content, calls) == want
+    reasoning, content, streamed, _ = stream(c, **kw)
+    assert (reasoning, content, [(n, json.loads(a)) for n, a in streamed.values()]) == want
