@@ -98,8 +98,8 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
         if res is None:
             raise ValueError(f"the fused attention kernel cannot take qkv {list(qkv.shape)} {qkv.dtype} over a "
                              f"{list(kv_cache.shape)} {kv_cache.dtype} cache (head width not a multiple of "
-                             f"{cpu_kernels.ATTENTION_ISAS[self.isa]}, or another dtype, or sinks not [H_q] float32: such a model gets another "
-                             f"backend, for_head_dim)")
+                             f"{cpu_kernels.ATTENTION_ISAS[self.isa]}, or another dtype, or sinks not [H_q] float32: "
+                             f"such a model gets another backend, for_head_dim)")
         out, done = res
         if not done:
             raise MemoryError("the fused attention kernel could not allocate its scratch memory")

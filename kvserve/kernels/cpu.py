@@ -74,7 +74,7 @@ def load():
             for suffix in (f"{t}_{i}" for t in KV_SUFFIX.values() for i in ATTENTION_ISAS):
                 attend = getattr(lib, "kvserve_paged_attention_" + suffix)
                 attend.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [
-                    ctypes.c_float, ptr, i64, i64, ctypes.c_float, ptr]  # scale, out, out_stride, window, softcap, sinks
+                    ctypes.c_float, ptr, i64, i64, ctypes.c_float, ptr]  # scale, out, stride, window, softcap, sinks
                 attend.restype = ctypes.c_int
                 head = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [
                     ctypes.c_float, ptr, i64]

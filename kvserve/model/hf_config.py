@@ -19,7 +19,8 @@ from kvserve.model.registry import FAMILY_FIELDS, FAMILY_OF
 #: Mixture-of-experts architectures (Hugging Face names) kvserve does not run, refused as such (``check_not_moe``):
 #: DeepSeek's multi-head latent attention, hybrid linear-attention / state-space models (Jamba, Qwen3-Next,
 #: Granite-MoE-Hybrid), DBRX's clipped fused QKV and its own expert layout, Llama 4's interleaved chunked attention,
-#: PhiMoE's sparsemixer router, Granite-MoE with a shared expert, and the rest. The MoE families kvserve runs are registry families (``family.Experts``).
+#: PhiMoE's sparsemixer router, Granite-MoE with a shared expert, and the rest. The MoE families kvserve runs are
+#: registry families (``family.Experts``).
 MOE_ARCHITECTURES = ("PhimoeForCausalLM", "PhiMoEForCausalLM", "GraniteMoeSharedForCausalLM",
                      "GraniteMoeHybridForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                      "DbrxForCausalLM", "JambaForCausalLM", "Llama4ForCausalLM",

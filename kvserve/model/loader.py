@@ -347,7 +347,8 @@ def _gguf_window(field, a: str) -> dict:
     if a not in GGUF_WINDOW_PATTERNS:
         return {"sliding_window": window}
     n = GGUF_WINDOW_PATTERNS[a]
-    types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(int(field(f"{a}.block_count"))))
+    layers = int(field(f"{a}.block_count"))
+    types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
     return {"sliding_window": window, "layer_types": types}
 
 

@@ -74,7 +74,8 @@ def test_reasoning_then_tools_reads_a_whole_harmony_turn():
 
 def test_headers():
     assert harmony_header("<|channel|>commentary to=functions.f <|constrain|>json") == ("commentary", "functions.f")
-    assert harmony_header("<|start|>assistant to=functions.g<|channel|>commentary json") == ("commentary", "functions.g")
+    assert harmony_header("<|start|>assistant to=functions.g<|channel|>commentary json") == (
+        "commentary", "functions.g")
     assert harmony_header("<|start|>assistant<|channel|>final") == ("final", None)
     assert tp.parser_for_template("{{ tools }} <|call|>")[0] == "openai"
 

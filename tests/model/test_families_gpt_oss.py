@@ -171,7 +171,8 @@ def _gguf_tensors(hf):
         out += [(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :, 0::2].transpose(0, 2, 1)),
                 (f"blk.{i}.ffn_up_exps.weight", gate_up[:, :, 1::2].transpose(0, 2, 1)),
                 (f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"].transpose(0, 2, 1)),
-                (f"blk.{i}.ffn_gate_exps.bias", gate_up_bias[:, 0::2]), (f"blk.{i}.ffn_up_exps.bias", gate_up_bias[:, 1::2]),
+                (f"blk.{i}.ffn_gate_exps.bias", gate_up_bias[:, 0::2]),
+                (f"blk.{i}.ffn_up_exps.bias", gate_up_bias[:, 1::2]),
                 (f"blk.{i}.ffn_down_exps.bias", sd[p + "mlp.experts.down_proj_bias"])]
     return out
 

@@ -33,9 +33,9 @@
  * differently (W = 8 or 16 lanes in the softmax sum), so results are identical per ISA, not across ISAs.
  *
  * kvserve_rope_write_attend_sink_<type>_<isa> (and kvserve_rope_write_attend_sw_<...>, the same without sinks, and
- * kvserve_rope_write_attend_<...>, without a window or a cap either) is a decoder layer's whole attention step after the fused Q/K/V
- * projection in one call (RoPE on q and k, the K/V write into the cache slots, this kernel), so a layer makes one
- * call instead of a dozen PyTorch ops (each a dispatch and a new tensor) and a kernel call.
+ * kvserve_rope_write_attend_<...>, without a window or a cap either) is a decoder layer's whole attention step
+ * after the fused Q/K/V projection in one call (RoPE on q and k, the K/V write into the cache slots, this kernel),
+ * so a layer makes one call instead of a dozen PyTorch ops (each a dispatch and a new tensor) and a kernel call.
  *
  * Prefetching. A task reads its keys and values once, but from scattered blocks (a KV head's row of a token is
  * 64-256 bytes, a block a few KiB, blocks anywhere in the pool), where the hardware prefetchers lose the stream at
