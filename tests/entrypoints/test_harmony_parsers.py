@@ -129,3 +129,23 @@ def test_a_harmony_turn_through_the_api(harmony_server, text, want):
     assert ((m.model_extra or {}).get("reasoning_content"), m.content, calls) == want
     reasoning, content, streamed, _ = stream(c, **kw)
     assert (reasoning, content, [(n, json.loads(a)) for n, a in streamed.values()]) == want
+
+
+@pytest.mark.real_model
+@pytest.mark.server
+def test_the_harmony_parsers_keep_special_tokens_unless_the_request_says(harmony_server):
+    """The markers are special tokens in gpt-oss's vocabulary: a request read by a parser with ``special_tokens``
+    is detokenized with them (``skip_special_tokens`` false) unless it sets ``skip_special_tokens`` itself."""
+    from kvserve.entrypoints.openai import protocol as p
+
+    serving = harmony_server.server.config.app.state.openai_serving_chat
+    msgs = [{"role": "user", "content": "Hi"}]
+
+    def skip(reasoning_name=None, tools=False, **fields):
+        req = p.ChatCompletionRequest(model=harmony_server.llm_model_name, messages=msgs, **fields)
+        reasoning = get_reasoning_parser(reasoning_name) if reasoning_name else None
+        return serving.sampling_params(req, 16, None, None, None, reasoning, tools).skip_special_tokens
+
+    assert skip("openai_gptoss") is False and skip(tools=True) is False
+    assert skip("openai_gptoss", skip_special_tokens=True) is True
+    assert skip("qwen3") is True and skip() is True
