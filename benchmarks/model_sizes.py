@@ -1,5 +1,7 @@
 """``python -m benchmarks.model_sizes``: kvserve against llama.cpp on random-weight GGUFs of Llama-3.2-1B and -3B
-shapes, and of the mixture-of-experts OLMoE-1B-7B and Qwen3-30B-A3B (``--sizes olmoe-1b-7b``), in one run.
+shapes, and of the mixture-of-experts OLMoE-1B-7B, Qwen3-30B-A3B (``--sizes olmoe-1b-7b``) and gpt-oss-20b
+(``--sizes gpt-oss-20b --formats mxfp4``: MXFP4 experts, Q8_0 elsewhere, as llama.cpp's converter writes it), in one
+run.
 
 Each file is written in seconds (``write_gguf``): the real architecture (llama.cpp's tensor names and metadata,
 ``llama3`` RoPE scaling as the ``rope_freqs.weight`` divisors llama.cpp's converter stores, tied embeddings as in
@@ -64,6 +66,7 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     qk_norm: str = ""
+    window: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -78,16 +81,20 @@ class Shape:
 #: A mixture of experts (``experts`` > 0) has ``ffn`` = one expert's width, a float32 router ``ffn_gate_inp`` with
 #: random logits (tokens choose varied experts, as a trained router's do), the experts stacked as
 #: ``ffn_{gate,up,down}_exps``, an untied LM head, and ``qk_norm`` (``head``: per head, Qwen3; ``proj``: over the
-#: whole projection, OLMoE).
+#: whole projection, OLMoE). ``gpt-oss`` adds its attention sinks, biases (attention, router, experts), the window
+#: (``window``) on every other layer, YaRN and ``post_attention_norm`` for the pre-MLP norm.
 SHAPES = {"1b": Shape(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192),
           "3b": Shape(layers=28, hidden=3072, heads=24, kv_heads=8, ffn=8192),
           "olmoe-1b-7b": Shape(layers=16, hidden=2048, heads=16, kv_heads=16, ffn=1024, rope_theta=10000.0,
                                context=4096, arch="olmoe", experts=64, experts_used=8, qk_norm="proj"),
           "qwen3-30b-a3b": Shape(layers=48, hidden=2048, heads=32, kv_heads=4, ffn=768, rope_theta=1e6,
                                  context=40960, arch="qwen3moe", head_width=128, experts=128, experts_used=8,
-                                 qk_norm="head")}
+                                 qk_norm="head"),
+          "gpt-oss-20b": Shape(layers=24, hidden=2880, heads=64, kv_heads=8, ffn=2880, rope_theta=150000.0,
+                               rope_factor=32.0, original_context=4096, arch="gpt-oss", head_width=64, experts=32,
+                               experts_used=4, window=128)}
 #: File format -> (GGUF ``general.file_type``, llama.cpp's name of it).
-FORMATS = {"q4_0": (2, "Q4_0"), "q4_k_m": (15, "Q4_K_M"), "q8_0": (7, "Q8_0")}
+FORMATS = {"q4_0": (2, "Q4_0"), "q4_k_m": (15, "Q4_K_M"), "q8_0": (7, "Q8_0"), "mxfp4": (38, "MXFP4_MOE")}
 #: The interpreter with ``llama_cpp`` (built outside the project): ``$KVSERVE_LLAMA_PYTHON`` or this venv's.
 LLAMA_PYTHON = os.environ.get("KVSERVE_LLAMA_PYTHON", "/tmp/llamacpp-venv/bin/python")
 
@@ -111,7 +118,9 @@ def tensor_types(shape: Shape, fmt: str) -> dict:
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {tuple(FORMATS)}, got {fmt!r}")
-    base = {"q4_0": T.Q4_0, "q4_k_m": T.Q4_K, "q8_0": T.Q8_0}[fmt]
+    base = {"q4_0": T.Q4_0, "q4_k_m": T.Q4_K, "q8_0": T.Q8_0, "mxfp4": T.Q8_0}[fmt]
+    if fmt == "mxfp4" and not shape.experts:
+        raise ValueError("format mxfp4 is a mixture of experts' (MXFP4 experts, Q8_0 elsewhere)")
     out = {"token_embd.weight": T.Q6_K if fmt == "q4_k_m" else base}
     if shape.experts:
         out["output.weight"] = T.Q6_K if fmt == "q4_k_m" else base
@@ -119,7 +128,8 @@ def tensor_types(shape: Shape, fmt: str) -> dict:
     for i in range(shape.layers):
         for kind in ("attn_q", "attn_k", "attn_v", "attn_output") + ffn:
             six = fmt == "q4_k_m" and kind in ("attn_v", ffn[2]) and more_bits(i, shape.layers)
-            out[f"blk.{i}.{kind}.weight"] = T.Q6_K if six else base
+            mx4 = fmt == "mxfp4" and kind in ffn
+            out[f"blk.{i}.{kind}.weight"] = T.Q6_K if six else T.MXFP4 if mx4 else base
     return out
 
 
@@ -137,7 +147,7 @@ def _matrix_shape(name: str, shape: Shape, vocab: int) -> tuple:
 
 
 def random_blocks(qtype, n: int, rng):
-    """``n`` random valid blocks of ``qtype`` (Q4_0, Q8_0, Q4_K, Q6_K) as ``uint8 [n, bytes_per_block]``: random
+    """``n`` random valid blocks of ``qtype`` (Q4_0, Q8_0, Q4_K, Q6_K, MXFP4) as ``uint8 [n, bytes_per_block]``: random
     quants and sub-scales, float16 scales set to small normal values (weights of magnitude ~0.02, never inf/nan).
 
     Raises:
@@ -162,8 +172,10 @@ def random_blocks(qtype, n: int, rng):
     elif qtype == T.Q6_K:    # ql[128], qh[64], scales[16] int8, d: w = d sc (q - 32)
         b[:, 192:208] = rng.integers(-16, 17, (n, 16)).astype(np.int8).view(np.uint8)
         b[:, 208:210] = f16(7e-5, 1.5e-4)
+    elif qtype == T.MXFP4:   # e (E8M0), qs[16]: w = e2m1(q) 2^(e - 127)
+        b[:, 0] = rng.integers(127 - 9, 127 - 6, n)
     else:
-        raise ValueError(f"random_blocks writes Q4_0, Q8_0, Q4_K and Q6_K, got {T(qtype).name}")
+        raise ValueError(f"random_blocks writes Q4_0, Q8_0, Q4_K, Q6_K and MXFP4, got {T(qtype).name}")
     return b
 
 
@@ -240,6 +252,12 @@ def write_gguf(path, shape: Shape, fmt: str, seed: int = 0, tokenizer_source=Non
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
+    if shape.window:
+        w.add_uint32(f"{shape.arch}.attention.sliding_window", shape.window)
+    if shape.arch == "gpt-oss":
+        w.add_string(f"{shape.arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{shape.arch}.rope.scaling.factor", shape.rope_factor)
+        w.add_uint32(f"{shape.arch}.rope.scaling.original_context_length", shape.original_context)
     if shape.experts:
         w.add_uint32(f"{shape.arch}.expert_count", shape.experts)
         w.add_uint32(f"{shape.arch}.expert_used_count", shape.experts_used)
@@ -254,16 +272,27 @@ def write_gguf(path, shape: Shape, fmt: str, seed: int = 0, tokenizer_source=Non
     ffn = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if shape.experts else ("ffn_gate", "ffn_up", "ffn_down")
     q_norm = {"head": shape.head_dim, "proj": shape.heads * shape.head_dim}.get(shape.qk_norm)
     k_norm = {"head": shape.head_dim, "proj": shape.kv_heads * shape.head_dim}.get(shape.qk_norm)
+    gpt_oss = shape.arch == "gpt-oss"  # sinks, biases, post_attention_norm
+    small = lambda *dims: rng.standard_normal(dims, dtype=np.float32) * 0.02  # noqa: E731
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     for i in range(shape.layers):
         tensors.append((f"blk.{i}.attn_norm.weight", ones(shape.hidden)))
         tensors += [(f"blk.{i}.{k}.weight", None) for k in ("attn_q", "attn_k", "attn_v", "attn_output")]
+        if gpt_oss:
+            tensors += [(f"blk.{i}.attn_{k}.bias", small(n)) for k, n in (("q", q), ("k", kv), ("v", kv),
+                                                                          ("output", shape.hidden))]
+            tensors.append((f"blk.{i}.attn_sinks.weight", small(shape.heads)))
         if q_norm:
             tensors += [(f"blk.{i}.attn_q_norm.weight", ones(q_norm)), (f"blk.{i}.attn_k_norm.weight", ones(k_norm))]
-        tensors.append((f"blk.{i}.ffn_norm.weight", ones(shape.hidden)))
+        tensors.append((f"blk.{i}.{'post_attention_norm' if gpt_oss else 'ffn_norm'}.weight", ones(shape.hidden)))
         if shape.experts:
             router = rng.standard_normal((shape.experts, shape.hidden), dtype=np.float32) * 0.05
             tensors.append((f"blk.{i}.ffn_gate_inp.weight", router))
         tensors += [(f"blk.{i}.{k}.weight", None) for k in ffn]
+        if gpt_oss:
+            tensors.append((f"blk.{i}.ffn_gate_inp.bias", small(shape.experts)))
+            tensors += [(f"blk.{i}.{k}.bias", small(shape.experts, shape.hidden if k == ffn[2] else shape.ffn))
+                        for k in ffn]
     tensors.append(("output_norm.weight", ones(shape.hidden)))
     if shape.experts:
         tensors.append(("output.weight", None))
@@ -453,7 +482,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "kvserve-model-sizes"),
                    help="where the GGUFs are written (never the repository); existing files are reused")
     p.add_argument("--sizes", type=_csv(str), default=["1b", "3b"], help=f"comma-separated, of {tuple(SHAPES)}")
-    p.add_argument("--formats", type=_csv(str), default=list(FORMATS), help=f"comma-separated, of {tuple(FORMATS)}")
+    p.add_argument("--formats", type=_csv(str), default=["q4_0", "q4_k_m", "q8_0"],
+                   help=f"comma-separated, of {tuple(FORMATS)} (mxfp4: mixture-of-experts sizes only)")
     p.add_argument("--measure", type=_csv(str), default=["decode", "prefill", "throughput"],
                    help="comma-separated, of decode, prefill, throughput")
     p.add_argument("--engines", type=_csv(str), default=["kvserve", "llama.cpp"], help="comma-separated")
@@ -482,6 +512,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = [v for v in vals if v not in allowed]
         if bad:
             p.error(f"{name}: unknown {bad}; allowed: {', '.join(allowed)}")
+    dense = [size for size in args.sizes if not SHAPES[size].experts]
+    if "mxfp4" in args.formats and dense:
+        p.error(f"--formats mxfp4 is for mixture-of-experts sizes (MXFP4 experts); not {dense}")
     if min(args.prompt_tokens, args.decode_tokens, args.prefill_tokens, args.rounds) < 1 or args.decode_tokens < 2:
         p.error("--prompt-tokens, --prefill-tokens and --rounds must be >= 1, --decode-tokens >= 2")
     if args.concurrency and min(args.concurrency) < 1:

@@ -67,7 +67,8 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: object, scale: float,
-                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal attention of the batch's queries over each request's paged K/V (this step's already written).
 
         Args:
@@ -81,6 +82,9 @@ class AttentionBackend(abc.ABC):
                 keys up to ``p``.
             logit_softcap: each score ``s`` (after ``scale``) becomes ``logit_softcap * tanh(s / logit_softcap)``
                 before the masked softmax (Gemma 2's ``attn_logit_softcapping``); ``None``: no capping.
+            sinks: ``[H_q]`` float32, each query head's attention-sink logit: one more term in every row's softmax
+                denominator (and its maximum) that weighs no value (gpt-oss; ``transformers``'
+                ``GptOssAttention.sinks``); ``None``: none.
 
         Returns:
             ``[T, H_q, D]``, the dtype of ``q``. Query ``i`` of a request with ``q_len`` queries and ``seq_len``
@@ -94,7 +98,7 @@ class AttentionBackend(abc.ABC):
     def forward_qkv(self, qkv: torch.Tensor, num_heads: int, kv_cache: torch.Tensor, meta: object,
                     rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float,
                     out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
-                    logit_softcap: Optional[float] = None) -> torch.Tensor:
+                    logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One layer's attention from its fused Q/K/V projection: RoPE on the queries and keys, ``write_kv``, then
         ``forward``. This default runs them as PyTorch ops; a backend may fuse them.
 
@@ -109,7 +113,7 @@ class AttentionBackend(abc.ABC):
             scale: softmax scale.
             out: a ``[T, H_q * D]`` buffer the result may be written into (a backend that can, does); ``None``: a
                 new tensor.
-            sliding_window, logit_softcap: the layer's mask and score cap, as ``forward``'s.
+            sliding_window, logit_softcap, sinks: the layer's mask, score cap and sinks, as ``forward``'s.
 
         Returns:
             ``[T, H_q * D]``, as ``forward``'s output with the heads flattened.
@@ -117,5 +121,5 @@ class AttentionBackend(abc.ABC):
         h_kv, d = kv_cache.shape[-2], head_dim(kv_cache)
         qk = apply_rotary(qkv[:, : (num_heads + h_kv) * d].view(-1, num_heads + h_kv, d), *rope)  # q and k at once
         self.write_kv(kv_cache, qk[:, num_heads:], qkv[:, (num_heads + h_kv) * d :].view(-1, h_kv, d), batch)
-        return self.forward(qk[:, :num_heads], kv_cache, meta, scale, sliding_window,
-                            logit_softcap).reshape(-1, num_heads * d)
+        return self.forward(qk[:, :num_heads], kv_cache, meta, scale, sliding_window, logit_softcap,
+                            sinks).reshape(-1, num_heads * d)

@@ -35,7 +35,8 @@ class CPUAttentionMetadata(AttentionMetadata):
     Attributes:
         kernel: the step's requests, read in place by the kernel:
             ``(block_tables [b, max_blocks], q_start [b], q_len [b], seq_len [b])`` int64 contiguous.
-        fused: ``(num_heads, scale, kv dtype, sliding window, soft-cap) -> (rope, cpu_kernels.RopeWriteAttend)``:
+        fused: ``(num_heads, scale, kv dtype, sliding window, soft-cap, sinks or not) -> (rope,
+            cpu_kernels.RopeWriteAttend)``:
             the kernel's arguments that are the same for every layer of the step with those settings (a model with
             local and global layers has two), resolved by the first such ``forward_qkv`` and reused by the others.
     """
@@ -71,11 +72,12 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
         return CPUAttentionMetadata(groups=[], kernel=kernel, whole_step_in_kernel=True)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CPUAttentionMetadata, scale: float,
-                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         check_mask(sliding_window, logit_softcap)
         out = torch.empty_like(q)
         if not cpu_kernels.paged_attention(q, kv_cache, *meta.kernel, scale, out, self.isa, sliding_window,
-                                           logit_softcap):
+                                           logit_softcap, sinks):
             raise RuntimeError(f"the paged-attention kernel refused q {list(q.shape)} {q.dtype} over a "
                                f"{kv_cache.dtype} cache, or could not allocate its scratch memory")
         return out
@@ -83,20 +85,21 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
     def forward_qkv(self, qkv: torch.Tensor, num_heads: int, kv_cache: torch.Tensor, meta: CPUAttentionMetadata,
                     rope: tuple[torch.Tensor, torch.Tensor], batch: InputBatch, scale: float,
                     out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
-                    logit_softcap: Optional[float] = None) -> torch.Tensor:
-        key = (num_heads, scale, kv_cache.dtype, sliding_window, logit_softcap)
+                    logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        key = (num_heads, scale, kv_cache.dtype, sliding_window, logit_softcap, sinks is not None)
         fused = meta.fused.get(key)
         if fused is None or fused[0] is not rope:
             check_mask(sliding_window, logit_softcap)
             plan = cpu_kernels.RopeWriteAttend(num_heads, kv_cache.shape, kv_cache.dtype, *rope, batch.slot_mapping,
-                                               meta.kernel, scale, self.isa, sliding_window, logit_softcap)
+                                               meta.kernel, scale, self.isa, sliding_window, logit_softcap,
+                                               sinks is not None)
             fused = meta.fused[key] = (rope, plan)
-        res = fused[1](qkv, kv_cache, out)
+        res = fused[1](qkv, kv_cache, out, sinks)
         if res is None:
             raise ValueError(f"the fused attention kernel cannot take qkv {list(qkv.shape)} {qkv.dtype} over a "
                              f"{list(kv_cache.shape)} {kv_cache.dtype} cache (head width not a multiple of "
-                             f"{cpu_kernels.ATTENTION_ISAS[self.isa]}, or another dtype: such a model gets another "
-                             f"backend, for_head_dim)")
+                             f"{cpu_kernels.ATTENTION_ISAS[self.isa]}, or another dtype, or sinks not [H_q] float32: "
+                             f"such a model gets another backend, for_head_dim)")
         out, done = res
         if not done:
             raise MemoryError("the fused attention kernel could not allocate its scratch memory")

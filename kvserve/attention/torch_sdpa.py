@@ -148,23 +148,26 @@ class TorchSDPABackend(AttentionBackend):
         return build_groups(batch)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         check_mask(sliding_window, logit_softcap)
         out = torch.empty_like(q)
         for g in meta.groups:
-            sdpa_group(q, kv_cache, g, scale, out, sliding_window, logit_softcap)
+            sdpa_group(q, kv_cache, g, scale, out, sliding_window, logit_softcap, sinks)
         return out
 
 
 def sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale: float, out: torch.Tensor,
-               sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> None:
+               sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+               sinks: Optional[torch.Tensor] = None) -> None:
     """One group: gather its blocks into a padded copy, one SDPA call, scatter the real rows into ``out``.
 
     ``q``: ``[T, H_q, D]`` (rows may be strided); ``kv_cache``: one layer's ``[2, num_blocks, block_size, H_kv, D]``
     (any pool dtype, int8's rows ``D + 2``: read as ``q``'s, ``kv_layout.to_float``);
     ``out``: ``[T, H_q, D]``, only the group's rows are written. ``sliding_window`` narrows the mask
     (``window_mask``); with ``logit_softcap`` the scores are computed, capped (``c * tanh(s / c)``, Gemma 2) and
-    softmaxed as PyTorch ops (SDPA has no cap)."""
+    softmaxed as PyTorch ops (SDPA has no cap); so are they with ``sinks`` (``[H_q]``: each head's sink logit joins
+    the softmax as one more column, then is dropped, as ``transformers``' ``GptOssAttention``)."""
     h_q, d = q.shape[1:]
     h_kv = kv_cache.shape[-2]
     b, q_max = g.query_index.shape
@@ -177,10 +180,17 @@ def sdpa_group(q: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup, scale
     # the gathered copy)
     k = to_float(kv_cache[0].index_select(0, g.block_tables), q.dtype).view(b, -1, h_kv, d).transpose(1, 2)
     v = to_float(kv_cache[1].index_select(0, g.block_tables), q.dtype).view(b, -1, h_kv, d).transpose(1, 2)
-    if logit_softcap is not None:
+    if logit_softcap is not None or sinks is not None:
         k, v = (x.repeat_interleave(h_q // h_kv, 1) for x in (k, v))
-        s = torch.tanh((qg @ k.transpose(2, 3)) * scale / logit_softcap) * logit_softcap
-        o = s.masked_fill(~window_mask(g, sliding_window), float("-inf")).softmax(-1) @ v
+        s = (qg @ k.transpose(2, 3)) * scale
+        if logit_softcap is not None:
+            s = torch.tanh(s / logit_softcap) * logit_softcap
+        s = s.masked_fill(~window_mask(g, sliding_window), float("-inf"))
+        if sinks is None:
+            o = s.softmax(-1) @ v
+        else:
+            sink = sinks.to(s.dtype).view(1, h_q, 1, 1).expand(b, h_q, q_max, 1)
+            o = torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1] @ v
     elif g.is_causal and sliding_window is None:  # row i sees keys 0..i (top-left); padded rows' outputs discarded
         o = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=scale, enable_gqa=h_q != h_kv)
     else:

@@ -74,7 +74,7 @@ def load():
             for suffix in (f"{t}_{i}" for t in KV_SUFFIX.values() for i in ATTENTION_ISAS):
                 attend = getattr(lib, "kvserve_paged_attention_" + suffix)
                 attend.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [
-                    ctypes.c_float, ptr, i64, i64, ctypes.c_float]  # ..., scale, out, out_stride, window, softcap
+                    ctypes.c_float, ptr, i64, i64, ctypes.c_float, ptr]  # scale, out, stride, window, softcap, sinks
                 attend.restype = ctypes.c_int
                 head = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 5 + [
                     ctypes.c_float, ptr, i64]
@@ -82,6 +82,8 @@ def load():
                 fused.argtypes, fused.restype = head, ctypes.c_int
                 fused_sw = getattr(lib, "kvserve_rope_write_attend_sw_" + suffix)
                 fused_sw.argtypes, fused_sw.restype = head + [i64, ctypes.c_float], ctypes.c_int
+                fused_sink = getattr(lib, "kvserve_rope_write_attend_sink_" + suffix)
+                fused_sink.argtypes, fused_sink.restype = head + [i64, ctypes.c_float, ptr], ctypes.c_int
             lib.kvserve_rms_norm_f32.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
             lib.kvserve_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
             lib.kvserve_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
@@ -102,12 +104,15 @@ def attention_isa(cpu_isa: str = "auto") -> str:
     return "avx512"
 
 
-def attention_fn(kv_dtype: torch.dtype, isa: str, fused: bool = True, windowed: bool = False):
+def attention_fn(kv_dtype: torch.dtype, isa: str, fused: bool = True, windowed: bool = False,
+                 sinks: bool = False):
     """The library's ``kvserve_rope_write_attend_<type>_<isa>`` (``fused``; ``..._sw_...`` with ``windowed``: it
-    takes a sliding window and a soft-cap after the others) or ``kvserve_paged_attention_<...>`` function for a
+    takes a sliding window and a soft-cap after the others; ``..._sink_...`` with ``sinks``: those and a pointer to
+    the per-head sink logits) or ``kvserve_paged_attention_<...>`` function (window, soft-cap, sinks last) for a
     cache of ``kv_dtype`` (a key of ``KV_SUFFIX``) and an ``ATTENTION_ISAS`` build."""
-    name = ("kvserve_rope_write_attend_sw_" if windowed else "kvserve_rope_write_attend_") if fused else \
-        "kvserve_paged_attention_"
+    fused_name = ("kvserve_rope_write_attend_sink_" if sinks else "kvserve_rope_write_attend_sw_" if windowed
+                  else "kvserve_rope_write_attend_")
+    name = fused_name if fused else "kvserve_paged_attention_"
     return getattr(_lib, f"{name}{KV_SUFFIX[kv_dtype]}_{isa}")
 
 
@@ -149,7 +154,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tens
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, q_start: torch.Tensor,
                     q_len: torch.Tensor, seq_len: torch.Tensor, scale: float, out: torch.Tensor,
                     isa: str = "avx2", sliding_window: Optional[int] = None,
-                    logit_softcap: Optional[float] = None) -> bool:
+                    logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> bool:
     """Causal attention of B requests' query rows over their paged K/V, written into ``out`` (``paged_attention.c``:
     each row's result depends only on its query and the keys and values in its window up to its position, never on
     the other rows, the batch or the thread count).
@@ -167,24 +172,33 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             meaning); ``None``: every key up to ``p``.
         logit_softcap: scores ``s`` become ``logit_softcap * tanh(s / logit_softcap)`` before the softmax (Gemma 2);
             ``None``: no cap.
+        sinks: ``[H_q]`` float32 contiguous: each query head's attention-sink logit, one more term of every row's
+            softmax denominator that weighs no value (gpt-oss); ``None``: none.
 
     Returns:
         ``False`` (nothing written) when the kernel cannot take these tensors (dtype, layout, D not a multiple of
-        ``ATTENTION_ISAS[isa]``) or could not allocate scratch memory.
+        ``ATTENTION_ISAS[isa]``, sinks not ``[H_q]`` float32 contiguous) or could not allocate scratch memory.
     """
     t, h_q, d = q.shape
     _, _, bs, h_kv, row = kv_cache.shape
     if (q.dtype != torch.float32 or kv_cache.dtype not in KV_SUFFIX or not kv_cache.is_contiguous()
             or row != d + KV_SCALE_BYTES.get(kv_cache.dtype, 0)
             or d % ATTENTION_ISAS[isa] or h_q % h_kv or q.stride(2) != 1 or q.stride(1) != d
-            or not out.is_contiguous()):
+            or not out.is_contiguous() or not _sinks_ok(sinks, h_q)):
         return False
     b, max_blocks = block_tables.shape
     rc = attention_fn(kv_cache.dtype, isa, fused=False)(
         q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
         max_blocks, q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), b, h_q, h_kv, d, bs, scale,
-        out.data_ptr(), out.stride(0), *mask_args(sliding_window, logit_softcap))
+        out.data_ptr(), out.stride(0), *mask_args(sliding_window, logit_softcap),
+        None if sinks is None else sinks.data_ptr())
     return rc == 0
+
+
+def _sinks_ok(sinks: Optional[torch.Tensor], num_heads: int) -> bool:
+    """Whether ``sinks`` is ``None`` or the kernels' ``[num_heads]`` float32 contiguous per-head logits."""
+    return sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()
+                             and tuple(sinks.shape) == (num_heads,))
 
 
 def mask_args(sliding_window: Optional[int], logit_softcap: Optional[float]) -> tuple[int, float]:
@@ -212,6 +226,7 @@ class RopeWriteAttend:
         scale: softmax scale.
         isa: the kernel's build, a key of ``ATTENTION_ISAS`` this CPU runs (``attention_isa``).
         sliding_window, logit_softcap: as ``paged_attention``'s (the same for every layer that uses this plan).
+        sinks: the layers take attention sinks (``paged_attention``'s; each call passes its layer's).
 
     Attributes:
         ok: whether the kernel can take this step (float32 tables, ``D`` a multiple of the build's width, ...); when
@@ -220,7 +235,7 @@ class RopeWriteAttend:
 
     def __init__(self, num_heads: int, kv_shape: tuple, kv_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,
                  slot_mapping: torch.Tensor, requests: Optional[tuple], scale: float, isa: str = "avx2",
-                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None):
+                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None, sinks: bool = False):
         t = slot_mapping.shape[0]
         _, _, bs, h_kv, row = kv_shape
         d = row - KV_SCALE_BYTES.get(kv_dtype, 0)
@@ -236,21 +251,23 @@ class RopeWriteAttend:
         self._kv_half = kv_shape[1] * bs * h_kv * row * kv_dtype.itemsize  # bytes from a layer's K to its V
         self.isa = isa
         mask = mask_args(sliding_window, logit_softcap)
-        self._fn = attention_fn(kv_dtype, isa, windowed=mask != (0, 0)) if self.ok else None
+        self._fn = attention_fn(kv_dtype, isa, windowed=mask != (0, 0), sinks=sinks) if self.ok else None
         tables, q_start, q_len, seq_len = requests or (slot_mapping,) * 4  # not read without requests
         b, max_blocks = (0, 0) if requests is None else tables.shape
         self._head = (t, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr())
         self._tail = (tables.data_ptr(), max_blocks, q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(), b,
                       num_heads, h_kv, d, bs, scale)
-        self._mask = mask if mask != (0, 0) else ()
+        self._mask = mask if mask != (0, 0) or sinks else ()
+        self._sinks = sinks
 
-    def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor,
-                 out: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, bool]]:
+    def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 sinks: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, bool]]:
         """One layer: ``qkv [T, (H_q + 2 H_kv) * D]`` float32 (rows may be strided, ``stride(1) == 1``; its query
         and key heads are rotated in place), ``kv_cache`` that layer's ``kv_shape`` in ``kv_dtype``, contiguous (its
         keys and values are rounded to ``kv_dtype`` as PyTorch's cast rounds, or quantized as
         ``kv_layout.quantize_int8``); ``out``: an
-        ``[T, H_q * D]`` float32 contiguous tensor to write into (default: a new one).
+        ``[T, H_q * D]`` float32 contiguous tensor to write into (default: a new one); ``sinks``: the layer's
+        ``[H_q]`` float32 contiguous sink logits (a plan made with ``sinks``; ``None``: none).
 
         Returns:
             ``(out, True)``: ``out [T, H_q * D]`` float32 holds the requests' rows (others unwritten); ``(out,
@@ -258,13 +275,15 @@ class RopeWriteAttend:
             another way from the rotated ``qkv``); ``None``: nothing done, the kernel cannot take these tensors.
         """
         if not (self.ok and qkv.dtype == torch.float32 and qkv.shape == self.qkv_shape and qkv.stride(1) == 1
-                and kv_cache.dtype == self.kv_dtype and kv_cache.shape == self.kv_shape and kv_cache.is_contiguous()):
+                and kv_cache.dtype == self.kv_dtype and kv_cache.shape == self.kv_shape and kv_cache.is_contiguous()
+                and (sinks is None or self._sinks) and _sinks_ok(sinks, self.num_heads)):
             return None
         if out is None or not _out_ok(out, self.out_shape):
             out = torch.empty(self.out_shape, dtype=torch.float32)
         k = kv_cache.data_ptr()
         rc = self._fn(qkv.data_ptr(), qkv.stride(0), *self._head, k, k + self._kv_half, *self._tail, out.data_ptr(),
-                      self.out_shape[1], *self._mask)
+                      self.out_shape[1], *self._mask, *((None if sinks is None else sinks.data_ptr(),) if self._sinks
+                                                        else ()))
         return out, rc == 0
 
 

@@ -34,6 +34,8 @@ class MoEArch:
         shared_intermediate_size: the width of a shared expert every token runs (Qwen2-MoE), 0: none.
         sparse_layers: per layer, whether its MLP is the MoE (Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``:
             the others run a dense MLP of ``ModelArch.intermediate_size``).
+        swiglu_alpha, swiglu_limit: the clamped SwiGLU's constants of a family whose experts use it (gpt-oss's
+            ``swiglu_alpha`` / ``swiglu_limit``: ``kvserve.layers.moe.ExpertMLP``).
     """
 
     num_experts: int
@@ -42,6 +44,8 @@ class MoEArch:
     renormalize: bool = False
     shared_intermediate_size: int = 0
     sparse_layers: tuple = ()
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 model's ``DecoderSpec`` (``kvserve.model.layer_spec``): RMSNorm in the spec's placement, RoPE (rotate-half, with
 the family's scaling: ``kvserve.layers.rotary``; per-layer tables, NoPE layers), GQA with per-layer windows and
 soft-caps, Q/K norms, a gated MLP (SwiGLU, or GELU-gated), optional biases on every projection, the family's
-scalars.
+scalars, attention sinks.
 
 One call runs a flat batch mixing whole prompts, prompt chunks and decode tokens (``InputBatch``) and returns
 logits only for the rows that will be sampled. Q/K/V and gate/up projections are fused into one matmul each,
@@ -55,6 +55,7 @@ class DecoderModel:
     Raises:
         ValueError: a Q/K/V bias the spec needs is missing; the config declares an o_proj or MLP bias the weights
             lack, or the weights hold one it does not declare; a norm weight the spec needs is missing (named);
+            attention sinks the spec needs missing or not ``[num_attention_heads]``;
             a tensor-parallel size that does not divide the heads, KV heads, ``intermediate_size`` or
             ``vocab_size``, or tensor parallelism with whole-projection Q/K norms or o_proj / MLP biases.
     """
@@ -125,6 +126,7 @@ class DecoderModel:
                 down_bias=mlp[2] if mlp else None,
                 **{role: norms.get(role) for role in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm")},
                 qk_norm=[norms["q_norm"], norms["k_norm"]] if s.qk_norm != "none" else None,
+                sinks=self._sinks(weights, p) if spec.attention_sinks else None,
             ))
         self.rope_tables = []
         for r in spec.ropes:
@@ -143,8 +145,9 @@ class DecoderModel:
         ``mlp.experts.<e>.{gate,up,down}_proj.weight``, or the experts stacked as ``mlp.experts.{gate,up,down}_proj
         .weight`` (``[E, out, in]``: a 3-D float tensor, or a stacked GGUF ``QuantTensor``: each expert a view of
         its blocks); with ``spec.shared_expert``, ``mlp.shared_expert.{gate,up,down}_proj.weight`` and
-        ``mlp.shared_expert_gate.weight`` ``[1, hidden]``. Family modules rename their checkpoints' tensors into
-        these names.
+        ``mlp.shared_expert_gate.weight`` ``[1, hidden]``; with ``spec.expert_bias`` (gpt-oss), ``mlp.gate.bias``
+        ``[E]`` and ``mlp.experts.{gate,up,down}_proj.bias`` ``[E, out]``. Family modules rename their
+        checkpoints' tensors into these names.
 
         Raises:
             ValueError: a tensor missing (named)."""
@@ -162,10 +165,16 @@ class DecoderModel:
             w = get(f"{p}mlp.experts.{kind}_proj.weight")
             return w.expert(e) if hasattr(w, "expert") else w[e]
 
-        def mlp(prefix, gate, up, down):
-            return ExpertMLP(column([gate, up], what=prefix + "gate_up_proj"), row(down, what=prefix + "down_proj"))
+        def bias(kind, e):  # gpt-oss: each expert's biases, stacked [E, out]
+            return get(f"{p}mlp.experts.{kind}_proj.bias")[e].float() if spec.expert_bias else None
 
-        experts = [mlp(f"{p}mlp.experts.{e}.", expert("gate", e), expert("up", e), expert("down", e))
+        def mlp(prefix, gate, up, down, e=None):
+            gate_up_bias = None if e is None or not spec.expert_bias else torch.cat([bias("gate", e), bias("up", e)])
+            return ExpertMLP(column([gate, up], what=prefix + "gate_up_proj"), row(down, what=prefix + "down_proj"),
+                             spec.expert_activation if e is not None else "silu", gate_up_bias,
+                             None if e is None else bias("down", e), spec.expert_alpha, spec.expert_limit)
+
+        experts = [mlp(f"{p}mlp.experts.{e}.", expert("gate", e), expert("up", e), expert("down", e), e)
                    for e in range(spec.router.num_experts)]
         shared = gate = None
         if spec.shared_expert:
@@ -174,7 +183,22 @@ class DecoderModel:
             g = get(p + "mlp.shared_expert_gate.weight")
             gate = column([g.reshape(1, -1) if g.dim() == 1 else g], what=p + "shared_expert_gate")
         router = column([get(p + "mlp.gate.weight")], what=p + "router")
-        return MoE(router, spec.router, experts, shared_expert=shared, shared_gate=gate)
+        router_bias = get(p + "mlp.gate.bias").float() if spec.expert_bias else None
+        return MoE(router, spec.router, experts, router_bias=router_bias, shared_expert=shared, shared_gate=gate)
+
+    def _sinks(self, weights: dict, p: str) -> torch.Tensor:
+        """The attention-sink logits ``self_attn.sinks`` ``[H_q]`` of the layer with prefix ``p``, float32
+        contiguous (gpt-oss).
+
+        Raises:
+            ValueError: missing, or not one per attention head."""
+        name = p + "self_attn.sinks"
+        if name not in weights:
+            raise ValueError(f"{self.arch.architecture} needs {name}; missing")
+        sinks = weights[name].float().contiguous()
+        if tuple(sinks.shape) != (self.arch.num_attention_heads,):
+            raise ValueError(f"{name} must be [{self.arch.num_attention_heads}], got {list(sinks.shape)}")
+        return sinks
 
     def _norm_names(self, s) -> dict:
         """role -> weight name (after the layer prefix) of the norms layer spec ``s`` reads."""
@@ -319,7 +343,7 @@ class DecoderModel:
                 qkv = self._qk_norm(qkv, s.qk_norm, *w["qk_norm"])
             r = len(ropes) - 1 if s.rope is None else s.rope
             attn = self.attn.forward_qkv(qkv, n_q, caches[i], metas[r], ropes[r], batch, scale, attn_buf,
-                                         sliding_window=s.window, logit_softcap=s.attn_softcap)
+                                         sliding_window=s.window, logit_softcap=s.attn_softcap, sinks=w["sinks"])
             o = self._sublayer_out(w["o"](attn), w["o_bias"], res, w["post_attn_norm"])
             if s.pre_norms:
                 h, x = self._add_norm(h, o, w["mlp_norm"], x_buf)

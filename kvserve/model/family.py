@@ -29,6 +29,9 @@ class Family:
         gguf_permuted_qk: the GGUF architectures whose Q/K rows llama.cpp's converter permutes for its
             interleaved RoPE (its rope type "norm"), unpermuted at load.
         experts: a mixture-of-experts family's routing rules (``Experts``); ``None``: a dense family.
+        gguf_window_pattern: llama.cpp ``general.architecture`` -> ``n``: its ``<arch>.attention.sliding_window``
+            covers every layer but each ``n``-th (llama.cpp's fixed pattern, no GGUF key: layer ``i`` is windowed
+            when ``(i + 1) % n``), read instead of refused.
     """
 
     model: type
@@ -37,6 +40,7 @@ class Family:
     gguf_layer_names: dict = field(default_factory=dict)
     gguf_permuted_qk: tuple = ()
     experts: Optional["Experts"] = None
+    gguf_window_pattern: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = {g: a for g, a in self.gguf_architectures.items() if a not in self.config_fields}

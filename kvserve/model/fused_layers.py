@@ -5,7 +5,7 @@ eight calls into C per layer, each with its checks, a new output tensor and a ``
 it (measured: docs/performance.md, "Decode step breakdown"). ``FusedLayerLoop`` hands the loop to C, which runs
 the model's ``DecoderSpec`` (``kvserve.model.layer_spec``) as the Python loop (``kvserve.model.decoder``) interprets
 it: per layer the same kernels in the same order (quantized Q/K/V projection and its bias, the Q/K norms, RoPE of
-the layer's table + K/V write + paged attention with the layer's window and soft-cap, output projection, bias,
+the layer's table + K/V write + paged attention with the layer's window, soft-cap and sinks, output projection, bias,
 residual multiplier, post-norm, residual add + RMSNorm, gate/up, the activation, down, residual add + the next
 RMSNorm; after the last layer, the model's final RMSNorm), so the residual stream it leaves and the normed rows it
 returns equal the Python loop's and the final norm of its rows bit for bit (``tests/model/test_fused_layers.py``,
@@ -58,7 +58,7 @@ class _Layer(ctypes.Structure):
                 ("post_mlp_norm", _ptr), ("qk_norm", _i64), ("q_norm", _ptr), ("k_norm", _ptr), ("rope", _i64),
                 ("window", _i64), ("softcap", _f32), ("qkv_bias", _ptr), ("o_bias", _ptr), ("gate_up_bias", _ptr),
                 ("down_bias", _ptr), ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight),
-                ("mlp", _ptr), ("qkv_rest", _QWeight * 2)]
+                ("mlp", _ptr), ("qkv_rest", _QWeight * 2), ("sinks", _ptr)]
 
 
 class _Stack(ctypes.Structure):
@@ -265,13 +265,14 @@ class FusedLayerLoop:
                 model.layers[i + 1]["attn_norm"] if spec.layers[i + 1].pre_norms else None)
             q_norm, k_norm = w["qk_norm"] or (None, None)
             tensors = [w["mlp_norm"], nxt, w["post_attn_norm"], w["post_mlp_norm"], q_norm, k_norm, w["qkv_bias"],
-                       w["o_bias"], w["gate_up_bias"], w["down_bias"]]
+                       w["o_bias"], w["gate_up_bias"], w["down_bias"], w["sinks"]]
             if not all(map(_readable, tensors)):
-                return no(f"layer {i}: a norm or bias not float32 contiguous")
+                return no(f"layer {i}: a norm, bias or sink not float32 contiguous")
             layers[i] = _Layer(s.pre_norms, *map(_addr, tensors[:4]), _QK_NORMS[s.qk_norm], _addr(q_norm),
                                _addr(k_norm), num_ropes - 1 if s.rope is None else s.rope, s.window or 0,
-                               s.attn_softcap or 0.0, *map(_addr, tensors[6:]), qkv[0], *parts,
-                               _address(moe.fn) if w["moe"] is not None else None, (_QWeight * 2)(*qkv[1:]))
+                               s.attn_softcap or 0.0, *map(_addr, tensors[6:10]), qkv[0], *parts,
+                               _address(moe.fn) if w["moe"] is not None else None, (_QWeight * 2)(*qkv[1:]),
+                               _addr(w["sinks"]))
         if len(acts) != 1:
             return no(f"mixed kernel paths or activation quantizations {sorted(acts)}")
         isa, act = acts.pop()
@@ -282,7 +283,7 @@ class FusedLayerLoop:
         stack = _Stack(n, hidden, model.num_heads, model.num_kv_heads, d, inter, a.rms_norm_eps,
                        spec.attention_scale, spec.residual_multiplier, qkernels.ISAS[isa], qkernels.ACTIVATIONS[act],
                        _addr(norm0), ctypes.addressof(layers), _address(cpu.kvserve_rms_norm_f32),
-                       (_ptr * 3)(*(_address(cpu_kernels.attention_fn(dt, attn_isa, windowed=True))
+                       (_ptr * 3)(*(_address(cpu_kernels.attention_fn(dt, attn_isa, sinks=True))
                                     for dt in _KV_DTYPES)),
                        _address(cpu.kvserve_add_rms_norm_f32),
                        _address(cpu.kvserve_silu_mul_f32 if torch_act is None else torch_act.fn))

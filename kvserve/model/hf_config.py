@@ -19,11 +19,11 @@ from kvserve.model.registry import FAMILY_FIELDS, FAMILY_OF
 #: Mixture-of-experts architectures (Hugging Face names) kvserve does not run, refused as such (``check_not_moe``):
 #: DeepSeek's multi-head latent attention, hybrid linear-attention / state-space models (Jamba, Qwen3-Next,
 #: Granite-MoE-Hybrid), DBRX's clipped fused QKV and its own expert layout, Llama 4's interleaved chunked attention,
-#: PhiMoE's sparsemixer router, Granite-MoE with a shared expert, gpt-oss (attention sinks; not wired yet), and the
-#: rest. The MoE families kvserve runs are registry families (``family.Experts``).
+#: PhiMoE's sparsemixer router, Granite-MoE with a shared expert, and the rest. The MoE families kvserve runs are
+#: registry families (``family.Experts``).
 MOE_ARCHITECTURES = ("PhimoeForCausalLM", "PhiMoEForCausalLM", "GraniteMoeSharedForCausalLM",
                      "GraniteMoeHybridForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                     "DbrxForCausalLM", "JambaForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",
+                     "DbrxForCausalLM", "JambaForCausalLM", "Llama4ForCausalLM",
                      "Llama4ForConditionalGeneration", "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM",
                      "Qwen3NextForCausalLM")
 #: ``transformers``' defaults for the Gemma fields a config.json may leave out (they differ from Llama's).
@@ -90,7 +90,8 @@ def check_not_moe(architectures, where: str) -> None:
     moe = [a for a in architectures or () if a in MOE_ARCHITECTURES]
     if moe:
         raise ValueError(f"unsupported architecture {moe[0]!r} in {where}: this mixture-of-experts model is not "
-                         f"supported (supported MoE families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE)")
+                         f"supported (supported MoE families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE, "
+                         f"gpt-oss)")
 
 
 def parse_rope(cfg: dict, where: str, architecture: str = "") -> tuple[float, Optional[RopeScaling]]:
@@ -248,7 +249,9 @@ def _moe(cfg: dict, architecture: str, where: str):
     n, step = cfg["num_hidden_layers"], int(cfg.get("decoder_sparse_step") or 1)
     dense = set(cfg.get("mlp_only_layers") or ())
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
-    return MoEArch(num_experts=experts, top_k=top_k,
+    swiglu = {k: float(cfg[k]) for k in ("swiglu_alpha", "swiglu_limit")
+              if k in FAMILY_FIELDS[architecture] and cfg.get(k) is not None}
+    return MoEArch(num_experts=experts, top_k=top_k, **swiglu,
                    intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                    renormalize=(rules.renormalize if rules.renormalize is not None
                                 else bool(cfg.get("norm_topk_prob", False))),
@@ -261,14 +264,23 @@ def _window(cfg: dict, architecture: str) -> dict:
     """``ModelArch``'s ``sliding_window`` and ``layer_types`` as transformers reads them: Mistral windows every layer
     (transformers ignores a Mistral's ``layer_types``; ``check_fields`` refuses one that is not all full); Qwen2/3
     only with ``use_sliding_window``, on the layers of ``layer_types``, by default those with index
-    ``>= max_window_layers`` (default 28); other families: no window (``check_fields`` refused one; Gemma's
-    windows are read by ``_gemma_fields``)."""
+    ``>= max_window_layers`` (default 28); gpt-oss on the layers of ``layer_types`` (default: every other one from
+    the first); other families: no window (``check_fields`` refused one; Gemma's windows are read by
+    ``_gemma_fields``)."""
     window, fields = cfg.get("sliding_window"), FAMILY_FIELDS[architecture]
     if architecture == "Phi3ForCausalLM":  # every layer, as Mistral; a window covering the whole context is none
         covers = window is None or window >= cfg.get("max_position_embeddings", 2048)
         return {} if covers else {"sliding_window": window}
     if "sliding_window" in fields and not {"use_sliding_window", "layer_types"} & set(fields):
         return {"sliding_window": window}  # Mistral, Mixtral: every layer
+    if {"sliding_window", "layer_types"} <= set(fields) and not (
+            "use_sliding_window" in fields or architecture in _GEMMA_DEFAULTS):
+        # gpt-oss: the layers of layer_types, by default every other one from the first (transformers' default)
+        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                           for i in range(cfg["num_hidden_layers"])]
+        if not window or "sliding_attention" not in types:
+            return {}
+        return {"sliding_window": int(window), "layer_types": tuple(types)}
     if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not (cfg.get("use_sliding_window") and window):
         return {}
     n, first = cfg["num_hidden_layers"], cfg.get("max_window_layers", 28)

@@ -9,7 +9,7 @@ One layer, in the order both loops run it (``h``: the residual stream, ``x``: th
 
     x    = norm(h, attn_norm)                      norms "pre" / "both"; "post": x = h
     qkv  = x W_qkv (+ b_qkv); Q/K norm             qk_norm: "none" / "head" (per head, [D]) / "proj" ([H D])
-    a    = attention(RoPE(qkv))                    rope table rope (None: NoPE), window, attn_softcap
+    a    = attention(RoPE(qkv))                    rope table rope (None: NoPE), window, attn_softcap, sinks
     d    = a W_o (+ b_o) (* residual_multiplier)
     d    = norm(d, post_attn_norm)                 norms "post" / "both"
     h   += d;  x = norm(h, mlp_norm)               norms "pre" / "both"; "post": x = h
@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from kvserve.layers.moe import RouterSpec
+from kvserve.layers.moe import ACTIVATIONS as EXPERT_ACTIVATIONS, RouterSpec
 from kvserve.layers.rotary import RopeScaling
 from kvserve.model.base import HIDDEN_ACTS
 
@@ -112,6 +112,11 @@ class DecoderSpec:
         router: the router of the ``"moe"`` layers (``kvserve.layers.moe.RouterSpec``); ``None`` when none is.
         shared_expert: the ``"moe"`` layers add a shared expert times ``sigmoid(shared_expert_gate(x))``
             (Qwen2-MoE).
+        attention_sinks: every layer's attention has a learned sink logit per query head in its softmax
+            denominator (gpt-oss: ``self_attn.sinks`` ``[H_q]``; ``AttentionBackend.forward``'s ``sinks``).
+        expert_activation: the experts' activation, one of ``kvserve.layers.moe.ACTIVATIONS`` (gpt-oss:
+            ``"swiglu_oai"`` with ``expert_alpha`` and ``expert_limit``).
+        expert_bias: the router and the experts' projections carry biases (gpt-oss).
     """
 
     layers: tuple
@@ -129,10 +134,18 @@ class DecoderSpec:
     mlp_bias: bool = False
     router: Optional[RouterSpec] = None
     shared_expert: bool = False
+    attention_sinks: bool = False
+    expert_activation: str = "silu"
+    expert_alpha: float = 1.702
+    expert_limit: float = 7.0
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"DecoderSpec.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"DecoderSpec.expert_activation must be one of {EXPERT_ACTIVATIONS}, got "
+                             f"{self.expert_activation!r}")
         bad = [i for i, s in enumerate(self.layers) if s.rope is not None and not 0 <= s.rope < len(self.ropes)]
         if bad:
             raise ValueError(f"layers {bad} name a RoPE table outside the {len(self.ropes)} of the spec")

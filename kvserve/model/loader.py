@@ -39,14 +39,14 @@ from kvserve.quant.formats import QUANTIZED_TYPES
 from kvserve.quant.gguf_io import QuantTensor, rope_unpermute_index
 from kvserve.model import family
 from kvserve.model.registry import (FAMILY_FIELDS, FAMILY_OF, GGUF_ARCHITECTURES, GGUF_EXPERTS, GGUF_PERMUTED_QK,
-                                     SUPPORTED_ARCHITECTURES)
+                                     GGUF_WINDOW_PATTERNS, SUPPORTED_ARCHITECTURES)
 from kvserve.model.weight_cache import WeightCache, atomic_write, read_gguf_cached, return_free_heap, source_sha256
 
 logger = logging.getLogger(__name__)
 
 #: llama.cpp's mixture-of-experts architectures kvserve does not run, refused as such (as is any file with
 #: ``<arch>.expert_count`` outside ``registry.GGUF_EXPERTS``).
-GGUF_MOE_ARCHITECTURES = ("phimoe", "deepseek2", "dbrx", "llama4", "gpt-oss", "arctic",
+GGUF_MOE_ARCHITECTURES = ("phimoe", "deepseek2", "dbrx", "llama4", "arctic",
                           "grok", "ernie4_5-moe", "hunyuan-moe", "bailingmoe", "qwen3next")
 #: llama.cpp's SmolLM3: every 4th layer applies no RoPE (a constant in llama.cpp, no GGUF key; Hugging Face's
 #: default ``no_rope_layer_interval``).
@@ -335,12 +335,21 @@ def _gguf_moe(field, a: str, tensors: dict, where: str):
                    shared_intermediate_size=0 if shared is None else int(shared.shape[0]), sparse_layers=sparse)
 
 
-def _gguf_window(field, a: str) -> Optional[int]:
-    """Every layer's attention window (tokens) from ``<arch>.attention.sliding_window`` for the architectures in
-    ``_GGUF_WINDOWED``; ``None`` for 0, for a window that covers ``context_length`` (no token is ever outside it),
-    and for the other architectures (their window keys are read or refused elsewhere)."""
-    window = int(field(f"{a}.attention.sliding_window", 0) or 0) if a in _GGUF_WINDOWED else 0
-    return window if 0 < window < int(field(f"{a}.context_length")) else None
+def _gguf_window(field, a: str) -> dict:
+    """``ModelArch``'s ``sliding_window`` (and ``layer_types``) from ``<arch>.attention.sliding_window``: every layer
+    for the architectures in ``_GGUF_WINDOWED``, all but each ``n``-th for those of ``GGUF_WINDOW_PATTERNS``
+    (gpt-oss); none for 0, for a window that covers ``context_length`` (no token is ever outside it), and for the
+    other architectures (their window keys are read or refused elsewhere)."""
+    windowed = a in _GGUF_WINDOWED or a in GGUF_WINDOW_PATTERNS
+    window = int(field(f"{a}.attention.sliding_window", 0) or 0) if windowed else 0
+    if not 0 < window < int(field(f"{a}.context_length")):
+        return {"sliding_window": None}
+    if a not in GGUF_WINDOW_PATTERNS:
+        return {"sliding_window": window}
+    n = GGUF_WINDOW_PATTERNS[a]
+    layers = int(field(f"{a}.block_count"))
+    types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
+    return {"sliding_window": window, "layer_types": types}
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -381,7 +390,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     granite = "embedding_multiplier" in FAMILY_FIELDS[architecture]  # Granite's scalars (Granite, Granite-MoE)
     for key, off in _GGUF_OFF_KEYS.items():
         if (granite and key in _GGUF_GRANITE_KEYS) \
-                or (a in _GGUF_WINDOWED and key == "attention.sliding_window") \
+                or (a in _GGUF_WINDOWED + tuple(GGUF_WINDOW_PATTERNS) and key == "attention.sliding_window") \
                 or key in _GGUF_GEMMA.get(a, ({},))[0] or (experts and key == "expert_count"):
             continue
         if field(f"{a}.{key}") not in off:
@@ -429,7 +438,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         qk_norm=has("attn_q_norm", "weight") and a != "olmo2",  # OLMo 2's span the projection (its own model)
         no_rope_layers=(tuple(int((i + 1) % _GGUF_SMOLLM3_NOPE_STEP != 0) for i in range(int(field(f"{a}.block_count"))))
                         if a == "smollm3" else None),
-        **{"sliding_window": _gguf_window(field, a), **extra},  # (Gemma's windows come in extra)
+        **{**_gguf_window(field, a), **extra},  # (Gemma's windows come in extra)
     )
 
     weights, widened = {}, {}
@@ -506,8 +515,9 @@ def _gguf_tokenizer(path: Path, source_hash: str):
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except ValueError as e:  # an architecture transformers' GGUF reader does not list (olmoe, granitemoe, ...)
-        if "is not supported yet" not in str(e):
+    except (ValueError, TypeError) as e:  # an architecture transformers' GGUF reader does not list (olmoe,
+        # granitemoe, ...) or cannot read the model metadata of (gpt-oss's: a TypeError in transformers 5.25)
+        if isinstance(e, ValueError) and "is not supported yet" not in str(e):
             raise
         tmp.mkdir(parents=True, exist_ok=True)
         _tokenizer_only_gguf(path, tmp / "tokenizer.gguf")
@@ -582,7 +592,8 @@ def _load_hf_dir(path: Path, with_tokenizer: bool = True) -> LoadedModel:
     weights = {}
     for f in files:
         try:
-            weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+            # (MXFP4 blocks and scales, gpt-oss's ``*_blocks`` / ``*_scales``, stay uint8: the family decodes them)
+            weights.update({k: v if v.dtype == torch.uint8 else v.float() for k, v in load_file(str(f)).items()})
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"cannot read {str(f)!r}: {e}") from e
     if renames is not None:  # the text model's tensors under its own names; the vision tower's are not read

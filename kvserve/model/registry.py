@@ -31,6 +31,7 @@ FAMILY_MODULES = (
     "kvserve.model.mixtral",
     "kvserve.model.qwen2_moe",
     "kvserve.model.granite_moe",
+    "kvserve.model.gpt_oss",
 )
 #: module -> its ``Family``.
 FAMILIES = {m: importlib.import_module(m).FAMILY for m in FAMILY_MODULES}
@@ -48,6 +49,9 @@ GGUF_ARCHITECTURES = {g: a for f in FAMILIES.values() for g, a in f.gguf_archite
 #: whether llama.cpp's graph renormalizes the chosen experts' weights): ``family.Experts.gguf``.
 GGUF_EXPERTS = {g: (f.architectures[0], renorm) for f in FAMILIES.values() if f.experts
                 for g, renorm in f.experts.gguf.items()}
+#: GGUF architectures whose ``attention.sliding_window`` covers every layer but each ``n``-th -> ``n``
+#: (``family.Family.gguf_window_pattern``).
+GGUF_WINDOW_PATTERNS = {g: n for f in FAMILIES.values() for g, n in f.gguf_window_pattern.items()}
 #: GGUF architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (its rope type
 #: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
 GGUF_PERMUTED_QK = tuple(dict.fromkeys(g for f in FAMILIES.values() for g in f.gguf_permuted_qk))

@@ -26,9 +26,9 @@ def _pool(reqs, h_kv, d, bs, kv_dtype, seed=7):
     return cache, tables
 
 
-def _attend(q, cache, tables, rows, isa, threads=None, window=None, cap=None):
+def _attend(q, cache, tables, rows, isa, threads=None, window=None, cap=None, sinks=None):
     """``rows``: per request ``(table index, first query row's position, query rows)``; q: those rows in order;
-    ``window``, ``cap``: the kernel's sliding window and logit soft-cap."""
+    ``window``, ``cap``, ``sinks``: the kernel's sliding window, logit soft-cap and attention sinks."""
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i, _, _ in rows])
     q_len = torch.tensor([n for _, _, n in rows])
@@ -40,7 +40,7 @@ def _attend(q, cache, tables, rows, isa, threads=None, window=None, cap=None):
         torch.set_num_threads(threads)  # the same OpenMP runtime as the kernels
     try:
         assert cpu_kernels.paged_attention(q, cache, block_tables, q_start, q_len, seq_len, q.shape[-1] ** -0.5,
-                                           out, isa, window, cap)
+                                           out, isa, window, cap, sinks)
     finally:
         torch.set_num_threads(before)
     return out

@@ -19,7 +19,7 @@ Q = gguf.GGMLQuantizationType
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("model_sizes")
-    return {f: write_gguf(d / f"tiny-{f}.gguf", TINY, f, seed=0) for f in FORMATS}
+    return {f: write_gguf(d / f"tiny-{f}.gguf", TINY, f, seed=0) for f in FORMATS if f != "mxfp4"}  # (MoE only)
 
 
 def test_q4_k_m_layers_as_llama_quantize():
@@ -149,3 +149,26 @@ def test_a_mixture_of_experts_file_loads_and_generates(tmp_path, arch, qk_norm, 
     read = nbytes(model.lm_head) + sum(nbytes(w["qkv"]) + nbytes(w["o"]) + nbytes(w["moe"].router) + 2 * (
         nbytes(w["moe"].experts[0].gate_up) + nbytes(w["moe"].experts[0].down)) for w in model.layers)
     assert model_cost(model).weight_bytes == read  # 2 of the 8 experts per layer
+
+
+@pytest.mark.real_model
+def test_a_gpt_oss_file_loads_and_generates(tmp_path, llm):
+    """The gpt-oss shape's writer (a tiny one): MXFP4 experts with biases, Q8_0 attention with biases and sinks, the
+    window and YaRN keys; kvserve reads it as gpt-oss (sinks, the window on every other layer, MXFP4 experts on the
+    MX4 kernel) and generates."""
+    from kvserve.quant.pack import FMT_MX4
+
+    tiny = Shape(layers=2, hidden=256, heads=4, kv_heads=2, ffn=256, rope_theta=150000.0, rope_factor=8.0,
+                 original_context=64, context=512, arch="gpt-oss", head_width=64, experts=8, experts_used=2,
+                 window=16)
+    path = write_gguf(tmp_path / "gpt-oss.gguf", tiny, "mxfp4", seed=0)
+    r = gguf.GGUFReader(str(path))
+    got = {t.name: (t.tensor_type, [int(x) for x in t.shape]) for t in r.tensors}
+    assert got["blk.0.ffn_up_exps.weight"] == (Q.MXFP4, [256, 256, 8])
+    assert got["blk.1.attn_q.weight"][0] == Q.Q8_0 and got["blk.0.attn_sinks.weight"] == (Q.F32, [4])
+    eng = LLM(model=str(path), max_model_len=256, num_kv_blocks=32, enable_prefix_caching=False)
+    model = eng.llm_engine.model
+    assert model.arch.layer_types == ("sliding_attention", "full_attention") and model.spec.attention_sinks
+    assert model.layers[0]["moe"].experts[0].down.packed.fmt == FMT_MX4
+    out = eng.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 8

@@ -269,10 +269,15 @@ def test_the_exact_greedy_ids_of_each_instruction_set_path(prompt, cpu_isa):
 # ------------------------------------------------------------------------------------------------ mixture of experts
 
 
-@pytest.fixture(scope="module")
-def moe_path(tmp_path_factory, tokenizer):
-    """A tiny random Qwen3-MoE (8 experts, 2 per token, every layer sparse) as a Hugging Face directory: the
-    default path runs its projections and experts on the quantized kernels."""
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+def moe_path(request, tmp_path_factory, tokenizer):
+    """A tiny random Qwen3-MoE (8 experts, 2 per token, every layer sparse), or gpt-oss (the same, with attention
+    sinks and a 6-token window on layer 0), as a Hugging Face directory: the default path runs its projections and
+    experts on the quantized kernels."""
+    if request.param == "gpt_oss":
+        from tests.model.test_families_gpt_oss import _tiny_gpt_oss
+
+        return _tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss"), tokenizer)[0]
     from tests.model.test_families_moe import _tiny_moe
 
     return _tiny_moe(tmp_path_factory, tokenizer, "qwen3_moe")[0]

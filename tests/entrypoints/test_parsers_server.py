@@ -74,6 +74,8 @@ CALLS = {
                 ["Paris", "Rome"]),
     "granite": ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', ["Paris"]),
     "phi4_mini_json": ('functools[{"name": "get_weather", "arguments": {"city": "Rome"}}]', ["Rome"]),
+    "openai": ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+               ["Paris"]),  # gpt-oss's harmony (plain text to SmolLM2's tokenizer)
 }
 
 

@@ -38,7 +38,8 @@ def test_registry_lists_both_families():
                                        "MistralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
                                        "Phi3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM",
                                        "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                                       "MixtralForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM")
+                                       "MixtralForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM",
+                                       "GptOssForCausalLM")
     assert model_class("Qwen2ForCausalLM") is Qwen2Model
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         model_class("GPT2LMHeadModel")

@@ -299,3 +299,137 @@ class _GraniteStreamer(ReasoningStreamer):
     def finish(self) -> list[Piece]:
         rest, self.buf = self.buf, ""
         return _pieces("reasoning" if self.state == "reasoning" else "content", rest)
+
+
+# ---------------------------------------------------------------------------------------------------- harmony
+#: The harmony format's framing (gpt-oss; OpenAI's "harmony response format"): every message is
+#: ``<|start|>ROLE<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>FORMAT]<|message|>BODY`` ended by ``<|end|>``,
+#: ``<|call|>`` (a tool call) or ``<|return|>`` (the answer's end). An assistant turn's output begins after the
+#: prompt's ``<|start|>assistant``, so its first message opens at ``<|channel|>``.
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
+_HARMONY_OPEN = ("<|start|>", "<|channel|>")
+_HARMONY_CLOSE = ("<|end|>", "<|call|>", "<|return|>")
+
+
+def harmony_header(header: str) -> tuple[str, Optional[str]]:
+    """``(channel, recipient or None)`` of a harmony message header (the text before ``<|message|>``, framing
+    included): ``<|channel|>commentary to=functions.f <|constrain|>json`` -> ``("commentary", "functions.f")``; the
+    recipient may also follow the role (``<|start|>assistant to=functions.f<|channel|>commentary json``)."""
+    channel = ""
+    if "<|channel|>" in header:
+        channel = header.split("<|channel|>", 1)[1].split("<|", 1)[0].split()
+        channel = channel[0] if channel else ""
+    recipient = None
+    for word in header.replace("<|", " <|").split():
+        if word.startswith("to="):
+            recipient = word[3:]
+    return channel, recipient
+
+
+class HarmonySplitter:
+    """Splits a streamed harmony output into ``(kind, text)`` pieces, one character at a time in effect (the result
+    does not depend on where the deltas are cut): the bodies of ``analysis`` messages are ``"reasoning"``, of
+    ``final`` messages ``"content"``; any other message (``commentary``: tool calls, preambles) passes through as
+    ``"content"`` whole, framing included, for a tool parser (``openai``) to read; text outside any message is
+    content. A message's header is held until its ``<|message|>`` decides it, and text that may begin a marker until
+    the next delta; ``finish`` flushes an unfinished header as content."""
+
+    def __init__(self):
+        self.buf = ""
+        self.state = "top"  # "top" (between messages) | "header" | "body"
+        self.header = ""
+        self.kind = "content"  # the open body's kind: "reasoning", "content" (final) or "raw" (passed through)
+
+    def feed(self, delta: str) -> list[Piece]:
+        self.buf += delta
+        out: list[Piece] = []
+        while self.buf:
+            hits = [(i, m) for m in HARMONY_MARKERS for i in [self.buf.find(m)] if i >= 0]
+            if not hits:
+                keep = held_suffix(self.buf, HARMONY_MARKERS)
+                text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                out += self._text(text)
+                break
+            i, marker = min(hits)
+            out += self._text(self.buf[:i])
+            self.buf = self.buf[i + len(marker):]
+            out += self._marker(marker)
+        return out
+
+    def finish(self) -> list[Piece]:
+        rest, self.buf = self.buf, ""
+        out = self._text(rest)
+        if self.state == "header":
+            out += _pieces("content", self.header)
+            self.header, self.state = "", "top"
+        return out
+
+    def _text(self, text: str) -> list[Piece]:
+        if not text:
+            return []
+        if self.state == "header":
+            self.header += text
+            return []
+        if self.state == "body":
+            return _pieces("content" if self.kind == "raw" else self.kind, text)
+        return _pieces("content", text)
+
+    def _marker(self, marker: str) -> list[Piece]:
+        if self.state == "header":
+            if marker != "<|message|>":
+                self.header += marker
+                return []
+            channel, recipient = harmony_header(self.header)
+            self.kind = ("reasoning" if channel == "analysis" and recipient is None
+                         else "content" if channel == "final" and recipient is None else "raw")
+            out = _pieces("content", self.header + marker) if self.kind == "raw" else []
+            self.header, self.state = "", "body"
+            return out
+        if self.state == "body":
+            if marker in _HARMONY_CLOSE or marker == "<|start|>":
+                out = _pieces("content", marker) if self.kind == "raw" and marker in _HARMONY_CLOSE else []
+                self.state = "top"
+                if marker == "<|start|>":
+                    self.state, self.header = "header", marker
+                return out
+            return self._text(marker)  # a marker inside a body: its text
+        if marker in _HARMONY_OPEN:
+            self.state, self.header = "header", marker
+            return []
+        return []  # a stray closing marker between messages
+
+
+@register_reasoning_parser("openai_gptoss")
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss's harmony channels (``HarmonySplitter``): ``<|channel|>analysis<|message|>...<|end|>`` is reasoning,
+    ``<|channel|>final<|message|>...`` content; tool calls and other messages pass to the content framing included
+    (the ``openai`` tool parser reads them). The markers are special tokens: ``special_tokens`` asks the server to
+    keep them in the text (``skip_special_tokens`` false unless the request sets it). ``markers``: the analysis
+    message's opening and its ``<|end|>`` (what a thinking budget forces).
+
+    The ``openai-harmony`` package is not used: it downloads its tokenizer's vocabulary at run time (0.0.8 fails
+    offline); prompts come from the model's own chat template, which renders harmony."""
+
+    markers = ("<|channel|>analysis<|message|>", "<|end|>")
+    special_tokens = True
+
+    def extract(self, text: str) -> tuple[Optional[str], Optional[str]]:
+        s = HarmonySplitter()
+        pieces = s.feed(text) + s.finish()
+        reasoning = "".join(t for k, t in pieces if k == "reasoning")
+        content = "".join(t for k, t in pieces if k == "content")
+        return reasoning or None, content or None
+
+    def streamer(self) -> ReasoningStreamer:
+        return _HarmonyStreamer()
+
+
+class _HarmonyStreamer(ReasoningStreamer):
+    def __init__(self):
+        self.splitter = HarmonySplitter()
+
+    def feed(self, delta: str) -> list[Piece]:
+        return self.splitter.feed(delta)
+
+    def finish(self) -> list[Piece]:
+        return self.splitter.finish()

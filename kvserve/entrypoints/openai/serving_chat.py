@@ -45,7 +45,8 @@ class OpenAIServingChat(OpenAIServing):
                                        "max_completion_tokens" if use_mct else "max_tokens")
         top_n = req.top_logprobs or 0
         plp = self.engine_prompt_logprobs(req)
-        params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None, plp, structured, reasoning)]
+        params = [self.sampling_params(req, max_tokens, top_n if req.logprobs else None, plp, structured, reasoning,
+                                       getattr(tools.parser, "special_tokens", False))]
         rid, created = new_id("chatcmpl"), int(time.time())
         streams = await self.start(req, [pp], params, rid, arrival)
 

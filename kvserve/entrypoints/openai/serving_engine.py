@@ -137,12 +137,15 @@ class OpenAIServing:
     def sampling_params(self, req, max_tokens: int, logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None,
                         structured: Optional[StructuredOutputsParams] = None,
-                        reasoning: Optional[ReasoningParser] = None) -> SamplingParams:
+                        reasoning: Optional[ReasoningParser] = None,
+                        special_tokens: bool = False) -> SamplingParams:
         """``SamplingParams`` from the request's fields (``None`` = default); ``prompt_logprobs`` for ``echo``;
         ``structured`` the request's grammar (``structured_outputs``: then the server's default thinking budget
         does not apply, and the request's own is a 400); ``reasoning`` the request's reasoning parser
         (``reasoning_parser``): a thinking budget forces its end marker and counts from the first token when the
-        parser reads the output as reasoning from there.
+        parser reads the output as reasoning from there. A reasoning parser with ``special_tokens`` (harmony), or
+        ``special_tokens`` (the request's tool parser has it), keeps special tokens in the text unless the request
+        sets ``skip_special_tokens``.
 
         Raises:
             OpenAIError: a value out of range (the message from ``SamplingParams``, ``param`` the field).
@@ -161,6 +164,8 @@ class OpenAIServing:
                               param="stop_token_ids")
         if isinstance(kw["top_k"], int) and kw["top_k"] > self.vocab_size:
             kw["top_k"] = self.vocab_size  # the same distribution: every token kept
+        if req.skip_special_tokens is None and (getattr(reasoning, "special_tokens", False) or special_tokens):
+            kw["skip_special_tokens"] = False  # the parsers read markers that are special tokens (harmony)
         default_budget = self.options.thinking_token_budget if structured is None else None
         kw.update(request_fields.sampling_fields(req, self.vocab_size, default_budget, *self.budget_facts(reasoning)))
         try:

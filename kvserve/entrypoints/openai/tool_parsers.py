@@ -490,3 +490,38 @@ class AutoToolStreamer:
     def called(self) -> bool:
         """Whether a call has been sent."""
         return bool(self.ids)
+
+
+@register_tool_parser("openai")
+class HarmonyToolParser(ToolParser):
+    """gpt-oss's harmony tool calls: ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
+    <|call|>`` (the recipient may also follow the role: ``<|start|>assistant to=functions.NAME<|channel|>commentary
+    json<|message|>``). One call per region; the scan finds the next one after it. The call commits at its
+    arguments' ``{`` (``tool_scan``'s rule); its end token (``<|call|>``, or ``<|end|>``) may be missing at the very
+    end. The markers are special tokens: ``special_tokens`` (the server keeps them in the text)."""
+
+    markers = ("<|start|>assistant<|channel|>commentary to=functions.", "<|channel|>commentary to=functions.",
+               "<|start|>assistant to=functions.")
+    template_hints = ("<|call|>",)
+    special_tokens = True
+
+    def read_calls(self, r: ts.Reader) -> None:
+        if not any(r.accept(m) for m in self.markers):
+            raise ts.NoFit
+        name = r.word(lambda ch: ch.isalnum() or ch in "_.-")
+        end = r.text.find("<|message|>", r.pos)
+        if end < 0:
+            if r.final:
+                raise ts.NoFit
+            raise ts.NeedMore
+        if any(t in r.text[r.pos:end] for t in ("<|start|>", "<|end|>", "<|call|>", "<|return|>")):
+            raise ts.NoFit  # the header of another message: this one carried no arguments
+        r.pos = end + len("<|message|>")
+        r.ws()
+        if r.eof() or r.text[r.pos] != "{":
+            raise ts.NoFit
+        ts.json_value(r, r.commit(name))
+        r.ws()
+        if not r.eof() and not (r.accept("<|call|>") or r.accept("<|end|>")):
+            raise ts.NoFit
+        r.mark = r.pos

@@ -37,7 +37,7 @@ typedef int (*rope_write_attend_fn)(float *qkv, int64_t qkv_stride, int64_t T, c
                                     const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
                                     const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
                                     int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
-                                    int64_t out_stride, int64_t window, float softcap);
+                                    int64_t out_stride, int64_t window, float softcap, const float *sinks);
 typedef void (*rms_norm_fn)(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps);
 typedef void (*add_rms_norm_fn)(float *h, const float *delta, const float *w, float *y, int64_t T, int64_t H,
                                 float eps);
@@ -76,6 +76,7 @@ typedef struct {
     QWeight qkv_rest[2];               /* the rest of a Q/K/V projection whose parts differ in format (a Q4_K_M
                                         * file's Q6_K v beside Q4_K q/k): qkv is its first part, these the next
                                         * columns (n = 0: none); each part its own matmul into qkv's rows */
+    const float *sinks;                /* [h_q] attention-sink logits (gpt-oss), NULL: none */
 } DecoderLayer;
 
 /* The model: set once. */
@@ -193,7 +194,7 @@ int kvserve_decoder_stack(const DecoderStack *s, const DecoderStep *p, float *h,
         lap(p, &t0, T_ELEMENTWISE);
         if (attend(qkv, nqkv, T, p->cos[L->rope], p->sin[L->rope], p->slot_mapping, k_cache, v_cache, p->block_tables,
                    p->max_blocks, p->q_start, p->q_len, p->seq_len, p->num_reqs, s->h_q, s->h_kv, s->d, p->block_size,
-                   s->scale, attn, qd, L->window, L->softcap))
+                   s->scale, attn, qd, L->window, L->softcap, L->sinks))
             return -3;
         lap(p, &t0, T_ATTENTION);
         if (kvserve_qgemm((int)L->o.fmt, (int)s->isa, (int)s->act, attn, T, qd, L->o.w, H, L->o.oscale, delta, H))

@@ -14,7 +14,9 @@
  * position p sees the keys lo .. p, lo = max(0, p - window + 1) (Hugging Face's sliding_window: p - window < j <= p;
  * window 0: lo = 0). Keys outside are never read for that row: no score, no exponential, no term in any sum -- not a
  * masked value that could round to something other than nothing. Optional attention-logit soft-capping (Gemma 2):
- * each score s becomes cap * tanh(s / cap) before the softmax (cap 0: none).
+ * each score s becomes cap * tanh(s / cap) before the softmax (cap 0: none). Optional attention sinks (gpt-oss;
+ * Xiao et al. 2024, "Efficient streaming language models with attention sinks"): a learned logit per query head
+ * that joins each row's softmax denominator (and its maximum) but weighs no value (sinks NULL: none).
  *
  * Batch invariance. Every number a query row produces is one fixed sequence of float operations on that row's query
  * and the keys and values at positions lo .. its own:
@@ -30,10 +32,10 @@
  * matmuls, norms and RoPE, a token's logits are then bit-identical however it is scheduled. The two builds round
  * differently (W = 8 or 16 lanes in the softmax sum), so results are identical per ISA, not across ISAs.
  *
- * kvserve_rope_write_attend_sw_<type>_<isa> (and kvserve_rope_write_attend_<...>, the same without a window or a
- * cap) is a decoder layer's whole attention step after the fused Q/K/V
- * projection in one call (RoPE on q and k, the K/V write into the cache slots, this kernel), so a layer makes one
- * call instead of a dozen PyTorch ops (each a dispatch and a new tensor) and a kernel call.
+ * kvserve_rope_write_attend_sink_<type>_<isa> (and kvserve_rope_write_attend_sw_<...>, the same without sinks, and
+ * kvserve_rope_write_attend_<...>, without a window or a cap either) is a decoder layer's whole attention step
+ * after the fused Q/K/V projection in one call (RoPE on q and k, the K/V write into the cache slots, this kernel),
+ * so a layer makes one call instead of a dozen PyTorch ops (each a dispatch and a new tensor) and a kernel call.
  *
  * Prefetching. A task reads its keys and values once, but from scattered blocks (a KV head's row of a token is
  * 64-256 bytes, a block a few KiB, blocks anywhere in the pool), where the hardware prefetchers lose the stream at

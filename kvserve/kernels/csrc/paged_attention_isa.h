@@ -63,8 +63,10 @@ TGT static void ISA(qk_tile)(const float *q, int64_t rows, const float *kt, int6
 /* p[0..n) = softmax(p[0..n)) in place (n >= 1; p readable and writable up to n rounded up to W): with cap > 0,
  * first p_j = cap * tanh(p_j / cap) (soft-capping); then m = max p, e_j = e^(p_j - m) (0 where p_j - m <
  * -SOFTMAX_FLUSH), sum = the lane sums (lane l adds e_j for j = l mod W in ascending j, from zero) in VHSUM's tree,
- * p_j = e_j * (1 / sum). */
-TGT static void ISA(softmax)(float *p, int64_t n, float cap) {
+ * p_j = e_j * (1 / sum). An attention sink (gpt-oss; sink > -INFINITY) is one more logit in the denominator only:
+ * m = max(max p, sink), and sum gets e^(sink - m) (0 below -SOFTMAX_FLUSH) added after the lane tree; sink
+ * -INFINITY (none) changes no bit: m is max p and the added term is +0. */
+TGT static void ISA(softmax)(float *p, int64_t n, float cap, float sink) {
     const int64_t full = n / W * W;
     if (cap > 0) {
         const V c = VSET1(cap);
@@ -74,6 +76,7 @@ TGT static void ISA(softmax)(float *p, int64_t n, float cap) {
     for (int64_t j = 0; j < full; j += W) mv = VMAX(mv, VLOAD(p + j));
     float m = VHMAX(mv);
     for (int64_t j = full; j < n; j++) m = p[j] > m ? p[j] : m;
+    m = sink > m ? sink : m;
     const V m8 = VSET1(m), flush = VSET1(-SOFTMAX_FLUSH);
     V sv = VZERO;
     for (int64_t j = 0; j < full; j += W) {
@@ -86,6 +89,8 @@ TGT static void ISA(softmax)(float *p, int64_t n, float cap) {
         VSTORE(p + full, e);
         sv = VADD(sv, e);
     }
-    const V inv = VSET1(1.0f / VHSUM(sv));
+    float sum = VHSUM(sv);
+    if (sink > -INFINITY && sink - m >= -SOFTMAX_FLUSH) sum += expf(sink - m);
+    const V inv = VSET1(1.0f / sum);
     for (int64_t j = 0; j < n; j += W) VSTORE(p + j, VMUL(VLOAD(p + j), inv));
 }

@@ -96,7 +96,7 @@ TGT static void FN(pv_tile)(const float *p, int64_t p_stride, int64_t nr, const 
 TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,
                                const int64_t *table, int64_t n, int64_t L, int64_t i0, int64_t i1, int64_t kh,
                                int64_t G, int64_t h_kv, int64_t d, int64_t block_size, float scale, int64_t window,
-                               float cap, float *out, int64_t out_stride) {
+                               float cap, const float *sinks, float *out, int64_t out_stride) {
     const int64_t first = L - n, L1 = first + i1, R = (i1 - i0) * G, base = first_key(first + i0, window);
     const int64_t nk = L1 - base, Lp = (nk + W + KT - 1) / KT * KT;
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)nk + 64 + sizeof(float) * (size_t)(R * d + d * KT + R * Lp));
@@ -134,7 +134,7 @@ TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_c
     float *o[PV_ROWS];
     for (int64_t r = 0; r < R; r++) {
         const int64_t pos = first + i0 + r / G, lo = first_key(pos, window) - base;
-        ISA(softmax)(s + r * Lp + lo, pos + 1 - base - lo, cap);
+        ISA(softmax)(s + r * Lp + lo, pos + 1 - base - lo, cap, sinks ? sinks[kh * G + r % G] : -INFINITY);
     }
     for (int64_t r = 0; r < R; r += PV_ROWS) {
         const int64_t nr = R - r < PV_ROWS ? R - r : PV_ROWS;
@@ -155,8 +155,8 @@ TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_c
 TGT static int FN(attend)(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,
                           const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
                           const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q, int64_t h_kv,
-                          int64_t d, int64_t block_size, float scale, int64_t window, float cap, float *out,
-                          int64_t out_stride) {
+                          int64_t d, int64_t block_size, float scale, int64_t window, float cap,
+                          const float *sinks, float *out, int64_t out_stride) {
     const int64_t G = h_q / h_kv;
     int64_t macs = 0, n_tasks = 0, max_len = 1;
     for (int64_t r = 0; r < num_reqs; r++) max_len = seq_len[r] > max_len ? seq_len[r] : max_len;
@@ -185,21 +185,24 @@ TGT static int FN(attend)(const float *q, int64_t q_stride, const KV_T *k_cache,
         const int64_t i0 = blk * qb, i1 = i0 + qb < q_len[r] ? i0 + qb : q_len[r];
         failed |= FN(attend_task)(q + q_start[r] * q_stride, q_stride, k_cache, v_cache,
                                   block_tables + r * max_blocks, q_len[r], seq_len[r], i0, i1, local % h_kv, G, h_kv,
-                                  d, block_size, scale, window, cap, out + q_start[r] * out_stride, out_stride) != 0;
+                                  d, block_size, scale, window, cap, sinks, out + q_start[r] * out_stride,
+                                  out_stride) != 0;
     }
     free(task0);
     return failed ? -1 : 0;
 }
 
 /* The kernel above for rows q (row stride q_stride floats) written to out (row stride out_stride); window: the
- * sliding window in keys (0: none), softcap: the attention-logit cap (0: none). */
+ * sliding window in keys (0: none), softcap: the attention-logit cap (0: none), sinks: h_q floats, each query
+ * head's attention-sink logit (softmax above; NULL: none). */
 int FN(kvserve_paged_attention)(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                 const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
                                 const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
                                 int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
-                                int64_t out_stride, int64_t window, float softcap) {
+                                int64_t out_stride, int64_t window, float softcap, const float *sinks) {
     return FN(attend)(q, q_stride, (const KV_T *)k_cache, (const KV_T *)v_cache, block_tables, max_blocks, q_start,
-                      q_len, seq_len, num_reqs, h_q, h_kv, d, block_size, scale, window, softcap, out, out_stride);
+                      q_len, seq_len, num_reqs, h_q, h_kv, d, block_size, scale, window, softcap, sinks, out,
+                      out_stride);
 }
 
 /* One attention layer's work after the fused Q/K/V projection, in one call:
@@ -211,12 +214,12 @@ int FN(kvserve_paged_attention)(const float *q, int64_t q_stride, const void *k_
  *      as kvserve_paged_attention_<type>_<isa> (with its window and softcap). Rows of other requests are not
  *      written.
  * Returns 0, or -1 when step 3 could not allocate scratch memory (steps 1 and 2 are then done, out not written). */
-int FN(kvserve_rope_write_attend_sw)(float *qkv, int64_t qkv_stride, int64_t T, const float *cos, const float *sin,
-                                     const int64_t *slot_mapping, void *k_cache, void *v_cache,
-                                     const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
-                                     const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
-                                     int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
-                                     int64_t out_stride, int64_t window, float softcap) {
+int FN(kvserve_rope_write_attend_sink)(float *qkv, int64_t qkv_stride, int64_t T, const float *cos,
+                                       const float *sin, const int64_t *slot_mapping, void *k_cache, void *v_cache,
+                                       const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
+                                       const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
+                                       int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
+                                       int64_t out_stride, int64_t window, float softcap, const float *sinks) {
     const int64_t row = h_kv * (d + KV_EXTRA);
 #pragma omp parallel for schedule(static) if (T * (h_q + h_kv) * d >= PARALLEL_MIN_ROPE_FLOATS)
     for (int64_t t = 0; t < T; t++) {
@@ -227,8 +230,20 @@ int FN(kvserve_rope_write_attend_sw)(float *qkv, int64_t qkv_stride, int64_t T, 
     }
     if (num_reqs == 0) return 0;
     return FN(attend)(qkv, qkv_stride, (const KV_T *)k_cache, (const KV_T *)v_cache, block_tables, max_blocks,
-                      q_start, q_len, seq_len, num_reqs, h_q, h_kv, d, block_size, scale, window, softcap, out,
-                      out_stride);
+                      q_start, q_len, seq_len, num_reqs, h_q, h_kv, d, block_size, scale, window, softcap, sinks,
+                      out, out_stride);
+}
+
+/* kvserve_rope_write_attend_sink with no sinks (the signature decoder.c's layer loop calls: a window and a cap). */
+int FN(kvserve_rope_write_attend_sw)(float *qkv, int64_t qkv_stride, int64_t T, const float *cos, const float *sin,
+                                     const int64_t *slot_mapping, void *k_cache, void *v_cache,
+                                     const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
+                                     const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q,
+                                     int64_t h_kv, int64_t d, int64_t block_size, float scale, float *out,
+                                     int64_t out_stride, int64_t window, float softcap) {
+    return FN(kvserve_rope_write_attend_sink)(qkv, qkv_stride, T, cos, sin, slot_mapping, k_cache, v_cache,
+                                              block_tables, max_blocks, q_start, q_len, seq_len, num_reqs, h_q, h_kv,
+                                              d, block_size, scale, out, out_stride, window, softcap, NULL);
 }
 
 /* kvserve_rope_write_attend_sw with no window and no cap (the signature decoder.c's layer loop calls). */
