@@ -9,7 +9,9 @@ Llama 3.2), SmolLM2's tokenizer (its vocabulary of 49,152 and every ``tokenizer.
 model's GGUF), and random but valid quantized blocks with sane float16 scales: a decode step's speed does not
 depend on the weights' values. Formats (``FORMATS``): ``q4_0`` and ``q8_0`` (every matrix in that format),
 ``q4_k_m`` (llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the tied embedding / LM head and for ``attn_v`` and
-``ffn_down`` in the layers llama-quantize gives more bits: the first and last eighth and every third between).
+``ffn_down`` in the layers llama-quantize gives more bits: the first and last eighth and every third between);
+``q2_k`` and ``q3_k`` (every matrix Q2_K / Q3_K, the tied embedding / LM head Q6_K as llama-quantize keeps it;
+simpler than its Q2_K and Q3_K_S mixes; not in the default ``--formats``).
 
 Then per file, kvserve (one engine, the default quantization) and llama.cpp (``llama-cpp-python`` run by another
 interpreter, ``--llama-python``, in a subprocess) in turn, the same thread count, greedy, EOS ignored:
@@ -94,7 +96,10 @@ SHAPES = {"1b": Shape(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192),
                                rope_factor=32.0, original_context=4096, arch="gpt-oss", head_width=64, experts=32,
                                experts_used=4, window=128)}
 #: File format -> (GGUF ``general.file_type``, llama.cpp's name of it).
-FORMATS = {"q4_0": (2, "Q4_0"), "q4_k_m": (15, "Q4_K_M"), "q8_0": (7, "Q8_0"), "mxfp4": (38, "MXFP4_MOE")}
+FORMATS = {"q4_0": (2, "Q4_0"), "q4_k_m": (15, "Q4_K_M"), "q8_0": (7, "Q8_0"), "q2_k": (10, "Q2_K"),
+           "q3_k": (11, "Q3_K_S"), "mxfp4": (38, "MXFP4_MOE")}
+#: The formats measured when ``--formats`` is not given.
+DEFAULT_FORMATS = ["q4_0", "q4_k_m", "q8_0"]
 #: The interpreter with ``llama_cpp`` (built outside the project): ``$KVSERVE_LLAMA_PYTHON`` or this venv's.
 LLAMA_PYTHON = os.environ.get("KVSERVE_LLAMA_PYTHON", "/tmp/llamacpp-venv/bin/python")
 
@@ -118,12 +123,13 @@ def tensor_types(shape: Shape, fmt: str) -> dict:
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {tuple(FORMATS)}, got {fmt!r}")
-    base = {"q4_0": T.Q4_0, "q4_k_m": T.Q4_K, "q8_0": T.Q8_0, "mxfp4": T.Q8_0}[fmt]
+    base = {"q4_0": T.Q4_0, "q4_k_m": T.Q4_K, "q8_0": T.Q8_0, "q2_k": T.Q2_K, "q3_k": T.Q3_K, "mxfp4": T.Q8_0}[fmt]
     if fmt == "mxfp4" and not shape.experts:
         raise ValueError("format mxfp4 is a mixture of experts' (MXFP4 experts, Q8_0 elsewhere)")
-    out = {"token_embd.weight": T.Q6_K if fmt == "q4_k_m" else base}
+    head = T.Q6_K if fmt in ("q4_k_m", "q2_k", "q3_k") else base
+    out = {"token_embd.weight": head}
     if shape.experts:
-        out["output.weight"] = T.Q6_K if fmt == "q4_k_m" else base
+        out["output.weight"] = head
     ffn = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if shape.experts else ("ffn_gate", "ffn_up", "ffn_down")
     for i in range(shape.layers):
         for kind in ("attn_q", "attn_k", "attn_v", "attn_output") + ffn:
@@ -147,7 +153,7 @@ def _matrix_shape(name: str, shape: Shape, vocab: int) -> tuple:
 
 
 def random_blocks(qtype, n: int, rng):
-    """``n`` random valid blocks of ``qtype`` (Q4_0, Q8_0, Q4_K, Q6_K, MXFP4) as ``uint8 [n, bytes_per_block]``: random
+    """``n`` random valid blocks of ``qtype`` (Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4) as ``uint8 [n, bytes_per_block]``: random
     quants and sub-scales, float16 scales set to small normal values (weights of magnitude ~0.02, never inf/nan).
 
     Raises:
@@ -172,10 +178,15 @@ def random_blocks(qtype, n: int, rng):
     elif qtype == T.Q6_K:    # ql[128], qh[64], scales[16] int8, d: w = d sc (q - 32)
         b[:, 192:208] = rng.integers(-16, 17, (n, 16)).astype(np.int8).view(np.uint8)
         b[:, 208:210] = f16(7e-5, 1.5e-4)
+    elif qtype == T.Q2_K:    # scales[16] (4-bit sc, mn), qs[64], d, dmin: w = d sc q - dmin mn
+        b[:, 80:82] = f16(3e-4, 6e-4)
+        b[:, 82:84] = f16(3e-4, 6e-4)
+    elif qtype == T.Q3_K:    # hmask[32], qs[64], scales[12] (6-bit), d: w = d (s - 32) q3
+        b[:, 108:110] = f16(1e-4, 2e-4)
     elif qtype == T.MXFP4:   # e (E8M0), qs[16]: w = e2m1(q) 2^(e - 127)
         b[:, 0] = rng.integers(127 - 9, 127 - 6, n)
     else:
-        raise ValueError(f"random_blocks writes Q4_0, Q8_0, Q4_K, Q6_K and MXFP4, got {T(qtype).name}")
+        raise ValueError(f"random_blocks writes Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q6_K and MXFP4, got {T(qtype).name}")
     return b
 
 
@@ -482,7 +493,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "kvserve-model-sizes"),
                    help="where the GGUFs are written (never the repository); existing files are reused")
     p.add_argument("--sizes", type=_csv(str), default=["1b", "3b"], help=f"comma-separated, of {tuple(SHAPES)}")
-    p.add_argument("--formats", type=_csv(str), default=["q4_0", "q4_k_m", "q8_0"],
+    p.add_argument("--formats", type=_csv(str), default=DEFAULT_FORMATS,
                    help=f"comma-separated, of {tuple(FORMATS)} (mxfp4: mixture-of-experts sizes only)")
     p.add_argument("--measure", type=_csv(str), default=["decode", "prefill", "throughput"],
                    help="comma-separated, of decode, prefill, throughput")

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 #: The library's sources: the matmul, and the whole-layer-loop entry point that calls it
 #: (``kvserve.model.fused_layers``); the header they include; the flags (no ``-m`` ISA flag: see above).
 _SOURCES = ("qgemm.c", "decoder.c")
-_HEADERS = ("qgemm_amx.h", "qgemm_layouts.h", "qgemm_mx4.h")
+_HEADERS = ("qgemm_amx.h", "qgemm_layouts.h", "qgemm_mx4.h", "qgemm_q2k.h")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 #: Instruction-set paths, best first, with qgemm.c's ids.
 ISAS = {"amx_int8": 3, "avx512_vnni": 2, "avx2": 1}
@@ -255,7 +255,7 @@ def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray, activations: str = "in
 
 
 def self_check(name: str) -> bool:
-    """Run path ``name`` on small random Q4, Q4F, Q5F, Q8, MX4 (40 x 96), Q6 and Q4K (40 x 256) weights (1/5/13/53 rows: partial output groups, row
+    """Run path ``name`` on small random Q4, Q4F, Q5F, Q8, MX4 (40 x 96), Q6, Q4K, Q2K and Q3K (40 x 256) weights (1/5/13/53 rows: partial output groups, row
     tiles, and full 16-row AMX tiles with a tail), with both ``ACTIVATIONS``, and compare with ``reference_qgemm``: relative error at most 1e-5 of
     ``sum |w| |x|`` (float32 rounding of the per-block sums). False if the CPU lacks it or any output is off."""
     if not cpu_supports(name):
@@ -279,6 +279,9 @@ def self_check(name: str) -> bool:
     sc6 = rng.integers(-128, 128, (n, 16)).astype(np.int8)
     d6 = (rng.random((n, 1)) * 0.01 + 0.001).astype(np.float16)
     cases.append((P.pack_q6(q6, sc6, d6), np.repeat(d6.astype(np.float32) * sc6, 16, 1) * (q6.astype(np.float32) - 32)))
+    q3 = rng.integers(28, 36, (n, 256), dtype=np.uint8)
+    sc3 = rng.integers(-32, 32, (n, 16)).astype(np.int8)
+    cases.append((P.pack_q3k(q3, sc3, d6), np.repeat(d6.astype(np.float32) * sc3, 16, 1) * (q3.astype(np.float32) - 32)))
     q5 = rng.integers(0, 32, (n, k), dtype=np.uint8)
     d5, m5 = d4.astype(np.float32) / 2, m4.astype(np.float32)
     cases.append((P.pack_q5(q5, d5, m5), np.repeat(d5, 32, 1) * q5 + np.repeat(m5, 32, 1)))
@@ -287,6 +290,9 @@ def self_check(name: str) -> bool:
     ddmin = (rng.random((n, 1, 2)) * 0.01 + 0.001).astype(np.float16)
     dk, mk = formats.q4_k_values(scmn, ddmin)
     cases.append((P.pack_q4k(q4k, scmn, ddmin), np.repeat(dk, 32, 1) * q4k + np.repeat(mk, 32, 1)))
+    q2k = rng.integers(0, 4, (n, 256), dtype=np.uint8)
+    scmn2 = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+    cases.append((P.pack_q2k(q2k, scmn2, ddmin), formats.q2_k_values(q2k, scmn2, ddmin)))
     codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
     ex = rng.integers(118, 126, (n, k // 32), dtype=np.uint8)
     wx = (P.MX4_KVALUES[codes].astype(np.float32).reshape(n, -1, 32) *

@@ -13,6 +13,8 @@
   ``m = -16 d`` / the file's ``m`` (exact, 7 bits per weight against 5.5 / 6); ``q5_0/<isa>``, ``q5_1/<isa>``.
 - ``QuantTensor`` Q4_K, ``"auto"``: ``QuantLinear``, the file's nibbles, 6-bit sub-block scales and mins and float16
   super-block scales (Q4K blocks: exact, 4.625 bits per weight against the file's 4.5); ``q4_k/<isa>``.
+- ``QuantTensor`` Q2_K, ``"auto"``: ``QuantLinear``, the file's 2-bit values, 4-bit sub-block scales and mins and
+  float16 super-block scales (Q2K blocks: exact, 2.625 bits per weight as the file); ``q2_k/<isa>``.
 - ``QuantTensor`` Q6_K, ``"auto"``: ``QuantLinear``, the file's 6-bit values, int8 sub-block scales and float16
   super-block scales (exact, 7 bits per weight); ``q6_k/<isa>``.
 - ``QuantTensor`` Q5_K, ``"auto"``: ``QuantLinear``, the file's 5-bit values with float32 sub-block scales and

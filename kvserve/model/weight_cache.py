@@ -68,14 +68,15 @@ from kvserve.layers.quant_linear import ConcatLinear, QuantLinear, describe_weig
 logger = logging.getLogger(__name__)
 
 #: Bump when the entry format or the meaning of its fields changes (source changes are hashed anyway).
-PACK_VERSION = 4  # 2: Q6_K kept in its own packed format (FMT_Q6); 3: Q4_K as stored (FMT_Q4K); 4: header at the end
+PACK_VERSION = 5  # 2: Q6_K kept in its own packed format (FMT_Q6); 3: Q4_K as stored (FMT_Q4K); 4: header at the end;
+# 5: Q2_K as stored (FMT_Q2K), Q3_K in its own layout (FMT_Q3K)
 _MAGIC = b"KVSPACK2"
 _TRAILER = struct.Struct("<8sQQI")  # magic, payload bytes, header bytes, CRC-32 of payload and header
 _ALIGN = 64
 _PKG = Path(__file__).resolve().parents[1]
 _VERSIONED_SOURCES = [_PKG / "quant" / n for n in ("pack.py", "formats.py", "layouts.py", "traits.py")] + \
     [_PKG / "layers" / "quant_linear.py"] + \
-    [_PKG / "kernels" / "csrc" / n for n in ("qgemm.c", "qgemm_amx.h", "qgemm_layouts.h", "qgemm_mx4.h")]
+    [_PKG / "kernels" / "csrc" / n for n in ("qgemm.c", "qgemm_amx.h", "qgemm_layouts.h", "qgemm_mx4.h", "qgemm_q2k.h")]
 
 
 @functools.lru_cache(maxsize=None)

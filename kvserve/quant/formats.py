@@ -1,4 +1,4 @@
-"""GGUF block formats decoded in numpy: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4.
+"""GGUF block formats decoded in numpy: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4.
 
 Layouts from the GGUF spec / llama.cpp ``ggml-common.h`` (``block_q4_0`` ...) and the arithmetic of
 ``ggml-quants.c`` ``dequantize_row_*``, done in float32 in the same order, so ``dequantize`` equals
@@ -22,6 +22,9 @@ Block layouts (``d``, ``dmin``, ``m`` are little-endian float16; ``QK_K = 256``)
 - Q6_K (256 values, 210 bytes): ``ql[128]``, ``qh[64]``, ``scales[16]`` int8, ``d``; with ``e = 128h + r``: low 4 bits
   are nibble ``r // 64`` of ``ql[64h + r % 64]``, high 2 bits are bits ``2 (r // 32)`` of ``qh[32h + r % 32]``;
   ``w = (d * sc[e // 16]) * (q - 32)``.
+- Q2_K (256 values, 84 bytes): ``scales[16]`` (byte ``s``: the 4-bit scale ``sc`` of values ``16s..16s + 15`` in its
+  low nibble, the 4-bit min ``mn`` in its high), ``qs[64]``, ``d``, ``dmin``; value ``e = 128h + 32s + l`` is bits
+  ``2s`` of ``qs[32h + l]``; ``w = (d * sc[e // 16]) * q - dmin * mn[e // 16]``.
 - Q3_K (256 values, 110 bytes): ``hmask[32]``, ``qs[64]``, ``scales[12]`` (sixteen 6-bit scales ``s``), ``d``; value
   ``e = 128h + 32s + l``: 2 low bits at bit ``2s`` of ``qs[32h + l]``, high-mask bit ``e // 32`` of ``hmask[l]``;
   ``w = (d * (s[e // 16] - 32)) * (low - (bit ? 0 : 4))``.
@@ -40,10 +43,11 @@ Q4_K, Q5_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQua
 Q5_0, Q5_1, IQ4_NL = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.IQ4_NL
 F16, BF16 = GGMLQuantizationType.F16, GGMLQuantizationType.BF16
 Q3_K, MXFP4 = GGMLQuantizationType.Q3_K, GGMLQuantizationType.MXFP4
+Q2_K = GGMLQuantizationType.Q2_K
 #: 16-bit float weights, kept in 16 bits (``kvserve.layers.linear.linear_16bit``).
 FLOAT16_TYPES = (F16, BF16)
 #: The formats kvserve keeps in their own bits (block formats, and 2-D F16 / BF16 weights).
-QUANTIZED_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, F16, BF16)
+QUANTIZED_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, F16, BF16)
 #: IQ4_NL's non-linear 4-bit grid (llama.cpp ``kvalues_iq4nl``, ``ggml-common.h``).
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 #: Twice the E2M1 values of the 16 MXFP4 codes (OCP MX v1.0; llama.cpp ``kvalues_mxfp4``): ``w = value * 2^(e - 128)``.
@@ -188,11 +192,32 @@ def decode_q6_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.nda
     return q, blk[..., 192:208].view(np.int8).reshape(n, k // 16), _f16(blk[..., 208:210])
 
 
+def decode_q2_k_parts(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q2_K rows -> ``(q uint8 [N, K] in 0..3, scmn uint8 [N, K/16], ddmin float16 [N, K/256, 2])``: the 2-bit
+    values, each 16 values' stored scale byte (``sc`` in the low nibble, ``mn`` in the high) and the super-block's
+    ``d`` and ``dmin``, as stored, so ``w = (d * sc) * q - dmin * mn``: ``pack.pack_q2k``'s input."""
+    blk = _blocks(raw, Q2_K, k)
+    n, nb = blk.shape[:2]
+    q = (blk[..., 16:80].reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & np.uint8(3)
+    ddmin = np.stack([_f16(blk[..., 80:82]), _f16(blk[..., 82:84])], axis=-1)
+    return q.reshape(n, k), np.ascontiguousarray(blk[..., 0:16]).reshape(n, k // 16), ddmin
+
+
+def q2_k_values(q: np.ndarray, scmn: np.ndarray, ddmin: np.ndarray) -> np.ndarray:
+    """``decode_q2_k_parts``' parts (``q [N, K]``, ``scmn [N, K/16]``, ``ddmin [N, K/256, 2]``) -> float32 ``[N, K]``:
+    ``(d * sc) * q - dmin * mn`` per 16 values, in float32 in ``dequantize``'s order (its bits)."""
+    n, k = q.shape
+    sb = np.repeat(ddmin.astype(np.float32), 16, axis=-2)  # [N, K/16, 2]: each sub-block's super-block d, dmin
+    dl = sb[..., 0] * (scmn & 0x0F).astype(np.float32)
+    ml = sb[..., 1] * (scmn >> 4).astype(np.float32)
+    return (dl[..., None] * q.reshape(n, k // 16, 16).astype(np.float32) - ml[..., None]).reshape(n, k)
+
+
 def decode_q3_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q3_K rows -> ``decode_q6_k``'s form ``(q uint8 [N, K] in 28..35, sc int8 [N, K/16] in -32..31, d float16
     [N, K/256])`` with ``w = (d * sc) * (q - 32)``: Q3_K's ``(d * (s - 32)) * q3`` with ``q3 = q - 32`` in -4..3
     (2 low bits, minus 4 where the high-mask bit is clear) and ``s`` its 6-bit scale, the same products as
-    ``dequantize``, so Q3_K runs on the Q6 kernels exactly."""
+    ``dequantize``, so Q3_K runs on the Q6 tiles exactly (``pack.pack_q3k``: its compact Q3K layout)."""
     blk = _blocks(raw, Q3_K, k)
     n, nb = blk.shape[:2]
     hmask, qs, scales = blk[..., 0:32], blk[..., 32:96], blk[..., 96:108]
@@ -281,6 +306,8 @@ def dequantize(raw: np.ndarray, qtype, k: int) -> np.ndarray:
         dm = (dmin[..., None] * mn.astype(np.float32))[..., None]
         w = ds * q.reshape(*q.shape[:-1], 8, 32).astype(np.float32) - dm
         return w.reshape(n, k)
+    if qtype == Q2_K:
+        return q2_k_values(*decode_q2_k_parts(raw, k))
     if qtype == Q3_K:
         q, sc, d = decode_q3_k(raw, k)
         ds = (d.astype(np.float32)[..., None] * sc.reshape(n, -1, 16).astype(np.float32))[..., None]  # [N, nb, 16, 1]

@@ -67,15 +67,23 @@ Q4K = Layout("Q4K", 5, 296, {"SC": 0, "MN": 16, "QS": 32}, k_multiple=256,
              doc="per 8 blocks fp16 d[16], dmin[16]; per block (288 bytes) uint8 sc[16], mn[16], 256 bytes of nibbles")
 MX4 = Layout("MX4", 6, 272, {"E": 0, "QS": 16},
              doc="uint8 E8M0 exponent e[16], 256 bytes of 4-bit E2M1 codes (w = kvalues[code] * 2^(e - 128))")
-LAYOUTS = {lay.fmt: lay for lay in (Q4, Q8, Q4F, Q6, Q5F, Q4K, MX4)}
-#: A Q4K block (inside its super-block).
-Q4K_BLOCK = 288
+Q2K = Layout("Q2K", 7, 168, {"SCMN": 0, "QS": 32}, k_multiple=256,
+             super_offsets={"D": 0, "DMIN": 32, "BLOCKS": 64}, super_bytes=64 + 8 * 160,
+             doc="per 8 blocks fp16 d[16], dmin[16]; per block (160 bytes) uint8 sc | mn << 4 [2][16] (per 16 inputs), "
+                 "128 bytes of 2-bit values as Q6's high fields")
+Q3K = Layout("Q3K", 8, 228, {"SC": 0, "QS": 32, "QH": 160}, k_multiple=256,
+             super_offsets={"D": 0, "BLOCKS": 32}, super_bytes=32 + 8 * 224,
+             doc="per 8 blocks fp16 d[16]; per block (224 bytes) int8 sc[2][16] (per 16 inputs), 128 bytes of low 2-bit "
+                 "fields as Q2K's, 64 bytes of third bits as Q5F's fifth bits (w = d sc (q - 4), q in 0..7)")
+LAYOUTS = {lay.fmt: lay for lay in (Q4, Q8, Q4F, Q6, Q5F, Q4K, MX4, Q2K, Q3K)}
+#: A Q4K, Q2K and Q3K block (inside their super-blocks).
+Q4K_BLOCK, Q2K_BLOCK, Q3K_BLOCK = 288, 160, 224
 
 
 def c_constants() -> list[tuple[str, int]]:
     """``[(C name, value)]`` in the order ``kvserve_q_layout`` reports them: ``QK``, ``G``, then per layout its id,
     block bytes, offsets (and a super-block layout's super-block bytes and header offsets)."""
-    out = [("QK", QK), ("G", G), ("Q4K_BLOCK", Q4K_BLOCK)]
+    out = [("QK", QK), ("G", G), ("Q4K_BLOCK", Q4K_BLOCK), ("Q2K_BLOCK", Q2K_BLOCK), ("Q3K_BLOCK", Q3K_BLOCK)]
     for lay in LAYOUTS.values():
         out += [(f"FMT_{lay.name}", lay.fmt), (f"{lay.name}_BLOCK" if not lay.super_bytes else f"{lay.name}_AVG_BLOCK",
                                                 lay.block_bytes)]

@@ -23,15 +23,15 @@ import numpy as np
 import torch
 
 from kvserve.quant import layouts as L
-from kvserve.quant.formats import MXFP4_VALUES, q4_k_values
-from kvserve.quant.layouts import G, Q4K_BLOCK, QK
+from kvserve.quant.formats import MXFP4_VALUES, q2_k_values, q4_k_values
+from kvserve.quant.layouts import G, Q2K_BLOCK, Q3K_BLOCK, Q4K_BLOCK, QK
 
 # Names kept for callers: block bytes and format ids (the records are ``layouts.LAYOUTS``).
 Q4_BLOCK, Q8_BLOCK, Q4F_BLOCK, Q6_BLOCK, Q5F_BLOCK, MX4_BLOCK = (L.Q4.block_bytes, L.Q8.block_bytes, L.Q4F.block_bytes,
                                                                  L.Q6.block_bytes, L.Q5F.block_bytes, L.MX4.block_bytes)
-Q4K_SUPER = L.Q4K.super_bytes  # a Q4K super-block (8 blocks and their d, dmin)
-FMT_Q4, FMT_Q8, FMT_Q4F, FMT_Q6, FMT_Q5F, FMT_Q4K, FMT_MX4 = (L.Q4.fmt, L.Q8.fmt, L.Q4F.fmt, L.Q6.fmt, L.Q5F.fmt,
-                                                               L.Q4K.fmt, L.MX4.fmt)
+Q4K_SUPER, Q2K_SUPER = L.Q4K.super_bytes, L.Q2K.super_bytes  # a super-block (8 blocks and their d, dmin)
+FMT_Q4, FMT_Q8, FMT_Q4F, FMT_Q6, FMT_Q5F, FMT_Q4K, FMT_MX4, FMT_Q2K, FMT_Q3K = (
+    L.Q4.fmt, L.Q8.fmt, L.Q4F.fmt, L.Q6.fmt, L.Q5F.fmt, L.Q4K.fmt, L.MX4.fmt, L.Q2K.fmt, L.Q3K.fmt)
 #: Twice the E2M1 values of the 16 MXFP4 codes (``formats.MXFP4_VALUES``).
 MX4_KVALUES = MXFP4_VALUES
 #: MX4 exponents whose 2^(e - 128) is a float16 value (the kernel expands MX4 blocks to Q8 blocks' float16 d).
@@ -47,9 +47,13 @@ class PackedWeight:
             Q4_K), ``FMT_Q8`` (``w = d * q``, q int8) or ``FMT_Q6`` (``w = (d * sc) * (q - 32)``, q in 0..63, int8
             sc per 16 inputs, float16 d per 256: Q6_K) or ``FMT_Q5F`` (``w = d * q + m``, q in 0..31, float32 d, m:
             Q5_K) or ``FMT_Q4K`` (Q4_K as stored: ``w = (d * sc) * q - (dmin * mn)``, 6-bit sc, mn per 32 inputs,
-            float16 d, dmin per 256).
+            float16 d, dmin per 256) or ``FMT_MX4`` (``pack_mx4``) or ``FMT_Q2K`` (Q2_K as stored: ``w = (d * sc) * q
+            - dmin * mn``, q in 0..3, 4-bit sc, mn per 16 inputs, float16 d, dmin per 256) or ``FMT_Q3K`` (Q3_K:
+            ``pack_q3k``).
         data: ``uint8 [ceil(N / 16), K / 32, 320, 384, 448 or 544]`` torch tensor, contiguous; ``FMT_Q4K``:
-            ``uint8 [ceil(N / 16), K / 256, 2368]`` (a super-block's 64 bytes of d, dmin and its 8 blocks).
+            ``uint8 [ceil(N / 16), K / 256, 2368]`` (a super-block's 64 bytes of d, dmin and its 8 blocks); ``FMT_Q2K``:
+            ``uint8 [ceil(N / 16), K / 256, 1344]`` (the same with 8 blocks of 160 bytes); ``FMT_Q3K``: ``uint8
+            [ceil(N / 16), K / 256, 1824]`` (d[16], 8 blocks of 224 bytes).
         out_features, in_features: ``N``, ``K`` (``K`` a multiple of 32).
         oscale: ``None`` or float32 ``[ceil(N / 16) * 16]``: a per-output factor applied after the sum
             (per-channel int8).
@@ -92,11 +96,16 @@ def pack_q5(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> PackedWeight:
     ``4j + i`` and ``16 + 4j + i``) at bits ``2j`` and ``2j + 1`` of byte ``o * 4 + i``."""
     data, n, k = _pack_nibbles(q, np.asarray(d, np.float32), np.asarray(m, np.float32))
     groups, nb = data.shape[:2]
-    h = (_pad_rows(q, groups * G) >> 4).reshape(groups, G, nb, 2, 4, 4)  # [g, o, b, half, j, i]
-    bits = sum(h[:, :, :, half, j].astype(np.uint8) << (2 * j + half) for j in range(4) for half in range(2))
-    hb = bits.transpose(0, 2, 1, 3).reshape(groups, nb, 64)  # [g, b, o, i]
-    data = np.concatenate([data, hb.astype(np.uint8)], axis=-1)
+    data = np.concatenate([data, _bit_plane(_pad_rows(q, groups * G) >> 4, groups, nb)], axis=-1)
     return PackedWeight(FMT_Q5F, torch.from_numpy(np.ascontiguousarray(data)), n, k)
+
+
+def _bit_plane(h: np.ndarray, groups: int, nb: int) -> np.ndarray:
+    """1-bit values ``h uint8 [groups * 16, K]`` -> ``uint8 [groups, nb, 64]``: of step ``j``, input ``4j + i`` at bit
+    ``2j`` and input ``16 + 4j + i`` at bit ``2j + 1`` of byte ``o * 4 + i`` (Q5F's fifth bits, Q3K's third)."""
+    h = (h & 1).reshape(groups, G, nb, 2, 4, 4)  # [g, o, b, half, j, i]
+    bits = sum(h[:, :, :, half, j].astype(np.uint8) << (2 * j + half) for j in range(4) for half in range(2))
+    return bits.transpose(0, 2, 1, 3).reshape(groups, nb, 64).astype(np.uint8)  # [g, b, o, i]
 
 
 def pack_q4k(q: np.ndarray, scmn: np.ndarray, ddmin: np.ndarray) -> PackedWeight:
@@ -181,13 +190,37 @@ def pack_q6(q: np.ndarray, sc: np.ndarray, d: np.ndarray) -> PackedWeight:
     q, sc, d = (_pad_rows(np.asarray(a), groups * G) for a in (q, sc, d))
     q6 = q.reshape(groups, G, nb, 2, 4, 4).transpose(0, 2, 4, 1, 5, 3)  # [g, b, j, o, i, half]
     nib = (q6[..., 0] & 0x0F) | ((q6[..., 1] & 0x0F) << 4)
-    h = (q6 >> 4).reshape(groups, nb, 2, 2, G, 4, 2)  # [g, b, j >> 1, j & 1, o, i, half]
-    hb = h[:, :, :, 0, ..., 0] | h[:, :, :, 0, ..., 1] << 2 | h[:, :, :, 1, ..., 0] << 4 | h[:, :, :, 1, ..., 1] << 6
     sc2 = sc.astype(np.int8).reshape(groups, G, nb, 2).transpose(0, 2, 3, 1)  # [g, b, half, o]
     data = np.concatenate([_scales(np.repeat(d.astype(np.float16), 8, axis=1), groups, nb),
                            sc2.reshape(groups, nb, 2 * G).view(np.uint8), nib.reshape(groups, nb, 256).astype(np.uint8),
-                           hb.reshape(groups, nb, 128).astype(np.uint8)], axis=-1)
+                           _two_bit_fields(q >> 4, groups, nb)], axis=-1)
     return PackedWeight(FMT_Q6, torch.from_numpy(np.ascontiguousarray(data)), n, k)
+
+
+def _two_bit_fields(h: np.ndarray, groups: int, nb: int) -> np.ndarray:
+    """2-bit values ``h uint8 [groups * 16, K]`` (0..3) -> ``uint8 [groups, nb, 128]``: of step ``j`` (inputs ``4j + i``
+    and ``16 + 4j + i``), bits ``4 (j & 1)`` and ``4 (j & 1) + 2`` of byte ``(j >> 1) * 64 + o * 4 + i`` (Q6's high
+    fields, Q2K's values)."""
+    h = h.reshape(groups, G, nb, 2, 4, 4).transpose(0, 2, 4, 1, 5, 3).reshape(groups, nb, 2, 2, G, 4, 2)
+    # [g, b, j >> 1, j & 1, o, i, half]
+    hb = h[:, :, :, 0, ..., 0] | h[:, :, :, 0, ..., 1] << 2 | h[:, :, :, 1, ..., 0] << 4 | h[:, :, :, 1, ..., 1] << 6
+    return hb.reshape(groups, nb, 128).astype(np.uint8)
+
+
+def pack_q2k(q: np.ndarray, scmn: np.ndarray, ddmin: np.ndarray) -> PackedWeight:
+    """GGUF Q2_K's stored parts (``formats.decode_q2_k_parts``) -> ``PackedWeight`` (FMT_Q2K, 2.625 bits a weight as
+    the file): ``q uint8 [N, K]`` (0..3), ``scmn uint8 [N, K/16]`` (``sc | mn << 4`` per 16 inputs), ``ddmin float16
+    [N, K/256, 2]`` (super-block d, dmin); K a multiple of 256; ``w = (d * sc) * q - dmin * mn``. Per group and
+    super-block: ``d[16]``, ``dmin[16]`` (float16), then per block ``scmn[2][16]`` (half, output) and the values as
+    ``_two_bit_fields``."""
+    n, k = q.shape
+    nb, groups, ns = k // QK, -(-n // G), k // 256
+    q, scmn, ddmin = (_pad_rows(np.asarray(a), groups * G) for a in (q, scmn, ddmin))
+    sm = np.asarray(scmn, np.uint8).reshape(groups, G, nb, 2).transpose(0, 2, 3, 1).reshape(groups, nb, 2 * G)
+    blocks = np.concatenate([sm, _two_bit_fields(q, groups, nb)], axis=-1).reshape(groups, ns, 8 * Q2K_BLOCK)
+    head = ddmin.astype("<f2").reshape(groups, G, ns, 2).transpose(0, 2, 3, 1).reshape(groups, ns, 2 * G)
+    data = np.concatenate([np.ascontiguousarray(head).view(np.uint8), blocks], axis=-1)
+    return PackedWeight(FMT_Q2K, torch.from_numpy(np.ascontiguousarray(data)), n, k)
 
 
 def quantize_int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -260,6 +293,60 @@ def unpack_rows_q6(w: PackedWeight, rows: np.ndarray) -> np.ndarray:
     q = q.reshape(t, nb, 2, 16).astype(np.float32) - np.float32(32)  # [T, nb, half, 16]
     full = (_block_scales(data, lay, "D", "<f2", g, o, groups, nb)[..., None] * sc)[..., None] * q
     return full.reshape(t, nb * QK)
+
+
+def pack_q3k(q: np.ndarray, sc: np.ndarray, d: np.ndarray) -> PackedWeight:
+    """GGUF Q3_K's values in ``formats.decode_q3_k``'s form -> ``PackedWeight`` (FMT_Q3K, 3.5625 bits a weight against
+    the file's 3.4375): ``q uint8 [N, K]`` in 28..35 (``q - 32`` the 3-bit value), ``sc int8 [N, K/16]``, ``d float16
+    [N, K/256]``; ``w = (d * sc) * (q - 32)``; K a multiple of 256. Per group and super-block: ``d[16]``, then per
+    block ``sc[2][16]`` (half, output), the low 2 bits of ``q - 28`` as ``_two_bit_fields`` and its third bit as
+    ``_bit_plane``."""
+    n, k = q.shape
+    nb, groups, ns = k // QK, -(-n // G), k // 256
+    q, sc, d = (_pad_rows(np.asarray(a), groups * G) for a in (q, sc, d))
+    u = (q.astype(np.int16) - 28).clip(0, 7).astype(np.uint8)  # 0..7 (padded rows: 0, with zero scales)
+    s2 = np.asarray(sc, np.int8).reshape(groups, G, nb, 2).transpose(0, 2, 3, 1).reshape(groups, nb, 2 * G)
+    blocks = np.concatenate([s2.view(np.uint8), _two_bit_fields(u & 3, groups, nb), _bit_plane(u >> 2, groups, nb)],
+                            axis=-1).reshape(groups, ns, 8 * Q3K_BLOCK)
+    head = np.ascontiguousarray(np.asarray(d).astype("<f2").reshape(groups, G, ns).transpose(0, 2, 1)).view(np.uint8)
+    data = np.concatenate([head, blocks], axis=-1)
+    return PackedWeight(FMT_Q3K, torch.from_numpy(np.ascontiguousarray(data)), n, k)
+
+
+def unpack_rows_q3k(w: PackedWeight, rows: np.ndarray) -> np.ndarray:
+    """Q3K: ``(d * sc) * (q - 4)`` per 16 inputs, q in 0..7 (``formats.dequantize``'s Q3_K products), float32
+    ``[T, K]``."""
+    data, g, o, groups, nb = _sel(w, rows)
+    lay, t = L.Q3K, len(rows)
+    d = data[..., :lay.super_offsets["BLOCKS"]].view("<f2").reshape(groups, nb // 8, G)[g, :, o]  # [T, nb / 8]
+    blk = data[..., lay.super_offsets["BLOCKS"]:].reshape(groups, nb, Q3K_BLOCK)
+    a = lay.off("SC")
+    sc = blk[..., a:a + 2 * G].view(np.int8).reshape(groups, nb, 2, G)[g, :, :, o].astype(np.float32)  # [T, nb, 2]
+    a = lay.off("QS")
+    hb = blk[..., a:a + 128].reshape(groups, nb, 2, G, 4)[g, :, :, o, :]  # [T, nb, j >> 1, i]
+    hb = np.stack([hb[:, :, 0], hb[:, :, 0] >> 4, hb[:, :, 1], hb[:, :, 1] >> 4], axis=2)  # [T, nb, j, i]
+    a = lay.off("QH")
+    h3 = blk[..., a:a + 64].reshape(groups, nb, G, 4)[g, :, o, :][:, :, None, None, :]  # [T, nb, 1, 1, i]
+    shift = (2 * np.arange(4)[None, :] + np.arange(2)[:, None]).astype(np.uint8)[:, :, None]  # [half, j, 1]
+    u = np.stack([hb & 3, (hb >> 2) & 3], axis=2) | (((h3 >> shift) & 1) << 2)  # [T, nb, half, j, i]
+    q3 = (u.astype(np.int8) - np.int8(4)).astype(np.float32).reshape(t, nb, 2, 16)
+    ds = np.repeat(d.astype(np.float32), 8, axis=1)[..., None] * sc  # [T, nb, 2]
+    return (ds[..., None] * q3).reshape(t, nb * QK)
+
+
+def unpack_rows_q2k(w: PackedWeight, rows: np.ndarray) -> np.ndarray:
+    """Q2K: ``(d * sc) * q - dmin * mn`` per 16 inputs (``formats.q2_k_values``), float32 ``[T, K]``."""
+    data, g, o, groups, nb = _sel(w, rows)
+    lay, t = L.Q2K, len(rows)
+    ddmin = data[..., :lay.super_offsets["BLOCKS"]].view("<f2").reshape(groups, nb // 8, 2, G)[g, :, :, o]
+    blk = data[..., lay.super_offsets["BLOCKS"]:].reshape(groups, nb, Q2K_BLOCK)
+    a = lay.off("SCMN")
+    scmn = blk[..., a:a + 2 * G].reshape(groups, nb, 2, G)[g, :, :, o].reshape(t, 2 * nb)  # [T, K/16]
+    a = lay.off("QS")
+    hb = blk[..., a:a + 128].reshape(groups, nb, 2, G, 4)[g, :, :, o, :]  # [T, nb, j >> 1, i]
+    hb = np.stack([hb[:, :, 0], hb[:, :, 0] >> 4, hb[:, :, 1], hb[:, :, 1] >> 4], axis=2)  # [T, nb, j, i]
+    q = np.stack([hb & 3, (hb >> 2) & 3], axis=2).reshape(t, nb * QK)  # [T, nb, half, j, i]
+    return q2_k_values(q, scmn, ddmin)
 
 
 def unpack_rows_q4(w: PackedWeight, rows: np.ndarray) -> np.ndarray:

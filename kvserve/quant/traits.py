@@ -52,6 +52,8 @@ LAYOUT_TRAITS = {t.layout.fmt: t for t in (
     LayoutTraits(L.Q8, lambda q, d: P.pack_q8(q, d), P.unpack_rows_q8),
     LayoutTraits(L.Q6, P.pack_q6, P.unpack_rows_q6),
     LayoutTraits(L.MX4, P.pack_mx4, P.unpack_rows_mx4),
+    LayoutTraits(L.Q2K, P.pack_q2k, P.unpack_rows_q2k),
+    LayoutTraits(L.Q3K, P.pack_q3k, P.unpack_rows_q3k),
 )}
 
 
@@ -89,7 +91,8 @@ TYPE_TRAITS = {t.qtype: t for t in (
     TypeTraits(F.Q5_1, "q5_1", L.Q5F, lambda raw, k: F.decode_q5(raw, F.Q5_1, k), 7.0),
     TypeTraits(F.Q8_0, "q8", L.Q8, F.decode_q8, 8.5),
     TypeTraits(F.IQ4_NL, "iq4_nl", L.Q8, F.decode_iq4_nl, 8.5),
-    TypeTraits(F.Q3_K, "q3_k", L.Q6, F.decode_q3_k, 7.0),
+    TypeTraits(F.Q2_K, "q2_k", L.Q2K, F.decode_q2_k_parts, 2.625),
+    TypeTraits(F.Q3_K, "q3_k", L.Q3K, F.decode_q3_k, 3.5625),
     TypeTraits(F.Q4_K, "q4_k", L.Q4K, F.decode_q4_k_parts, 4.625),
     TypeTraits(F.Q5_K, "q5_k", L.Q5F, F.decode_q5_k, 7.0),
     TypeTraits(F.Q6_K, "q6_k", L.Q6, F.decode_q6_k, 7.0),

@@ -68,7 +68,7 @@ def test_files_hold_the_stated_tensors(files):
     assert (t["blk.1.attn_v.weight"], t["blk.1.ffn_down.weight"], t["blk.0.attn_v.weight"]) == (Q.Q6_K, Q.Q6_K, Q.Q4_K)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k_m", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k_m", "q8_0", "q2_k", "q3_k"])
 def test_kvserve_loads_and_generates(files, fmt, llm):
     eng = LLM(model=str(files[fmt]), max_model_len=256, num_kv_blocks=32, enable_prefix_caching=False)
     arch = eng.llm_engine.model.arch
@@ -79,6 +79,8 @@ def test_kvserve_loads_and_generates(files, fmt, llm):
     assert eng.get_tokenizer().encode(text) == llm.get_tokenizer().encode(text)  # SmolLM2's tokenizer
     out = eng.generate([text], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 8 and all(0 <= t < 49152 for t in out.token_ids)
+    if fmt in ("q2_k", "q3_k"):  # kept in their own bits (Q2K, Q6 layouts), never widened to float32
+        assert eng.llm_engine.model.layers[0]["down"].path.startswith(fmt + "/")
 
 
 def _has_llama_cpp() -> bool:

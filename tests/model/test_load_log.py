@@ -17,7 +17,8 @@ from kvserve.quant.kquantize import quantize_q6_k
 
 
 def _write(path, rng):
-    """A one-layer Llama GGUF: Q6_K q, Q2_K k (random blocks: gguf cannot quantize it), F16 ffn_down, Q8_0 rest."""
+    """A one-layer Llama GGUF: Q6_K q, Q2_K k and IQ4_XS v (random blocks: gguf cannot quantize them), F16 ffn_down,
+    Q8_0 rest."""
     w = gguf.GGUFWriter(str(path), "llama")
     for add, v in ((w.add_block_count, 1), (w.add_context_length, 128), (w.add_embedding_length, 256),
                    (w.add_feed_forward_length, 256), (w.add_head_count, 4), (w.add_head_count_kv, 4),
@@ -32,7 +33,11 @@ def _write(path, rng):
     k2 = rng.integers(0, 256, (256, 256 // bs, tb), dtype=np.uint8)
     k2[..., 80:84] = np.tile((rng.random((256, 1, 2)) * 0.01).astype("<f2").view(np.uint8), (1, 1, 1))
     w.add_tensor("blk.0.attn_k.weight", k2.reshape(256, -1), raw_dtype=q2)
-    for name in ("attn_v", "attn_output", "ffn_gate", "ffn_up"):
+    iq4, (bs, tb) = gguf.GGMLQuantizationType.IQ4_XS, formats.block_size(gguf.GGMLQuantizationType.IQ4_XS)
+    v4 = rng.integers(0, 256, (256, 256 // bs, tb), dtype=np.uint8)
+    v4[..., 0:2] = (rng.random((256, 1, 1)) * 0.01).astype("<f2").view(np.uint8)
+    w.add_tensor("blk.0.attn_v.weight", v4.reshape(256, -1), raw_dtype=iq4)
+    for name in ("attn_output", "ffn_gate", "ffn_up"):
         w.add_tensor(f"blk.0.{name}.weight", gguf.quants.quantize(x(256, 256), q8), raw_dtype=q8)
     w.add_tensor("blk.0.ffn_down.weight", x(256, 256).astype(np.float16))
     for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
@@ -49,13 +54,14 @@ def test_loader_names_every_format_widened_to_float32(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="kvserve.model.loader"):
         loaded = load_model(str(path), keep_quantized=True, weights_only=True)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("dequantized to float32 (4 bytes a weight): Q2_K x 1 --" in m for m in warned), warned
+    assert any("dequantized to float32 (4 bytes a weight): IQ4_XS x 1 --" in m for m in warned), warned
     assert loaded.weights["model.layers.0.self_attn.q_proj.weight"].qtype == formats.Q6_K  # kept
+    assert loaded.weights["model.layers.0.self_attn.k_proj.weight"].qtype == formats.Q2_K  # kept (FMT_Q2K)
     assert loaded.weights["model.layers.0.mlp.down_proj.weight"].qtype == formats.F16  # kept in 16 bits
     with caplog.at_level(logging.INFO, logger="kvserve.model.loader"):
         fp32 = load_model(str(path), keep_quantized=False, weights_only=True)
     assert fp32.weights["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
-    assert any("F16 x 1, Q2_K x 1, Q6_K x 1, Q8_0 x 5 (quantization fp32)" in r.getMessage()
+    assert any("F16 x 1, IQ4_XS x 1, Q2_K x 1, Q6_K x 1, Q8_0 x 4 (quantization fp32)" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
@@ -79,8 +85,8 @@ def test_weight_formats_line_names_paths_and_exactness():
 
 @pytest.mark.skipif(kernels.isa() is None, reason=str(kernels.unavailable_reason()))
 def test_q3_k_and_mxfp4_are_named_with_their_kernels():
-    """Q3_K and MXFP4 are kept (no float32 widening) and the load log names what they run as: q3_k (the Q6
-    kernels) and mxfp4, both exact."""
+    """Q3_K and MXFP4 are kept (no float32 widening) and the load log names what they run as: q3_k (its Q3K
+    layout on the Q6 tiles) and mxfp4, both exact."""
     rng = np.random.default_rng(2)
     raw = rng.integers(0, 256, (16, 110), dtype=np.uint8)
     raw[:, 108:110] = (rng.random((16, 1)) * 0.01).astype("<f2").view(np.uint8)

@@ -98,14 +98,14 @@ def test_gguf_quantized_blocks_decode_exactly(qtype):
             gguf.quants.dequantize(raw, qtype))
 
 
-@pytest.mark.parametrize("qtype", [formats.Q3_K, formats.Q4_K, formats.Q5_K, formats.Q6_K, formats.MXFP4])
+@pytest.mark.parametrize("qtype", [formats.Q2_K, formats.Q3_K, formats.Q4_K, formats.Q5_K, formats.Q6_K, formats.MXFP4])
 def test_k_quant_blocks_decode_exactly(qtype):
     """Random blocks (finite float16 scales; MXFP4: every exponent 0..255, subnormal scales included)."""
     rng = np.random.default_rng(int(qtype))
     bs, tb = formats.block_size(qtype)
     raw = rng.integers(0, 256, (7, 3, tb), dtype=np.uint8)
     for off in {formats.Q4_K: [0, 2], formats.Q5_K: [0, 2], formats.Q6_K: [208], formats.Q3_K: [108],
-                formats.MXFP4: []}[qtype]:  # finite float16 scales
+                formats.Q2_K: [80, 82], formats.MXFP4: []}[qtype]:  # finite float16 scales
         raw[..., off:off + 2] = (rng.standard_normal((7, 3)) * 0.05).astype("<f2")[..., None].view(np.uint8)
     if qtype == formats.MXFP4:
         raw[..., 0] = np.arange(21).reshape(7, 3) * 12  # 0, 12, ..., 240: subnormal, normal and large scales
@@ -117,7 +117,7 @@ def test_bad_shapes_and_types_are_value_errors():
     with pytest.raises(ValueError, match=r"Q8_0 rows of 64 values need uint8 \[N, 68\]"):
         formats.dequantize(np.zeros((2, 60), np.uint8), formats.Q8_0, 64)
     with pytest.raises(ValueError, match="unsupported GGML type"):
-        formats.dequantize(np.zeros((2, 84), np.uint8), gguf.GGMLQuantizationType.Q2_K, 256)
+        formats.dequantize(np.zeros((2, 136), np.uint8), gguf.GGMLQuantizationType.IQ4_XS, 256)
 
 
 def test_the_c_layout_header_is_generated_from_the_table():
@@ -142,8 +142,8 @@ def test_every_kept_type_has_one_record():
     for qt, t in traits.TYPE_TRAITS.items():
         assert (t.block_values, t.block_bytes) == formats.block_size(qt)
         assert t.layout.fmt in traits.LAYOUT_TRAITS
-    with pytest.raises(ValueError, match="w: unsupported GGML type Q2_K"):
-        traits.type_traits(gguf.GGMLQuantizationType.Q2_K, "w")
+    with pytest.raises(ValueError, match="w: unsupported GGML type IQ4_XS"):
+        traits.type_traits(gguf.GGMLQuantizationType.IQ4_XS, "w")
 
 
 def test_stacked_expert_tensors_are_views_per_expert(tmp_path):

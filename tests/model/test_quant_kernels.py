@@ -70,7 +70,7 @@ def _gguf_tensor(qtype, n, k, seed):
         bs, tb = formats.block_size(qtype)
         raw = rng.integers(0, 256, (n, k // bs, tb), dtype=np.uint8)
         scale_at = {formats.Q4_K: [0, 2], formats.Q5_K: [0, 2], formats.Q6_K: [208], formats.IQ4_NL: [0],
-                    formats.Q3_K: [108]}[qtype]
+                    formats.Q3_K: [108], formats.Q2_K: [80, 82]}[qtype]
         for off in scale_at:
             raw[..., off:off + 2] = (rng.random((n, k // bs)) * 0.01).astype("<f2")[..., None].view(np.uint8)
         raw = raw.reshape(n, -1)
@@ -139,17 +139,18 @@ def test_q4_k_kept_exactly(isa, rows):
     _check(layer, x, w.astype(np.float64))
 
 
-K_FORMATS = {formats.Q6_K: ("q6_k", P.FMT_Q6), formats.Q5_K: ("q5_k", P.FMT_Q5F), formats.Q4_K: ("q4_k", P.FMT_Q4K)}
+K_FORMATS = {formats.Q6_K: ("q6_k", P.FMT_Q6), formats.Q5_K: ("q5_k", P.FMT_Q5F), formats.Q4_K: ("q4_k", P.FMT_Q4K),
+             formats.Q2_K: ("q2_k", P.FMT_Q2K)}
 
 
 @pytest.mark.parametrize("qtype", list(K_FORMATS))
 @pytest.mark.parametrize("n,k", [(40, 512), (33, 256), (16, 768)])
 @pytest.mark.parametrize("rows", ROWS)
 def test_k_quants_kept_exactly(isa, qtype, n, k, rows):
-    """Q6_K, Q5_K and Q4_K on their own kernels: the file's 6-bit values, int8 sub-block scales and float16 d
-    (FMT_Q6), 5-bit values with float32 sub-block scales and mins (FMT_Q5F), or Q4_K's stored parts (FMT_Q4K), decoding to ``gguf.quants.dequantize`` bit for
-    bit (in Python and in C), and the product within the activation rounding of a float64 matmul with those
-    weights; 33 outputs: a padded last group."""
+    """Q6_K, Q5_K, Q4_K and Q2_K on their own kernels: the file's 6-bit values, int8 sub-block scales and float16 d
+    (FMT_Q6), 5-bit values with float32 sub-block scales and mins (FMT_Q5F), or Q4_K's or Q2_K's stored parts (FMT_Q4K,
+    FMT_Q2K), decoding to ``gguf.quants.dequantize`` bit for bit (in Python and in C), and the product within the
+    activation rounding of a float64 matmul with those weights; 33 outputs: a padded last group."""
     t = _gguf_tensor(qtype, n, k, seed=rows)
     layer = make_linear_method(t)
     kind, fmt = K_FORMATS[qtype]
@@ -157,15 +158,15 @@ def test_k_quants_kept_exactly(isa, qtype, n, k, rows):
     _check_file_values(layer, t, rows)
 
 
-NEW_FORMATS = {formats.Q3_K: ("q3_k", P.FMT_Q6, 7.0), formats.MXFP4: ("mxfp4", P.FMT_MX4, 4.25)}
+NEW_FORMATS = {formats.Q3_K: ("q3_k", P.FMT_Q3K, 3.5625), formats.MXFP4: ("mxfp4", P.FMT_MX4, 4.25)}
 
 
 @pytest.mark.parametrize("qtype", list(NEW_FORMATS))
 @pytest.mark.parametrize("n,k", [(40, 512), (33, 256), (16, 2880)])
 @pytest.mark.parametrize("rows", ROWS)
 def test_q3_k_and_mxfp4_kept_exactly(isa, qtype, n, k, rows):
-    """Q3_K on the Q6 kernels (its 3-bit values + 32 and signed 6-bit scales: the same products), MXFP4 in its own
-    4.25-bit MX4 layout (E2M1 codes and E8M0 exponents, each group expanded to Q8 blocks in the kernel): the packed
+    """Q3_K in its own 3.5625-bit Q3K layout on the Q6 tiles (its 3-bit values - 4 and signed 6-bit scales kept as
+    int8: the same products), MXFP4 in its own 4.25-bit MX4 layout (E2M1 codes and E8M0 exponents): the packed
     weight decodes to ``gguf.quants.dequantize`` bit for bit (numpy and C), the product is within the activation
     rounding of a float64 matmul; K = 2880 is gpt-oss's hidden size (not a multiple of 256: MXFP4 only)."""
     if qtype == formats.Q3_K and k % 256:
@@ -174,8 +175,7 @@ def test_q3_k_and_mxfp4_kept_exactly(isa, qtype, n, k, rows):
     layer = make_linear_method(t)
     kind, fmt, bits = NEW_FORMATS[qtype]
     assert layer.path == _path(kind, isa) and layer.packed.fmt == fmt
-    if fmt == P.FMT_MX4:  # the file's 4.25 bits a weight
-        assert layer.packed.data.numel() * 8 == -(-n // 16) * 16 * k * bits
+    assert layer.packed.data.numel() * 8 == -(-n // 16) * 16 * k * bits  # MX4: the file's; Q3K: 1/8 bit more
     _check_file_values(layer, t, rows)
 
 
@@ -222,6 +222,38 @@ def test_q4_k_compact_blocks_give_the_q4f_bits(isa, n, k, rows):
     x = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32))
     for act in kernels.ACTIVATIONS:
         assert torch.equal(kernels.qgemm(x, compact, isa, act), kernels.qgemm(x, wide, isa, act))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 53, 97])
+@pytest.mark.parametrize("n,k", [(40, 256), (33, 512), (16, 2048)])
+def test_q3_k_compact_blocks_give_the_q6_bits(isa, n, k, rows):
+    """FMT_Q3K (3.5625 bits a weight) runs Q3_K's values on the Q6 tiles: the same outputs bit for bit as the same
+    values packed as Q6 blocks (7 bits), on every path, both activations, across row tiles and AMX tiles."""
+    t = _gguf_tensor(formats.Q3_K, n, k, seed=rows)
+    parts = formats.decode_q3_k(t.raw, k)
+    compact, wide = P.pack_q3k(*parts), P.pack_q6(*parts)
+    assert compact.fmt == P.FMT_Q3K and compact.data.numel() == -(-n // 16) * (k // 32) * 228
+    np.testing.assert_array_equal(unpack(compact).view(np.uint32), unpack(wide).view(np.uint32))
+    x = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32))
+    for act in kernels.ACTIVATIONS:
+        assert torch.equal(kernels.qgemm(x, compact, isa, act), kernels.qgemm(x, wide, isa, act))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 53, 97])
+@pytest.mark.parametrize("n,k", [(40, 256), (33, 512), (16, 2048)])
+def test_q2_k_compact_blocks_equal_the_reference(isa, n, k, rows):
+    """FMT_Q2K keeps Q2_K's stored parts (2-bit values, 4-bit scales and mins per 16 inputs, float16 d, dmin per 256:
+    the file's 2.625 bits a weight) and its kernels give the exact-activation reference of ``gguf.quants.dequantize``'s
+    weights, on every path, both activations, row counts across the row tiles and the AMX tiles."""
+    t = _gguf_tensor(formats.Q2_K, n, k, seed=rows)
+    layer = make_linear_method(t)
+    assert layer.path == _path("q2_k", isa) and layer.packed.fmt == P.FMT_Q2K
+    assert layer.packed.data.numel() * 8 == -(-n // 16) * 16 * k * 2.625
+    w = gguf.quants.dequantize(t.raw, formats.Q2_K).reshape(n, k)
+    np.testing.assert_array_equal(layer.dequantized().view(np.uint32), w.view(np.uint32))
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    x[0, 3] = -25.0
+    _check(layer, x, w.astype(np.float64))
 
 
 @pytest.mark.parametrize("qtype,kind,fmt", [(formats.Q5_0, "q5_0", P.FMT_Q5F), (formats.Q5_1, "q5_1", P.FMT_Q5F),
@@ -520,8 +552,8 @@ def emulated(tmp_path_factory):
 
 def _random_packed(kind, n, k, rng):
     """A random packed weight of ``kind`` (``q4``: float16 scales and mins, ``q4f``: float32 ones, ``q8``, ``int8``:
-    q8 with per-output scales, ``q6``: Q6_K's values, k a multiple of 256, ``q5f``: Q5_K's, ``q4k``: Q4_K's
-    stored parts, k a multiple of 256) ``[n, k]``, and its dequantized float64
+    q8 with per-output scales, ``q6``: Q6_K's values, k a multiple of 256, ``q5f``: Q5_K's, ``q4k``, ``q2k``: Q4_K's,
+    Q2_K's stored parts, ``q3k``: Q3_K's values, k a multiple of 256) ``[n, k]``, and its dequantized float64
     values."""
     nb = k // 32
     if kind in ("q4", "q4f"):
@@ -541,6 +573,13 @@ def _random_packed(kind, n, k, rng):
         q = rng.integers(0, 64, (n, k), dtype=np.uint8)
         sc = rng.integers(-128, 128, (n, k // 16)).astype(np.int8)
         packed = P.pack_q6(q, sc, (rng.random((n, k // 256)) * 0.01 + 0.001).astype(np.float16))
+    elif kind == "q3k":
+        packed = P.pack_q3k(rng.integers(28, 36, (n, k), dtype=np.uint8), rng.integers(-32, 32, (n, k // 16)).astype(np.int8),
+                            (rng.random((n, k // 256)) * 0.01 + 0.001).astype(np.float16))
+    elif kind == "q2k":
+        q = rng.integers(0, 4, (n, k), dtype=np.uint8)
+        packed = P.pack_q2k(q, rng.integers(0, 256, (n, k // 16), dtype=np.uint8),
+                            (rng.random((n, k // 256, 2)) * 0.01 + 0.001).astype(np.float16))
     elif kind == "mx4":
         packed = P.pack_mx4(rng.integers(0, 16, (n, k), dtype=np.uint8), rng.integers(104, 144, (n, nb), dtype=np.uint8))
     else:
@@ -562,7 +601,7 @@ def _run(lib, packed, isa_id, act, x):
     return y[:, : packed.out_features].numpy()
 
 
-EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6", "q5f", "q4k", "mx4"]
+EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6", "q5f", "q4k", "mx4", "q2k", "q3k"]
 
 
 @pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
@@ -571,7 +610,7 @@ EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6", "q5f", "q4k", "mx4"]
 def test_avx512_vnni_path_logic_under_emulation(emulated, kind, rows, act):
     """The AVX-512 VNNI code (isa 2) run through SIMDe on this CPU: equal to the exact-activation reference."""
     rng = np.random.default_rng(rows)
-    k = 256 if kind in ("q6", "q4k") else 96
+    k = 256 if kind in ("q6", "q4k", "q2k", "q3k") else 96
     packed, w = _random_packed(kind, 40, k, rng)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     got = _run(emulated, packed, 2, act, x).astype(np.float64)
@@ -589,7 +628,7 @@ def test_emulation_gives_the_native_bits(emulated, kind, act):
     lib = kernels.load()
     for rows in ROWS:
         rng = np.random.default_rng(rows)
-        k = 256 if kind in ("q6", "q4k") else 96
+        k = 256 if kind in ("q6", "q4k", "q2k", "q3k") else 96
         packed, _ = _random_packed(kind, 40, k, rng)
         x = rng.standard_normal((rows, k)).astype(np.float32)
         for isa_id in (1, 2):
@@ -607,7 +646,7 @@ def test_amx_path_logic_under_emulation(emulated, kind, rows, act):
     bit for bit to the (emulated) AVX-512 VNNI path, at 5 output groups (the threads' shares differ in size)."""
     assert emulated.kvserve_q_isa_supported(3) == 1
     rng = np.random.default_rng(100 + rows)
-    k = 256 if kind in ("q6", "q4k") else 128
+    k = 256 if kind in ("q6", "q4k", "q2k", "q3k") else 128
     packed, w = _random_packed(kind, 72, k, rng)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[0, :3] = (40.0, -40.0, 0.0)
@@ -633,11 +672,11 @@ def test_amx_equals_avx512_vnni_bit_for_bit(kind, act):
 
 
 @pytest.mark.parametrize("qtype", [formats.Q4_1, formats.Q8_0, formats.Q4_K, formats.Q6_K, formats.Q5_K, formats.Q3_K,
-                                   formats.MXFP4])
+                                   formats.MXFP4, formats.Q2_K])
 def test_a_row_gives_the_same_bits_alone_and_in_any_tile(isa, qtype):
     """Batch invariance of the matmul: a row's output does not depend on the other rows of the call, nor on its
     place in a row tile (1 to 4 or 6 rows; 16-row AMX tiles, their tails and 32-row chunks)."""
-    k = 512 if qtype in (formats.Q4_K, formats.Q6_K, formats.Q5_K, formats.Q3_K) else 288
+    k = 512 if qtype in (formats.Q4_K, formats.Q6_K, formats.Q5_K, formats.Q3_K, formats.Q2_K) else 288
     layer = make_linear_method(_gguf_tensor(qtype, 48, k, seed=11))
     x = torch.from_numpy(np.random.default_rng(5).standard_normal((53, k)).astype(np.float32))
     whole = layer(x)

@@ -35,6 +35,12 @@
  *       super-blocks (nb * 296 bytes: block_bytes) and block i of a run of groups is at q4k_block(w, i). The tiles
  *       form d_w = d * sc and m_w = -(dmin * mn) per block and 16 outputs: products of an 11-bit and a 6-bit value,
  *       exact in float32, so the same floats as Q4F's stored ones and the same outputs bit for bit.
+ *   Q3K (GGUF Q3_K, w = d sc (q - 4), q in 0..7; 3.5625 bits a weight against the file's 3.4375): per group,
+ *       super-blocks of 8 blocks: fp16 d[16], then 8 blocks of 224 bytes: int8 sc[2][16] (sc_lo, sc_hi), 128 bytes of
+ *       the low 2 bits of q (as the Q6 block's high fields), 64 bytes of third bits (as Q5F's fifth bits). The Q6 tiles
+ *       run it (their f32s argument 1: q6_block, q6_sc, q6_d, q3k_unpack_*), with the Q6 values' bits.
+ *   Q2K (GGUF Q2_K as stored, 2.625 bits a weight as the file): super-blocks as Q4K's (fp16 d[16], dmin[16]) of 8
+ *       blocks of 160 bytes; its tiles are in qgemm_q2k.h (layout and arithmetic there). MX4 (MXFP4): qgemm_mx4.h.
  * Four consecutive input features of 16 (AVX-512) or 8 (AVX2, half a group) outputs are one vector, and one
  * broadcast 4-byte group of the activation multiplies all of them (the interleaved layout of llama.cpp's
  * ggml-cpu repack "q4_0_8x8"): each output's sum lands in its own 32-bit lane, so no horizontal sums, and the
@@ -96,6 +102,17 @@ static inline const uint8_t *q4k_block(const uint8_t *w, int64_t i) {
     return w + (i >> 3) * Q4K_SUPER + 64 + (i & 7) * Q4K_BLOCK;
 }
 static inline const uint8_t *q4k_super(const uint8_t *w, int64_t i) { return w + (i >> 3) * Q4K_SUPER; }
+
+/* The Q6 tiles' blocks: Q6 (q3k 0) or Q3K (q3k 1: GGUF Q3_K as stored, w = d sc (q - 4), q in 0..7, int8 sc per 16
+ * inputs, fp16 d per 256 in a super-block header of 8 blocks). Block i of a group at w, its sub-block scales sc_lo
+ * (inputs 0..15; sc_hi 16 bytes on) and its outputs' fp16 d[16]. */
+static inline const uint8_t *q6_block(const uint8_t *w, int64_t i, int q3k) {
+    return q3k ? w + (i >> 3) * Q3K_SUPER + Q3K_SB_BLOCKS + (i & 7) * Q3K_BLOCK : w + i * Q6_BLOCK;
+}
+static inline const uint8_t *q6_sc(const uint8_t *blk, int q3k) { return blk + (q3k ? Q3K_SC : Q6_SC_LO); }
+static inline const uint8_t *q6_d(const uint8_t *w, int64_t i, int q3k) {
+    return q3k ? w + (i >> 3) * Q3K_SUPER + Q3K_SB_D : w + i * Q6_BLOCK + Q6_D;
+}
 
 /* A Q4K block's d_w = d * sc and m_w = -(dmin * mn) of outputs 8 h .. 8 h + 7 (blk: the block, sb: its super-block;
  * exact in float32: the floats a Q4F block stores). The AVX2 tile's and q4k_group_to_q4f's. */
@@ -347,6 +364,18 @@ T_AVX2 INLINE void q6_unpack_avx2(const uint8_t *blk, int j, int half, __m256i *
                                           _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)), off);
 }
 
+/* Step j of a Q3K block (8 outputs of half `half`): the signed weights q - 4 of inputs 4j + i (lo) and 16 + 4j + i
+ * (hi), from the 2-bit fields and the plane of third bits. */
+T_AVX2 INLINE void q3k_unpack_avx2(const uint8_t *blk, int j, int half, __m256i *lo, __m256i *hi) {
+    const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+    const __m256i raw = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(blk + Q3K_QS + (j >> 1) * 64 + half * 32)),
+                                          4 * (j & 1));
+    const __m256i hb = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(blk + Q3K_QH + half * 32)), 2 * j);
+    *lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, m2), _mm256_and_si256(_mm256_slli_epi16(hb, 2), b2)), b2);
+    *hi = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 2), m2),
+                                          _mm256_and_si256(_mm256_slli_epi16(hb, 1), b2)), b2);
+}
+
 /* a##i (q1) and c##i (q2): sum_k sc q_w q_x in int32, the scale applied by madd (|pair sum| <= 2 * 32 * 127). */
 #define A2_Q6_STEP(i)                                                                                   \
     if (mr > i) {                                                                                       \
@@ -369,21 +398,23 @@ T_AVX2 INLINE void q6_unpack_avx2(const uint8_t *blk, int j, int half, __m256i *
 T_AVX2 INLINE void q6_avx2_tile(const uint8_t *wg, int64_t nb, int half, const int8_t *xq, const float *xd,
                                 const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale, const int mr,
                                 const int f32s, const int pair) {
-    (void)xs, (void)f32s;
+    (void)xs;
+    const int q3k = f32s, bb = q3k ? Q3K_AVG_BLOCK : Q6_BLOCK; /* f32s 1: Q3K blocks */
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A2_ROWS(A2_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + b * Q6_BLOCK;
-        if (!half) PREFETCH(blk, Q6_BLOCK)
-        const __m256i slo = q6_scales_avx2(blk + 32 + half * 8), shi = q6_scales_avx2(blk + 48 + half * 8);
+        const uint8_t *blk = q6_block(wg, b, q3k), *sc = q6_sc(blk, q3k);
+        if (!half) PREFETCH(wg + b * bb, bb)
+        const __m256i slo = q6_scales_avx2(sc + half * 8), shi = q6_scales_avx2(sc + G + half * 8);
         A2_ROWS(A2_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
             __m256i wlo, whi;
-            q6_unpack_avx2(blk, j, half, &wlo, &whi);
+            if (q3k) q3k_unpack_avx2(blk, j, half, &wlo, &whi);
+            else q6_unpack_avx2(blk, j, half, &wlo, &whi);
             const __m256i alo = _mm256_abs_epi8(wlo), ahi = _mm256_abs_epi8(whi);
             A2_ROWS(A2_Q6_STEP)
         }
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + half * 16)));
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(q6_d(wg, b, q3k) + half * 16)));
         A2_ROWS(A2_Q6_END)
     }
     A2_ROWS(A2_STORE)
@@ -422,6 +453,9 @@ T_AVX2 static void group_avx2(int fmt, int pair, const uint8_t *wg, int64_t nb, 
             if (fmt == FMT_Q6) {
                 if (pair) { switch (mr) { TILE_SWITCH4(q6_avx2_tile, 0, 1, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os) } }
                 else { switch (mr) { TILE_SWITCH4(q6_avx2_tile, 0, 0, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os) } }
+            } else if (fmt == FMT_Q3K) {
+                if (pair) { switch (mr) { TILE_SWITCH4(q6_avx2_tile, 1, 1, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os) } }
+                else { switch (mr) { TILE_SWITCH4(q6_avx2_tile, 1, 0, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os) } }
             } else {
                 TILE_DISPATCH(TILE_SWITCH4, q4_avx2_tile, q8_avx2_tile, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, os)
             }
@@ -560,6 +594,16 @@ T_AVX512 INLINE void q6_unpack_avx512(const uint8_t *blk, int j, __m512i *lo, __
                                           _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30)), off);
 }
 
+/* Step j of a Q3K block (16 outputs): as q3k_unpack_avx2; also the AMX path's B tiles. */
+T_AVX512 INLINE void q3k_unpack_avx512(const uint8_t *blk, int j, __m512i *lo, __m512i *hi) {
+    const __m512i m2 = _mm512_set1_epi8(3), b2 = _mm512_set1_epi8(4);
+    const __m512i raw = _mm512_srli_epi16(_mm512_loadu_si512((const void *)(blk + Q3K_QS + (j >> 1) * 64)), 4 * (j & 1));
+    const __m512i hb = _mm512_srli_epi16(_mm512_loadu_si512((const void *)(blk + Q3K_QH)), 2 * j);
+    *lo = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(raw, m2), _mm512_and_si512(_mm512_slli_epi16(hb, 2), b2)), b2);
+    *hi = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 2), m2),
+                                          _mm512_and_si512(_mm512_slli_epi16(hb, 1), b2)), b2);
+}
+
 /* The float value of a Q6 block's dot products, before d_w d_x: the halves' exact integer sums (lo, hi; q2's in lo2,
  * hi2 with pair) times their sub-block scales, then 254 t1 + t2 in float. Shared by the VNNI and AMX tiles, so the
  * two give the same bits. */
@@ -600,33 +644,72 @@ T_AVX512 INLINE __m512 q6_scales(const uint8_t *p) {
 T_AVX512 INLINE void q6_avx512_tile(const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
                                     const float *xs, int64_t K, float *y, int64_t ldy, const float *oscale,
                                     const int mr, const int f32s, const int pair) {
-    (void)xs, (void)f32s;
+    (void)xs;
+    const int q3k = f32s, bb = q3k ? Q3K_AVG_BLOCK : Q6_BLOCK; /* f32s 1: Q3K blocks */
     const __m512i bias = _mm512_set1_epi8((char)0x80);
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
     A6_ROWS(A5_ZERO_F)
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + b * Q6_BLOCK;
-        PREFETCH(blk, Q6_BLOCK)
+        const uint8_t *blk = q6_block(wg, b, q3k);
+        PREFETCH(wg + b * bb, bb)
         __m512i clo = _mm512_setzero_si512(), chi = clo; /* 128 * sum of each half's weights, per output */
         A6_ROWS(A6_ZERO_A)
         _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
             __m512i wlo, whi;
-            q6_unpack_avx512(blk, j, &wlo, &whi);
+            if (q3k) q3k_unpack_avx512(blk, j, &wlo, &whi);
+            else q6_unpack_avx512(blk, j, &wlo, &whi);
             clo = _mm512_dpbusd_epi32(clo, bias, wlo);
             chi = _mm512_dpbusd_epi32(chi, bias, whi);
             A6_ROWS(A6_STEP)
         }
-        const __m512 slo = q6_scales(blk + 32), shi = q6_scales(blk + 48);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 slo = q6_scales(q6_sc(blk, q3k)), shi = q6_scales(q6_sc(blk, q3k) + G);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)q6_d(wg, b, q3k)));
         A6_ROWS(A6_END)
     }
     A6_ROWS(A5_STORE)
 }
 
+/* A format's own group functions over M rows (as group_avx2 / group_avx512 do for the others): fn_avx2 over 8-output
+ * halves on MR2-row tiles, fn_avx512 over MR-row tiles (SW: TILE_SWITCH4 / TILE_SWITCH6); no per-output scale. */
+#define DEFINE_GROUP_AVX2(fn, tile)                                                                     \
+    T_AVX2 static void fn(int pair, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,    \
+                          const float *xs, int64_t M, int64_t K, float *y, int64_t ldy) {               \
+        const float *oscale = NULL;                                                                     \
+        for (int64_t m0 = 0; m0 < M; m0 += MR2) {                                                       \
+            int mr = (M - m0) < MR2 ? (int)(M - m0) : MR2;                                              \
+            for (int half = 0; half < 2; half++) {                                                      \
+                const int8_t *xq_ = xq + m0 * K * (pair ? 2 : 1);                                       \
+                const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;                                   \
+                float *y_ = y + m0 * ldy + half * 8;                                                    \
+                if (pair) { switch (mr) { TILE_SWITCH4(tile, 0, 1, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, oscale) } } \
+                else { switch (mr) { TILE_SWITCH4(tile, 0, 0, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, oscale) } } \
+            }                                                                                           \
+        }                                                                                               \
+    }
+#define DEFINE_GROUP_AVX512(fn, tile, MR, SW)                                                           \
+    T_AVX512 static void fn(int pair, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,  \
+                            const float *xs, int64_t M, int64_t K, float *y, int64_t ldy) {             \
+        const float *oscale = NULL;                                                                     \
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {                                                        \
+            int mr = (M - m0) < MR ? (int)(M - m0) : MR;                                                \
+            const int8_t *xq_ = xq + m0 * K * (pair ? 2 : 1);                                           \
+            const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;                                       \
+            float *y_ = y + m0 * ldy;                                                                   \
+            if (pair) { switch (mr) { SW(tile, 0, 1, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }      \
+            else { switch (mr) { SW(tile, 0, 0, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }           \
+        }                                                                                               \
+    }
+
+#include "qgemm_q2k.h"
+
 T_AVX512 static void group_avx512(int fmt, int pair, const uint8_t *wg, int64_t nb, const int8_t *xq,
                                   const float *xd, const float *xs, int64_t M, int64_t K, float *y, int64_t ldy,
                                   const float *oscale) {
-    const int64_t mr_max = fmt == FMT_Q6 ? MR6 : MR5;
+    if (fmt == FMT_Q2K) { /* its own tiles (qgemm_q2k.h) */
+        q2k_group_avx512(pair, wg, nb, xq, xd, xs, M, K, y, ldy);
+        return;
+    }
+    const int64_t mr_max = fmt == FMT_Q6 || fmt == FMT_Q3K ? MR6 : MR5;
     for (int64_t m0 = 0; m0 < M; m0 += mr_max) {
         int mr = (M - m0) < mr_max ? (int)(M - m0) : (int)mr_max;
         const int8_t *xq_ = xq + m0 * K * (pair ? 2 : 1);
@@ -635,6 +718,9 @@ T_AVX512 static void group_avx512(int fmt, int pair, const uint8_t *wg, int64_t 
         if (fmt == FMT_Q6) {
             if (pair) { switch (mr) { TILE_SWITCH4(q6_avx512_tile, 0, 1, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }
             else { switch (mr) { TILE_SWITCH4(q6_avx512_tile, 0, 0, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }
+        } else if (fmt == FMT_Q3K) {
+            if (pair) { switch (mr) { TILE_SWITCH4(q6_avx512_tile, 1, 1, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }
+            else { switch (mr) { TILE_SWITCH4(q6_avx512_tile, 1, 0, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }
         } else {
             TILE_DISPATCH(TILE_SWITCH6, q4_avx512_tile, q8_avx512_tile, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale)
         }
@@ -660,9 +746,14 @@ static int64_t block_bytes(int fmt) {
     case FMT_Q5F: return Q5F_BLOCK;
     case FMT_Q4K: return Q4K_AVG_BLOCK; /* per block on average: the group stride is nb * this */
     case FMT_MX4: return MX4_BLOCK;
+    case FMT_Q2K: return Q2K_AVG_BLOCK; /* as FMT_Q4K */
+    case FMT_Q3K: return Q3K_AVG_BLOCK;
     default: return 0;
     }
 }
+
+/* K must be a multiple of this for fmt: a super-block layout's 256 inputs, else one block. */
+static int64_t k_multiple(int fmt) { return fmt == FMT_Q4K || fmt == FMT_Q2K || fmt == FMT_Q3K ? 8 * QK : QK; }
 
 #include "qgemm_amx.h"
 #include "qgemm_mx4.h"
@@ -705,13 +796,13 @@ int kvserve_q_isa_supported(int isa) {
     return 0;
 }
 
-/* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F, FMT_Q5F, FMT_Q8, FMT_Q6 or
- * FMT_Q4K, N a multiple of 16, K of 32 (FMT_Q4K: of 256)), activations quantized as `act` (ACT_INT8 or ACT_PAIR). oscale: NULL, or N floats
+/* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F, FMT_Q5F, FMT_Q8, FMT_Q6,
+ * FMT_Q4K, FMT_MX4, FMT_Q2K or FMT_Q3K, N a multiple of 16, K of 32 (FMT_Q4K, FMT_Q2K, FMT_Q3K: of 256)), activations quantized as `act` (ACT_INT8 or ACT_PAIR). oscale: NULL, or N floats
  * multiplied into the outputs (per-channel int8). Returns 0, or -1 for bad arguments / an unsupported isa, -2 when
  * scratch memory could not be allocated (nothing written). */
 int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                   const float *oscale, float *y, int64_t ldy) {
-    if (!block_bytes(fmt) || (act != ACT_INT8 && act != ACT_PAIR) || K % (fmt == FMT_Q4K ? 8 * QK : QK) ||
+    if (!block_bytes(fmt) || (act != ACT_INT8 && act != ACT_PAIR) || K % k_multiple(fmt) ||
         N % G || M < 0 || ldy < N || !kvserve_q_isa_supported(isa))
         return -1;
     if (M == 0 || N == 0) return 0;
@@ -771,6 +862,8 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
                                : mx4_group_avx2(pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy);
                     else if (avx512)
                         group_avx512(f, pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy, os);
+                    else if (fmt == FMT_Q2K)
+                        q2k_group_avx2(pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy);
                     else
                         group_avx2(f, pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy, os);
                 }
@@ -784,21 +877,24 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
 
 /* out[t, K] = row rows[t] of a packed weight (fmt, K as for kvserve_qgemm), decoded to float32 as
  * kvserve/quant/pack.py's unpackers do: d q + m (FMT_Q4, FMT_Q4F, FMT_Q5F, FMT_Q4K), d q times oscale[row] when
- * given (FMT_Q8), (d sc) (q - 32) (FMT_Q6), kvalues[code] 2^(e - 128) (FMT_MX4), each product and sum rounded on
+ * given (FMT_Q8), (d sc) (q - 32) (FMT_Q6), kvalues[code] 2^(e - 128) (FMT_MX4), (d sc) q - dmin mn (FMT_Q2K), (d sc) (q - 4) (FMT_Q3K), each product and sum rounded on
  * its own (no fused multiply-add), so the bits equal numpy's. An embedding lookup from a tied LM head. Returns 0;
  * -1 for a bad fmt or K, -2 for a row outside [0, N) (nothing written). */
 T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(int fmt, const uint8_t *w, int64_t N,
                                                                               int64_t K, const float *oscale,
                                                                               const int64_t *rows, int64_t T,
                                                                               float *out) {
-    if (!block_bytes(fmt) || K <= 0 || K % (fmt == FMT_Q4K ? 8 * QK : QK)) return -1;
+    if (!block_bytes(fmt) || K <= 0 || K % k_multiple(fmt)) return -1;
     for (int64_t t = 0; t < T; t++)
         if (rows[t] < 0 || rows[t] >= N) return -2;
     const int64_t nb = K / QK, bb = block_bytes(fmt);
     for (int64_t t = 0; t < T; t++) {
         const int64_t r = rows[t], g = r / G, o = r % G;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = fmt == FMT_Q4K ? q4k_block(w, g * nb + b) : w + (g * nb + b) * bb;
+            const uint8_t *blk = fmt == FMT_Q4K   ? q4k_block(w, g * nb + b)
+                                 : fmt == FMT_Q2K ? q2k_block(w, g * nb + b)
+                                 : fmt == FMT_Q3K ? q6_block(w, g * nb + b, 1)
+                                                  : w + (g * nb + b) * bb;
             float *y = out + t * K + b * QK;
             if (fmt == FMT_Q8) {
                 const float d = _cvtsh_ss(((const uint16_t *)(blk + Q8_D))[o]);
@@ -815,6 +911,30 @@ T_AVX2 __attribute__((optimize("fp-contract=off"))) int kvserve_q_unpack_rows(in
                         const uint8_t byte = blk[MX4_QS + j * 64 + o * 4 + i];
                         y[j * 4 + i] = d * (float)MX4_KVALUES[byte & 0x0F];
                         y[16 + j * 4 + i] = d * (float)MX4_KVALUES[byte >> 4];
+                    }
+            } else if (fmt == FMT_Q2K) { /* (d sc) q - dmin mn per 16 inputs, as formats.q2_k_values */
+                const uint8_t *sb = q2k_super(w, g * nb + b);
+                const float d = _cvtsh_ss(((const uint16_t *)(sb + Q2K_SB_D))[o]);
+                const float dmin = _cvtsh_ss(((const uint16_t *)(sb + Q2K_SB_DMIN))[o]);
+                const uint8_t s0 = blk[Q2K_SCMN + o], s1 = blk[Q2K_SCMN + G + o];
+                const float dl0 = d * (float)(s0 & 0x0F), ml0 = dmin * (float)(s0 >> 4);
+                const float dl1 = d * (float)(s1 & 0x0F), ml1 = dmin * (float)(s1 >> 4);
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t h = blk[Q2K_QS + (j >> 1) * 64 + o * 4 + i] >> (4 * (j & 1));
+                        y[j * 4 + i] = dl0 * (float)(h & 3) - ml0;
+                        y[16 + j * 4 + i] = dl1 * (float)((h >> 2) & 3) - ml1;
+                    }
+            } else if (fmt == FMT_Q3K) { /* (d sc) (q - 4), as formats.dequantize */
+                const float d = _cvtsh_ss(((const uint16_t *)q6_d(w, g * nb + b, 1))[o]);
+                const float dlo = d * (float)((const int8_t *)blk)[Q3K_SC + o];
+                const float dhi = d * (float)((const int8_t *)blk)[Q3K_SC + G + o];
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t q = blk[Q3K_QS + (j >> 1) * 64 + o * 4 + i] >> (4 * (j & 1));
+                        const uint8_t h = blk[Q3K_QH + o * 4 + i] >> (2 * j);
+                        y[j * 4 + i] = dlo * (float)(((q & 3) | ((h & 1) << 2)) - 4);
+                        y[16 + j * 4 + i] = dhi * (float)((((q >> 2) & 3) | ((h & 2) << 1)) - 4);
                     }
             } else if (fmt == FMT_Q6) { /* (d sc) (q - 32), as formats.dequantize */
                 const float d = _cvtsh_ss(((const uint16_t *)(blk + Q6_D))[o]);

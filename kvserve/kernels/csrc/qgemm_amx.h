@@ -78,13 +78,13 @@ typedef struct {
     uint8_t rows[16];
 } amx_config;
 
-/* Q6 (amx_tile_q6): tiles 0, 1 the A tiles of a block's two 16-input halves (16 rows x 16 bytes), 2, 3 their B tiles
+/* Q6 (amx_tile_q6) and Q2K (amx_tile_q2k): tiles 0, 1 the A tiles of a block's two 16-input halves (16 rows x 16 bytes), 2, 3 their B tiles
  * (4 rows x 64 bytes), 4, 5 the halves' C tiles for q1 and 6, 7 for q2. */
 T_AMX static void amx_configure(int fmt) {
     amx_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    const int half = fmt == FMT_Q6;
+    const int half = fmt == FMT_Q6 || fmt == FMT_Q2K || fmt == FMT_Q3K;
     cfg.rows[0] = cfg.rows[1] = AMX_ROWS, cfg.colsb[0] = cfg.colsb[1] = half ? QK / 2 : QK;
     cfg.rows[2] = half ? QK / 8 : QK / 4, cfg.colsb[2] = 4 * G;
     if (half) cfg.rows[3] = QK / 8, cfg.colsb[3] = 4 * G;
@@ -110,16 +110,36 @@ T_AMX static void amx_unpack_q4(const uint8_t *w, int64_t n, int fmt, uint8_t *b
     }
 }
 
-/* The B tiles of n consecutive Q6 blocks (448 bytes each) as signed int8 (q - 32) to bq (512 bytes each): the
- * 16-input halves' 4 rows of 64 bytes, lo then hi (q6_unpack_avx512, the VNNI tile's vectors). */
-T_AMX static void amx_unpack_q6(const uint8_t *w, int64_t n, uint8_t *bq) {
+/* The B tiles of n consecutive Q6 blocks (448 bytes each; q3k: Q3K blocks, in whole super-blocks) as signed int8
+ * (q - 32; Q3K: q - 4) to bq (512 bytes each): the 16-input halves' 4 rows of 64 bytes, lo then hi (q6_unpack_avx512,
+ * q3k_unpack_avx512: the VNNI tile's vectors). */
+T_AMX static void amx_unpack_q6(const uint8_t *w, int64_t n, int q3k, uint8_t *bq) {
     for (int64_t i = 0; i < n; i++)
         for (int j = 0; j < 4; j++) {
             __m512i lo, hi;
-            q6_unpack_avx512(w + i * Q6_BLOCK, j, &lo, &hi);
+            if (q3k) q3k_unpack_avx512(q6_block(w, i, 1), j, &lo, &hi);
+            else q6_unpack_avx512(w + i * Q6_BLOCK, j, &lo, &hi);
             _mm512_store_si512((void *)(bq + i * 512 + j * 64), lo);
             _mm512_store_si512((void *)(bq + i * 512 + 256 + j * 64), hi);
         }
+}
+
+/* The B tiles of n consecutive Q2K blocks (whole super-blocks at w) to bq, 1024 bytes each: the values (unsigned,
+ * 0..3) of the 16-input halves, 4 rows of 64 bytes each, lo then hi (q2k_unpack_avx512), then each half's mins as 4
+ * equal rows (q2k_mins_avx512): the operands of the VNNI tile's steps. */
+T_AMX static void amx_unpack_q2k(const uint8_t *w, int64_t n, uint8_t *bq) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *blk = q2k_block(w, i);
+        const __m512i mlo = q2k_mins_avx512(blk, 0), mhi = q2k_mins_avx512(blk, 1);
+        for (int j = 0; j < 4; j++) {
+            __m512i lo, hi;
+            q2k_unpack_avx512(blk, j, &lo, &hi);
+            _mm512_store_si512((void *)(bq + i * 1024 + j * 64), lo);
+            _mm512_store_si512((void *)(bq + i * 1024 + 256 + j * 64), hi);
+            _mm512_store_si512((void *)(bq + i * 1024 + 512 + j * 64), mlo);
+            _mm512_store_si512((void *)(bq + i * 1024 + 768 + j * 64), mhi);
+        }
+    }
 }
 
 #define AX_ZERO_F(i) __m512 f##i = _mm512_setzero_ps();
@@ -189,7 +209,7 @@ T_AMX INLINE void amx_tile(const int fmt, const int pair, const uint8_t *wg, con
 
 /* 16 rows x one Q6 group (bq: its B tiles, amx_unpack_q6): per block, the halves' products into C tiles 4, 5 (q1) and
  * 6, 7 (q2), stored, then q6_fold and the float epilogue of the VNNI tile (A6_END): the same bits. */
-T_AMX INLINE void amx_tile_q6(const int pair, const uint8_t *wg, const uint8_t *bq, int64_t nb, const int8_t *xq,
+T_AMX INLINE void amx_tile_q6(const int q3k, const int pair, const uint8_t *wg, const uint8_t *bq, int64_t nb, const int8_t *xq,
                               const float *xd, int64_t K, float *y, int64_t ldy, const float *oscale) {
     _Alignas(64) int32_t cbuf[4 * AMX_ROWS * G];
     const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
@@ -217,10 +237,58 @@ T_AMX INLINE void amx_tile_q6(const int pair, const uint8_t *wg, const uint8_t *
             _tile_stored(6, cbuf + 512, 4 * G);
             _tile_stored(7, cbuf + 768, 4 * G);
         }
-        const uint8_t *blk = wg + b * Q6_BLOCK;
-        const __m512 slo = q6_scales(blk + 32), shi = q6_scales(blk + 48);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const uint8_t *sc = q6_sc(q6_block(wg, b, q3k), q3k);
+        const __m512 slo = q6_scales(sc), shi = q6_scales(sc + G);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)q6_d(wg, b, q3k)));
         AX_ROWS(AX_Q6_END)
+    }
+    AX_ROWS(AX_STORE)
+}
+
+#define AX_Q2K_END(i)                                                                                   \
+    {                                                                                                   \
+        const int32_t *c = cbuf + (i) * G;                                                              \
+        const __m512i z = _mm512_setzero_si512();                                                       \
+        const __m512 t = q2k_fold(_mm512_load_si512((const void *)c), _mm512_load_si512((const void *)(c + 256)), \
+                                  _mm512_load_si512((const void *)(c + 512)),                            \
+                                  pair ? _mm512_load_si512((const void *)(c + 768)) : z,                \
+                                  pair ? _mm512_load_si512((const void *)(c + 1024)) : z,               \
+                                  pair ? _mm512_load_si512((const void *)(c + 1280)) : z, sclo, schi, dw, mw, pair); \
+        f##i = _mm512_fmadd_ps(t, _mm512_set1_ps(xd[(i) * nb + b]), f##i);                              \
+    }
+
+/* 16 rows x one Q2K group (bq: its B tiles, amx_unpack_q2k). Per block and activation part (q1, then q2 with pair):
+ * the halves' A tiles (0, 1) times the values' B tiles into C tiles 4, 5 (S_lo, S_hi) and times the mins' B tiles
+ * into C tile 6 (T), stored; then q2k_fold and the VNNI tile's epilogue (A5Q2_END): the same bits. */
+T_AMX INLINE void amx_tile_q2k(const int pair, const uint8_t *wg, const uint8_t *bq, int64_t nb, const int8_t *xq,
+                               const float *xd, int64_t K, float *y, int64_t ldy, const float *oscale) {
+    _Alignas(64) int32_t cbuf[6 * AMX_ROWS * G];
+    const int64_t xrow = pair ? 2 * K : K, xblk = pair ? 2 * QK : QK;
+    AX_ROWS(AX_ZERO_F)
+    for (int64_t b = 0; b < nb; b++) {
+        for (int p = 0; p <= pair; p++) {
+            _tile_loadd(0, xq + b * xblk + p * QK, xrow);
+            _tile_loadd(1, xq + b * xblk + p * QK + QK / 2, xrow);
+            _tile_loadd(2, bq + b * 1024, 4 * G);
+            _tile_loadd(3, bq + b * 1024 + 256, 4 * G);
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_dpbsud(4, 0, 2);
+            _tile_dpbsud(5, 1, 3);
+            _tile_loadd(2, bq + b * 1024 + 512, 4 * G);
+            _tile_loadd(3, bq + b * 1024 + 768, 4 * G);
+            _tile_dpbsud(6, 0, 2);
+            _tile_dpbsud(6, 1, 3);
+            _tile_stored(4, cbuf + p * 768, 4 * G);
+            _tile_stored(5, cbuf + p * 768 + 256, 4 * G);
+            _tile_stored(6, cbuf + p * 768 + 512, 4 * G);
+        }
+        const uint8_t *blk = q2k_block(wg, b);
+        const __m512 sclo = q2k_scales_avx512(blk, 0), schi = q2k_scales_avx512(blk, 1);
+        __m512 dw, mw;
+        q2k_dmin_avx512(q2k_super(wg, b), &dw, &mw);
+        AX_ROWS(AX_Q2K_END)
     }
     AX_ROWS(AX_STORE)
 }
@@ -236,8 +304,14 @@ T_AMX static void group_amx(int fmt, int pair, const uint8_t *wg, int64_t nb, co
         const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
         float *y_ = y + m0 * ldy;
         if (fmt == FMT_Q6) {
-            if (pair) amx_tile_q6(1, wg, bq, nb, xq_, xd_, K, y_, ldy, oscale);
-            else amx_tile_q6(0, wg, bq, nb, xq_, xd_, K, y_, ldy, oscale);
+            if (pair) amx_tile_q6(0, 1, wg, bq, nb, xq_, xd_, K, y_, ldy, oscale);
+            else amx_tile_q6(0, 0, wg, bq, nb, xq_, xd_, K, y_, ldy, oscale);
+        } else if (fmt == FMT_Q3K) {
+            if (pair) amx_tile_q6(1, 1, wg, bq, nb, xq_, xd_, K, y_, ldy, oscale);
+            else amx_tile_q6(1, 0, wg, bq, nb, xq_, xd_, K, y_, ldy, oscale);
+        } else if (fmt == FMT_Q2K) {
+            if (pair) amx_tile_q2k(1, wg, bq, nb, xq_, xd_, K, y_, ldy, oscale);
+            else amx_tile_q2k(0, wg, bq, nb, xq_, xd_, K, y_, ldy, oscale);
         } else if (fmt == FMT_Q8) {
             if (pair) amx_tile(FMT_Q8, 1, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
             else amx_tile(FMT_Q8, 0, wg, bq, nb, xq_, xd_, xs_, K, y_, ldy, oscale);
@@ -273,14 +347,15 @@ T_AMX static void amx_rows(int fmt, int pair, const uint8_t *w, int64_t nb, int6
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num(), per = (groups + nth - 1) / nth;
     const int64_t g0 = tid * per < groups ? tid * per : groups, g1 = g0 + per < groups ? g0 + per : groups;
     if (g0 >= g1) return;
-    uint8_t *bq = fmt == FMT_Q8 ? NULL : aligned_alloc(64, (size_t)(nb * 512));
+    uint8_t *bq = fmt == FMT_Q8 ? NULL : aligned_alloc(64, (size_t)(nb * (fmt == FMT_Q2K ? 1024 : 512)));
     const int tiles = fmt == FMT_Q8 || bq;
     if (tiles) amx_configure(fmt);
     for (int64_t c0 = 0; c0 < M; c0 += mc) {
         const int64_t rows = M - c0 < mc ? M - c0 : mc;
         for (int64_t g = g0; g < g1; g++) {
             const uint8_t *wg = w + g * nb * bb;
-            if (bq && fmt == FMT_Q6) amx_unpack_q6(wg, nb, bq);
+            if (bq && (fmt == FMT_Q6 || fmt == FMT_Q3K)) amx_unpack_q6(wg, nb, fmt == FMT_Q3K, bq);
+            else if (bq && fmt == FMT_Q2K) amx_unpack_q2k(wg, nb, bq);
             else if (bq) amx_unpack_q4(wg, nb, fmt, bq);
             group_amx(fmt, pair, wg, nb, xq + c0 * xrow, xd + c0 * nb, xs + c0 * nb, rows, K, y + c0 * ldy + g * G,
                       ldy, oscale ? oscale + g * G : NULL, bq, tiles);

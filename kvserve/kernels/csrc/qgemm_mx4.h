@@ -112,33 +112,8 @@ T_AVX2 INLINE void mx4_avx2_tile(const uint8_t *wg, int64_t nb, int half, const 
 }
 
 /* One MX4 group over M rows on the VNNI (avx512) or AVX2 tiles, as group_avx512 / group_avx2 do for the others. */
-T_AVX2 static void mx4_group_avx2(int pair, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
-                                  const float *xs, int64_t M, int64_t K, float *y, int64_t ldy) {
-    const float *oscale = NULL;
-    for (int64_t m0 = 0; m0 < M; m0 += MR2) {
-        int mr = (M - m0) < MR2 ? (int)(M - m0) : MR2;
-        for (int half = 0; half < 2; half++) {
-            const int8_t *xq_ = xq + m0 * K * (pair ? 2 : 1);
-            const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
-            float *y_ = y + m0 * ldy + half * 8;
-            if (pair) { switch (mr) { TILE_SWITCH4(mx4_avx2_tile, 0, 1, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, oscale) } }
-            else { switch (mr) { TILE_SWITCH4(mx4_avx2_tile, 0, 0, wg, nb, half, xq_, xd_, xs_, K, y_, ldy, oscale) } }
-        }
-    }
-}
-
-T_AVX512 static void mx4_group_avx512(int pair, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *xd,
-                                      const float *xs, int64_t M, int64_t K, float *y, int64_t ldy) {
-    const float *oscale = NULL;
-    for (int64_t m0 = 0; m0 < M; m0 += MR5) {
-        int mr = (M - m0) < MR5 ? (int)(M - m0) : MR5;
-        const int8_t *xq_ = xq + m0 * K * (pair ? 2 : 1);
-        const float *xd_ = xd + m0 * nb, *xs_ = xs + m0 * nb;
-        float *y_ = y + m0 * ldy;
-        if (pair) { switch (mr) { TILE_SWITCH6(mx4_avx512_tile, 0, 1, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }
-        else { switch (mr) { TILE_SWITCH6(mx4_avx512_tile, 0, 0, wg, nb, xq_, xd_, xs_, K, y_, ldy, oscale) } }
-    }
-}
+DEFINE_GROUP_AVX2(mx4_group_avx2, mx4_avx2_tile)
+DEFINE_GROUP_AVX512(mx4_group_avx512, mx4_avx512_tile, MR5, TILE_SWITCH6)
 
 /* The AMX path for MX4 (inside kvserve_qgemm's parallel region, every thread): as amx_rows, with this thread's
  * contiguous share of the groups expanded to Q8 blocks once per call (mx4_group_to_q8), then the Q8 tiles over them:
