@@ -26,7 +26,10 @@ interpreter, ``--llama-python``, in a subprocess) in turn, the same thread count
   ``int8x2``, 15 bits a value, twice the integer products);
 - ``--cpu-isa avx2``: kvserve's AVX2 kernels (matmuls and attention) on a CPU that has more;
 - kvserve only (llama-cpp-python serialises requests): output tokens/s of ``--concurrency`` requests of
-  ``--prompt-tokens`` / ``--decode-tokens`` submitted at once.
+  ``--prompt-tokens`` / ``--decode-tokens`` submitted at once;
+- ``--measure moe_ab`` (a mixture of experts, kvserve only): batch-1 decode step time with the routed experts on
+  the grouped kernel (``kvserve.layers.grouped_experts``) and on one matmul call per chosen expert and projection
+  (the path before it), interleaved on the same engine, ``--rounds`` each, and whether their tokens agree.
 
 Results: docs/performance.md ("1B and 3B models").
 """
@@ -381,6 +384,8 @@ def kvserve_measure(path: Path, args, rng, num_threads: int, measure=None, **eng
             llm.generate([p], sp)
             best = min(best, time.perf_counter() - t)
         out["prefill_tps"] = args.prefill_tokens / best
+    if "moe_ab" in measure:
+        out["moe_ab"] = moe_ab(llm, args, rng, vocab)
     if "throughput" in measure:
         out["throughput"] = {}
         sp = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
@@ -392,6 +397,35 @@ def kvserve_measure(path: Path, args, rng, num_threads: int, measure=None, **eng
             out["throughput"][c] = sum(len(o.outputs[0].token_ids) for o in outs) / wall
     del llm, engine
     torch.set_num_threads(num_threads)
+    return out
+
+
+def moe_ab(llm, args, rng, vocab: int) -> dict:
+    """Batch-1 decode step ms of the grouped expert kernel and of the per-expert path (``MoE.grouped`` set and
+    ``None``), alternating on one engine, ``args.rounds`` rounds, a fresh prompt each round (both paths the same
+    one): ``{"grouped_ms": [...], "per_expert_ms": [...], "same_tokens": bool}``; empty for a dense model."""
+    from kvserve import SamplingParams
+
+    moes = [layer["moe"] for layer in llm.llm_engine.model.layers if layer.get("moe") is not None]
+    grouped = [m.grouped for m in moes]
+    if not moes or any(g is None for g in grouped):
+        return {}
+    sp = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    out = {"grouped_ms": [], "per_expert_ms": [], "same_tokens": True}
+    try:
+        for _ in range(args.rounds):
+            p = _prompt(rng, args.prompt_tokens, vocab)
+            ids = []
+            for key, kernels in (("grouped_ms", grouped), ("per_expert_ms", [None] * len(moes))):
+                for m, g in zip(moes, kernels):
+                    m.grouped = g
+                o = llm.generate([p], sp)[0]
+                out[key].append(1e3 * o.metrics.tpot)
+                ids.append(list(o.outputs[0].token_ids))
+            out["same_tokens"] &= ids[0] == ids[1]
+    finally:
+        for m, g in zip(moes, grouped):
+            m.grouped = g
     return out
 
 
@@ -496,7 +530,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--formats", type=_csv(str), default=DEFAULT_FORMATS,
                    help=f"comma-separated, of {tuple(FORMATS)} (mxfp4: mixture-of-experts sizes only)")
     p.add_argument("--measure", type=_csv(str), default=["decode", "prefill", "throughput"],
-                   help="comma-separated, of decode, prefill, throughput")
+                   help="comma-separated, of decode, prefill, throughput, moe_ab")
     p.add_argument("--engines", type=_csv(str), default=["kvserve", "llama.cpp"], help="comma-separated")
     p.add_argument("--write-only", action="store_true", help="write the files and stop")
     p.add_argument("--rewrite", action="store_true", help="write the files even if they exist")
@@ -517,7 +551,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama-worker", nargs=2, metavar=("FILE", "PARAMS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name, vals, allowed in (("--sizes", args.sizes, SHAPES), ("--formats", args.formats, FORMATS),
-                                ("--measure", args.measure, ("decode", "prefill", "throughput")),
+                                ("--measure", args.measure, ("decode", "prefill", "throughput", "moe_ab")),
                                 ("--engines", args.engines, ("kvserve", "llama.cpp")),
                                 ("--prefill-activations", args.prefill_activations, ("int8", "int8x2"))):
         bad = [v for v in vals if v not in allowed]
@@ -600,6 +634,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"llama.cpp {lc['system_info'].strip()}\n")
     print(format_table(rows, args.concurrency if "throughput" in args.measure else [],
                        tuple(args.prefill_activations) if "prefill" in args.measure else ()))
+    for r in rows:
+        ab = r["kvserve"].get("moe_ab")
+        if ab:
+            g, e = sorted(ab["grouped_ms"]), sorted(ab["per_expert_ms"])
+            print(f"\n{r['file']} batch-1 decode step, interleaved ({args.rounds} rounds each): grouped expert kernel "
+                  f"{g[len(g) // 2]:.1f} ms (best {g[0]:.1f}), per-expert calls {e[len(e) // 2]:.1f} ms (best "
+                  f"{e[0]:.1f}): {e[len(e) // 2] / g[len(g) // 2]:.2f}x; same tokens: {ab['same_tokens']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
     return 0

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 #: The library's sources: the matmul, and the whole-layer-loop entry point that calls it
 #: (``kvserve.model.fused_layers``); the header they include; the flags (no ``-m`` ISA flag: see above).
 _SOURCES = ("qgemm.c", "decoder.c")
-_HEADERS = ("qgemm_amx.h", "qgemm_layouts.h", "qgemm_mx4.h", "qgemm_q2k.h")
+_HEADERS = ("qgemm_amx.h", "qgemm_layouts.h", "qgemm_moe.h", "qgemm_mx4.h", "qgemm_q2k.h")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 #: Instruction-set paths, best first, with qgemm.c's ids.
 ISAS = {"amx_int8": 3, "avx512_vnni": 2, "avx2": 1}
@@ -74,6 +74,9 @@ def load():
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.kvserve_qgemm.argtypes = [cint, cint, cint, ptr, i64, i64, ptr, i64, ptr, ptr, i64]
     lib.kvserve_qgemm.restype = cint
+    lib.kvserve_moe_gemm.argtypes = [cint, cint, cint, cint, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64,
+                                     ptr, ptr]
+    lib.kvserve_moe_gemm.restype = cint
     lib.kvserve_q_isa_supported.argtypes = [cint]
     lib.kvserve_q_isa_supported.restype = cint
     lib.kvserve_q_quantize_rows.argtypes = [cint, cint, ptr, i64, i64, ptr, ptr, ptr]

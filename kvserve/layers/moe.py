@@ -15,7 +15,8 @@ on the CPU is *not* lowest-id-first (eight equal scores, ``k = 3``: experts 6, 5
 alone: the same row picks the same experts in the same order alone or in any batch (tests/model/test_moe.py).
 
 The expert step groups the step's ``T * top_k`` (row, rank) pairs by expert, runs each chosen expert once over
-all its rows (its linear methods: any quantized format of ``kvserve.quant.traits`` -- MXFP4 included -- or float),
+all its rows (quantized SwiGLU experts of one format: all experts in two C calls, ``grouped_experts``; else one
+linear call per expert and projection, ``run_experts``; the same bits) (its linear methods: any quantized format of ``kvserve.quant.traits`` -- MXFP4 included -- or float),
 and writes each result to its (row, rank) slot; then each row sums its ``top_k`` weighted slots **in rank order**
 (rank 0 = the highest score), a fixed order per row, never the grouping's. Every matmul is row-independent
 (batch-invariant kernels), so a token's output bits are the same alone, beside rows that chose other experts, or in
@@ -29,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from kvserve.layers.grouped_experts import GroupedExperts
 #: Router scoring functions (see the module docstring).
 SCORINGS = ("softmax_topk", "topk_softmax")
 #: Expert activations: ``"silu"`` (SwiGLU: ``silu(gate) * up``: Mixtral, Qwen-MoE, OLMoE, Granite-MoE) and
@@ -171,6 +173,10 @@ class MoE:
             raise ValueError(f"router has {router.out_features} outputs, num_experts is {spec.num_experts}")
         self.router, self.spec, self.experts = router, spec, list(experts)
         self.router_bias, self.shared_expert, self.shared_gate = router_bias, shared_expert, shared_gate
+        #: The routed experts on the grouped C kernel (``GroupedExperts``: two calls a step, the same bits), or
+        #: ``None``: one call per chosen expert and projection (``run_experts``).
+        self.grouped = GroupedExperts.build(self.experts) if all(isinstance(e, ExpertMLP) for e in experts) \
+            else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` -> ``(weights float32 [T, top_k], ids int64 [T, top_k])`` (``route``)."""
@@ -183,10 +189,13 @@ class MoE:
         x = x.float().contiguous()
         k = self.spec.top_k
         weights, ids = self.route(x)
-        slots = run_experts(x, ids, self.experts)  # [T, top_k, hidden]
-        y = slots[:, 0] * weights[:, :1]
-        for r in range(1, k):  # rank order, fixed per row
-            y = y + slots[:, r] * weights[:, r: r + 1]
+        if self.grouped is not None:
+            y = self.grouped(x, weights, ids)
+        else:
+            slots = run_experts(x, ids, self.experts)  # [T, top_k, hidden]
+            y = slots[:, 0] * weights[:, :1]
+            for r in range(1, k):  # rank order, fixed per row
+                y = y + slots[:, r] * weights[:, r: r + 1]
         if self.shared_expert is not None:
             s = self.shared_expert(x)
             if self.shared_gate is not None:

@@ -776,6 +776,51 @@ T_AVX2 static void q4k_group_to_q4f(const uint8_t *wg, int64_t nb, uint8_t *out)
     }
 }
 
+/* Inside a parallel region, called by every thread (no barrier: each thread's share of the groups is a static
+ * schedule, `nowait`): y[M, N] = the quantized rows xq / xd / xs (quantize_row_avx2) times W^T, as kvserve_qgemm
+ * describes -- AMX for M >= AMX_ROWS on that path, else the VNNI or AVX2 tiles; a row's bits do not depend on M.
+ * Returns 0, or 1 when this thread could not get its MX4 expansion buffer. */
+static int qgemm_share(int fmt, int isa, int pair, const uint8_t *w, int64_t nb, int64_t groups, const int8_t *xq,
+                       const float *xd, const float *xs, int64_t M, int64_t K, float *y, int64_t ldy,
+                       const float *oscale) {
+    const int64_t bb = block_bytes(fmt), xrow = pair ? 2 * K : K;
+    if (isa == ISA_AMX_INT8 && M >= AMX_ROWS) { /* fewer rows: all of them on the VNNI tiles */
+        if (fmt == FMT_MX4) /* its groups expanded to Q8 blocks first (qgemm_mx4.h) */
+            return amx_rows_mx4(pair, w, nb, groups, xq, xd, xs, M, K, y, ldy) ? 1 : 0;
+        amx_rows(fmt, pair, w, nb, groups, xq, xd, xs, M, K, y, ldy, oscale);
+        return 0;
+    }
+    /* Q4K over more than Q4K_EXPAND_TILES row tiles: each group first as Q4F blocks (q4k_group_to_q4f) */
+    const int avx512 = isa == ISA_AVX512_VNNI || isa == ISA_AMX_INT8;
+    uint8_t *q4f = fmt == FMT_Q4K && M > Q4K_EXPAND_TILES * (avx512 ? MR5 : MR2)
+                       ? aligned_alloc(64, (size_t)(nb * Q4F_BLOCK)) : NULL;
+    const int64_t mc = rows_per_chunk(xrow);
+    for (int64_t c0 = 0; c0 < M; c0 += mc) { /* the same groups to each thread every chunk: no barrier */
+        const int64_t rows = M - c0 < mc ? M - c0 : mc;
+        const int8_t *xq_ = xq + c0 * xrow;
+        const float *xd_ = xd + c0 * nb, *xs_ = xs + c0 * nb;
+#pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *wg = w + g * nb * bb;
+            const float *os = oscale ? oscale + g * G : NULL;
+            float *yg = y + c0 * ldy + g * G;
+            int f = fmt;
+            if (q4f) q4k_group_to_q4f(wg, nb, q4f), wg = q4f, f = FMT_Q4F;
+            if (fmt == FMT_MX4) /* its own tiles (qgemm_mx4.h) */
+                avx512 ? mx4_group_avx512(pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy)
+                       : mx4_group_avx2(pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy);
+            else if (avx512)
+                group_avx512(f, pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy, os);
+            else if (fmt == FMT_Q2K)
+                q2k_group_avx2(pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy);
+            else
+                group_avx2(f, pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy, os);
+        }
+    }
+    free(q4f);
+    return 0;
+}
+
 /* ---- entry points ---- */
 
 /* 1 if this CPU can run `isa`, else 0 (CPUID through the compiler's runtime). */
@@ -807,7 +852,7 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
         return -1;
     if (M == 0 || N == 0) return 0;
     const int pair = act == ACT_PAIR;
-    const int64_t nb = K / QK, groups = N / G, bb = block_bytes(fmt);
+    const int64_t nb = K / QK, groups = N / G;
     const int64_t xrow = pair ? 2 * K : K; /* bytes of one row's quantized activations */
     /* Scratch for the quantized activations: on the stack for small inputs (decode steps), else the heap. */
     _Alignas(64) int8_t sq[STACK_BYTES];
@@ -833,43 +878,8 @@ int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t 
             for (int64_t m = 0; m < M; m++)
                 quantize_row_avx2(x + m * K, K, xq + m * xrow, xd + m * nb, xs + m * nb, pair);
         }
-        if (isa == ISA_AMX_INT8 && M >= AMX_ROWS) { /* fewer rows: all of them on the VNNI tiles */
-            if (fmt == FMT_MX4) { /* its groups expanded to Q8 blocks first (qgemm_mx4.h) */
-                if (amx_rows_mx4(pair, w, nb, groups, xq, xd, xs, M, K, y, ldy))
-                    __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-            } else {
-                amx_rows(fmt, pair, w, nb, groups, xq, xd, xs, M, K, y, ldy, oscale);
-            }
-        } else {
-            /* Q4K over more than Q4K_EXPAND_TILES row tiles: each group first as Q4F blocks (q4k_group_to_q4f) */
-            const int avx512 = isa == ISA_AVX512_VNNI || isa == ISA_AMX_INT8;
-            uint8_t *q4f = fmt == FMT_Q4K && M > Q4K_EXPAND_TILES * (avx512 ? MR5 : MR2)
-                               ? aligned_alloc(64, (size_t)(nb * Q4F_BLOCK)) : NULL;
-            const int64_t mc = rows_per_chunk(xrow);
-            for (int64_t c0 = 0; c0 < M; c0 += mc) { /* the same groups to each thread every chunk: no barrier */
-                const int64_t rows = M - c0 < mc ? M - c0 : mc;
-                const int8_t *xq_ = xq + c0 * xrow;
-                const float *xd_ = xd + c0 * nb, *xs_ = xs + c0 * nb;
-#pragma omp for schedule(static) nowait
-                for (int64_t g = 0; g < groups; g++) {
-                    const uint8_t *wg = w + g * nb * bb;
-                    const float *os = oscale ? oscale + g * G : NULL;
-                    float *yg = y + c0 * ldy + g * G;
-                    int f = fmt;
-                    if (q4f) q4k_group_to_q4f(wg, nb, q4f), wg = q4f, f = FMT_Q4F;
-                    if (fmt == FMT_MX4) /* its own tiles (qgemm_mx4.h) */
-                        avx512 ? mx4_group_avx512(pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy)
-                               : mx4_group_avx2(pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy);
-                    else if (avx512)
-                        group_avx512(f, pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy, os);
-                    else if (fmt == FMT_Q2K)
-                        q2k_group_avx2(pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy);
-                    else
-                        group_avx2(f, pair, wg, nb, xq_, xd_, xs_, rows, K, yg, ldy, os);
-                }
-            }
-            free(q4f);
-        }
+        if (qgemm_share(fmt, isa, pair, w, nb, groups, xq, xd, xs, M, K, y, ldy, oscale))
+            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
     }
     if (!on_stack) { free(xq); free(xd); free(xs); }
     return failed ? -2 : 0;
@@ -978,3 +988,5 @@ void kvserve_q_layout(int64_t *out) {
     static const int64_t v[KVSERVE_Q_LAYOUT_N] = KVSERVE_Q_LAYOUT;
     memcpy(out, v, sizeof v);
 }
+
+#include "qgemm_moe.h"

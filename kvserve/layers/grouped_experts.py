@@ -1,0 +1,91 @@
+"""A mixture-of-experts layer's routed experts in two C calls per step (``kvserve_moe_gemm``, csrc/qgemm_moe.h)
+instead of two quantized matmuls per chosen expert: the gate/up projection of every (row, rank) pair grouped by
+expert, PyTorch's ``silu(gate) * up`` over all of them at once (the op ``ExpertMLP`` runs, so the same bits), then
+the down projection with each row's weighted sum in rank order, in C.
+
+Every value equals ``kvserve.layers.moe``'s per-expert path bit for bit: a row's quantized matmul does not depend on
+the other rows of its call, the activation is elementwise, and the sum is the same products and sums in the same
+order (tests/model/test_grouped_experts.py). ``GroupedExperts.build`` returns ``None`` for experts it cannot run --
+biases, gpt-oss's activation, a float or padded weight, formats or kernel paths that differ between experts -- and
+the layer keeps the per-expert path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import qgemm as kernels
+from kvserve.layers.quant_linear import QuantLinear
+
+
+def _pointers(layers: list) -> Optional[tuple]:
+    """``(fmt, isa, activations, in, out, weight addresses int64 [E], oscale addresses int64 [E] or None)`` of
+    ``QuantLinear`` layers that one kernel call can run, else ``None``."""
+    if not all(isinstance(m, QuantLinear) and m.kernel_weight is not None for m in layers):
+        return None
+    keys = {(m.packed.fmt, m.isa, m.activations, m.in_features, m.out_features) for m in layers}
+    if len(keys) != 1:
+        return None
+    w = torch.tensor([m.packed.data.data_ptr() for m in layers], dtype=torch.int64)
+    os = [0 if m.packed.oscale is None else m.packed.oscale.data_ptr() for m in layers]
+    return (*keys.pop(), w, torch.tensor(os, dtype=torch.int64) if any(os) else None)
+
+
+class GroupedExperts:
+    """The routed experts of one MoE layer on the grouped kernel (see the module docstring).
+
+    Args:
+        experts: the layer's ``ExpertMLP`` list (kept: their packed weights are what the kernel reads).
+        up, down: ``_pointers`` of their gate/up and down projections.
+
+    Call with ``x [T, hidden]`` float32 contiguous, ``weights float32 [T, top_k]``, ``ids int64 [T, top_k]`` (the
+    router's) -> ``[T, hidden]`` float32: each row's experts' outputs weighted and summed in rank order.
+
+    Raises:
+        RuntimeError: the kernel refused its arguments (an id outside ``[0, num_experts)``) or ran out of memory.
+    """
+
+    def __init__(self, experts: list, up: tuple, down: tuple):
+        self.experts, self.up, self.down = experts, up, down
+        self.intermediate = down[3]
+        self._lib = kernels.load()
+
+    @classmethod
+    def build(cls, experts: list) -> Optional["GroupedExperts"]:
+        """The grouped kernel for ``experts`` (``kvserve.layers.moe.ExpertMLP`` with SwiGLU, no biases, quantized
+        weights of one format and kernel path), or ``None`` when any does not fit it."""
+        if not experts or not all(getattr(e, "activation", None) == "silu" and e.gate_up_bias is None
+                                  and e.down_bias is None for e in experts):
+            return None
+        up, down = _pointers([e.gate_up for e in experts]), _pointers([e.down for e in experts])
+        if up is None or down is None or kernels.load() is None or up[1] != down[1] or up[4] != 2 * down[3]:
+            return None
+        return cls(experts, up, down)
+
+    def _call(self, proj: tuple, down: bool, x: torch.Tensor, t: int, ids: torch.Tensor, y: torch.Tensor,
+              wt: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> None:
+        fmt, isa, act, k, n, w, os = proj
+        rc = self._lib.kvserve_moe_gemm(
+            fmt, kernels.ISAS[isa], kernels.ACTIVATIONS[act], int(down), x.data_ptr(), t, k, ids.data_ptr(),
+            ids.shape[1], len(self.experts), w.data_ptr(), None if os is None else os.data_ptr(), n, y.data_ptr(),
+            n, None if wt is None else wt.data_ptr(), None if out is None else out.data_ptr())
+        if rc:
+            raise RuntimeError(f"kvserve_moe_gemm returned {rc} (x {list(x.shape)}, {len(self.experts)} experts, "
+                               f"ids {int(ids.min())}..{int(ids.max())})")
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        t, k = ids.shape
+        ids = ids.to(torch.int64).contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        h = torch.empty(t * k, self.up[4], dtype=torch.float32)
+        self._call(self.up, False, x, t, ids, h)
+        i = self.intermediate
+        a = (F.silu(h[:, :i]) * h[:, i:]).contiguous()  # ExpertMLP's op on the same rows
+        slots = torch.empty(t * k, self.down[4], dtype=torch.float32)
+        out = torch.empty(t, self.down[4], dtype=torch.float32) if out is None else out
+        self._call(self.down, True, a, t, ids, slots, weights, out)
+        return out
