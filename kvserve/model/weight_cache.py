@@ -139,6 +139,25 @@ def _quant_parts(layer) -> Optional[list]:
     return parts if all(isinstance(p, QuantLinear) for p in parts) else None
 
 
+#: Entries of one model and quantization kept across code versions (the newest by use; ``_delete_others``).
+KEEP_VERSIONS = 3
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _touch(path: Path) -> None:
+    """Mark an entry as just used (its modification time), for ``KEEP_VERSIONS``; a read-only folder is fine."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
 class WeightCache:
     """The packed-weight entries of one model file.
 
@@ -220,11 +239,14 @@ class WeightCache:
         return model
 
     def _delete_others(self, path: Path) -> None:
-        """Delete the entries of this model and ``path``'s quantization other than ``path`` (older versions)."""
+        """Delete the entries of this model and ``path``'s quantization written by other code versions, all but the
+        ``KEEP_VERSIONS - 1`` most recently used (modification time, refreshed on each read): two kvserve checkouts
+        on one machine keep both their entries instead of repacking at every start."""
         quantization = path.name.split("-")[1]
-        for old in path.parent.glob(f"{self.source_hash[:16]}-{quantization}-*.kvpack"):
-            if old != path:
-                old.unlink(missing_ok=True)
+        others = [p for p in path.parent.glob(f"{self.source_hash[:16]}-{quantization}-*.kvpack") if p != path]
+        others.sort(key=_mtime, reverse=True)
+        for old in others[KEEP_VERSIONS - 1:]:
+            old.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------------------------------------ write
     def write(self, quantization: str, layers: dict) -> Path:
@@ -254,7 +276,9 @@ class WeightCache:
         if not entry.exists():
             return None
         try:
-            return self._read(entry, quantization, quant_path, use_kernels)
+            layers = self._read(entry, quantization, quant_path, use_kernels)
+            _touch(entry)
+            return layers
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
             logger.warning("packed-weight cache %s unusable (%s); rebuilding it", entry, e)
             return None

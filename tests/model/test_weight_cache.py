@@ -111,11 +111,20 @@ def test_stale_entries_are_rebuilt(setup, monkeypatch):
     other.write("auto", {"x": entry["token_embd.weight"]})
     assert other.entry_path("auto") == path and cache.read("auto") is None
     cache.write("auto", entry)
-    # A new code version: another file name, a miss; writing it deletes the old version's file.
-    monkeypatch.setattr(wc, "code_version", lambda: "f" * 16)
-    assert cache.entry_path("auto") != path and cache.read("auto") is None
-    cache.write("auto", entry)
-    assert not path.exists() and cache.read("auto") is not None
+    # A new code version: another file name, a miss; the entries of the KEEP_VERSIONS most recently used versions
+    # stay (two checkouts on one machine do not repack at every start), older ones are deleted when one is written.
+    paths = [path]
+    for k, version in enumerate("abcd"):
+        monkeypatch.setattr(wc, "code_version", lambda v=version: v * 16)
+        assert cache.entry_path("auto") not in paths and cache.read("auto") is None
+        cache.write("auto", entry)
+        paths.append(cache.entry_path("auto"))
+        for age, p in enumerate(reversed(paths)):  # distinct use times, the one just written newest
+            if p.exists():
+                os.utime(p, (1e9 - age, 1e9 - age))
+    assert [p.exists() for p in paths] == [False, False, True, True, True] and wc.KEEP_VERSIONS == 3
+    monkeypatch.setattr(wc, "code_version", lambda: "b" * 16)  # a read refreshes its entry's use time
+    assert cache.read("auto") is not None and paths[2].stat().st_mtime > paths[4].stat().st_mtime
 
 
 def test_source_hash_memo_follows_content(tmp_path):
