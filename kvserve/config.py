@@ -472,6 +472,10 @@ def derive_limits(config: EngineConfig, max_position_embeddings: int,
     num_blocks = cc.resolve_num_blocks(block_bytes)
     pool_tokens = num_blocks * cc.block_size
     max_model_len = mc.max_model_len or max_position_embeddings
+    if max_model_len > max_position_embeddings:
+        logger.warning("max_model_len=%d is above the model's context length (%d tokens): positions past it were "
+                       "never trained, and outputs there are the RoPE scheme's extrapolation (docs/models.md)",
+                       max_model_len, max_position_embeddings)
     if max_model_len > pool_tokens:
         needed = -(-max_model_len // cc.block_size)
         what = (f"max_model_len={max_model_len} tokens needs {needed} KV blocks of block_size={cc.block_size}, "

@@ -44,6 +44,14 @@ def test_default_max_model_len_that_fits_is_the_models_context(caplog):
     assert lim.max_model_len == 8192 and not caplog.records
 
 
+def test_max_model_len_above_the_models_context_is_kept_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvserve.config"):
+        lim = limits(num_kv_blocks=1024, block_size=16, max_model_len=10000)
+    assert lim.max_model_len == 10000
+    (record,) = [r for r in caplog.records if r.name == "kvserve.config"]
+    assert "max_model_len=10000 is above the model's context length (8192 tokens)" in record.getMessage()
+
+
 def test_without_chunked_prefill_a_sequence_still_stops_at_the_token_budget():
     lim = limits(num_kv_blocks=64, block_size=16, max_model_len=1024, enable_chunked_prefill=False,
                  max_num_batched_tokens=512)
