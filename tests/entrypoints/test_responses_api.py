@@ -171,6 +171,11 @@ def test_cancel_in_flight(server, client, model_name):
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {"not": {}}}}},
      "text.format"),
     ({"input": "x", "unknown_field": 1}, "unknown_field"),
+    ({"input": [{"role": "user", "content": "hi", "foo": 1}]}, "input[0].foo"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi", "foo": 1}]}]},
+     "input[0].content[0].foo"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x", "foo": 1}]}, "input[0].foo"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "foo": 1}]}, "tools[0].foo"),
 ])
 def test_bad_input_is_400_naming_the_field(server, body, param):
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)

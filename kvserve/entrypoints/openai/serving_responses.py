@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field
 
 from kvserve.entrypoints.events import (Finish, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart)
+from kvserve.entrypoints.openai.errors import check_fields
 from kvserve.entrypoints.openai.protocol import _Strict
 from kvserve.entrypoints.openai.responses_store import ResponseStore
 from kvserve.entrypoints.openai.serving_chat import ToolChoice
@@ -32,6 +33,12 @@ from kvserve.validation import ParamError
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "structured": "text.format"}
+#: the fields of each input item type and of a content part (OpenAI's schema); any other is a 400 naming it
+ITEM_FIELDS = {"message": ("type", "role", "content", "id", "status"),
+               "function_call": ("type", "call_id", "name", "arguments", "id", "status"),
+               "function_call_output": ("type", "call_id", "output", "id", "status"),
+               "reasoning": ("type", "id", "summary", "content", "encrypted_content", "status")}
+PART_FIELDS = ("type", "text", "annotations", "logprobs")
 
 
 #: ``include`` values accepted: ``reasoning.encrypted_content`` (what Codex sends with ``store: false``, to carry the
@@ -104,6 +111,7 @@ def _text_of(content: Any, where: str, kinds: tuple) -> str:
         if part["type"] not in kinds:
             raise _bad(f"{at}.type: content part {part['type']!r} is not supported (only {', '.join(kinds)})",
                        f"{at}.type", "unsupported_parameter")
+        check_fields(part, PART_FIELDS, at)
         if not isinstance(part.get("text"), str):
             raise _bad(f"{at}.text must be a string", f"{at}.text")
         out.append(part["text"])
@@ -124,7 +132,8 @@ def input_messages(items: Union[str, list]) -> list[dict]:
     (chat templates drop earlier turns' reasoning).
 
     Raises:
-        OpenAIError: 400 naming the item's field (``input[1].call_id``); an unsupported item or part type.
+        OpenAIError: 400 naming the item's field (``input[1].call_id``); an unsupported item or part type; a field
+            an item or part may not have (``input[0].foo``, ``input[0].content[1].foo``: ``ITEM_FIELDS``).
     """
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
@@ -132,6 +141,8 @@ def input_messages(items: Union[str, list]) -> list[dict]:
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        if kind in ITEM_FIELDS:
+            check_fields(item, ITEM_FIELDS[kind], where)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -170,9 +181,7 @@ def chat_tools(tools: Optional[list]) -> list[dict]:
             raise _bad(f"{where}.type: tool type {kind!r} is not supported (only function tools; built-in tools "
                        f"such as web_search or file_search are not available)", f"{where}.type",
                        "unsupported_parameter")
-        extra = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
-        if extra:
-            raise _bad(f"{where}.{extra[0]}: unrecognized field", f"{where}.{extra[0]}", "unrecognized_argument")
+        check_fields(t, ("type", "name", "description", "parameters", "strict"), where)
         name = t.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise _bad(f"{where}.name must be 1-64 of a-z A-Z 0-9 _ -, got {name!r}", f"{where}.name")
