@@ -38,6 +38,8 @@ BLOCK_FIELDS = {"text": ("type", "text", "cache_control", "citations"),
                 "thinking": ("type", "thinking", "signature"),
                 "redacted_thinking": ("type", "data")}
 TOOL_FIELDS = ("type", "name", "description", "input_schema", "cache_control")
+#: the ``tool_choice`` values that work without ``--enable-auto-tool-choice`` (suggested by the 400 of ``auto``)
+ALTERNATIVES = 'tool_choice {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}'
 
 
 class MessagesRequest(_Strict):
@@ -291,7 +293,8 @@ class AnthropicServingMessages(EventServing):
         ``CountTokensRequest``). Raises ``OpenAIError`` (400)."""
         self.limits.check_tools(req.tools or [], "tools")
         choice, parallel = tool_choice_of(req.tool_choice)
-        tools = ToolChoice.create(chat_tools(req.tools), choice, parallel, **self.tool_parser_args())
+        tools = ToolChoice.create(chat_tools(req.tools), choice, parallel, **self.tool_parser_args(),
+                                  alternatives=ALTERNATIVES)
         messages = chat_messages(req.system, req.messages)
         if not messages:
             raise _bad("messages must not be empty", "messages")

@@ -427,7 +427,8 @@ class OpenAIServingResponses(EventServing):
         conversation = previous + input_messages(req.input)
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
         tools = ToolChoice.create(chat_tools(req.tools), tool_choice_of(req.tool_choice), req.parallel_tool_calls,
-                                  **self.tool_parser_args())
+                                  **self.tool_parser_args(),
+                                  alternatives='tool_choice "required", "none" or {"type": "function", "name": ...}')
         effort = (req.reasoning or {}).get("effort")
         kwargs = {"reasoning_effort": effort} if effort else None
         pp, sp = await self.prepare(messages, tools, text_format_of(req.text), {
