@@ -1,8 +1,9 @@
 """The OpenAI-compatible routes (``router``, included by ``api_server.build_app``): ``GET /health``, ``GET /metrics``
 (Prometheus), ``GET /version``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``), ``POST /tokenize``, ``POST /detokenize``
-(vLLM's shapes), ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``
-(OpenAI's Responses API). Every ``GET`` route answers ``HEAD`` too.
+(vLLM's shapes), ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel`` (OpenAI's Responses API). Every ``GET``
+route answers ``HEAD`` too.
 
 A handler finds what it serves with on ``request.app.state`` (set by ``build_app``): ``engine_client`` (the
 ``EngineClient``), ``served_model_name``, ``stat_logger``, ``openai_serving_completion``, ``openai_serving_chat``,
@@ -142,6 +143,13 @@ async def create_response(body: ResponsesRequest, request: Request):
 async def retrieve_response(response_id: str, request: Request):
     """A stored response (404 if unknown, deleted or expired)."""
     return AsciiJSONResponse(request.app.state.openai_serving_responses.retrieve(response_id))
+
+
+@_get("/v1/responses/{response_id}/input_items", responses={400: _ERRORS[400], 404: {"model": p.ErrorResponse}})
+async def list_input_items(response_id: str, request: Request):
+    """A stored response's input items, OpenAI's list (query ``limit``, ``order``, ``after``)."""
+    query = dict(request.query_params)
+    return AsciiJSONResponse(request.app.state.openai_serving_responses.input_items(response_id, query))
 
 
 @router.delete("/v1/responses/{response_id}", responses={404: {"model": p.ErrorResponse}})

@@ -1,5 +1,5 @@
 """``POST /v1/responses`` (OpenAI's Responses API; vLLM's ``serving_responses``), ``GET`` / ``DELETE
-/v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``.
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``.
 
 A request's ``instructions`` and ``input`` (text, or items: messages, ``function_call``, ``function_call_output``,
 ``reasoning``) become chat messages (after the conversation of ``previous_response_id``), its function ``tools`` and
@@ -24,6 +24,7 @@ from pydantic import Field
 from kvserve.entrypoints.events import (Finish, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart)
 from kvserve.entrypoints.openai.errors import check_fields
 from kvserve.entrypoints.openai.protocol import _Strict
+from kvserve.entrypoints.openai.responses_items import input_items_of, list_page
 from kvserve.entrypoints.openai.responses_store import ResponseStore
 from kvserve.entrypoints.openai.serving_chat import ToolChoice
 from kvserve.entrypoints.openai.serving_engine import OpenAIError, now_s
@@ -239,8 +240,9 @@ class ResponseBuilder:
     and a non-streamed answer is). Output items open in the order the events begin them: reasoning, message,
     function calls."""
 
-    def __init__(self, response: dict):
+    def __init__(self, response: dict, input_items: Optional[list] = None):
         self.response = response
+        self.input_items = input_items or []  # the request's input (``responses_items.input_items_of``)
         self.seq = 0
         self.open: Optional[int] = None  # index in output of the open reasoning / message item
         self.calls: dict = {}  # tool-call index -> output index (open until the end or the next item)
@@ -437,7 +439,7 @@ class OpenAIServingResponses(EventServing):
             "frequency_penalty": req.frequency_penalty, "seed": req.seed,
         }, req.max_output_tokens, NAMES, kwargs)
         rid = _new("resp")
-        builder = ResponseBuilder(self._skeleton(rid, req, sp))
+        builder = ResponseBuilder(self._skeleton(rid, req, sp), input_items_of(req.input))
         events = await self.open(pp, sp, rid, arrival, tools, NAMES, req.priority or 0, kwargs)
         self.in_flight[rid] = (events, builder)
 
@@ -453,7 +455,7 @@ class OpenAIServingResponses(EventServing):
                      "total_tokens": len(pp.token_ids) + n_out}
             out = builder.end(usage)
             if req.store:
-                self.store.put(builder.response, conversation + output_messages(builder.output))
+                self.store.put(builder.response, conversation + output_messages(builder.output), builder.input_items)
             return out
 
         if not req.stream:
@@ -513,6 +515,19 @@ class OpenAIServingResponses(EventServing):
         if stored is None:
             raise _not_found(rid)
         return stored.response
+
+    def input_items(self, rid: str, query: dict) -> dict:
+        """``GET /v1/responses/{id}/input_items``: the request's input items of a stored (or in-flight) response,
+        as OpenAI's list (``responses_items.list_page``: ``query`` its ``limit``, ``order``, ``after``). Raises a
+        404 for an unknown id, a 400 naming a bad query parameter."""
+        if rid in self.in_flight:
+            items = self.in_flight[rid][1].input_items
+        else:
+            stored = self.store.get(rid)
+            if stored is None:
+                raise _not_found(rid)
+            items = stored.input_items
+        return list_page(items, query)
 
     def cancel(self, rid: str) -> dict:
         """``POST /v1/responses/{id}/cancel``: abort a response still being generated (its stream ends, status
