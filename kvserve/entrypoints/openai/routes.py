@@ -58,10 +58,20 @@ def _to_response(result):
 
 @_get("/health", responses={503: _ERRORS[503]})
 async def health(request: Request):
-    """200 while the engine loop runs and accepts requests, else 503."""
-    if request.app.state.engine_client.is_running:
+    """200 while the engine loop runs and accepts requests, else 503 saying why: the loop failed (its error), or
+    the server drains (``--shutdown-timeout``: the requests in flight still run, none is accepted) or shuts down."""
+    llm = request.app.state.engine_client
+    if llm.is_running:
         return {"status": "ok"}
-    raise OpenAIError("the engine is not running", status=503, type="server_shutdown")
+    dead = getattr(llm, "dead_error", None)
+    if dead is not None:
+        raise OpenAIError(f"the engine loop failed: {dead!r}", status=503, type="server_shutdown")
+    n = llm.num_streams
+    if n:
+        raise OpenAIError(f"draining: finishing {n} in-flight request{'s' if n != 1 else ''}; not accepting new ones",
+                          status=503, type="server_shutdown")
+    raise OpenAIError("shutting down: no request in flight; not accepting new ones", status=503,
+                      type="server_shutdown")
 
 
 @_get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
