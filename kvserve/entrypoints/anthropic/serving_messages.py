@@ -29,15 +29,18 @@ from kvserve.entrypoints.openai.serving_events import EventServing
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 NAMES = {"messages": "messages", "max_tokens": "max_tokens", "structured": "tools", "stop": "stop_sequences",
          "thinking_token_budget": "thinking.budget_tokens"}
-#: the fields of a message, of each content block type and of a tool (Anthropic's schema); any other is a 400 naming
-#: it (``errors.check_fields``)
+#: the fields of a message, of each content block type and of a tool (Anthropic's schema, as the ``anthropic``
+#: client sends them: a ``tool_use`` block it returned comes back with ``caller``); any other is a 400 naming it
+#: (``errors.check_fields``). Those kvserve does not use (``cache_control``, ``citations``, ``caller``,
+#: ``toolset_name``, a tool's ``strict``, ``input_examples``, ``defer_loading``, ...) are accepted and ignored.
 MESSAGE_FIELDS = ("role", "content")
 BLOCK_FIELDS = {"text": ("type", "text", "cache_control", "citations"),
-                "tool_use": ("type", "id", "name", "input", "cache_control"),
-                "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control"),
+                "tool_use": ("type", "id", "name", "input", "cache_control", "caller", "toolset_name"),
+                "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"),
                 "thinking": ("type", "thinking", "signature"),
                 "redacted_thinking": ("type", "data")}
-TOOL_FIELDS = ("type", "name", "description", "input_schema", "cache_control")
+TOOL_FIELDS = ("type", "name", "description", "input_schema", "cache_control", "strict", "input_examples",
+               "defer_loading", "eager_input_streaming", "allowed_callers")
 #: the ``tool_choice`` values that work without ``--enable-auto-tool-choice`` (suggested by the 400 of ``auto``)
 ALTERNATIVES = 'tool_choice {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}'
 
