@@ -12,7 +12,9 @@ A handler finds what it serves with on ``request.app.state`` (set by ``build_app
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Body, Request
+from typing import Optional
+
+from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -156,8 +158,12 @@ async def retrieve_response(response_id: str, request: Request):
 
 
 @_get("/v1/responses/{response_id}/input_items", responses={400: _ERRORS[400], 404: {"model": p.ErrorResponse}})
-async def list_input_items(response_id: str, request: Request):
-    """A stored response's input items, OpenAI's list (query ``limit``, ``order``, ``after``)."""
+async def list_input_items(response_id: str, request: Request,
+                           limit: Optional[str] = Query(None, description="items per page, 1..100 (default 20)"),
+                           order: Optional[str] = Query(None, description="asc, or desc (newest first, the default)"),
+                           after: Optional[str] = Query(None, description="an item id: the page after it")):
+    """A stored response's input items, OpenAI's list (query ``limit``, ``order``, ``after``; checked, with any
+    other parameter, in ``responses_items.list_page``)."""
     query = dict(request.query_params)
     return AsciiJSONResponse(request.app.state.openai_serving_responses.input_items(response_id, query))
 
