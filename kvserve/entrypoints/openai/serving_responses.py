@@ -34,12 +34,14 @@ from kvserve.validation import ParamError
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "structured": "text.format"}
-#: the fields of each input item type and of a content part (OpenAI's schema); any other is a 400 naming it
-ITEM_FIELDS = {"message": ("type", "role", "content", "id", "status"),
-               "function_call": ("type", "call_id", "name", "arguments", "id", "status"),
-               "function_call_output": ("type", "call_id", "output", "id", "status"),
+#: the fields of each input item type and of a content part (OpenAI's schema, as the ``openai`` client sends them;
+#: those kvserve does not use, such as ``phase``, ``caller``, ``namespace``, are accepted and ignored); any other is
+#: a 400 naming it
+ITEM_FIELDS = {"message": ("type", "role", "content", "id", "status", "phase"),
+               "function_call": ("type", "call_id", "name", "arguments", "id", "status", "caller", "namespace"),
+               "function_call_output": ("type", "call_id", "output", "id", "status", "caller", "name", "namespace"),
                "reasoning": ("type", "id", "summary", "content", "encrypted_content", "status")}
-PART_FIELDS = ("type", "text", "annotations", "logprobs")
+PART_FIELDS = ("type", "text", "annotations", "logprobs", "prompt_cache_breakpoint")
 
 
 #: ``include`` values accepted: ``reasoning.encrypted_content`` (what Codex sends with ``store: false``, to carry the
