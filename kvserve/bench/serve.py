@@ -72,8 +72,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--azure-kind", choices=["conv", "code"], default="conv")
     p.add_argument("--length-scale", type=float, default=8.0, help="azure: divide token counts by this")
     p.add_argument("--time-scale", type=float, default=1.0, help="azure: multiply arrival offsets by this")
-    p.add_argument("--max-input-len", type=int, default=512, help="azure: cap on prompt tokens")
-    p.add_argument("--max-output-len", type=int, default=256, help="azure: cap on output tokens")
+    p.add_argument("--max-input-len", type=int, default=None,
+                   help="azure: cap on prompt tokens (default: 512; another dataset refuses it)")
+    p.add_argument("--max-output-len", type=int, default=None,
+                   help="azure: cap on output tokens (default: 256; another dataset refuses it: its output length "
+                        "flag is --random-output-len, --sharegpt-output-len, --prefix-repetition-output-len or "
+                        "--multiround-output-len)")
     p.add_argument("--think-time", type=float, default=0.0,
                    help="sharegpt-multiround: seconds between a round's answer and the user's next round")
     p.add_argument("--max-rounds", type=int, default=None, help="sharegpt-multiround: rounds per user (default all)")
@@ -138,12 +142,43 @@ def check_loopback(base_url: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ workload
+#: flags that only some datasets read: flag -> (those datasets, the default there); given with another dataset,
+#: a flag is refused by name (``check_dataset_flags``) rather than silently ignored
+DATASET_FLAGS = {"max_input_len": (("azure",), 512), "max_output_len": (("azure",), 256)}
+#: each dataset's own output-length flag (what a refused ``--max-output-len`` points to)
+OUTPUT_LEN_FLAGS = {"random": "--random-output-len", "sharegpt": "--sharegpt-output-len",
+                    "prefix_repetition": "--prefix-repetition-output-len",
+                    "sharegpt-multiround": "--multiround-output-len"}
+
+
+def check_dataset_flags(args) -> None:
+    """Refuse a dataset-specific flag (``DATASET_FLAGS``) given with a dataset that does not read it.
+
+    Raises:
+        ValueError: naming the flag, the datasets it applies to, and the dataset's own output-length flag.
+    """
+    for name, (datasets, _) in DATASET_FLAGS.items():
+        if getattr(args, name) is not None and args.dataset not in datasets:
+            flag = "--" + name.replace("_", "-")
+            own = OUTPUT_LEN_FLAGS.get(args.dataset)
+            hint = f"; use {own} for this dataset" if own and name == "max_output_len" else ""
+            raise ValueError(f"{flag} applies only to --dataset-name {' or '.join(datasets)}, not "
+                             f"{args.dataset}{hint}")
+
+
+def _dataset_flag(args, name: str):
+    """``args.<name>``, or its default (``DATASET_FLAGS``) when not given."""
+    value = getattr(args, name)
+    return DATASET_FLAGS[name][1] if value is None else value
+
+
 def build_requests(args) -> list:
     """The ``LoadRequest`` list for ``args.dataset``.
 
     Raises:
-        ValueError: bad counts or a missing data file.
+        ValueError: bad counts, a missing data file, a flag this dataset does not read (``check_dataset_flags``).
     """
+    check_dataset_flags(args)
     n = args.num_prompts
     if not 1 <= n <= MAX_PROMPTS:
         raise ValueError(f"--num-prompts must be in [1, {MAX_PROMPTS}], got {n}")
@@ -162,7 +197,8 @@ def build_requests(args) -> list:
     if args.time_scale < 0:
         raise ValueError("--time-scale must be >= 0")
     reqs = azure_trace(n, args.seed, args.data_dir, kind=args.azure_kind, scale=args.length_scale,
-                       max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+                       max_input_len=_dataset_flag(args, "max_input_len"),
+                       max_output_len=_dataset_flag(args, "max_output_len"),
                        time_scale=args.time_scale)
     return [LoadRequest(r.prompt_token_ids, r.output_len, r.arrival_s) for r in reqs]
 
@@ -430,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
         ValueError: bad arguments, a non-loopback server, an unreachable server.
     """
     check_loopback(args.base_url)
+    check_dataset_flags(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     slos = parse_goodput(args.goodput)
     if args.max_concurrency is not None and args.max_concurrency < 1:

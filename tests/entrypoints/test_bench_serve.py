@@ -1,10 +1,11 @@
 """``kvserve bench serve`` against the live test server (a few short requests per dataset)."""
 
+import argparse
 import json
 
 import pytest
 
-from kvserve.bench.serve import arrival_times, check_loopback
+from kvserve.bench.serve import add_args, arrival_times, build_requests, check_dataset_flags, check_loopback
 from kvserve.bench.workloads import LoadRequest
 from kvserve.metrics import parse_goodput
 from kvserve.bench.workloads import default_data_dir
@@ -54,6 +55,26 @@ def test_bench_serve_refuses_non_loopback_and_bad_args(capsys):
     for bad in (["ttft"], ["foo:1"], ["ttft:-1"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
+
+
+def test_bench_serve_refuses_a_flag_its_dataset_does_not_read(capsys):
+    """``--max-output-len`` / ``--max-input-len`` cap only the azure trace: with another dataset a 2 naming the flag,
+    the dataset it applies to and the dataset's own output-length flag, before any request."""
+    assert main(["bench", "serve", "--dataset-name", "sharegpt", "--max-output-len", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-output-len applies only to --dataset-name azure, not sharegpt" in err
+    assert "use --sharegpt-output-len" in err
+    for dataset, own in (("random", "--random-output-len"), ("sharegpt-multiround", "--multiround-output-len"),
+                         ("prefix_repetition", "--prefix-repetition-output-len")):
+        assert main(["bench", "serve", "--dataset-name", dataset, "--max-output-len", "32"]) == 2
+        assert own in capsys.readouterr().err
+    assert main(["bench", "serve", "--dataset-name", "random", "--max-input-len", "32"]) == 2
+    assert "--max-input-len applies only to --dataset-name azure" in capsys.readouterr().err
+    args = argparse.ArgumentParser()
+    add_args(args)
+    check_dataset_flags(args.parse_args(["--dataset-name", "azure", "--max-output-len", "6"]))  # azure reads it
+    reqs = build_requests(args.parse_args(["--dataset-name", "random", "--num-prompts", "2"]))  # defaults: fine
+    assert [r.output_len for r in reqs] == [16, 16]
 
 
 def test_arrival_times():

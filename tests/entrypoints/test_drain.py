@@ -49,13 +49,16 @@ class Stream(threading.Thread):
         return [json.loads(e[6:]) for e in self.events if e != "data: [DONE]"]
 
 
-def _assert_refusing(url: str) -> None:
+def _assert_refusing(url: str) -> str:
+    """New requests are refused (503, ``Retry-After``), ``/health`` is a 503; returns its message."""
     r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
     assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
     assert r.json()["error"]["type"] == "server_shutdown"
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]}, timeout=30)
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
-    assert httpx.get(url + "/health", timeout=30).status_code == 503  # not ready: the balancer sends no more
+    health = httpx.get(url + "/health", timeout=30)
+    assert health.status_code == 503  # not ready: the balancer sends no more
+    return health.json()["error"]["message"]
 
 
 def test_streams_in_flight_finish_inside_the_timeout():
@@ -65,7 +68,7 @@ def test_streams_in_flight_finish_inside_the_timeout():
     _wait(lambda: all(st.events for st in streams), what="first tokens")
     s.server.handle_exit(signal.SIGTERM, None)
     assert s.server.drain_deadline is not None and not s.server.should_exit
-    _assert_refusing(s.url)
+    assert _assert_refusing(s.url) == "draining: finishing 2 in-flight requests; not accepting new ones"
     for st in streams:
         st.join(120)
         assert not st.is_alive()

@@ -109,6 +109,17 @@ def test_count_tokens(client, model_name):
     ({"max_tokens": 4, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 2}}, "--reasoning-parser"),
     ({"max_tokens": 4, "messages": ASK, "bogus": 1}, "bogus"),
     ({"max_tokens": 4, "messages": "hi"}, "messages"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}]},
+     "unrecognized request argument: messages[0].content[0].foo"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi", "foo": 1}]},
+     "unrecognized request argument: messages[0].foo"),
+    ({"max_tokens": 4, "messages": ASK, "system": [{"type": "text", "text": "x", "foo": 1}]},
+     "unrecognized request argument: system[0].foo"),
+    ({"max_tokens": 4, "messages": ASK, "tools": [{**TOOLS[0], "foo": 1}]},
+     "unrecognized request argument: tools[0].foo"),
+    ({"max_tokens": 4, "messages": ASK, "temperature": 1.5}, "temperature must be in [0, 1]"),
+    ({"max_tokens": 4, "messages": ASK, "temperature": -0.1}, "temperature must be in [0, 1]"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "word " * 400}]}, "messages: the prompt has"),
 ])
 def test_errors_in_anthropic_shape(server, model_name, body, where):
     r = httpx.post(server.url + "/v1/messages", json={"model": model_name, **body}, timeout=30)

@@ -284,6 +284,12 @@ def test_auto_tool_choice_needs_the_flag(server):
                    timeout=60)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "tool_choice" and "--enable-auto-tool-choice" in err["message"]
+    assert "--tool-call-parser NAME" not in err["message"]  # the template implies the parser: the flag suffices
+    r = httpx.post(server.url + "/v1/messages", json={"model": server.llm_model_name, "max_tokens": 2, "tools": [
+        {"name": "get_weather", "input_schema": {"type": "object"}}], "messages": ASK}, timeout=60)
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "--enable-auto-tool-choice" in msg, msg
+    assert '{"type": "any"}' in msg and '{"type": "none"}' in msg and '"required"' not in msg, msg
     ok = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "tools": WEATHER, "max_tokens": 2,
                                                                 "tool_choice": "none"}, timeout=60)
     assert ok.status_code == 200

@@ -171,8 +171,49 @@ def test_cancel_in_flight(server, client, model_name):
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {"not": {}}}}},
      "text.format"),
     ({"input": "x", "unknown_field": 1}, "unknown_field"),
+    ({"input": [{"role": "user", "content": "hi", "foo": 1}]}, "input[0].foo"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi", "foo": 1}]}]},
+     "input[0].content[0].foo"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x", "foo": 1}]}, "input[0].foo"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "foo": 1}]}, "tools[0].foo"),
 ])
 def test_bad_input_is_400_naming_the_field(server, body, param):
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_input_items_list_through_the_client(server, client, model_name):
+    """``client.responses.input_items.list``: a stored response's input as items, OpenAI's list (newest first by
+    default; ``limit``, ``order``, ``after`` paging; the client's auto-paging walks every page); 400s naming a bad
+    query parameter; 404 for an unknown id or an unstored response."""
+    given = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Bye"}]}]
+    r = client.responses.create(model=model_name, input=given, max_output_tokens=2, temperature=0)
+    page = client.responses.input_items.list(r.id)
+    assert page.object == "list" and page.has_more is False
+    texts = [item.content[0].text for item in page.data]
+    assert texts == ["Bye", "Hello", "Hi", "Be brief."]  # desc: newest first
+    assert [i.role for i in page.data] == ["user", "assistant", "user", "system"]
+    assert page.first_id == page.data[0].id and page.last_id == page.data[-1].id
+    assert page.data[1].content[0].type == "output_text" and page.data[2].content[0].type == "input_text"
+    first = client.responses.input_items.list(r.id, limit=2, order="asc")
+    assert [i.content[0].text for i in first.data] == ["Be brief.", "Hi"] and first.has_more is True
+    rest = client.responses.input_items.list(r.id, limit=2, order="asc", after=first.last_id)
+    assert [i.content[0].text for i in rest.data] == ["Hello", "Bye"] and rest.has_more is False
+    walked = [i.content[0].text for i in client.responses.input_items.list(r.id, limit=1, order="asc")]
+    assert walked == ["Be brief.", "Hi", "Hello", "Bye"]
+    text = client.responses.create(model=model_name, input="Hi", max_output_tokens=2, temperature=0)
+    (item,) = client.responses.input_items.list(text.id).data
+    assert (item.type, item.role, item.content[0].type, item.content[0].text) == ("message", "user", "input_text",
+                                                                                  "Hi")
+    for query, param in [({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"), ({"limit": "x"}, "limit"),
+                         ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after"), ({"include": "x"}, "include")]:
+        got = httpx.get(f"{server.url}/v1/responses/{r.id}/input_items", params=query, timeout=30)
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    unstored = client.responses.create(model=model_name, input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(unstored.id)

@@ -28,6 +28,7 @@ OPERATIONS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("GE
               ("GET", "/v1/models/{model_id}"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/responses"),
               ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
+              ("GET", "/v1/responses/{response_id}/input_items"),
               ("POST", "/v1/responses/{response_id}/cancel"), ("POST", "/v1/messages"),
               ("POST", "/v1/messages/count_tokens")]
 

@@ -237,3 +237,29 @@ def test_pythonic_grammar_writes_python_literals_and_falls_back_to_json():
     dashed = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "max-n": {"type": "integer"}}}}}]
     assert parser.choice_constraint(dashed, "required", None) is None
+
+
+def test_auto_tool_choice_error_says_exactly_what_is_needed():
+    """"auto" without ``--enable-auto-tool-choice``: the flag alone when the template implies a parser; with no
+    parser known, ``--tool-call-parser`` too; each API's own alternatives."""
+    from kvserve.entrypoints.openai.errors import OpenAIError
+    from kvserve.entrypoints.openai.serving_chat import ToolChoice
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+    def message(**kw):
+        with pytest.raises(OpenAIError) as e:
+            ToolChoice.create(tools, None, **kw)
+        assert e.value.param == "tool_choice"
+        return e.value.message
+
+    flag_only = message(parser="hermes", auto_enabled=False)
+    assert "--enable-auto-tool-choice" in flag_only and "--tool-call-parser NAME" not in flag_only
+    assert "'hermes'" in flag_only and 'tool_choice "required", "none" or a named function' in flag_only
+    both = message(parser=None, auto_enabled=False)
+    assert "--enable-auto-tool-choice and --tool-call-parser NAME" in both
+    parser_only = message(parser=None, auto_enabled=True)
+    assert "--tool-call-parser NAME" in parser_only and "--enable-auto-tool-choice" not in parser_only
+    anthropic = message(parser="hermes", auto_enabled=False, alternatives="X")
+    assert anthropic.endswith("; or send X")
+    assert ToolChoice.create(tools, None, parser="hermes", auto_enabled=True).choice == "auto"

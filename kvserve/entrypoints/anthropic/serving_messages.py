@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 from pydantic import Field
 
 from kvserve.entrypoints.events import Finish, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
-from kvserve.entrypoints.openai.errors import anthropic_body
+from kvserve.entrypoints.openai.errors import anthropic_body, check_fields
 from kvserve.entrypoints.openai.protocol import _Strict
 from kvserve.entrypoints.openai.serving_chat import ToolChoice
 from kvserve.entrypoints.openai.serving_engine import OpenAIError, now_s
@@ -29,6 +29,20 @@ from kvserve.entrypoints.openai.serving_events import EventServing
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 NAMES = {"messages": "messages", "max_tokens": "max_tokens", "structured": "tools", "stop": "stop_sequences",
          "thinking_token_budget": "thinking.budget_tokens"}
+#: the fields of a message, of each content block type and of a tool (Anthropic's schema, as the ``anthropic``
+#: client sends them: a ``tool_use`` block it returned comes back with ``caller``); any other is a 400 naming it
+#: (``errors.check_fields``). Those kvserve does not use (``cache_control``, ``citations``, ``caller``,
+#: ``toolset_name``, a tool's ``strict``, ``input_examples``, ``defer_loading``, ...) are accepted and ignored.
+MESSAGE_FIELDS = ("role", "content")
+BLOCK_FIELDS = {"text": ("type", "text", "cache_control", "citations"),
+                "tool_use": ("type", "id", "name", "input", "cache_control", "caller", "toolset_name"),
+                "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"),
+                "thinking": ("type", "thinking", "signature"),
+                "redacted_thinking": ("type", "data")}
+TOOL_FIELDS = ("type", "name", "description", "input_schema", "cache_control", "strict", "input_examples",
+               "defer_loading", "eager_input_streaming", "allowed_callers")
+#: the ``tool_choice`` values that work without ``--enable-auto-tool-choice`` (suggested by the 400 of ``auto``)
+ALTERNATIVES = 'tool_choice {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}'
 
 
 class MessagesRequest(_Strict):
@@ -75,6 +89,7 @@ def _text_blocks(content: Any, where: str) -> str:
     for j, b in enumerate(content):
         if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
             raise _bad(f"{where}[{j}] must be a text block {{type: text, text}}", f"{where}[{j}]")
+        check_fields(b, BLOCK_FIELDS["text"], f"{where}[{j}]")
         out.append(b["text"])
     return "".join(out)
 
@@ -94,6 +109,7 @@ def chat_messages(system: Any, messages: list) -> list[dict]:
             out.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
+        check_fields(m, MESSAGE_FIELDS, where)
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise _bad(f"{where}.role must be user or assistant, got {role!r}", f"{where}.role")
@@ -105,6 +121,8 @@ def chat_messages(system: Any, messages: list) -> list[dict]:
         for j, b in enumerate(blocks):
             at = f"{where}.content[{j}]"
             kind = b.get("type") if isinstance(b, dict) else None
+            if kind in BLOCK_FIELDS:
+                check_fields(b, BLOCK_FIELDS[kind], at)
             if kind == "text" and isinstance(b.get("text"), str):
                 text.append(b["text"])
             elif kind == "tool_use" and role == "assistant":
@@ -148,6 +166,7 @@ def chat_tools(tools: Optional[list]) -> list[dict]:
         if kind != "custom":
             raise _bad(f"{where}.type: tool {kind!r} is not supported (only custom tools with an input_schema; "
                        f"server tools are not available)", f"{where}.type")
+        check_fields(t, TOOL_FIELDS, where)
         name = t.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise _bad(f"{where}.name must be 1-64 of a-z A-Z 0-9 _ -, got {name!r}", f"{where}.name")
@@ -277,7 +296,8 @@ class AnthropicServingMessages(EventServing):
         ``CountTokensRequest``). Raises ``OpenAIError`` (400)."""
         self.limits.check_tools(req.tools or [], "tools")
         choice, parallel = tool_choice_of(req.tool_choice)
-        tools = ToolChoice.create(chat_tools(req.tools), choice, parallel, **self.tool_parser_args())
+        tools = ToolChoice.create(chat_tools(req.tools), choice, parallel, **self.tool_parser_args(),
+                                  alternatives=ALTERNATIVES)
         messages = chat_messages(req.system, req.messages)
         if not messages:
             raise _bad("messages must not be empty", "messages")
@@ -305,6 +325,8 @@ class AnthropicServingMessages(EventServing):
         arrival = now_s()
         self.check_model(req.model)
         self.limits.check_stop(req.stop_sequences, "stop_sequences")
+        if req.temperature is not None and not 0 <= req.temperature <= 1:
+            raise _bad(f"temperature must be in [0, 1] (Anthropic's range), got {req.temperature}", "temperature")
         messages, tools, kwargs = self._prompt_fields(req)
         if req.thinking and req.thinking.get("type") == "enabled" and req.thinking["budget_tokens"] >= req.max_tokens:
             raise _bad("thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens")

@@ -102,6 +102,24 @@ def add_exception_handlers(app: FastAPI) -> None:
         return error_response(err, path=request.url.path)
 
 
+def unrecognized_argument(param: str) -> OpenAIError:
+    """The 400 of a field the request may not have (pydantic's ``extra="forbid"``, and ``check_fields`` for
+    payloads checked by hand): ``unrecognized request argument: <param>``, ``param`` the full path."""
+    return OpenAIError(f"unrecognized request argument: {param}", param=param, code="unrecognized_argument")
+
+
+def check_fields(obj: dict, allowed, where: str) -> None:
+    """``extra="forbid"`` for a JSON object checked by hand (a Responses input item, an Anthropic content block or
+    tool): every key of ``obj`` must be in ``allowed``.
+
+    Raises:
+        OpenAIError: 400 ``unrecognized_argument`` naming ``<where>.<key>`` (the first unknown key, sorted).
+    """
+    extra = sorted(k for k in obj if k not in allowed)
+    if extra:
+        raise unrecognized_argument(f"{where}.{extra[0]}")
+
+
 _UNION_HINTS = {  # by the field's last name
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
@@ -154,7 +172,7 @@ def validation_error(e: RequestValidationError, content_type: Optional[str] = No
         return OpenAIError(f"the request body must be a JSON object ({first.get('msg')}){hint}")
     param = field_path(loc)
     if kind == "extra_forbidden":
-        return OpenAIError(f"unrecognized request argument: {param}", param=param, code="unrecognized_argument")
+        return unrecognized_argument(param)
     if kind == "missing":
         return OpenAIError(f"{param}: a required field is missing", param=param)
     same_field = [err for err in errors if field_path([x for x in err.get("loc", ()) if x != "body"]) == param]

@@ -48,12 +48,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 @dataclass
 class StoredResponse:
     """A stored answer: ``response`` (the Responses object, JSON types), ``conversation`` (the chat messages it
-    continued from plus its own output, what a ``previous_response_id`` continues), its size and time."""
+    continued from plus its own output, what a ``previous_response_id`` continues), its size and time, and
+    ``input_items`` (its request's input as items: ``responses_items.input_items_of``)."""
 
     response: dict
     conversation: list
     nbytes: int
     created: float
+    input_items: list = field(default_factory=list)
 
 
 class ResponseStore:
@@ -73,15 +75,16 @@ class ResponseStore:
         self._expire()
         return len(self._items)
 
-    def put(self, response: dict, conversation: list) -> bool:
-        """Store (or replace) ``response`` under its ``id``; returns False if it alone exceeds the byte bound (it is
-        then not kept). Older entries go while a bound is exceeded."""
+    def put(self, response: dict, conversation: list, input_items: Optional[list] = None) -> bool:
+        """Store (or replace) ``response`` under its ``id`` (with its ``input_items``); returns False if it alone
+        exceeds the byte bound (it is then not kept). Older entries go while a bound is exceeded."""
         rid = response["id"]
         self.delete(rid)
-        size = len(json.dumps(response, separators=(",", ":"))) + len(json.dumps(conversation, separators=(",", ":")))
+        input_items = input_items or []
+        size = sum(len(json.dumps(x, separators=(",", ":"))) for x in (response, conversation, input_items))
         if size > self.limits.responses_store_max_bytes:
             return False
-        self._items[rid] = StoredResponse(response, conversation, size, self.clock())
+        self._items[rid] = StoredResponse(response, conversation, size, self.clock(), input_items)
         self.nbytes += size
         while (len(self._items) > self.limits.responses_store_max_entries
                or self.nbytes > self.limits.responses_store_max_bytes):

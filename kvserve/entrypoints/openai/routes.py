@@ -1,8 +1,9 @@
 """The OpenAI-compatible routes (``router``, included by ``api_server.build_app``): ``GET /health``, ``GET /metrics``
 (Prometheus), ``GET /version``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``), ``POST /tokenize``, ``POST /detokenize``
-(vLLM's shapes), ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``
-(OpenAI's Responses API). Every ``GET`` route answers ``HEAD`` too.
+(vLLM's shapes), ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel`` (OpenAI's Responses API). Every ``GET``
+route answers ``HEAD`` too.
 
 A handler finds what it serves with on ``request.app.state`` (set by ``build_app``): ``engine_client`` (the
 ``EngineClient``), ``served_model_name``, ``stat_logger``, ``openai_serving_completion``, ``openai_serving_chat``,
@@ -11,7 +12,9 @@ A handler finds what it serves with on ``request.app.state`` (set by ``build_app
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Body, Request
+from typing import Optional
+
+from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -57,10 +60,20 @@ def _to_response(result):
 
 @_get("/health", responses={503: _ERRORS[503]})
 async def health(request: Request):
-    """200 while the engine loop runs and accepts requests, else 503."""
-    if request.app.state.engine_client.is_running:
+    """200 while the engine loop runs and accepts requests, else 503 saying why: the loop failed (its error), or
+    the server drains (``--shutdown-timeout``: the requests in flight still run, none is accepted) or shuts down."""
+    llm = request.app.state.engine_client
+    if llm.is_running:
         return {"status": "ok"}
-    raise OpenAIError("the engine is not running", status=503, type="server_shutdown")
+    dead = getattr(llm, "dead_error", None)
+    if dead is not None:
+        raise OpenAIError(f"the engine loop failed: {dead!r}", status=503, type="server_shutdown")
+    n = llm.num_streams
+    if n:
+        raise OpenAIError(f"draining: finishing {n} in-flight request{'s' if n != 1 else ''}; not accepting new ones",
+                          status=503, type="server_shutdown")
+    raise OpenAIError("shutting down: no request in flight; not accepting new ones", status=503,
+                      type="server_shutdown")
 
 
 @_get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
@@ -142,6 +155,17 @@ async def create_response(body: ResponsesRequest, request: Request):
 async def retrieve_response(response_id: str, request: Request):
     """A stored response (404 if unknown, deleted or expired)."""
     return AsciiJSONResponse(request.app.state.openai_serving_responses.retrieve(response_id))
+
+
+@_get("/v1/responses/{response_id}/input_items", responses={400: _ERRORS[400], 404: {"model": p.ErrorResponse}})
+async def list_input_items(response_id: str, request: Request,
+                           limit: Optional[str] = Query(None, description="items per page, 1..100 (default 20)"),
+                           order: Optional[str] = Query(None, description="asc, or desc (newest first, the default)"),
+                           after: Optional[str] = Query(None, description="an item id: the page after it")):
+    """A stored response's input items, OpenAI's list (query ``limit``, ``order``, ``after``; checked, with any
+    other parameter, in ``responses_items.list_page``)."""
+    query = dict(request.query_params)
+    return AsciiJSONResponse(request.app.state.openai_serving_responses.input_items(response_id, query))
 
 
 @router.delete("/v1/responses/{response_id}", responses={404: {"model": p.ErrorResponse}})

@@ -149,6 +149,16 @@ def _delta_tool_calls(events: list) -> list:
     return out
 
 
+def auto_tool_needs(auto_enabled: bool, parser: Optional[str]) -> str:
+    """What the server must be started with for "auto" tool calls: ``--enable-auto-tool-choice`` (enough when
+    the chat template implies a parser, ``parser``) and, when no parser is known, ``--tool-call-parser NAME``."""
+    if parser is None:
+        flags = "--tool-call-parser NAME" if auto_enabled else "--enable-auto-tool-choice and --tool-call-parser NAME"
+        return f"the server started with {flags} (this chat template implies no tool-call parser)"
+    return (f"the server started with --enable-auto-tool-choice (the tool-call parser is {parser!r}, from "
+            f"--tool-call-parser or the chat template)")
+
+
 class ToolChoice:
     """A chat request's tool mode: ``choice`` "none" (tools left out of the prompt), "auto" (the model's own
     format, parsed by a ``ToolParser``), "required" or a named function (enforced by a grammar: in the tool
@@ -175,12 +185,14 @@ class ToolChoice:
     @classmethod
     def create(cls, tools: Optional[list], choice, parallel_tool_calls: Optional[bool] = None,
                param: str = "tool_choice", parser: Optional[str] = "hermes",
-               auto_enabled: bool = True, forced_format: Optional[str] = None) -> "ToolChoice":
+               auto_enabled: bool = True, forced_format: Optional[str] = None,
+               alternatives: str = 'tool_choice "required", "none" or a named function') -> "ToolChoice":
         """From OpenAI ``tools`` (dicts) and a ``tool_choice`` (``None``: "auto" with tools, else "none"; a named
         one as a dict), as every API maps its own tool fields to them. ``parser``: the tool-call format "auto"
         reads (``--tool-call-parser`` or the chat template's); ``auto_enabled``: ``--enable-auto-tool-choice``;
         ``forced_format``: the parser whose format "required" / named choices are written in (the server's
-        explicit ``--tool-call-parser``), ``None``: the JSON path.
+        explicit ``--tool-call-parser``), ``None``: the JSON path; ``alternatives``: the API's spelling of the
+        choices that work without ``--enable-auto-tool-choice``, suggested by its 400.
 
         Raises:
             OpenAIError: (``param``) a choice other than "none" without tools, or naming an unknown function;
@@ -192,9 +204,8 @@ class ToolChoice:
         if choice != "none" and not tools:
             raise OpenAIError(f"tool_choice {choice!r} needs tools", param=param)
         if choice == "auto" and (not auto_enabled or parser is None):
-            raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and a tool-call parser '
-                              '(--tool-call-parser, or one the chat template implies) to be set; or send '
-                              'tool_choice "required", "none" or a named function', param=param)
+            raise OpenAIError(f'"auto" tool choice (the default with tools) needs '
+                              f'{auto_tool_needs(auto_enabled, parser)}; or send {alternatives}', param=param)
         try:
             schema = tp.tool_choice_schema(tools, choice, parallel_tool_calls)
             forced = (tp.get_tool_parser(forced_format).choice_constraint(tools, choice, parallel_tool_calls)

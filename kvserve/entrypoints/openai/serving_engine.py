@@ -197,18 +197,20 @@ class OpenAIServing:
         """The request's ``max_tokens`` (default: what is left of ``max_model_len``).
 
         Raises:
-            OpenAIError: the prompt leaves no room, or prompt + ``max_tokens`` exceeds ``max_model_len``.
+            OpenAIError: the prompt leaves no room, or prompt + ``max_tokens`` exceeds ``max_model_len`` (the
+                message begins with the field, ``prompt_param`` or ``max_param``: an Anthropic error has no
+                ``param``).
         """
         limit = self.llm.max_model_len
         if n_prompt >= limit:
-            raise OpenAIError(f"the prompt has {n_prompt} tokens; this model's maximum context length is {limit} "
-                              f"tokens, including at least 1 generated token", param=prompt_param,
+            raise OpenAIError(f"{prompt_param}: the prompt has {n_prompt} tokens; this model's maximum context "
+                              f"length is {limit} tokens, including at least 1 generated token", param=prompt_param,
                               code="context_length_exceeded")
         if max_tokens is None:
             return limit - n_prompt
         if isinstance(max_tokens, int) and max_tokens >= 1 and n_prompt + max_tokens > limit:
-            raise OpenAIError(f"this model's maximum context length is {limit} tokens; you requested {n_prompt} "
-                              f"prompt + {max_tokens} completion tokens", param=max_param,
+            raise OpenAIError(f"{max_param}: this model's maximum context length is {limit} tokens; you requested "
+                              f"{n_prompt} prompt + {max_tokens} completion tokens", param=max_param,
                               code="context_length_exceeded")
         return max_tokens
 

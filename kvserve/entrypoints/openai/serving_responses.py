@@ -1,5 +1,5 @@
 """``POST /v1/responses`` (OpenAI's Responses API; vLLM's ``serving_responses``), ``GET`` / ``DELETE
-/v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``.
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``.
 
 A request's ``instructions`` and ``input`` (text, or items: messages, ``function_call``, ``function_call_output``,
 ``reasoning``) become chat messages (after the conversation of ``previous_response_id``), its function ``tools`` and
@@ -22,7 +22,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field
 
 from kvserve.entrypoints.events import (Finish, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart)
+from kvserve.entrypoints.openai.errors import check_fields
 from kvserve.entrypoints.openai.protocol import _Strict
+from kvserve.entrypoints.openai.responses_items import input_items_of, list_page
 from kvserve.entrypoints.openai.responses_store import ResponseStore
 from kvserve.entrypoints.openai.serving_chat import ToolChoice
 from kvserve.entrypoints.openai.serving_engine import OpenAIError, now_s
@@ -32,6 +34,14 @@ from kvserve.validation import ParamError
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "structured": "text.format"}
+#: the fields of each input item type and of a content part (OpenAI's schema, as the ``openai`` client sends them;
+#: those kvserve does not use, such as ``phase``, ``caller``, ``namespace``, are accepted and ignored); any other is
+#: a 400 naming it
+ITEM_FIELDS = {"message": ("type", "role", "content", "id", "status", "phase"),
+               "function_call": ("type", "call_id", "name", "arguments", "id", "status", "caller", "namespace"),
+               "function_call_output": ("type", "call_id", "output", "id", "status", "caller", "name", "namespace"),
+               "reasoning": ("type", "id", "summary", "content", "encrypted_content", "status")}
+PART_FIELDS = ("type", "text", "annotations", "logprobs", "prompt_cache_breakpoint")
 
 
 #: ``include`` values accepted: ``reasoning.encrypted_content`` (what Codex sends with ``store: false``, to carry the
@@ -104,6 +114,7 @@ def _text_of(content: Any, where: str, kinds: tuple) -> str:
         if part["type"] not in kinds:
             raise _bad(f"{at}.type: content part {part['type']!r} is not supported (only {', '.join(kinds)})",
                        f"{at}.type", "unsupported_parameter")
+        check_fields(part, PART_FIELDS, at)
         if not isinstance(part.get("text"), str):
             raise _bad(f"{at}.text must be a string", f"{at}.text")
         out.append(part["text"])
@@ -124,7 +135,8 @@ def input_messages(items: Union[str, list]) -> list[dict]:
     (chat templates drop earlier turns' reasoning).
 
     Raises:
-        OpenAIError: 400 naming the item's field (``input[1].call_id``); an unsupported item or part type.
+        OpenAIError: 400 naming the item's field (``input[1].call_id``); an unsupported item or part type; a field
+            an item or part may not have (``input[0].foo``, ``input[0].content[1].foo``: ``ITEM_FIELDS``).
     """
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
@@ -132,6 +144,8 @@ def input_messages(items: Union[str, list]) -> list[dict]:
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        if kind in ITEM_FIELDS:
+            check_fields(item, ITEM_FIELDS[kind], where)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -170,9 +184,7 @@ def chat_tools(tools: Optional[list]) -> list[dict]:
             raise _bad(f"{where}.type: tool type {kind!r} is not supported (only function tools; built-in tools "
                        f"such as web_search or file_search are not available)", f"{where}.type",
                        "unsupported_parameter")
-        extra = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
-        if extra:
-            raise _bad(f"{where}.{extra[0]}: unrecognized field", f"{where}.{extra[0]}", "unrecognized_argument")
+        check_fields(t, ("type", "name", "description", "parameters", "strict"), where)
         name = t.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise _bad(f"{where}.name must be 1-64 of a-z A-Z 0-9 _ -, got {name!r}", f"{where}.name")
@@ -230,8 +242,9 @@ class ResponseBuilder:
     and a non-streamed answer is). Output items open in the order the events begin them: reasoning, message,
     function calls."""
 
-    def __init__(self, response: dict):
+    def __init__(self, response: dict, input_items: Optional[list] = None):
         self.response = response
+        self.input_items = input_items or []  # the request's input (``responses_items.input_items_of``)
         self.seq = 0
         self.open: Optional[int] = None  # index in output of the open reasoning / message item
         self.calls: dict = {}  # tool-call index -> output index (open until the end or the next item)
@@ -418,7 +431,8 @@ class OpenAIServingResponses(EventServing):
         conversation = previous + input_messages(req.input)
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
         tools = ToolChoice.create(chat_tools(req.tools), tool_choice_of(req.tool_choice), req.parallel_tool_calls,
-                                  **self.tool_parser_args())
+                                  **self.tool_parser_args(),
+                                  alternatives='tool_choice "required", "none" or {"type": "function", "name": ...}')
         effort = (req.reasoning or {}).get("effort")
         kwargs = {"reasoning_effort": effort} if effort else None
         pp, sp = await self.prepare(messages, tools, text_format_of(req.text), {
@@ -427,7 +441,7 @@ class OpenAIServingResponses(EventServing):
             "frequency_penalty": req.frequency_penalty, "seed": req.seed,
         }, req.max_output_tokens, NAMES, kwargs)
         rid = _new("resp")
-        builder = ResponseBuilder(self._skeleton(rid, req, sp))
+        builder = ResponseBuilder(self._skeleton(rid, req, sp), input_items_of(req.input))
         events = await self.open(pp, sp, rid, arrival, tools, NAMES, req.priority or 0, kwargs)
         self.in_flight[rid] = (events, builder)
 
@@ -443,7 +457,7 @@ class OpenAIServingResponses(EventServing):
                      "total_tokens": len(pp.token_ids) + n_out}
             out = builder.end(usage)
             if req.store:
-                self.store.put(builder.response, conversation + output_messages(builder.output))
+                self.store.put(builder.response, conversation + output_messages(builder.output), builder.input_items)
             return out
 
         if not req.stream:
@@ -503,6 +517,19 @@ class OpenAIServingResponses(EventServing):
         if stored is None:
             raise _not_found(rid)
         return stored.response
+
+    def input_items(self, rid: str, query: dict) -> dict:
+        """``GET /v1/responses/{id}/input_items``: the request's input items of a stored (or in-flight) response,
+        as OpenAI's list (``responses_items.list_page``: ``query`` its ``limit``, ``order``, ``after``). Raises a
+        404 for an unknown id, a 400 naming a bad query parameter."""
+        if rid in self.in_flight:
+            items = self.in_flight[rid][1].input_items
+        else:
+            stored = self.store.get(rid)
+            if stored is None:
+                raise _not_found(rid)
+            items = stored.input_items
+        return list_page(items, query)
 
     def cancel(self, rid: str) -> dict:
         """``POST /v1/responses/{id}/cancel``: abort a response still being generated (its stream ends, status
