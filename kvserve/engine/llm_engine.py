@@ -24,7 +24,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.stats import EngineStats
-from kvserve.model.backends import select_backends
+from kvserve.model.backends import on_int8_kernels, select_backends
 from kvserve.model.chat_config import describe_end_tokens, load_chat_template
 from kvserve.model.loader import load_model
 from kvserve.model.registry import build_model
@@ -86,7 +86,8 @@ class LLMEngine:
                     self.backends.describe(self.model.layers[0]["qkv"], self.model.lm_head))
         lim = self.limits = derive_limits(  # the model's dtype is mc.dtype (load_model casts)
             config, loaded.arch.max_position_embeddings,
-            lambda kv_dtype: self.model.bytes_per_block(config.cache_config.block_size, getattr(torch, kv_dtype)))
+            lambda kv_dtype: self.model.bytes_per_block(config.cache_config.block_size, getattr(torch, kv_dtype)),
+            quantized_weights=on_int8_kernels(self.model.layers[0]["qkv"]))
         kv_dtype_name = lim.kv_cache_dtype
         self.kv_cache_dtype = getattr(torch, kv_dtype_name)
         self.block_size, self.num_blocks, self.pool_tokens = lim.block_size, lim.num_blocks, lim.pool_tokens

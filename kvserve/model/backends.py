@@ -96,6 +96,14 @@ class ModelBackends:
                 f"(LM head {lm_head.path}), norm/activation {self.ops.name}")
 
 
+def on_int8_kernels(layer: LinearMethod) -> bool:
+    """Whether a built projection multiplies on the int8 kernels (a ``QuantLinear`` with a kernel path; inside a
+    ``ConcatLinear`` or a tensor-parallel shard too), not in float: what ``kv_cache_dtype="auto"`` asks
+    (``CacheConfig.resolve_kv_cache_dtype``)."""
+    layer = getattr(layer, "local", layer)
+    return any(getattr(p, "isa", None) is not None for p in getattr(layer, "parts", [layer]))
+
+
 def select_backends(device: str, dtype: torch.dtype, quantization: str = "auto",
                     kernel_config: Optional[KernelConfig] = None,
                     parallel: Optional[ParallelGroup] = None) -> ModelBackends:

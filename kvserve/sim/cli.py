@@ -178,9 +178,10 @@ def build_simulator(engine_args: dict, profile_path):
     if config.model_config.dtype != prof.get("dtype", config.model_config.dtype):
         raise ValueError(f"{profile_path}: profile field 'dtype' is {prof['dtype']!r}, the run asks for "
                          f"{config.model_config.dtype!r}")
-    run_kv = config.cache_config.resolve_kv_cache_dtype(config.model_config.dtype)
     field = "kv_cache_dtype" if "kv_cache_dtype" in prof else "dtype"  # profiles before the field: the model's
     prof_kv = prof.get(field, "float32")
+    # "auto" is whatever the profiled engine resolved it to (it depends on the weights: the engine's own rule)
+    run_kv = prof_kv if config.cache_config.kv_cache_dtype == "auto" else config.cache_config.kv_cache_dtype
     if run_kv != prof_kv:  # another cache type reads other bytes per step: the profile's step costs do not apply
         raise ValueError(f"{profile_path}: profile field {field!r} is {prof_kv!r} (the KV cache it was measured "
                          f"over), the run asks for kv_cache_dtype {run_kv!r}; make a profile with "

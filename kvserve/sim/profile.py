@@ -115,7 +115,7 @@ def measure(engine_args: dict, quick: bool = False, warmup_s: float = WARMUP_S) 
         "dtype": mc.dtype,
         "num_threads": mc.num_threads,
         "torch_threads": __import__("torch").get_num_threads(),
-        "kv_cache_dtype": engine.config.cache_config.resolve_kv_cache_dtype(mc.dtype),
+        "kv_cache_dtype": engine.limits.kv_cache_dtype,
         "kv_bytes_per_token": engine.model.bytes_per_block(1, engine.kv_cache_dtype),
         # the pool `kvserve serve` with these flags gets on this machine (the plan's own engine has a fixed one): the
         # simulator's default, so that a replay elsewhere does not size its pool from that other machine's free RAM

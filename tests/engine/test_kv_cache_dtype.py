@@ -35,10 +35,23 @@ def test_the_pool_is_bfloat16_and_holds_twice_the_blocks(bf16_llm):
     assert model.bytes_per_block(16, BF16) == 30 * 2 * 16 * 3 * 64 * 2 == model.bytes_per_block(16) // 2
     assert model_cost(model, BF16).kv_bytes_per_token == 30 * 2 * 3 * 64 * 2  # the roofline's KV bytes too
     budget = 10 * model.bytes_per_block(16)
-    f32 = LLM(kv_cache_memory_bytes=budget).llm_engine
-    bf16 = LLM(kv_cache_memory_bytes=budget, kv_cache_dtype="bfloat16").llm_engine
+    f32 = LLM(kv_cache_memory_bytes=budget, kv_cache_dtype="float32").llm_engine
+    bf16 = LLM(kv_cache_memory_bytes=budget).llm_engine  # "auto": the weights are quantized
     assert (f32.num_blocks, bf16.num_blocks) == (10, 20)
-    assert f32.model_runner.kv_cache.dtype == torch.float32  # "auto": the model's dtype
+    assert f32.model_runner.kv_cache.dtype == torch.float32 and bf16.model_runner.kv_cache.dtype == BF16
+
+
+def test_auto_is_bfloat16_for_quantized_weights_and_the_models_dtype_for_float_ones(tmp_path, llm):
+    """``kv_cache_dtype="auto"``: the default GGUF's projections run on the int8 kernels, so its pool is bfloat16;
+    the float32 path (``quantization="fp32"``) and a float model keep float32 (exact), and a float model quantized
+    at load (``quantization="int8"``) gets bfloat16, as the engine's log line and the limits say."""
+    from tests.engine.test_draft_model import write_tiny_model
+
+    assert llm.llm_engine.kv_cache_dtype == BF16 and llm.llm_engine.limits.kv_cache_dtype == "bfloat16"
+    assert LLM(quantization="fp32", num_kv_blocks=8).llm_engine.model_runner.kv_cache.dtype == torch.float32
+    tiny = write_tiny_model(tmp_path / "tiny", llm.llm_engine.arch.vocab_size, llm.get_tokenizer())
+    assert LLM(model=tiny, num_kv_blocks=8).llm_engine.model_runner.kv_cache.dtype == torch.float32
+    assert LLM(model=tiny, num_kv_blocks=8, quantization="int8").llm_engine.model_runner.kv_cache.dtype == BF16
 
 
 def test_predictions_over_a_bf16_cache_match_the_float32_cache(bf16_llm):

@@ -16,8 +16,9 @@ def test_quick_profile_then_simulate(tmp_path, capsys):
     assert main(["sim", "profile", "--quick", "--num-threads", "1", "--output", str(out)]) == 0
     prof = json.loads(out.read_text())
     assert prof["features"] == list(FEATURES) and prof["model"].endswith(".gguf")
-    assert prof["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M fp32: 30 layers, 3 KV heads of 64
-    assert prof["kv_cache_dtype"] == "float32"  # what the step costs were measured over (sim refuses another)
+    # SmolLM2-135M, a bfloat16 cache ("auto" on quantized weights): 30 layers, 3 KV heads of 64, 2 bytes
+    assert prof["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert prof["kv_cache_dtype"] == "bfloat16"  # what the step costs were measured over (sim refuses another)
     from kvserve.config import EngineConfig
 
     per_block = prof["kv_bytes_per_token"] * 16  # the pool `serve` would get here, in whole blocks (block_size 16)
