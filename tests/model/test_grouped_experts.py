@@ -15,6 +15,7 @@ from kvserve.layers.linear import Linear
 from kvserve.layers.moe import MoE, ExpertMLP, RouterSpec
 from kvserve.layers.quant_linear import make_linear_method
 from kvserve.quant import QuantTensor, formats
+from tests.model.test_families_gpt_oss import gpt_oss, gpt_oss_mxfp4  # noqa: F401 (fixtures)
 
 E, HIDDEN, INTER = 8, 256, 256
 PATHS = [p for p in kernels.ISAS if kernels.cpu_supports(p)]
@@ -164,3 +165,57 @@ def test_layers_the_kernel_cannot_run_keep_the_per_expert_path():
     assert MoE(router, moe.spec, float_experts).grouped is None
     other = _moe(formats.Q4_0, formats.Q8_0, PATHS[0], "int8").experts
     assert MoE(router, moe.spec, e[:-1] + other[-1:]).grouped is None
+
+
+def _all_layers(model, grouped: bool) -> None:
+    """Every MoE layer of ``model`` on the grouped kernel (``grouped``) or on the per-expert path."""
+    for layer in model.layers:
+        moe = layer["moe"]
+        moe.grouped = moe._grouped if grouped else None
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not PATHS, reason=str(kernels.unavailable_reason()))
+@pytest.mark.parametrize("source", ["hf_mxfp4", "gguf_mxfp4"])
+@pytest.mark.parametrize("path", ["auto", "int8"])
+def test_tiny_gpt_oss_runs_its_experts_grouped_with_the_per_expert_bits(request, tmp_path, tokenizer, source, path):
+    """A tiny random gpt-oss with MXFP4 experts, from Hugging Face ``*_blocks`` / ``*_scales`` and from llama.cpp's
+    GGUF: every MoE layer runs on the grouped kernel (the default path: MX4 weights; int8: every projection on a
+    kernel, the experts as Q8), the experts' biases stacked, and a prompt's logits are the per-expert path's, bit
+    for bit, on the Python layer loop and (int8) the C one."""
+    from kvserve.config import KernelConfig
+    from kvserve.model.backends import select_backends
+    from kvserve.model.loader import load_model
+    from kvserve.model.registry import build_model
+    from kvserve.quant.pack import FMT_MX4
+    from tests.model.test_families import PROMPTS, _logits
+    from tests.model.test_families_gpt_oss import _write_gpt_oss_gguf
+
+    if source == "hf_mxfp4":
+        file = request.getfixturevalue("gpt_oss_mxfp4")[0]
+    else:
+        file = _write_gpt_oss_gguf(tmp_path / "gpt-oss.gguf", request.getfixturevalue("gpt_oss")[1], mxfp4=True)
+    model = build_model(load_model(str(file), keep_quantized=True, weights_only=True),
+                        select_backends("cpu", torch.float32, path, KernelConfig(quant_activations="int8x2")))
+    assert (model.fused_layers is not None) == (path == "int8")
+    for layer in model.layers:
+        moe = layer["moe"]
+        assert moe.grouped is not None and moe.grouped.activation == "swiglu_oai"
+        assert moe.grouped.up[0] == moe.grouped.down[0] and (moe.grouped.up[0] == FMT_MX4) == (path == "auto")
+        assert moe.grouped.down_bias.shape == (len(moe.experts), model.arch.hidden_size)
+        moe._grouped = moe.grouped
+    ids = tokenizer.encode(" ".join(PROMPTS))  # one sequence of every prompt: its rows choose varied experts
+    assert len(ids) > 40
+    moe, chosen = model.layers[1]["moe"], []
+    moe.route = lambda x: chosen.append(type(moe).route(moe, x)) or chosen[-1]
+    grouped = _logits(model, ids)
+    del moe.route
+    assert len(chosen[0][1].unique()) > 4  # the rows choose varied experts
+    _all_layers(model, grouped=False)
+    per_expert = _logits(model, ids)
+    _all_layers(model, grouped=True)
+    assert torch.equal(grouped, per_expert)
+    if model.fused_layers is not None:  # the C layer loop calls back into the same MoE layers
+        model.fused_layers, fused = None, model.fused_layers
+        assert torch.equal(_logits(model, ids), grouped)
+        model.fused_layers = fused
