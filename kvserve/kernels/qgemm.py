@@ -74,8 +74,8 @@ def load():
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.kvserve_qgemm.argtypes = [cint, cint, cint, ptr, i64, i64, ptr, i64, ptr, ptr, i64]
     lib.kvserve_qgemm.restype = cint
-    lib.kvserve_moe_gemm.argtypes = [cint, cint, cint, cint, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64,
-                                     ptr, ptr]
+    lib.kvserve_moe_gemm.argtypes = [cint, cint, cint, cint, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
+                                     i64, ptr, ptr]
     lib.kvserve_moe_gemm.restype = cint
     lib.kvserve_q_isa_supported.argtypes = [cint]
     lib.kvserve_q_isa_supported.restype = cint

@@ -15,8 +15,8 @@ on the CPU is *not* lowest-id-first (eight equal scores, ``k = 3``: experts 6, 5
 alone: the same row picks the same experts in the same order alone or in any batch (tests/model/test_moe.py).
 
 The expert step groups the step's ``T * top_k`` (row, rank) pairs by expert, runs each chosen expert once over
-all its rows (quantized SwiGLU experts of one format: all experts in two C calls, ``grouped_experts``; else one
-linear call per expert and projection, ``run_experts``; the same bits) (its linear methods: any quantized format of ``kvserve.quant.traits`` -- MXFP4 included -- or float),
+all its rows (quantized experts of one format: all experts in two C calls, ``grouped_experts``; else one linear
+call per expert and projection, ``run_experts``; the same bits) (its linear methods: any quantized format of ``kvserve.quant.traits`` -- MXFP4 included -- or float),
 and writes each result to its (row, rank) slot; then each row sums its ``top_k`` weighted slots **in rank order**
 (rank 0 = the highest score), a fixed order per row, never the grouping's. Every matmul is row-independent
 (batch-invariant kernels), so a token's output bits are the same alone, beside rows that chose other experts, or in
@@ -30,13 +30,11 @@ from typing import Optional
 
 import torch
 
+from kvserve.layers.expert_activation import ACTIVATIONS, expert_activation
 from kvserve.layers.grouped_experts import GroupedExperts
+
 #: Router scoring functions (see the module docstring).
 SCORINGS = ("softmax_topk", "topk_softmax")
-#: Expert activations: ``"silu"`` (SwiGLU: ``silu(gate) * up``: Mixtral, Qwen-MoE, OLMoE, Granite-MoE) and
-#: ``"swiglu_oai"`` (gpt-oss: ``gate`` clamped above at ``limit``, ``up`` to ``[-limit, limit]``,
-#: ``(up + 1) * gate * sigmoid(alpha * gate)``).
-ACTIVATIONS = ("silu", "swiglu_oai")
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,7 @@ class ExpertMLP:
         gate_up: a linear method (``kvserve.layers.linear`` / ``quant_linear``) of ``2 * intermediate`` outputs:
             the gate's rows, then the up's (gpt-oss's interleaved rows are reordered at load: ``deinterleave_index``).
         down: a linear method ``intermediate -> hidden``.
-        activation: one of ``ACTIVATIONS``.
+        activation: one of ``ACTIVATIONS`` (``kvserve.layers.expert_activation``).
         gate_up_bias, down_bias: float32 ``[2 * intermediate]`` / ``[hidden]`` or ``None`` (gpt-oss has both).
         alpha, limit: ``"swiglu_oai"``'s constants (gpt-oss: 1.702 and 7.0).
 
@@ -125,14 +123,7 @@ class ExpertMLP:
         h = self.gate_up(x)
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias
-        gate, up = h[:, : self.intermediate], h[:, self.intermediate:]
-        if self.activation == "silu":
-            a = torch.nn.functional.silu(gate) * up
-        else:  # gpt-oss (transformers GptOssExperts._apply_gate)
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-            a = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        y = self.down(a.contiguous())
+        y = self.down(expert_activation(h, self.activation, self.alpha, self.limit))
         return y + self.down_bias if self.down_bias is not None else y
 
     def numel(self) -> int:
