@@ -17,12 +17,12 @@ PREFIX = ("You are a careful assistant. Answer in one short sentence. Use plain 
 @pytest.fixture(scope="module")
 def reference(llm):
     """ids -> ``[len(ids), V]`` log-softmax of one direct forward over all positions (the engine's model, a private
-    cache, every row's logits)."""
-    model = llm.llm_engine.model_runner.model
+    cache of the engine's KV dtype, every row's logits)."""
+    model, kv_dtype = llm.llm_engine.model_runner.model, llm.llm_engine.kv_cache_dtype
 
     def ref(ids):
         with torch.inference_mode():
-            return all_logits(model, ids).log_softmax(-1)
+            return all_logits(model, ids, kv_dtype).log_softmax(-1)
     return ref
 
 

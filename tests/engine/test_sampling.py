@@ -59,7 +59,7 @@ def test_stop_string_spanning_two_tokens(llm):
 
 def test_streaming_deltas_concatenate_to_text_with_emoji_and_cjk(llm):
     engine = llm.llm_engine
-    prompt = chat(llm, "Say hi in Chinese and add an emoji.")
+    prompt = chat(llm, "Write the Chinese word for hello, then a smiley emoji.")
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=48, stop=["\n\n\n"]))
     deltas, final = [], None
     while engine.has_unfinished_requests():
