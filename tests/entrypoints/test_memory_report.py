@@ -92,14 +92,15 @@ def test_generate_report_memory(capsys):
     from kvserve.entrypoints.cli import main
 
     rc = main(["generate", "--prompt", "Name a planet.", "--max-tokens", "3", "--json", "--num-kv-blocks", "32",
-               "--report-memory"])
+               "--kv-cache-dtype", "float32", "--report-memory"])
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     m = data["memory"]
     assert [s["name"] for s in m["stages"]] == ["imports", "LLM() start-up", "generation"]
     assert m["peak_rss"] == max(s["peak"] for s in m["stages"])
     assert m["rss"] == m["anonymous"] + m["file_backed"]
-    # The default model: 30 layers x K/V x 16 tokens x 3 heads x 64 x 4 bytes per block; each layer's K (V) of a
+    # The default model over a float32 cache (whole pages per block; the default bfloat16 one is 6 KiB, half-page
+    # edges): 30 layers x K/V x 16 tokens x 3 heads x 64 x 4 bytes per block; each layer's K (V) of a
     # block is 12 KiB, three whole pages, of which a token writes 768 bytes: the pages the written tokens reach.
     assert m["kv_pool_bytes"] == 32 * 30 * 2 * 16 * 3 * 64 * 4
     written = data["summary"]["prompt_tokens"] + data["summary"]["output_tokens"] - 1  # the last token: no K/V
