@@ -53,26 +53,23 @@ class ModelArch:
     """Hyperparameters of a decoder, read from the model's own metadata.
 
     Attributes:
-        architecture: the registry name (Hugging Face's ``architectures[0]``), e.g. ``"LlamaForCausalLM"``.
+        architecture: the registry name (Hugging Face's ``architectures[0]``: a key of ``registry.FAMILY_OF``).
         attention_bias: Q, K and V projections carry a bias (Qwen2; Llama's ``attention_bias``).
         o_proj_bias: the attention output projection carries one (Llama's ``attention_bias``).
         mlp_bias: gate, up and down projections carry one (Llama's ``mlp_bias``).
         hidden_act: the gated MLP's activation, one of ``HIDDEN_ACTS``.
         rope_scaling: the RoPE scaling scheme (``kvserve.layers.rotary``), ``None`` for plain RoPE.
-        qk_norm: each query and key head is RMS-normed (its own ``[D]`` weight) before RoPE (Qwen3).
-        embedding_multiplier, residual_multiplier, logits_scaling: Granite's: the embeddings are multiplied by the
-            first, each sub-layer's output by the second before its residual add, the logits divided by the third.
-        attention_multiplier: the softmax scale (Granite's); ``None``: ``head_dim ** -0.5``.
-        no_rope_layers: per layer, 1 where it applies RoPE and 0 where it does not (SmolLM3's NoPE layers);
-            ``None``: every layer does.
+        attention_multiplier: the softmax scale (Granite's ``attention_multiplier``, Gemma's
+            ``query_pre_attn_scalar ** -0.5``); ``None``: ``head_dim ** -0.5``.
         sliding_window: the attention window in tokens, Hugging Face's meaning: the query at position ``p`` sees
             the keys at positions ``j`` with ``p - sliding_window < j <= p``; ``None``: no window (Mistral, Gemma).
         layer_types: per layer, ``"sliding_attention"`` or ``"full_attention"`` (transformers' ``layer_types``);
             ``None`` with a ``sliding_window``: every layer is windowed. See ``layer_window``.
-        attn_logit_softcapping: attention scores become ``c * tanh(s / c)`` before the softmax (Gemma 2);
-            ``None``: no capping.
         moe: the expert layout of a mixture-of-experts model (``MoEArch``); ``None``: every MLP is dense.
         Others: as in Hugging Face's configs (sizes in features, ``rope_theta`` the RoPE base).
+
+    What only one family reads is a field of its own subclass (its ``Family.arch_class``: ``GemmaArch``,
+    ``GraniteArch``, ``SmolLM3Arch``).
     """
 
     vocab_size: int
@@ -86,21 +83,15 @@ class ModelArch:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    architecture: str = "LlamaForCausalLM"
+    architecture: str
     attention_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
     rope_scaling: Optional[RopeScaling] = None
-    qk_norm: bool = False
-    embedding_multiplier: float = 1.0
-    residual_multiplier: float = 1.0
     attention_multiplier: Optional[float] = None
-    logits_scaling: float = 1.0
-    no_rope_layers: Optional[tuple] = None
     sliding_window: Optional[int] = None
     layer_types: Optional[tuple] = None
-    attn_logit_softcapping: Optional[float] = None
     moe: Optional[MoEArch] = None
 
     def layer_window(self, layer: int) -> Optional[int]:
@@ -116,16 +107,7 @@ class ModelArch:
         """The softmax scale: ``attention_multiplier``, else ``head_dim ** -0.5``."""
         return self.attention_multiplier if self.attention_multiplier is not None else self.head_dim**-0.5
 
-    @property
-    def scaled(self) -> bool:
-        """Whether any of Granite's multipliers changes the plain Llama math."""
-        return (self.embedding_multiplier != 1.0 or self.residual_multiplier != 1.0 or self.logits_scaling != 1.0
-                or self.attention_multiplier is not None)
-
     def __post_init__(self) -> None:
-        if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
-            raise ValueError(f"no_rope_layers has {len(self.no_rope_layers)} entries for {self.num_hidden_layers} "
-                             f"layers")
         if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers or not set(
                 self.layer_types) <= {"sliding_attention", "full_attention"}):
             raise ValueError(f"layer_types must give 'sliding_attention' or 'full_attention' for each of the "

@@ -4,14 +4,17 @@ A family is one module (``kvserve/model/<family>.py``) holding its model class (
 ``DecoderSpec``: ``kvserve.model.layer_spec``) and one ``Family`` record: its Hugging Face and GGUF architecture
 names, the math-changing config fields it implements (every other such field is refused by name:
 ``hf_config.check_fields``) and its GGUF weight map (llama.cpp's per-layer tensor names -> Hugging Face's, where
-they differ from the common table). ``kvserve.model.registry`` lists the family modules, one line each.
+they differ from the common table), and the hooks through which the config reader (``hf_config``) and the GGUF
+loader (``loader``) read what only this family reads (its windows, RoPE variant, scalars, ``ModelArch`` subclass):
+those two readers name no family. ``kvserve.model.registry`` lists the family modules, one line each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
+from kvserve.model.base import ModelArch
 from kvserve.model.layer_spec import ACTIVATIONS
 
 
@@ -30,8 +33,26 @@ class Family:
             interleaved RoPE (its rope type "norm"), unpermuted at load.
         experts: a mixture-of-experts family's routing rules (``Experts``); ``None``: a dense family.
         gguf_window_pattern: llama.cpp ``general.architecture`` -> ``n``: its ``<arch>.attention.sliding_window``
-            covers every layer but each ``n``-th (llama.cpp's fixed pattern, no GGUF key: layer ``i`` is windowed
-            when ``(i + 1) % n``), read instead of refused.
+            is read instead of refused, and covers every layer but each ``n``-th (llama.cpp's fixed pattern, no GGUF
+            key: layer ``i`` is windowed when ``(i + 1) % n``); ``None``: every layer.
+        arch_class: the ``ModelArch`` (sub)class both readers build, with the fields only this family reads
+            (``GemmaArch``, ``GraniteArch``, ``SmolLM3Arch``).
+        config_defaults: Hugging Face architecture -> ``transformers``' defaults of the fields a ``config.json`` may
+            leave out where they differ from Llama's (applied under the file's values before anything is read).
+        read_config: ``(config, architecture, where) -> dict``: the ``ModelArch`` fields this family reads from a
+            Hugging Face config itself (windows, its own fields), over the common reading (``hf_config``); when it
+            gives ``rope_theta`` it has read the RoPE too. ``where`` names the file in its errors.
+        rope_type_aliases: a config's RoPE type names this family reads as another (Phi-3's ``"su"``).
+        text_parts: multimodal Hugging Face architectures whose text model this family runs -> ``TextPart``.
+        read_gguf: ``(field, arch, common) -> dict``: the ``ModelArch`` fields this family reads from a GGUF itself
+            (``field(key, default)`` reads the metadata; ``arch`` is ``general.architecture``; ``common``: the
+            fields read so far, the sizes included), over the common reading (``loader``).
+        gguf_keys: llama.cpp ``general.architecture`` -> metadata keys (after ``<arch>.``) the family's
+            ``read_gguf`` reads, exempt from the loader's refusal of math-changing keys.
+        gguf_model_tensors: llama.cpp ``general.architecture`` -> whole-model tensors beyond the embedding, final
+            norm, LM head and ``rope_freqs`` that the loader reads into the RoPE scheme (Phi-3's LongRoPE factors).
+        gguf_norms_plus_one: the llama.cpp architectures whose converter stores each RMSNorm weight as ``1 + w``
+            (Gemma's): ``w`` is restored at load.
     """
 
     model: type
@@ -41,11 +62,23 @@ class Family:
     gguf_permuted_qk: tuple = ()
     experts: Optional["Experts"] = None
     gguf_window_pattern: dict = field(default_factory=dict)
+    arch_class: type = ModelArch
+    config_defaults: dict = field(default_factory=dict)
+    read_config: Optional[Callable[[dict, str, str], dict]] = None
+    rope_type_aliases: dict = field(default_factory=dict)
+    text_parts: dict = field(default_factory=dict)
+    read_gguf: Optional[Callable[[Callable, str, dict], dict]] = None
+    gguf_keys: dict = field(default_factory=dict)
+    gguf_model_tensors: dict = field(default_factory=dict)
+    gguf_norms_plus_one: tuple = ()
 
     def __post_init__(self) -> None:
         unknown = {g: a for g, a in self.gguf_architectures.items() if a not in self.config_fields}
         if unknown:
             raise ValueError(f"GGUF architectures {unknown} load as architectures this family does not declare")
+        for name, part in self.text_parts.items():
+            if part.architecture not in self.config_fields:
+                raise ValueError(f"{name}'s text model {part.architecture} is not an architecture of this family")
         if self.experts is not None and len(self.config_fields) != 1:
             raise ValueError("a mixture-of-experts family declares one Hugging Face architecture")
 
@@ -53,6 +86,25 @@ class Family:
     def architectures(self) -> tuple:
         """The Hugging Face architecture names of this family."""
         return tuple(self.config_fields)
+
+
+@dataclass(frozen=True)
+class TextPart:
+    """The text model of a multimodal architecture, run on text prompts (the same math as the text model).
+
+    Attributes:
+        architecture: the text model's Hugging Face architecture (of the declaring family).
+        defaults: ``transformers``' defaults of the fields a Hub ``text_config`` leaves out.
+        renames: weight-name prefixes of the text model -> the text model's own (the tensors under none of them,
+            the vision tower and projector, are not read).
+        ignored: ``text_config`` fields the multimodal class ignores although the text class applies them -> the
+            values allowed (a checkpoint setting another is ambiguous, so refused).
+    """
+
+    architecture: str
+    defaults: dict
+    renames: dict
+    ignored: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -87,6 +139,14 @@ GGUF_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate
 ANY_ACTIVATION = {"hidden_act": ACTIVATIONS}
 #: Llama's biases (``attention_bias``: Q/K/V and o_proj; ``mlp_bias``), as a config field table.
 LLAMA_BIASES = {"attention_bias": (False, True), "mlp_bias": (False, True)}
+
+
+def layer_types_window(window, types) -> dict:
+    """``ModelArch``'s ``sliding_window`` and ``layer_types`` for ``window`` on the ``"sliding_attention"`` layers
+    of ``types``; ``{}`` (no window) when ``window`` is 0 / ``None`` or no layer is sliding."""
+    if not window or "sliding_attention" not in types:
+        return {}
+    return {"sliding_window": int(window), "layer_types": tuple(types)}
 
 
 def layer_names(family: Family, gguf_arch: str, common: dict) -> dict:

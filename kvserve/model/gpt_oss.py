@@ -21,7 +21,7 @@ import torch
 from kvserve.model.backends import ModelBackends
 from kvserve.model.base import ModelArch
 from kvserve.model.decoder import DecoderModel
-from kvserve.model.family import GGUF_MOE_NAMES, MOE_FIELDS, Experts, Family
+from kvserve.model.family import GGUF_MOE_NAMES, MOE_FIELDS, Experts, Family, layer_types_window
 from kvserve.model.layer_spec import DecoderSpec, llama_spec, moe_router
 from kvserve.quant import QuantTensor
 from kvserve.quant import formats
@@ -111,6 +111,13 @@ class GptOssModel(DecoderModel):
                           expert_bias=True)
 
 
+def read_config(cfg: dict, architecture: str, where: str) -> dict:
+    """``ModelArch``'s ``sliding_window`` and ``layer_types`` of a gpt-oss config: the window on the layers of
+    ``layer_types``, by default every other one from the first (transformers' default)."""
+    return layer_types_window(cfg.get("sliding_window"), cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(cfg["num_hidden_layers"])])
+
+
 #: ``hidden_act`` is not read by the experts (their activation is the clamped SwiGLU); Q/K/V and o_proj biases
 #: (``attention_bias``); the window on the ``layer_types`` layers; the top-k-then-softmax weights sum to 1.
 #: llama.cpp's ``gpt-oss``: the pre-MLP norm is ``post_attention_norm``, the sinks ``attn_sinks``, every tensor of
@@ -123,4 +130,5 @@ FAMILY = Family(GptOssModel, {"GptOssForCausalLM": {
     gguf_architectures={"gpt-oss": "GptOssForCausalLM"},
     gguf_layer_names={"gpt-oss": {**GGUF_MOE_NAMES, "attn_sinks": "self_attn.sinks",
                                   "post_attention_norm": "post_attention_layernorm", "ffn_norm": None}},
-    experts=Experts(renormalize=False, gguf={"gpt-oss": False}), gguf_window_pattern={"gpt-oss": 2})
+    experts=Experts(renormalize=False, gguf={"gpt-oss": False}), gguf_window_pattern={"gpt-oss": 2},
+    read_config=read_config)

@@ -11,6 +11,7 @@ from kvserve.model.backends import ModelBackends
 from kvserve.model.base import ModelArch
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.family import GGUF_MOE_NAMES, MOE_FIELDS, Experts, Family
+from kvserve.model.granite import GGUF_SCALARS, SCALAR_FIELDS, GraniteArch, multipliers, read_config, read_gguf
 from kvserve.model.layer_spec import DecoderSpec, llama_spec, moe_router
 
 
@@ -43,13 +44,13 @@ class GraniteMoeModel(DecoderModel):
 
     @classmethod
     def spec(cls, arch) -> DecoderSpec:
-        return llama_spec(arch, router=moe_router(arch, "topk_softmax"))
+        return llama_spec(arch, router=moe_router(arch, "topk_softmax"), **multipliers(arch))
 
 
 #: Granite's scalars; the top-k-then-softmax weights need no renormalization (llama.cpp's ``granitemoe`` sets its
 #: flag, a no-op after that softmax) and its Q/K rows are permuted as Llama's.
 FAMILY = Family(GraniteMoeModel, {"GraniteMoeForCausalLM": {
-    **MOE_FIELDS, "hidden_act": ("silu",), "attention_bias": (False, True), "embedding_multiplier": None,
-    "residual_multiplier": None, "attention_multiplier": None, "logits_scaling": None}},
+    **MOE_FIELDS, "hidden_act": ("silu",), "attention_bias": (False, True), **SCALAR_FIELDS}},
     gguf_architectures={"granitemoe": "GraniteMoeForCausalLM"}, gguf_layer_names={"granitemoe": GGUF_MOE_NAMES},
-    gguf_permuted_qk=("granitemoe",), experts=Experts(renormalize=False, gguf={"granitemoe": True}))
+    gguf_permuted_qk=("granitemoe",), experts=Experts(renormalize=False, gguf={"granitemoe": True}),
+    arch_class=GraniteArch, read_config=read_config, read_gguf=read_gguf, gguf_keys={"granitemoe": tuple(GGUF_SCALARS)})

@@ -163,28 +163,24 @@ class DecoderSpec:
         return {s.norms for s in self.layers}
 
 
-def llama_spec(arch, norms: str = "pre", qk_norm: Optional[str] = None, ropes: Optional[tuple] = None,
-               layer_ropes: Optional[tuple] = None, **fields) -> DecoderSpec:
-    """The spec of a Llama-like decoder from its ``ModelArch``: ``norms`` and ``qk_norm`` (default: ``"head"`` with
-    ``arch.qk_norm``, else ``"none"``) on every layer, the
-    windows of ``arch.layer_window``, ``arch.attn_logit_softcapping``, the NoPE layers of ``arch.no_rope_layers``
-    (with ``layer_ropes``: each layer's table index instead), one RoPE table of ``arch.rope_theta`` and
-    ``arch.rope_scaling`` unless ``ropes`` are given, the activation, softmax scale, biases and Granite's
-    multipliers of ``arch``, ``"moe"`` MLPs on ``arch.moe.sparse_layers``; ``fields`` override ``DecoderSpec``'s
-    (a mixture of experts needs ``router``: ``moe_router``)."""
+def llama_spec(arch, norms: str = "pre", qk_norm: str = "none", ropes: Optional[tuple] = None,
+               layer_ropes: Optional[tuple] = None, attn_softcap: Optional[float] = None, **fields) -> DecoderSpec:
+    """The spec of a Llama-like decoder from its ``ModelArch``: ``norms``, ``qk_norm`` and ``attn_softcap`` (the
+    family's) on every layer, the windows of ``arch.layer_window``, each layer's RoPE table index (``layer_ropes``,
+    ``None`` for a NoPE layer; default: table 0 everywhere), one RoPE table of ``arch.rope_theta`` and
+    ``arch.rope_scaling`` unless ``ropes`` are given, the activation, softmax scale and biases of ``arch``, ``"moe"``
+    MLPs on ``arch.moe.sparse_layers``; ``fields`` override ``DecoderSpec``'s (a mixture of experts needs
+    ``router``: ``moe_router``; Granite its multipliers)."""
     n = arch.num_hidden_layers
-    qk_norm = qk_norm or ("head" if arch.qk_norm else "none")
     if layer_ropes is None:
-        layer_ropes = tuple(0 if arch.no_rope_layers is None or arch.no_rope_layers[i] else None for i in range(n))
+        layer_ropes = (0,) * n
     sparse = arch.moe.sparse_layers if arch.moe is not None else (False,) * n
     layers = tuple(LayerSpec(norms=norms, qk_norm=qk_norm, rope=layer_ropes[i], window=arch.layer_window(i),
-                             attn_softcap=arch.attn_logit_softcapping, mlp="moe" if sparse[i] else "dense")
+                             attn_softcap=attn_softcap, mlp="moe" if sparse[i] else "dense")
                    for i in range(n))
     base = dict(layers=layers, ropes=ropes or (RopeSpec(arch.rope_theta, arch.rope_scaling),),
-                activation=arch.hidden_act, attention_scale=arch.attention_scale,
-                residual_multiplier=arch.residual_multiplier, embedding_multiplier=arch.embedding_multiplier,
-                logits_divisor=arch.logits_scaling, qkv_bias=arch.attention_bias, o_bias=arch.o_proj_bias,
-                mlp_bias=arch.mlp_bias)
+                activation=arch.hidden_act, attention_scale=arch.attention_scale, qkv_bias=arch.attention_bias,
+                o_bias=arch.o_proj_bias, mlp_bias=arch.mlp_bias)
     return DecoderSpec(**{**base, **fields})
 
 

@@ -12,5 +12,7 @@ class LlamaModel(DecoderModel):
     """``DecoderModel`` with Llama's spec (``layer_spec.llama_spec``)."""
 
 
+#: llama.cpp's ``llama`` also holds Mistral 7B v0.1: its ``attention.sliding_window`` on every layer.
 FAMILY = Family(LlamaModel, {"LlamaForCausalLM": {**ANY_ACTIVATION, **LLAMA_BIASES}},
-                gguf_architectures={"llama": "LlamaForCausalLM"}, gguf_permuted_qk=("llama",))
+                gguf_architectures={"llama": "LlamaForCausalLM"}, gguf_permuted_qk=("llama",),
+                gguf_window_pattern={"llama": None})

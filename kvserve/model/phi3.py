@@ -30,13 +30,24 @@ class Phi3Model(DecoderModel):
         super().__init__(arch, llama_weights(arch, weights), backends)
 
 
+def read_config(cfg: dict, architecture: str, where: str) -> dict:
+    """``ModelArch.sliding_window`` of a Phi-3 config: its window on every layer, as Mistral's; none for a window
+    covering the whole context (``max_position_embeddings``: no token is ever outside it)."""
+    window = cfg.get("sliding_window")
+    return {} if window is None or window >= cfg.get("max_position_embeddings", 2048) else {"sliding_window": window}
+
+
 #: Fused Q/K/V (or separate), gate and up in one ``ffn_up`` (gate rows first), as Hugging Face's ``gate_up_proj``;
-#: LongRoPE, partial rotary and a window on every layer.
+#: LongRoPE (older configs call it ``su`` or ``yarn``, read as transformers' ``Phi3Config`` reads them; llama.cpp's
+#: ``rope_factors_long`` / ``rope_factors_short``), partial rotary and a window on every layer.
 FAMILY = Family(Phi3Model, {"Phi3ForCausalLM": {**ANY_ACTIVATION, "partial_rotary_factor": None,
                                                 "sliding_window": None}},
                 gguf_architectures={"phi3": "Phi3ForCausalLM"},
                 gguf_layer_names={"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
-                                           "ffn_gate": None}})
+                                           "ffn_gate": None}},
+                read_config=read_config, rope_type_aliases={"su": "longrope", "yarn": "longrope"},
+                gguf_window_pattern={"phi3": None},
+                gguf_model_tensors={"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")})
 
 
 def _rows(w, start: int, stop: int, index=None, tag: str = ""):

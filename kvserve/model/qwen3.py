@@ -7,7 +7,7 @@ from __future__ import annotations
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.family import ANY_ACTIVATION, Family
 from kvserve.model.layer_spec import DecoderSpec, llama_spec
-from kvserve.model.qwen2 import QWEN_WINDOW
+from kvserve.model.qwen2 import QWEN_WINDOW, qwen_window
 
 #: llama.cpp's per-head Q/K norm tensors (also read by Gemma 3).
 QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
@@ -22,4 +22,5 @@ class Qwen3Model(DecoderModel):
 
 
 FAMILY = Family(Qwen3Model, {"Qwen3ForCausalLM": {**ANY_ACTIVATION, "attention_bias": (False, True), **QWEN_WINDOW}},
-                gguf_architectures={"qwen3": "Qwen3ForCausalLM"}, gguf_layer_names={"qwen3": QK_NORM_NAMES})
+                gguf_architectures={"qwen3": "Qwen3ForCausalLM"}, gguf_layer_names={"qwen3": QK_NORM_NAMES},
+                read_config=lambda cfg, architecture, where: qwen_window(cfg))

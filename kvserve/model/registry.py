@@ -2,7 +2,8 @@
 
 A family is one module (``kvserve/model/<family>.py``) holding its model class and its ``FAMILY`` declaration
 (``kvserve.model.family.Family``: Hugging Face and GGUF architecture names, the config fields it implements, its
-GGUF weight names); adding a family is that module plus its line in ``FAMILY_MODULES``
+GGUF weight names, the hooks reading its own config and metadata); adding a family is that module plus its line in
+``FAMILY_MODULES``
 (``tests/model/test_family_files.py`` checks that no other module names its architectures).
 """
 
@@ -49,9 +50,11 @@ GGUF_ARCHITECTURES = {g: a for f in FAMILIES.values() for g, a in f.gguf_archite
 #: whether llama.cpp's graph renormalizes the chosen experts' weights): ``family.Experts.gguf``.
 GGUF_EXPERTS = {g: (f.architectures[0], renorm) for f in FAMILIES.values() if f.experts
                 for g, renorm in f.experts.gguf.items()}
-#: GGUF architectures whose ``attention.sliding_window`` covers every layer but each ``n``-th -> ``n``
-#: (``family.Family.gguf_window_pattern``).
+#: GGUF architectures whose ``attention.sliding_window`` is read -> ``n``: it covers every layer but each ``n``-th;
+#: ``None``: every layer (``family.Family.gguf_window_pattern``).
 GGUF_WINDOW_PATTERNS = {g: n for f in FAMILIES.values() for g, n in f.gguf_window_pattern.items()}
+#: Multimodal Hugging Face architectures whose text model a family runs -> its ``family.TextPart``.
+TEXT_PARTS = {m: part for f in FAMILIES.values() for m, part in f.text_parts.items()}
 #: GGUF architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (its rope type
 #: "norm"); the others (Qwen2: "neox") keep Hugging Face's rotate-half rows.
 GGUF_PERMUTED_QK = tuple(dict.fromkeys(g for f in FAMILIES.values() for g in f.gguf_permuted_qk))

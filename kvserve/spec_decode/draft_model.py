@@ -68,7 +68,7 @@ def early_exit_model(target: DecoderModel, num_layers: int) -> DecoderModel:
     view = copy.copy(target)
     view.layers = target.layers[:num_layers]
     per_layer = {f: getattr(target.arch, f)[:num_layers] for f in ("layer_types", "no_rope_layers")
-                 if getattr(target.arch, f) is not None}  # (windows, NoPE layers: the first num_layers')
+                 if getattr(target.arch, f, None) is not None}  # (windows, SmolLM3's NoPE layers: the first ones)
     view.arch = dataclasses.replace(target.arch, num_hidden_layers=num_layers, **per_layer)
     view.spec = target.spec.first(num_layers)
     view.fused_layers = FusedLayerLoop.build(view)  # the target's would run all its layers on the draft's cache

@@ -15,7 +15,7 @@ from kvserve import LLM
 from kvserve.layers.rotary import RopeScaling, rope_frequencies
 from kvserve.model.backends import select_backends
 from kvserve.model.loader import load_model
-from kvserve.model.registry import build_model
+from kvserve.model.registry import build_model, model_class
 from tests.conftest import assert_greedy_matches_transformers, flat_batch
 
 pytestmark = pytest.mark.real_model  # the real model's tokenizer
@@ -263,10 +263,16 @@ def qwen3(tmp_path_factory, tokenizer):
     return path, hf
 
 
+def qk_norms(arch) -> set:
+    """The Q/K norm kinds of ``arch``'s layers, as its family's spec declares them."""
+    return {s.qk_norm for s in model_class(arch.architecture).spec(arch).layers}
+
+
 def test_qwen3_matches_transformers_from_hf_and_gguf(qwen3, tokenizer):
     path, hf = qwen3
     loaded = load_model(str(path))
-    assert loaded.arch.architecture == "Qwen3ForCausalLM" and loaded.arch.qk_norm and loaded.arch.head_dim == 32
+    assert loaded.arch.architecture == "Qwen3ForCausalLM" and qk_norms(loaded.arch) == {"head"}
+    assert loaded.arch.head_dim == 32
     assert _check_parity(path, hf, tokenizer, loaded).fused_layers is None
     _greedy_equal(path, hf, tokenizer)
     gguf_path = _write_gguf(path / "q3.gguf", hf, "qwen3", False)

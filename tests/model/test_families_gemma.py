@@ -20,7 +20,7 @@ from kvserve.model.backends import select_backends
 from kvserve.model.loader import load_model
 from kvserve.model.registry import build_model
 from tests.conftest import assert_greedy_matches_transformers, flat_batch
-from tests.model.test_families import PROMPTS, _check_parity, _logits, gguf_writer
+from tests.model.test_families import PROMPTS, _check_parity, _logits, gguf_writer, qk_norms
 
 pytestmark = pytest.mark.real_model  # the real model's tokenizer
 
@@ -104,8 +104,8 @@ def test_gemma3_matches_transformers_and_its_local_rope_base_matters(gemma3, tok
     path, hf = gemma3
     loaded = load_model(str(path))
     a = loaded.arch
-    assert (a.architecture, a.qk_norm, a.head_dim, a.rope_theta, a.local_rope_theta) == (
-        "Gemma3ForCausalLM", True, 256, 1e6, 1e4)
+    assert (a.architecture, qk_norms(a), a.head_dim, a.rope_theta, a.local_rope_theta) == (
+        "Gemma3ForCausalLM", {"head"}, 256, 1e6, 1e4)
     assert a.layer_types == ("sliding_attention",) * 5 + ("full_attention",) and a.rope_scaling.factor == 8.0
     _check_family(path, hf, tokenizer)
     # the local layers' own base changes the logits: with the global table on every layer they move well past 1e-4
@@ -158,7 +158,7 @@ def test_the_text_model_of_a_multimodal_gemma3_matches_transformers(tmp_path_fac
     hf.save_pretrained(str(path), safe_serialization=True)
     tokenizer.save_pretrained(str(path))
     loaded = load_model(str(path))
-    assert loaded.arch.architecture == "Gemma3ForCausalLM" and loaded.arch.qk_norm
+    assert loaded.arch.architecture == "Gemma3ForCausalLM" and qk_norms(loaded.arch) == {"head"}
     assert not any("vision" in k or "projector" in k for k in loaded.weights)
     _check_parity(path, hf, tokenizer, loaded)
     cfg = json.loads((path / "config.json").read_text())

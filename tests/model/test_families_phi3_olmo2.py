@@ -15,7 +15,8 @@ from kvserve.model.backends import select_backends
 from kvserve.model.loader import load_model
 from kvserve.model.registry import build_model
 from tests.conftest import assert_greedy_matches_transformers, flat_batch
-from tests.model.test_families import PROMPTS, _GGUF_TOP, _check_parity, _logits, _permute, _tiny, gguf_writer
+from tests.model.test_families import (PROMPTS, _GGUF_TOP, _check_parity, _logits, _permute, _tiny, gguf_writer,
+                                       qk_norms)
 
 pytestmark = pytest.mark.real_model  # the real model's tokenizer
 
@@ -214,7 +215,7 @@ def test_olmo2_gguf_gives_the_same_tokens(tmp_path, olmo2, tokenizer, q8_0):
     _, hf = olmo2
     path = _write_gguf(tmp_path / "olmo2.gguf", hf, "olmo2", OLMO2_NAMES, q8_0=q8_0)
     loaded = load_model(str(path), weights_only=True)
-    assert loaded.arch.architecture == "Olmo2ForCausalLM" and not loaded.arch.qk_norm
+    assert loaded.arch.architecture == "Olmo2ForCausalLM" and qk_norms(loaded.arch) == {"proj"}
     model, ref = _fp32(path), _q8_0_reference(hf) if q8_0 else hf
     _check_parity(path, ref, tokenizer, loaded)
     for prompt in PROMPTS:
