@@ -75,8 +75,8 @@ def test_response_format_and_guided_fields(model, client, tool_server):
 
 def test_tool_choice_required_streamed_equals_non_streamed_and_validates(model, client, tools):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    kw = dict(model=model, messages=_chat("Send the message hello to Bob."), tools=tools, tool_choice="required", temperature=0,
-              max_tokens=120)
+    kw = dict(model=model, messages=_chat("Send the message hello to Bob."), tools=tools, tool_choice="required",
+              temperature=0, max_tokens=60)
     full = client.chat.completions.create(**kw).choices[0]
     assert full.finish_reason == "tool_calls" and full.message.content is None and full.message.tool_calls
     for call in full.message.tool_calls:
