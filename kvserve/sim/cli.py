@@ -210,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     if not args.quiet:
         print(f"simulated {len(trace)} requests ({args.dataset}) with profile {args.profile} "
-              f"({prof['model']}, {prof.get('created', '?')}) in {s['sim_wall_s']:.1f} s wall")
+              f"({prof['model']}, {prof.get('created', '?')}, KV cache {prof.get('kv_cache_dtype', 'float32')}) in "
+              f"{s['sim_wall_s']:.1f} s wall")
         print(format_table(s))
         print(f"{'steps / preemptions':<40}  {s['steps']} / {s['preemptions']}")
         print(f"{'KV usage mean / max':<40}  {100 * s['kv_usage_mean']:.1f}% / {100 * s['kv_usage_max']:.1f}% "

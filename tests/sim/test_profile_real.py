@@ -47,6 +47,7 @@ def test_quick_profile_then_simulate(tmp_path, capsys):
                  "--num-kv-blocks", "64"]) == 0
     text = capsys.readouterr().out
     assert re.search(r"successful requests\s+5\n", text) and re.search(r"failed requests\s+0\n", text)
+    assert ", KV cache bfloat16) in " in text  # the header names the cache type "auto" replays (the profile's)
 
 
 def test_warm_up_runs_rounds_of_fresh_throwaway_requests_until_its_time_is_up():
