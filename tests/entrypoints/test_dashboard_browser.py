@@ -88,20 +88,24 @@ def browser(chromium):
             ctx.close()
 
 
-def _send_requests(url: str, errors: list) -> threading.Thread:
-    """12 chat-like completions in the background, 0.15 s apart; the odd ones share a system prompt (prefix). Long
-    enough (48-112 tokens) that several run at once on the default (quantized) path, the fast one."""
+def _send_requests(url: str, errors: list, stop: threading.Event) -> threading.Thread:
+    """Chat-like completions in the background until ``stop`` is set: 12 clients, started 0.15 s apart, each sending
+    one request after another (48-112 tokens each, so several run at once); the odd clients share a system prompt
+    (prefix). The traffic lasts as long as the test watches it, however fast the machine is."""
     def one(i):
         time.sleep(0.15 * i)
         prompt = (SYSTEM if i % 2 else "") + "Question: " + QUESTIONS[i] + "\nAnswer:"
-        try:
-            r = httpx.post(url + "/v1/completions", timeout=300, json={
-                "prompt": prompt, "max_tokens": 48 + 16 * (i % 5), "ignore_eos": True, "temperature": 0.7,
-                "seed": i})
-            if r.status_code != 200:
-                errors.append(r.text)
-        except Exception as e:  # noqa: BLE001 (reported by the test)
-            errors.append(repr(e))
+        n = 0
+        while not stop.is_set():
+            try:
+                r = httpx.post(url + "/v1/completions", timeout=300, json={
+                    "prompt": prompt, "max_tokens": 48 + 16 * ((i + n) % 5), "ignore_eos": True,
+                    "temperature": 0.7, "seed": i + 100 * n})
+                if r.status_code != 200:
+                    errors.append(r.text)
+            except Exception as e:  # noqa: BLE001 (reported by the test)
+                errors.append(repr(e))
+            n += 1
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(QUESTIONS))]
     for t in threads:
@@ -162,7 +166,8 @@ def test_dashboard_in_chromium(dash_server, browser):
     assert len(hub.viewers) == 2
 
     errors: list = []
-    waiter = _send_requests(url, errors)
+    stop = threading.Event()
+    waiter = _send_requests(url, errors, stop)
     # the grid and the queues show the traffic
     page.wait_for_function("""() => document.querySelectorAll('#running-body tr.req').length >= 4
         && document.querySelectorAll('#pool-grid .cell.s-u, #pool-grid .cell.s-s').length > 8""", timeout=120_000)
@@ -182,7 +187,10 @@ def test_dashboard_in_chromium(dash_server, browser):
     watched = None
     checks = 0
     shot = False
+    deadline = time.monotonic() + 300
     while waiter.is_alive():
+        if (checks >= 5 and watched is not None and watched.get("done") and shot) or time.monotonic() > deadline:
+            stop.set()  # seen enough: the clients finish the requests they are in, then stop
         s = page.evaluate(DOM_STATE)
         used_cells = sum(ch in "us" for ch in s["states"])
         assert s["mode"] == "cells" and s["numBlocks"] == NUM_BLOCKS
