@@ -543,7 +543,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu-isa", default="auto", choices=("auto", "amx_int8", "avx512_vnni", "avx2"),
                    help="kvserve's quantized-matmul path (e.g. avx2 to measure the AVX2 kernels on an AVX-512 CPU)")
     p.add_argument("--prefill-activations", type=_csv(str), default=[],
-                   help="also measure kvserve's prefill with these quant_activations (e.g. int8: llama.cpp's "
+                   help="also measure kvserve's prefill with these quant_activations (e.g. bf16 on AMX-BF16, int8: llama.cpp's "
                         "activation precision), each on its own engine")
     p.add_argument("--llama-python", default=LLAMA_PYTHON, help="an interpreter with llama_cpp (llama-cpp-python)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
@@ -553,7 +553,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, vals, allowed in (("--sizes", args.sizes, SHAPES), ("--formats", args.formats, FORMATS),
                                 ("--measure", args.measure, ("decode", "prefill", "throughput", "moe_ab")),
                                 ("--engines", args.engines, ("kvserve", "llama.cpp")),
-                                ("--prefill-activations", args.prefill_activations, ("int8", "int8x2"))):
+                                ("--prefill-activations", args.prefill_activations, ("int8", "int8x2", "bf16"))):
         bad = [v for v in vals if v not in allowed]
         if bad:
             p.error(f"{name}: unknown {bad}; allowed: {', '.join(allowed)}")

@@ -257,7 +257,7 @@ class ParallelConfig:
 
 
 SUPPORTED_CPU_ISAS = ("auto", "amx_int8", "avx512_vnni", "avx2")
-SUPPORTED_QUANT_ACTIVATIONS = ("auto", "int8", "int8x2")
+SUPPORTED_QUANT_ACTIVATIONS = ("auto", "int8", "int8x2", "bf16")
 
 
 def _env_flag(name: str, default: bool) -> bool:

@@ -43,14 +43,29 @@ logger = logging.getLogger(__name__)
 #: The library's sources: the matmul, and the whole-layer-loop entry point that calls it
 #: (``kvserve.model.fused_layers``); the header they include; the flags (no ``-m`` ISA flag: see above).
 _SOURCES = ("qgemm.c", "decoder.c")
-_HEADERS = ("qgemm_amx.h", "qgemm_layouts.h", "qgemm_moe.h", "qgemm_mx4.h", "qgemm_q2k.h")
+_HEADERS = ("qgemm_amx.h", "qgemm_amx_bf16.h", "qgemm_layouts.h", "qgemm_moe.h", "qgemm_mx4.h", "qgemm_q2k.h")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 #: Instruction-set paths, best first, with qgemm.c's ids.
 ISAS = {"amx_int8": 3, "avx512_vnni": 2, "avx2": 1}
 #: Activation precisions, with qgemm.c's ids: ``"int8"`` one int8 per value and float scale per 32-block
 #: (llama.cpp's Q8 activations: "W4A8"); ``"int8x2"`` a pair of int8 per value, ``x ~= d (254 q1 + q2)`` (15 bits,
-#: twice the integer multiply-adds).
-ACTIVATIONS = {"int8": 0, "int8x2": 1}
+#: twice the integer multiply-adds); ``"bf16"`` the activations rounded to bfloat16 and the 4-bit and Q8 weights
+#: decoded to bfloat16, summed in float32 by AMX-BF16 tiles (``amx_int8`` path on a CPU with AMX-BF16 only;
+#: ``qgemm_amx_bf16.h``; other formats then run their int8 tiles).
+ACTIVATIONS = {"int8": 0, "int8x2": 1, "bf16": 2}
+#: The layouts that ``"bf16"`` activations decode to bfloat16 (``bf16_format`` in qgemm_amx_bf16.h); a weight of
+#: another layout runs with ``"int8"`` activations instead, for every M.
+BF16_FORMATS = frozenset(lay.fmt for lay in (layouts.Q4, layouts.Q8, layouts.Q4F, layouts.Q5F, layouts.Q4K))
+
+
+def path_suffix(activations: str, fmt: int) -> str:
+    """What a layer's ``path`` adds for its activations: ``"+a16"`` (``"int8x2"``), ``"+bf16"`` (``"bf16"`` on a
+    weight of ``BF16_FORMATS``; another format runs int8, so none), else nothing."""
+    if activations == "int8x2":
+        return "+a16"
+    return "+bf16" if activations == "bf16" and fmt in BF16_FORMATS else ""
+
+
 #: The activation quantization used by default on each path: one int8 per value everywhere (llama.cpp's; half the
 #: integer products of the pair, and perplexity within 0.3% of the float32 path's on the default model: measured in
 #: docs/quantization.md, "Accuracy").
@@ -79,6 +94,8 @@ def load():
     lib.kvserve_moe_gemm.restype = cint
     lib.kvserve_q_isa_supported.argtypes = [cint]
     lib.kvserve_q_isa_supported.restype = cint
+    lib.kvserve_q_act_supported.argtypes = [cint, cint]
+    lib.kvserve_q_act_supported.restype = cint
     lib.kvserve_q_quantize_rows.argtypes = [cint, cint, ptr, i64, i64, ptr, ptr, ptr]
     lib.kvserve_q_quantize_rows.restype = None
     lib.kvserve_q_unpack_rows.argtypes = [cint, ptr, i64, i64, ptr, ptr, i64, ptr]
@@ -168,7 +185,18 @@ def choose_path(enabled: bool = True, cpu_isa: str = "auto", activations: str = 
     name = None if not enabled else select_isa(None if cpu_isa == "auto" else cpu_isa)
     if activations == "auto":
         return QuantPath(name, DEFAULT_ACTIVATIONS.get(name, "int8"))
-    return QuantPath(name, check_activations(activations, "quant_activations"))
+    check_activations(activations, "quant_activations")
+    if name is not None and not activations_supported(name, activations):
+        raise ValueError(f"quant_activations={activations!r} needs the amx_int8 path on a CPU with AMX-BF16 "
+                         f"(this engine's path: {name})")
+    return QuantPath(name, activations)
+
+
+def activations_supported(name: str, activations: str) -> bool:
+    """Whether path ``name`` (a key of ``ISAS``) runs ``activations`` on this CPU: ``"bf16"`` only on ``amx_int8``
+    with AMX-BF16 (CPUID leaf 7: EDX bit 22, and AVX512-BF16), the int8 ones on every path."""
+    lib = load()
+    return lib is not None and bool(lib.kvserve_q_act_supported(ISAS[name], ACTIVATIONS[activations]))
 
 
 def default_path() -> QuantPath:
@@ -251,7 +279,12 @@ def quantize_activations(x: np.ndarray, activations: str = "int8") -> tuple[np.n
 def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray, activations: str = "int8") -> np.ndarray:
     """What the kernel computes, exactly, in float64: ``x`` quantized as ``quantize_activations`` (dequantized
     back), times the dequantized weight ``[N, K]`` transposed -> ``[M, N]``. The kernel differs from it only by
-    float32 summation order."""
+    float32 summation order. ``"bf16"``: ``x`` and the weight rounded to bfloat16 (the kernel also differs by the
+    tile unit's rounding, and a weight may round to a neighbouring bfloat16: see ``self_check``)."""
+    if check_activations(activations) == "bf16":  # both operands rounded to bfloat16 (nearest even)
+        def bf16(a):
+            return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).double().numpy()
+        return bf16(x) @ bf16(w_dequant).T
     q, d, _ = quantize_activations(x, activations)
     xh = q.astype(np.float64).reshape(q.shape[0], -1, P.QK) * d.astype(np.float64)[..., None]
     return xh.reshape(q.shape) @ np.asarray(w_dequant, np.float64).T
@@ -308,8 +341,14 @@ def self_check(name: str) -> bool:
             x[0, :3] = (40.0, -40.0, 0.0)
             scale = np.abs(x).astype(np.float64) @ np.abs(wd.astype(np.float64)).T + 1e-30
             for act in ACTIVATIONS:
+                if not activations_supported(name, act):
+                    continue
                 got = qgemm(torch.from_numpy(x), packed, name, act).numpy().astype(np.float64)
+                act = act if act != "bf16" or packed.fmt in BF16_FORMATS else "int8"  # (the int8 tiles run it)
                 ref = reference_qgemm(x, wd, act)
-                if got.shape != ref.shape or not np.all(np.abs(got - ref) <= 1e-5 * scale):
+                # bf16: a weight decoded with one rounding (FMA) may round to the neighbouring bfloat16 of the
+                # reference's two (2^-8 of that one product at most)
+                tol = 2.0 ** -7 if act == "bf16" else 1e-5
+                if got.shape != ref.shape or not np.all(np.abs(got - ref) <= tol * scale):
                     return False
     return True

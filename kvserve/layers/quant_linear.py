@@ -114,7 +114,8 @@ class QuantLinear:
 
     Attributes:
         path: ``"<kind>/<isa>"`` (isa a key of ``kernels.ISAS``: ``amx_int8``, ``avx512_vnni`` or ``avx2``), with
-            ``"+a16"`` when activations are ``"int8x2"`` (``q4/amx_int8+a16``), or ``"<kind>/fp32_fallback"`` when
+            ``"+a16"`` when activations are ``"int8x2"`` (``q4/amx_int8+a16``), ``"+bf16"`` when they are ``"bf16"``
+            and the format has a bfloat16 decoder (``q4/amx_int8+bf16``), or ``"<kind>/fp32_fallback"`` when
             no quantized kernel can run here.
         activations: the activation quantization in use.
         isa: the kernel path in use, or ``None`` (the float32 fallback).
@@ -137,7 +138,9 @@ class QuantLinear:
         if self.isa is None:
             w = unpack(packed)[:, : self.in_features]
             self._fallback = Linear(torch.from_numpy(np.ascontiguousarray(w)), use_kernels=use_kernels)
-        self.path = (f"{kind}/{self.isa}{'+a16' if self.activations == 'int8x2' else ''}" if self.isa
+        if self.activations == "bf16" and self.isa is not None and not kernels.activations_supported(self.isa, "bf16"):
+            raise ValueError(f"activations='bf16' needs the amx_int8 path on a CPU with AMX-BF16, got isa {self.isa!r}")
+        self.path = (f"{kind}/{self.isa}{kernels.path_suffix(self.activations, packed.fmt)}" if self.isa
                      else f"{kind}/fp32_fallback")
         # Everything a call needs, resolved once (a decode step makes ~120 small calls: per-call Python counts).
         self._n_pad = packed.data.shape[0] * P.G

@@ -200,6 +200,29 @@ def test_over_an_int8_kv_cache_beside_others_in_chunks_after_hits_and_a_preempti
     assert_pool_clean(small.llm_engine)
 
 
+@pytest.mark.skipif(not (qgemm.load() is not None and qgemm.cpu_supports("amx_int8")
+                         and qgemm.activations_supported("amx_int8", "bf16")),
+                    reason="CPU lacks AMX-BF16 (quant_activations='bf16')")
+def test_bf16_activations_beside_others_in_chunks_on_one_thread_after_hits_and_a_preemption(prompt):
+    """``quant_activations="bf16"``: every row of a matmul runs on the AMX-BF16 tiles, a lone decode row included,
+    so a row's bits are the same however many rows the step holds."""
+    sp = _greedy()
+    ref = LLM(num_kv_blocks=512, max_num_seqs=32, enable_prefix_caching=False, quant_activations="bf16")
+    alone = _answer(ref.generate([prompt], sp)[0])
+    outs = ref.generate(_others(7) + [prompt] + _others(8), [SamplingParams(temperature=0.0, max_tokens=9)] * 7
+                        + [sp] + [SamplingParams(temperature=0.0, max_tokens=4 + i) for i in range(8)])
+    assert _answer(outs[7]) == alone
+    chunked = LLM(num_kv_blocks=96, max_num_batched_tokens=16, quant_activations="bf16", num_threads=1)
+    assert _answer(chunked.generate([prompt], sp)[0]) == alone  # 16-token chunks, one thread
+    assert _answer(chunked.generate([prompt], sp)[0]) == alone  # every full block a prefix-cache hit
+    small = LLM(num_kv_blocks=14, max_num_seqs=4, enable_prefix_caching=False, quant_activations="bf16")
+    outs = small.generate([prompt] + _others(3), [sp] + [SamplingParams(temperature=0.0, max_tokens=60,
+                                                                        ignore_eos=True)] * 3)
+    assert small.llm_engine.stats.num_preemptions > 0
+    assert _answer(outs[0]) == alone
+    assert_pool_clean(small.llm_engine)
+
+
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 29},

@@ -10,7 +10,7 @@ Two references per case:
   by at most d_x / 2 (d_x = its block's max|x| / 127 with int8 activations, 254 times less with the int8 pair), so
   |error| <= sum_k |w_k| d_x(k) / 2 (+ the above).
 
-Every path runs with both activation quantizations (``kernels.ACTIVATIONS``).
+Every path runs with both integer activation quantizations (``INT8_ACTS``; bf16: tests/model/test_bf16_kernels.py).
 """
 
 import ctypes
@@ -30,12 +30,14 @@ from kvserve.layers.quant_linear import ConcatLinear, QuantLinear, unpack, unpac
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason=str(kernels.unavailable_reason()))
 
 ROWS = (1, 3, 7, 16, 17, 64, 129)
+#: The integer activations, run on every path here; ``"bf16"`` (AMX-BF16 only) has tests/model/test_bf16_kernels.py.
+INT8_ACTS = ("int8", "int8x2")
 
 
 def _isa_params():
     return [pytest.param((name, act), id=f"{name}-{act}",
                          marks=pytest.mark.skipif(not kernels.cpu_supports(name), reason=f"CPU lacks {name}"))
-            for name in kernels.ISAS for act in kernels.ACTIVATIONS]
+            for name in kernels.ISAS for act in INT8_ACTS]
 
 
 _CURRENT = {"activations": "int8"}
@@ -220,7 +222,7 @@ def test_q4_k_compact_blocks_give_the_q4f_bits(isa, n, k, rows):
     wide = P.pack_q4(*formats.decode_q4_k(t.raw, k))
     assert wide.fmt == P.FMT_Q4F and compact.data.numel() == -(-n // 16) * (k // 32) * 296
     x = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32))
-    for act in kernels.ACTIVATIONS:
+    for act in INT8_ACTS:
         assert torch.equal(kernels.qgemm(x, compact, isa, act), kernels.qgemm(x, wide, isa, act))
 
 
@@ -235,7 +237,7 @@ def test_q3_k_compact_blocks_give_the_q6_bits(isa, n, k, rows):
     assert compact.fmt == P.FMT_Q3K and compact.data.numel() == -(-n // 16) * (k // 32) * 228
     np.testing.assert_array_equal(unpack(compact).view(np.uint32), unpack(wide).view(np.uint32))
     x = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32))
-    for act in kernels.ACTIVATIONS:
+    for act in INT8_ACTS:
         assert torch.equal(kernels.qgemm(x, compact, isa, act), kernels.qgemm(x, wide, isa, act))
 
 
@@ -355,7 +357,7 @@ def test_int8_of_a_gguf_tensor_and_fp32_method():
     torch.testing.assert_close(f32(x).double(), ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
+@pytest.mark.parametrize("act", INT8_ACTS)
 @pytest.mark.parametrize("isa_id", [0, 1])  # 0: the scalar C loop, 1: the AVX2 one the matmul uses
 def test_activation_quantizer_equals_numpy_reference(isa_id, act):
     if isa_id and not kernels.cpu_supports("avx2"):
@@ -459,7 +461,7 @@ def test_kernel_refuses_bad_arguments():
 
 
 def test_bad_activations_are_a_value_error_naming_the_field(monkeypatch):
-    with pytest.raises(ValueError, match=r"quant_activations must be one of 'int8', 'int8x2', got 'int4'"):
+    with pytest.raises(ValueError, match=r"quant_activations must be one of 'int8', 'int8x2', 'bf16', got 'int4'"):
         kernels.choose_path(True, "auto", "int4")
     monkeypatch.setenv("KVSERVE_QUANT_ACTIVATIONS", "int4")
     with pytest.raises(ValueError, match=r"quant_activations \(from \$KVSERVE_QUANT_ACTIVATIONS\) must be one of"):
@@ -604,7 +606,7 @@ def _run(lib, packed, isa_id, act, x):
 EMU_KINDS = ["q4", "q4f", "q8", "int8", "q6", "q5f", "q4k", "mx4", "q2k", "q3k"]
 
 
-@pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
+@pytest.mark.parametrize("act", INT8_ACTS)
 @pytest.mark.parametrize("kind", EMU_KINDS)
 @pytest.mark.parametrize("rows", ROWS)
 def test_avx512_vnni_path_logic_under_emulation(emulated, kind, rows, act):
@@ -619,7 +621,7 @@ def test_avx512_vnni_path_logic_under_emulation(emulated, kind, rows, act):
 
 
 @pytest.mark.skipif(not kernels.cpu_supports("avx512_vnni"), reason="CPU lacks AVX-512 VNNI")
-@pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
+@pytest.mark.parametrize("act", INT8_ACTS)
 @pytest.mark.parametrize("kind", EMU_KINDS)
 def test_emulation_gives_the_native_bits(emulated, kind, act):
     """On a CPU with AVX-512 VNNI: the emulated build's AVX2 and AVX-512 VNNI paths (activation quantizer included)
@@ -638,7 +640,7 @@ def test_emulation_gives_the_native_bits(emulated, kind, act):
 AMX_ROWS = (1, 15, 16, 17, 37, 53, 64, 129)  # below one tile, one, one plus a tail, chunks of 32 with tails
 
 
-@pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
+@pytest.mark.parametrize("act", INT8_ACTS)
 @pytest.mark.parametrize("kind", EMU_KINDS)
 @pytest.mark.parametrize("rows", AMX_ROWS)
 def test_amx_path_logic_under_emulation(emulated, kind, rows, act):
@@ -657,7 +659,7 @@ def test_amx_path_logic_under_emulation(emulated, kind, rows, act):
 
 
 @pytest.mark.skipif(not kernels.cpu_supports("amx_int8"), reason="CPU lacks AMX-INT8 (or the OS did not grant it)")
-@pytest.mark.parametrize("act", list(kernels.ACTIVATIONS))
+@pytest.mark.parametrize("act", INT8_ACTS)
 @pytest.mark.parametrize("kind", EMU_KINDS)
 def test_amx_equals_avx512_vnni_bit_for_bit(kind, act):
     """On a CPU with AMX: the real tile instructions give the AVX-512 VNNI path's bits, at every row count of

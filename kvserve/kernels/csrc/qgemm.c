@@ -82,7 +82,8 @@
 #define CHUNK_BYTES (1024 * 1024) /* many rows pass over the weights in chunks of about this many activation bytes */
 
 enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AMX_INT8 = 3 };
-enum { ACT_INT8 = 0, ACT_PAIR = 1 }; /* activation precision: one int8 per value, or a pair (15 bits) */
+/* activation precision: one int8 per value, a pair (15 bits), or bfloat16 on AMX-BF16 (qgemm_amx_bf16.h) */
+enum { ACT_INT8 = 0, ACT_PAIR = 1, ACT_BF16 = 2 };
 
 #define T_AVX2 __attribute__((target("avx2,fma,f16c")))
 #ifdef KVSERVE_Q_EMULATE_AVX512 /* tests only: SIMDe's portable AVX-512 intrinsics (tests/model/qgemm_avx512_emu.c) */
@@ -756,6 +757,7 @@ static int64_t block_bytes(int fmt) {
 static int64_t k_multiple(int fmt) { return fmt == FMT_Q4K || fmt == FMT_Q2K || fmt == FMT_Q3K ? 8 * QK : QK; }
 
 #include "qgemm_amx.h"
+#include "qgemm_amx_bf16.h"
 #include "qgemm_mx4.h"
 
 /* One group's Q4K blocks (nb of them) rewritten as Q4F blocks at out (nb * Q4F_BLOCK bytes): d * sc and -(dmin * mn)
@@ -841,18 +843,31 @@ int kvserve_q_isa_supported(int isa) {
     return 0;
 }
 
+/* 1 if activations `act` can run on path `isa` here: ACT_BF16 needs the AMX path and AMX-BF16; the others run on
+ * every supported path. */
+int kvserve_q_act_supported(int isa, int act) {
+    if (!kvserve_q_isa_supported(isa)) return 0;
+    if (act == ACT_BF16) return isa == ISA_AMX_INT8 && amx_bf16_usable();
+    return act == ACT_INT8 || act == ACT_PAIR;
+}
+
 /* y[M, N] (row stride ldy >= N) = x[M, K] . W^T, W packed as described at the top (fmt FMT_Q4, FMT_Q4F, FMT_Q5F, FMT_Q8, FMT_Q6,
- * FMT_Q4K, FMT_MX4, FMT_Q2K or FMT_Q3K, N a multiple of 16, K of 32 (FMT_Q4K, FMT_Q2K, FMT_Q3K: of 256)), activations quantized as `act` (ACT_INT8 or ACT_PAIR). oscale: NULL, or N floats
+ * FMT_Q4K, FMT_MX4, FMT_Q2K or FMT_Q3K, N a multiple of 16, K of 32 (FMT_Q4K, FMT_Q2K, FMT_Q3K: of 256)), activations quantized as `act` (ACT_INT8 or ACT_PAIR; ACT_BF16: rounded to bfloat16, qgemm_amx_bf16.h, on the AMX path only). oscale: NULL, or N floats
  * multiplied into the outputs (per-channel int8). Returns 0, or -1 for bad arguments / an unsupported isa, -2 when
  * scratch memory could not be allocated (nothing written). */
 int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                   const float *oscale, float *y, int64_t ldy) {
-    if (!block_bytes(fmt) || (act != ACT_INT8 && act != ACT_PAIR) || K % k_multiple(fmt) ||
-        N % G || M < 0 || ldy < N || !kvserve_q_isa_supported(isa))
+    if (!block_bytes(fmt) || (act != ACT_INT8 && act != ACT_PAIR && act != ACT_BF16) || K % k_multiple(fmt) ||
+        N % G || M < 0 || ldy < N || !kvserve_q_isa_supported(isa) ||
+        (act == ACT_BF16 && (isa != ISA_AMX_INT8 || !amx_bf16_usable())))
         return -1;
     if (M == 0 || N == 0) return 0;
-    const int pair = act == ACT_PAIR;
     const int64_t nb = K / QK, groups = N / G;
+    if (act == ACT_BF16) { /* a format without a bf16 decoder: its int8 tiles, for every M */
+        if (bf16_format(fmt)) return qgemm_bf16(fmt, x, M, K, w, nb, groups, oscale, y, ldy);
+        act = ACT_INT8;
+    }
+    const int pair = act == ACT_PAIR;
     const int64_t xrow = pair ? 2 * K : K; /* bytes of one row's quantized activations */
     /* Scratch for the quantized activations: on the stack for small inputs (decode steps), else the heap. */
     _Alignas(64) int8_t sq[STACK_BYTES];

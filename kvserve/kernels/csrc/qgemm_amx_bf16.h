@@ -1,0 +1,278 @@
+/* The bf16 activations of kvserve_qgemm (ACT_BF16, included by qgemm.c): on AMX-BF16 CPUs (Sapphire Rapids and
+ * later; Intel SDM vol. 2, TDPBF16PS) the weights are decoded to bfloat16 and multiplied by the activations rounded to
+ * bfloat16, the sums kept in float32 inside the tile unit across the whole row: no per-block float epilogue, which is
+ * what bounds the int8 tiles (qgemm_amx.h). The weights stay packed in memory; each thread decodes one group (16
+ * outputs, all K) at a time into a buffer of nb KiB that the chunk's rows then reuse.
+ *
+ * Every row runs on the tiles, a lone decode row included (a 16-row tile whose other rows are zero padding), so a
+ * row's bits never depend on M: TDPBF16PS's rounding inside a tile operation is the hardware's own (it matches no
+ * sequential float32 order, so no AVX-512 path could reproduce it), but each output row is computed from its own
+ * input row only, in the order of the K blocks, which the loop fixes (checked against 1-row tiles, tests/model/
+ * test_quant_kernels.py). Formats: the 4-bit family (Q4, Q4F, Q5F, Q4K: w = d q + m, one FMA) and Q8 (w = d q); a
+ * weight of another format runs its int8 tiles for every M (kvserve_qgemm), so each weight's arithmetic is one.
+ *
+ * B tile of block b (16 rows x 64 bytes): row r holds, for each of the 16 outputs o, the bfloat16 pair w[o][32b + 2r],
+ * w[o][32b + 2r + 1]. A tile: 16 rows x 32 bfloat16 (the rows' block b). C tiles 4..7: four 16-row tiles of one
+ * group, all sharing each B tile load.
+ */
+
+#define T_AMXB __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,amx-tile,amx-bf16")))
+#define BF16_TILES 4 /* 16-row tiles per B tile load (C tiles 4..7) */
+
+/* 1 if the CPU has AMX-BF16 (CPUID.(EAX=7, ECX=0):EDX bit 22) and AVX512-BF16 (leaf 7, ECX=1, EAX bit 5) besides
+ * AMX-INT8's requirements, else 0. */
+static int amx_bf16_usable(void) {
+#ifdef KVSERVE_Q_EMULATE_AMX
+    return 0;
+#else
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        unsigned a, b, c, d, a1 = 0, b1, c1, d1;
+        v = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) &&
+            __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 & (1u << 5)) && amx_usable();
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+#endif
+}
+
+/* Whether fmt has a bfloat16 decoder here. */
+static int bf16_format(int fmt) {
+    return fmt == FMT_Q4 || fmt == FMT_Q4F || fmt == FMT_Q5F || fmt == FMT_Q4K || fmt == FMT_Q8;
+}
+
+#ifndef KVSERVE_Q_EMULATE_AMX
+/* Rows [m0, m1) of x [., K] float32 rounded to bfloat16 (round to nearest even: VCVTNE2PS2BF16) into xb [., K]. */
+T_AMXB static void bf16_rows(const float *x, int64_t m0, int64_t m1, int64_t K, uint16_t *xb) {
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t k = 0; k < K; k += 32) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * K + k + 16), _mm512_loadu_ps(x + m * K + k));
+            _mm512_storeu_si512((void *)(xb + m * K + k), (__m512i)v);
+        }
+}
+
+/* Two B tile rows (32 bfloat16 each) from four vectors of 16 outputs: row0 = the pairs (f0[o], f1[o]), row1 =
+ * (f2[o], f3[o]) for o = 0..15, each float rounded to bfloat16 (nearest even, VCVTNE2PS2BF16). */
+T_AMXB INLINE void bf16_pair_rows(__m512 f0, __m512 f1, __m512 f2, __m512 f3, uint16_t *row0, uint16_t *row1) {
+    const __m512i il = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
+                                         0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001a000a, 0x001b000b,
+                                         0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f); /* word 2o: o, 2o + 1: 16 + o */
+    _mm512_store_si512((void *)row0, _mm512_permutexvar_epi16(il, (__m512i)_mm512_cvtne2ps_pbh(f1, f0)));
+    _mm512_store_si512((void *)row1, _mm512_permutexvar_epi16(il, (__m512i)_mm512_cvtne2ps_pbh(f3, f2)));
+}
+
+static const float BF16_POW2[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f}; /* 2^-4s */
+
+/* One group's nb blocks (fmt: bf16_format) decoded to B tiles at bq (512 bfloat16 per block). A block's 64-byte
+ * vectors hold one 32-bit lane per output (qgemm.c's layout: byte o*4 + i), so each weight is taken from its lane in
+ * place: masked (4-bit: nibble s of the lane, q 2^(4s); Q8: byte i moved to the top, q 2^24 with its sign), converted
+ * exactly (at most 8 significant bits), and scaled by d 2^-shift: the one FMA gives d q + m rounded once, as
+ * fmaf(q, d, m) would (the power of two is exact), then the bfloat16 rounding. */
+T_AMXB static void bf16_unpack_group(int fmt, const uint8_t *wg, int64_t nb, uint16_t *bq) {
+    const int64_t bb = block_bytes(fmt);
+    for (int64_t b = 0; b < nb; b++) {
+        uint16_t *out = bq + b * 512;
+        if (fmt == FMT_Q8) {
+            const uint8_t *blk = wg + b * bb;
+            const __m512 d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)),
+                                           _mm512_set1_ps(0x1p-24f));
+            const __m512i top = _mm512_set1_epi32((int)0xFF000000u);
+            for (int j = 0; j < 8; j++) { /* inputs 4j..4j+3: rows 2j, 2j + 1 */
+                const __m512i v = _mm512_loadu_si512((const void *)(blk + 32 + j * 64));
+                __m512 f[4];
+                for (int i = 0; i < 4; i++)
+                    f[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(
+                        i == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * i), top)), d);
+                bf16_pair_rows(f[0], f[1], f[2], f[3], out + j * 64, out + j * 64 + 32);
+            }
+            continue;
+        }
+        const int f32s = fmt == FMT_Q4K ? 3 : fmt == FMT_Q4F || fmt == FMT_Q5F;
+        const uint8_t *blk = fmt == FMT_Q4K ? q4k_block(wg, b) : wg + b * bb;
+        const int qo = fmt == FMT_Q4K ? 32 : fmt == FMT_Q4 ? 64 : 128;
+        __m512 dw, mw;
+        q4_scales_avx512(fmt == FMT_Q5F ? 2 : f32s, blk, fmt == FMT_Q4K ? q4k_super(wg, b) : NULL, &dw, &mw);
+        if (fmt == FMT_Q5F) { /* 5-bit values: the unpacked bytes (q4_unpack_avx512), byte i of a lane at 2^(8i) */
+            for (int j = 0; j < 4; j++) {
+                __m512i lo, hi;
+                q4_unpack_avx512(blk + qo + j * 64, blk + 384, j, &lo, &hi);
+                for (int h = 0; h < 2; h++) {
+                    const __m512i v = h ? hi : lo;
+                    __m512 f[4];
+                    for (int i = 0; i < 4; i++)
+                        f[i] = _mm512_fmadd_ps(_mm512_cvtepu32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFF << (8 * i)))),
+                                               _mm512_mul_ps(dw, _mm512_set1_ps(BF16_POW2[2 * i])), mw);
+                    bf16_pair_rows(f[0], f[1], f[2], f[3], out + h * 256 + j * 64, out + h * 256 + j * 64 + 32);
+                }
+            }
+            continue;
+        }
+        __m512 ds[8]; /* d 2^-4s: nibble s of a lane (byte s / 2, high half when s is odd) */
+        for (int s4 = 0; s4 < 8; s4++) ds[s4] = _mm512_mul_ps(dw, _mm512_set1_ps(BF16_POW2[s4]));
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(blk + qo + j * 64));
+            for (int h = 0; h < 2; h++) { /* low nibbles: inputs 4j + i (rows 2j, 2j + 1); high: 16 + 4j + i */
+                __m512 f[4];
+                for (int i = 0; i < 4; i++) {
+                    const int s4 = 2 * i + h;
+                    f[i] = _mm512_fmadd_ps(_mm512_cvtepu32_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)(0xFu << (4 * s4))))),
+                                           ds[s4], mw);
+                }
+                bf16_pair_rows(f[0], f[1], f[2], f[3], out + h * 256 + j * 64, out + h * 256 + j * 64 + 32);
+            }
+        }
+    }
+}
+
+/* Palette 1: every tile 16 rows x 64 bytes (A tiles: 16 rows x 32 bfloat16; B tiles: 16 pair rows x 16 outputs; C
+ * tiles 4..7: 16 x 16 float32). */
+T_AMXB static void bf16_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
+    AMX_LOAD_CONFIG(cfg);
+}
+
+/* (gcc's tile intrinsics paste the tile number into the instruction, so each is a literal.) Every C tile sums the
+ * blocks of one 16-row tile x one group in block order, from zero: the same operations whatever the shape below. */
+
+/* Two 16-row tiles (a0, a1: rows of K bfloat16, stride lda elements; a1 NULL: one) x two decoded groups (b0, b1;
+ * b1 NULL: one): C tiles 4 (a0 b0), 5 (a0 b1), 6 (a1 b0), 7 (a1 b1) stored to cb[4][256]. A tiles 0, 1; B tiles 2, 3:
+ * each loaded tile feeds two products. */
+T_AMXB static void bf16_tiles_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda, const uint16_t *b0,
+                                  const uint16_t *b1, int64_t nb, float *cb) {
+    _tile_zero(4);
+    if (b1) _tile_zero(5);
+    if (a1) _tile_zero(6);
+    if (a1 && b1) _tile_zero(7);
+    for (int64_t b = 0; b < nb; b++) {
+        _tile_loadd(0, a0 + 32 * b, 2 * lda);
+        _tile_loadd(2, b0 + 512 * b, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        if (b1) { _tile_loadd(3, b1 + 512 * b, 64); _tile_dpbf16ps(5, 0, 3); }
+        if (a1) {
+            _tile_loadd(1, a1 + 32 * b, 2 * lda);
+            _tile_dpbf16ps(6, 1, 2);
+            if (b1) _tile_dpbf16ps(7, 1, 3);
+        }
+    }
+    _tile_stored(4, cb, 64);
+    if (b1) _tile_stored(5, cb + 256, 64);
+    if (a1) _tile_stored(6, cb + 512, 64);
+    if (a1 && b1) _tile_stored(7, cb + 768, 64);
+}
+
+/* One 16-row tile x four decoded groups (bq, bq + nb 512, ...): C tiles 4..7 (cb[4][256]), B tiles 1..3 in turn,
+ * so a few rows (a decode step) keep four independent sums in flight instead of waiting on one. */
+T_AMXB static void bf16_tiles_1x4(const uint16_t *a0, int64_t lda, const uint16_t *bq, int64_t nb, float *cb) {
+    const uint16_t *b0 = bq, *b1 = bq + nb * 512, *b2 = b1 + nb * 512, *b3 = b2 + nb * 512;
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t b = 0; b < nb; b++) {
+        _tile_loadd(0, a0 + 32 * b, 2 * lda);
+        _tile_loadd(1, b0 + 512 * b, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(2, b1 + 512 * b, 64);
+        _tile_dpbf16ps(5, 0, 2);
+        _tile_loadd(3, b2 + 512 * b, 64);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_loadd(1, b3 + 512 * b, 64);
+        _tile_dpbf16ps(7, 0, 1);
+    }
+    _tile_stored(4, cb, 64);
+    _tile_stored(5, cb + 256, 64);
+    _tile_stored(6, cb + 512, 64);
+    _tile_stored(7, cb + 768, 64);
+}
+
+/* Rows [m0, m0 + rows) of a C tile cb (rows <= 16) to y (16 outputs), times oscale when given. */
+T_AMXB INLINE void bf16_store(const float *cb, int64_t rows, float *y, int64_t ldy, const float *oscale) {
+    const __m512 os = oscale ? _mm512_loadu_ps(oscale) : _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < rows; i++) {
+        const __m512 v = _mm512_load_ps(cb + i * 16);
+        _mm512_storeu_ps(y + i * ldy, oscale ? _mm512_mul_ps(v, os) : v);
+    }
+}
+
+/* Rows [c0, c1) (xb padded with zero rows to a multiple of 16) times ng decoded groups at bq (nb 512 bfloat16 each),
+ * the first being group g: y[m, 16 g ..]. ng 4 with at most 16 rows: bf16_tiles_1x4; else pairs of groups x pairs
+ * of row tiles. */
+T_AMXB static void bf16_groups_rows(const uint16_t *xb, int64_t c0, int64_t c1, int64_t K, const uint16_t *bq,
+                                    int64_t ng, int64_t nb, float *y, int64_t ldy, const float *oscale) {
+    _Alignas(64) float cb[4 * 256];
+    if (ng == 4 && c1 - c0 <= 16) {
+        bf16_tiles_1x4(xb + c0 * K, K, bq, nb, cb);
+        for (int t = 0; t < 4; t++)
+            bf16_store(cb + t * 256, c1 - c0, y + c0 * ldy + t * G, ldy, oscale ? oscale + t * G : NULL);
+        return;
+    }
+    for (int64_t gi = 0; gi < ng; gi += 2) {
+        const uint16_t *b0 = bq + gi * nb * 512, *b1 = gi + 1 < ng ? b0 + nb * 512 : NULL;
+        for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+            const uint16_t *a1 = m0 + 16 < c1 ? xb + (m0 + 16) * K : NULL;
+            bf16_tiles_2x2(xb + m0 * K, a1, K, b0, b1, nb, cb);
+            const int64_t r0 = c1 - m0 < 16 ? c1 - m0 : 16, r1 = c1 - m0 - 16 < 16 ? c1 - m0 - 16 : 16;
+            for (int t = 0; t < 4; t++) {
+                const int64_t gt = gi + (t & 1), rows = t < 2 ? r0 : r1;
+                if ((t & 1 && !b1) || (t >= 2 && !a1)) continue;
+                bf16_store(cb + t * 256, rows, y + (m0 + (t >> 1) * 16) * ldy + gt * G, ldy,
+                           oscale ? oscale + gt * G : NULL);
+            }
+        }
+    }
+}
+
+/* Inside kvserve_qgemm's parallel region, every thread: its static share of the groups, four at a time, over the
+ * rows in chunks of about CHUNK_BYTES of bf16 activations, the four groups decoded once per chunk. Returns 1 if this
+ * thread could not get its decode buffer (nothing written by it), else 0. */
+T_AMXB static int bf16_share(int fmt, const uint8_t *w, int64_t nb, int64_t groups, const uint16_t *xb, int64_t M,
+                             int64_t K, float *y, int64_t ldy, const float *oscale) {
+    const int64_t bb = block_bytes(fmt), mc = rows_per_chunk(2 * K) / 32 * 32 + 32;
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num(), per = (groups + nth - 1) / nth;
+    const int64_t g0 = tid * per < groups ? tid * per : groups, g1 = g0 + per < groups ? g0 + per : groups;
+    if (g0 >= g1) return 0;
+    uint16_t *bq = aligned_alloc(64, (size_t)(4 * nb * 1024));
+    if (!bq) return 1;
+    bf16_configure();
+    for (int64_t c0 = 0; c0 < M; c0 += mc) {
+        const int64_t c1 = M - c0 < mc ? M : c0 + mc;
+        for (int64_t g = g0; g < g1; g += 4) {
+            const int64_t ng = g1 - g < 4 ? g1 - g : 4;
+            for (int64_t i = 0; i < ng; i++) bf16_unpack_group(fmt, w + (g + i) * nb * bb, nb, bq + i * nb * 512);
+            bf16_groups_rows(xb, c0, c1, K, bq, ng, nb, y + g * G, ldy, oscale ? oscale + g * G : NULL);
+        }
+    }
+    _tile_release();
+    free(bq);
+    return 0;
+}
+#endif
+
+/* kvserve_qgemm with ACT_BF16 and a bf16_format weight (the caller checked the arguments and the CPU): x rounded
+ * to bfloat16 (a buffer of M rounded up to 16 rows, the padding zero), then the groups over the threads. Returns 0,
+ * or -2 when scratch memory could not be allocated. */
+static int qgemm_bf16(int fmt, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t nb, int64_t groups,
+                      const float *oscale, float *y, int64_t ldy) {
+#ifdef KVSERVE_Q_EMULATE_AMX
+    (void)fmt, (void)x, (void)M, (void)K, (void)w, (void)nb, (void)groups, (void)oscale, (void)y, (void)ldy;
+    return -1;
+#else
+    const int64_t m16 = (M + 15) / 16 * 16;
+    uint16_t *xb = aligned_alloc(64, (size_t)(m16 * K * 2));
+    if (!xb) return -2;
+    memset(xb + M * K, 0, (size_t)((m16 - M) * K * 2));
+    int failed = 0;
+#pragma omp parallel if (M * K * groups * G >= SERIAL_MACS)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) bf16_rows(x, m, m + 1, K, xb);
+        if (bf16_share(fmt, w, nb, groups, xb, M, K, y, ldy, oscale)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+    }
+    free(xb);
+    return failed ? -2 : 0;
+#endif
+}
