@@ -178,26 +178,32 @@ def test_seeded_samples_with_n_4_as_when_alone(base, prompt):
     assert len({tuple(c.token_ids) for c in one.outputs}) > 1  # the samples differ from each other
 
 
-def test_over_an_int8_kv_cache_beside_others_in_chunks_after_hits_and_a_preemption(prompt):
-    """``kv_cache_dtype="int8"``: each token's K/V rows are quantized once, when written, with a scale of their own,
-    so the stored bytes and every row's attention are the same however the request is scheduled."""
+def _same_beside_others_in_chunks_on_one_thread_after_hits_and_a_preemption(prompt, **engine_kw):
+    """The prompt's answer on engines built with ``engine_kw``: alone, then beside 15 others, in 16-token chunks on
+    one thread, after every full block is a prefix-cache hit, and after a preemption: the same every time."""
     sp = _greedy()
-    ref = LLM(num_kv_blocks=512, max_num_seqs=32, enable_prefix_caching=False, kv_cache_dtype="int8")
+    ref = LLM(num_kv_blocks=512, max_num_seqs=32, enable_prefix_caching=False, **engine_kw)
     alone = _answer(ref.generate([prompt], sp)[0])
     outs = ref.generate(_others(7) + [prompt] + _others(8), [SamplingParams(temperature=0.0, max_tokens=9)] * 7
                         + [sp] + [SamplingParams(temperature=0.0, max_tokens=4 + i) for i in range(8)])
     assert _answer(outs[7]) == alone
-    chunked = LLM(num_kv_blocks=96, max_num_batched_tokens=16, kv_cache_dtype="int8", num_threads=1)
+    chunked = LLM(num_kv_blocks=96, max_num_batched_tokens=16, num_threads=1, **engine_kw)
     assert _answer(chunked.generate([prompt], sp)[0]) == alone  # 16-token chunks, one thread
     hits = chunked.llm_engine.scheduler.kv_cache_manager.prefix_cache_hits
     assert _answer(chunked.generate([prompt], sp)[0]) == alone  # every full block a prefix-cache hit
     assert chunked.llm_engine.scheduler.kv_cache_manager.prefix_cache_hits - hits == 16 * 6
-    small = LLM(num_kv_blocks=14, max_num_seqs=4, enable_prefix_caching=False, kv_cache_dtype="int8")
+    small = LLM(num_kv_blocks=14, max_num_seqs=4, enable_prefix_caching=False, **engine_kw)
     outs = small.generate([prompt] + _others(3), [sp] + [SamplingParams(temperature=0.0, max_tokens=60,
                                                                         ignore_eos=True)] * 3)
     assert small.llm_engine.stats.num_preemptions > 0
     assert _answer(outs[0]) == alone
     assert_pool_clean(small.llm_engine)
+
+
+def test_over_an_int8_kv_cache_beside_others_in_chunks_after_hits_and_a_preemption(prompt):
+    """``kv_cache_dtype="int8"``: each token's K/V rows are quantized once, when written, with a scale of their own,
+    so the stored bytes and every row's attention are the same however the request is scheduled."""
+    _same_beside_others_in_chunks_on_one_thread_after_hits_and_a_preemption(prompt, kv_cache_dtype="int8")
 
 
 @pytest.mark.skipif(not (qgemm.load() is not None and qgemm.cpu_supports("amx_int8")
@@ -206,21 +212,7 @@ def test_over_an_int8_kv_cache_beside_others_in_chunks_after_hits_and_a_preempti
 def test_bf16_activations_beside_others_in_chunks_on_one_thread_after_hits_and_a_preemption(prompt):
     """``quant_activations="bf16"``: every row of a matmul runs on the AMX-BF16 tiles, a lone decode row included,
     so a row's bits are the same however many rows the step holds."""
-    sp = _greedy()
-    ref = LLM(num_kv_blocks=512, max_num_seqs=32, enable_prefix_caching=False, quant_activations="bf16")
-    alone = _answer(ref.generate([prompt], sp)[0])
-    outs = ref.generate(_others(7) + [prompt] + _others(8), [SamplingParams(temperature=0.0, max_tokens=9)] * 7
-                        + [sp] + [SamplingParams(temperature=0.0, max_tokens=4 + i) for i in range(8)])
-    assert _answer(outs[7]) == alone
-    chunked = LLM(num_kv_blocks=96, max_num_batched_tokens=16, quant_activations="bf16", num_threads=1)
-    assert _answer(chunked.generate([prompt], sp)[0]) == alone  # 16-token chunks, one thread
-    assert _answer(chunked.generate([prompt], sp)[0]) == alone  # every full block a prefix-cache hit
-    small = LLM(num_kv_blocks=14, max_num_seqs=4, enable_prefix_caching=False, quant_activations="bf16")
-    outs = small.generate([prompt] + _others(3), [sp] + [SamplingParams(temperature=0.0, max_tokens=60,
-                                                                        ignore_eos=True)] * 3)
-    assert small.llm_engine.stats.num_preemptions > 0
-    assert _answer(outs[0]) == alone
-    assert_pool_clean(small.llm_engine)
+    _same_beside_others_in_chunks_on_one_thread_after_hits_and_a_preemption(prompt, quant_activations="bf16")
 
 
 @pytest.mark.parametrize("spec", [
