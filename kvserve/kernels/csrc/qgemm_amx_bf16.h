@@ -37,6 +37,22 @@ static int amx_bf16_usable(void) {
 #endif
 }
 
+/* A buffer of at least `bytes` (64-byte aligned) kept by the calling thread for its next calls (slot 0: the
+ * caller's bfloat16 rows; slot 1: a worker's decoded groups), so a step's ~120 matmuls do not map and fault in fresh
+ * pages each time (glibc serves allocations of 128 KiB and more with mmap). NULL if it cannot grow. */
+static void *bf16_scratch(int slot, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (cap[slot] < bytes) {
+        free(buf[slot]);
+        cap[slot] = 0;
+        buf[slot] = aligned_alloc(64, (bytes + 65535) / 65536 * 65536);
+        if (!buf[slot]) return NULL;
+        cap[slot] = (bytes + 65535) / 65536 * 65536;
+    }
+    return buf[slot];
+}
+
 /* Whether fmt has a bfloat16 decoder here. */
 static int bf16_format(int fmt) {
     return fmt == FMT_Q4 || fmt == FMT_Q4F || fmt == FMT_Q5F || fmt == FMT_Q4K || fmt == FMT_Q8;
@@ -235,7 +251,7 @@ T_AMXB static int bf16_share(int fmt, const uint8_t *w, int64_t nb, int64_t grou
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num(), per = (groups + nth - 1) / nth;
     const int64_t g0 = tid * per < groups ? tid * per : groups, g1 = g0 + per < groups ? g0 + per : groups;
     if (g0 >= g1) return 0;
-    uint16_t *bq = aligned_alloc(64, (size_t)(4 * nb * 1024));
+    uint16_t *bq = bf16_scratch(1, (size_t)(4 * nb * 1024));
     if (!bq) return 1;
     bf16_configure();
     for (int64_t c0 = 0; c0 < M; c0 += mc) {
@@ -247,7 +263,6 @@ T_AMXB static int bf16_share(int fmt, const uint8_t *w, int64_t nb, int64_t grou
         }
     }
     _tile_release();
-    free(bq);
     return 0;
 }
 #endif
@@ -262,7 +277,7 @@ static int qgemm_bf16(int fmt, const float *x, int64_t M, int64_t K, const uint8
     return -1;
 #else
     const int64_t m16 = (M + 15) / 16 * 16;
-    uint16_t *xb = aligned_alloc(64, (size_t)(m16 * K * 2));
+    uint16_t *xb = bf16_scratch(0, (size_t)(m16 * K * 2));
     if (!xb) return -2;
     memset(xb + M * K, 0, (size_t)((m16 - M) * K * 2));
     int failed = 0;
@@ -272,7 +287,6 @@ static int qgemm_bf16(int fmt, const float *x, int64_t M, int64_t K, const uint8
         for (int64_t m = 0; m < M; m++) bf16_rows(x, m, m + 1, K, xb);
         if (bf16_share(fmt, w, nb, groups, xb, M, K, y, ldy, oscale)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
     }
-    free(xb);
     return failed ? -2 : 0;
 #endif
 }
