@@ -143,7 +143,7 @@ def sonnet_texts(tokenizer, min_positions: int, chunk_tokens: int = 512, data_di
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantizations", default="auto,int8", help="compared with fp32, comma-separated")
     p.add_argument("--activations", default=None,
-                   help="comma-separated quant_activations values (int8, int8x2): each quantization once per value "
+                   help="comma-separated quant_activations values (int8, int8x2, bf16): each quantization once per value "
                         "(default: the engine's --quant-activations only)")
     p.add_argument("--texts", default="gsm8k", choices=("gsm8k", "sonnet"), help="the texts scored")
     p.add_argument("--chunk-tokens", type=int, default=512, help="--texts sonnet: tokens per prompt")

@@ -289,7 +289,9 @@ class KernelConfig:
             never a silent substitute). It is chosen once per process (``$KVSERVE_CPU_ISA``, default auto). The
             attention kernel follows: its AVX2 build under ``avx2`` (or on a CPU without AVX-512), else AVX-512.
         quant_activations: how quantized matmuls quantize their inputs: ``"int8"`` (one int8 per value),
-            ``"int8x2"`` (two, 15 bits) or ``"auto"`` (the path's default: docs/quantization.md)
+            ``"int8x2"`` (two, 15 bits), ``"bf16"`` (bfloat16 times weights decoded to bfloat16 on AMX-BF16 tiles:
+            the throughput setting, CPUs with AMX-BF16 only, else a ``ValueError``) or ``"auto"`` (the path's
+            default, ``"int8"``: docs/quantization.md)
             (``$KVSERVE_QUANT_ACTIVATIONS``, default auto).
         fused_layers: run a step's whole layer loop in one C call when every op of it runs in the kernels
             (``$KVSERVE_FUSED_LAYERS``, default on).
