@@ -194,9 +194,20 @@ def choose_path(enabled: bool = True, cpu_isa: str = "auto", activations: str = 
 
 def activations_supported(name: str, activations: str) -> bool:
     """Whether path ``name`` (a key of ``ISAS``) runs ``activations`` on this CPU: ``"bf16"`` only on ``amx_int8``
-    with AMX-BF16 (CPUID leaf 7: EDX bit 22, and AVX512-BF16), the int8 ones on every path."""
+    with AMX-BF16 (CPUID leaf 7: EDX bit 22, and AVX512-BF16) and once its own ``self_check`` passed (a failure there
+    withdraws ``"bf16"`` only, never the path), the int8 ones on every path."""
     lib = load()
-    return lib is not None and bool(lib.kvserve_q_act_supported(ISAS[name], ACTIVATIONS[activations]))
+    if lib is None or not lib.kvserve_q_act_supported(ISAS[name], ACTIVATIONS[activations]):
+        return False
+    return activations != "bf16" or _bf16_checked(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_checked(name: str) -> bool:
+    ok = self_check(name, ("bf16",))
+    if not ok:
+        logger.warning("bf16 activations failed their self-check on %s; quant_activations='bf16' is refused", name)
+    return ok
 
 
 def default_path() -> QuantPath:
@@ -290,10 +301,12 @@ def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray, activations: str = "in
     return xh.reshape(q.shape) @ np.asarray(w_dequant, np.float64).T
 
 
-def self_check(name: str) -> bool:
+def self_check(name: str, activations: tuple = ("int8", "int8x2")) -> bool:
     """Run path ``name`` on small random Q4, Q4F, Q5F, Q8, MX4 (40 x 96), Q6, Q4K, Q2K and Q3K (40 x 256) weights (1/5/13/53 rows: partial output groups, row
-    tiles, and full 16-row AMX tiles with a tail), with both ``ACTIVATIONS``, and compare with ``reference_qgemm``: relative error at most 1e-5 of
-    ``sum |w| |x|`` (float32 rounding of the per-block sums). False if the CPU lacks it or any output is off."""
+    tiles, and full 16-row AMX tiles with a tail), with each of ``activations`` the path runs (the integer ones
+    choose the path; ``"bf16"`` is checked on its own by ``activations_supported``), and compare with ``reference_qgemm``: relative error at most 1e-5 of
+    ``sum |w| |x|`` (float32 rounding of the per-block sums; ``"bf16"``: 2^-7, a weight's neighbouring bfloat16).
+    False if the CPU lacks it or any output is off."""
     if not cpu_supports(name):
         return False
     rng = np.random.default_rng(12345)
@@ -340,8 +353,8 @@ def self_check(name: str) -> bool:
             x = rng.standard_normal((rows, k)).astype(np.float32)
             x[0, :3] = (40.0, -40.0, 0.0)
             scale = np.abs(x).astype(np.float64) @ np.abs(wd.astype(np.float64)).T + 1e-30
-            for act in ACTIVATIONS:
-                if not activations_supported(name, act):
+            for act in activations:
+                if not load().kvserve_q_act_supported(ISAS[name], ACTIVATIONS[act]):
                     continue
                 got = qgemm(torch.from_numpy(x), packed, name, act).numpy().astype(np.float64)
                 act = act if act != "bf16" or packed.fmt in BF16_FORMATS else "int8"  # (the int8 tiles run it)

@@ -112,6 +112,15 @@ def _isa_params():
             for name in qk.ISAS]
 
 
+def _isa_act_params():
+    """Every (path, activations) pair: ``"bf16"`` only on ``amx_int8`` (skipped where the CPU lacks AMX-BF16)."""
+    def runs(name, act):
+        return qk.cpu_supports(name) and (act != "bf16" or qk.activations_supported(name, act))
+    return [pytest.param(name, act, id=f"{name}-{act}",
+                         marks=pytest.mark.skipif(not runs(name, act), reason=f"CPU lacks {name} with {act}"))
+            for name in qk.ISAS for act in qk.ACTIVATIONS if act != "bf16" or name == "amx_int8"]
+
+
 def _packed(fmt: str, n: int, k: int, seed: int = 3) -> P.PackedWeight:
     """Random weights in one of the kernel's formats: ``q4`` (float16 scales and mins: GGUF Q4_0 / Q4_1), ``q4f``
     (float32 ones), ``q4k`` (Q4_K as stored; k a multiple of 256), ``q8`` (float16 scales: Q8_0, "int8"),
@@ -148,8 +157,7 @@ K_OF = {"q6": 512}
 
 
 @_no_qgemm
-@pytest.mark.parametrize("act", list(qk.ACTIVATIONS))
-@pytest.mark.parametrize("isa", _isa_params())
+@pytest.mark.parametrize("isa,act", _isa_act_params())
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_matmul_is_row_wise(fmt, isa, act):
     """80 outputs (5 groups: an uneven split over 2 threads) x K = 320; up to 300 rows cross every threshold of
@@ -166,7 +174,7 @@ def test_quantized_matmul_is_row_wise(fmt, isa, act):
 
 
 @_no_qgemm
-@pytest.mark.parametrize("act", list(qk.ACTIVATIONS))
+@pytest.mark.parametrize("act", ["int8", "int8x2"])  # bf16 has no VNNI counterpart (tests/model/test_bf16_kernels.py)
 @pytest.mark.skipif(not (qk.cpu_supports("amx_int8") and qk.cpu_supports("avx512_vnni")),
                     reason="CPU lacks AMX-INT8 (or the OS did not grant it) or AVX-512 VNNI")
 def test_amx_rows_equal_vnni_rows_at_every_batch_size(act):
@@ -186,8 +194,7 @@ MANY_ROWS = (1, 2, 15, 16, 17, 31, 64, 97, 300)
 
 
 @_no_qgemm
-@pytest.mark.parametrize("act", list(qk.ACTIVATIONS))
-@pytest.mark.parametrize("isa", _isa_params())
+@pytest.mark.parametrize("isa,act", _isa_act_params())
 @pytest.mark.parametrize("fmt", FORMATS + ("q4k",))
 def test_many_rows_in_row_chunks_equal_single_rows(fmt, isa, act):
     """K = 8192: rows of 8 KiB (int8) or 16 KiB (int8x2) of quantized activations, so a call of 300 rows passes over

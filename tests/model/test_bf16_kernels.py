@@ -117,3 +117,19 @@ def test_engine_bf16_greedy_tokens_alone_and_batched():
     int8 = LLM(max_num_seqs=4, num_kv_blocks=64)
     ids8 = [o.outputs[0].token_ids for o in int8.generate(prompts, sp)]
     assert sum(a[:4] == b[:4] for a, b in zip(alone, ids8)) >= 2  # the same model: the first tokens mostly agree
+
+
+@needs_bf16
+def test_a_failed_bf16_self_check_withdraws_bf16_only(monkeypatch):
+    """``"bf16"`` is checked on its own: if its check failed, ``quant_activations="bf16"`` would be refused while
+    the ``amx_int8`` path (chosen by the integer activations' check) stays."""
+    assert kernels._bf16_checked("amx_int8")  # the real check passes on this CPU
+    kernels._bf16_checked.cache_clear()
+    monkeypatch.setattr(kernels, "self_check", lambda name, activations=("int8", "int8x2"): "bf16" not in activations)
+    try:
+        assert not kernels.activations_supported("amx_int8", "bf16")
+        with pytest.raises(ValueError, match="quant_activations='bf16' needs the amx_int8 path"):
+            kernels.choose_path(True, "auto", "bf16")
+        assert kernels.choose_path(True, "auto", "int8") == kernels.QuantPath("amx_int8", "int8")
+    finally:
+        kernels._bf16_checked.cache_clear()

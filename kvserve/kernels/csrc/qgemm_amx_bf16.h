@@ -1,19 +1,19 @@
 /* The bf16 activations of kvserve_qgemm (ACT_BF16, included by qgemm.c): on AMX-BF16 CPUs (Sapphire Rapids and
  * later; Intel SDM vol. 2, TDPBF16PS) the weights are decoded to bfloat16 and multiplied by the activations rounded to
  * bfloat16, the sums kept in float32 inside the tile unit across the whole row: no per-block float epilogue, which is
- * what bounds the int8 tiles (qgemm_amx.h). The weights stay packed in memory; each thread decodes one group (16
- * outputs, all K) at a time into a buffer of nb KiB that the chunk's rows then reuse.
+ * what bounds the int8 tiles (qgemm_amx.h). The weights stay packed in memory; each thread decodes four groups (16
+ * outputs each, all K) at a time into a buffer of 4 nb KiB that up to BF16_CHUNK_ROWS rows then reuse.
  *
  * Every row runs on the tiles, a lone decode row included (a 16-row tile whose other rows are zero padding), so a
  * row's bits never depend on M: TDPBF16PS's rounding inside a tile operation is the hardware's own (it matches no
  * sequential float32 order, so no AVX-512 path could reproduce it), but each output row is computed from its own
- * input row only, in the order of the K blocks, which the loop fixes (checked against 1-row tiles, tests/model/
- * test_quant_kernels.py). Formats: the 4-bit family (Q4, Q4F, Q5F, Q4K: w = d q + m, one FMA) and Q8 (w = d q); a
+ * input row only, in the order of the K blocks, which the loop fixes (checked on Sapphire Rapids against 1-row tiles
+ * and other rows; tests/model/test_bf16_kernels.py checks every row count, tile shape and split). Formats: the 4-bit family (Q4, Q4F, Q5F, Q4K: w = d q + m, one FMA) and Q8 (w = d q); a
  * weight of another format runs its int8 tiles for every M (kvserve_qgemm), so each weight's arithmetic is one.
  *
  * B tile of block b (16 rows x 64 bytes): row r holds, for each of the 16 outputs o, the bfloat16 pair w[o][32b + 2r],
- * w[o][32b + 2r + 1]. A tile: 16 rows x 32 bfloat16 (the rows' block b). C tiles 4..7: four 16-row tiles of one
- * group, all sharing each B tile load.
+ * w[o][32b + 2r + 1]. A tile: 16 rows x 32 bfloat16 (the rows' block b). C tiles 4..7: 2 row tiles x 2 groups
+ * (bf16_tiles_2x2), or 1 x 4 for a few rows (bf16_tiles_1x4).
  */
 
 #define T_AMXB __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,amx-tile,amx-bf16")))
