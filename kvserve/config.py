@@ -301,7 +301,8 @@ class KernelConfig:
     cpu_isa: Optional[str] = _field(None, "instruction set of the quantized matmuls and attention (default: "
                                           "$KVSERVE_CPU_ISA, else auto)",
                                     SUPPORTED_CPU_ISAS)
-    quant_activations: Optional[str] = _field(None, "activation quantization of quantized matmuls (default: "
+    quant_activations: Optional[str] = _field(None, "activation quantization of quantized matmuls; bf16: AMX-BF16 "
+                                                    "CPUs only, faster with many requests, slower for one (default: "
                                                     "$KVSERVE_QUANT_ACTIVATIONS, else auto)",
                                               SUPPORTED_QUANT_ACTIVATIONS)
     fused_layers: Optional[bool] = _field(None, "run a step's layer loop in one C call when it can (default: "

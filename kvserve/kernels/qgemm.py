@@ -287,15 +287,19 @@ def quantize_activations(x: np.ndarray, activations: str = "int8") -> tuple[np.n
     return q.astype(np.int8).reshape(m, k), d.astype(np.float32), s
 
 
+def round_bf16(a: np.ndarray) -> np.ndarray:
+    """``a`` (any float array) rounded to bfloat16, nearest even, as the kernel rounds its ``"bf16"`` operands;
+    returned as float64 of the same shape."""
+    return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).double().numpy()
+
+
 def reference_qgemm(x: np.ndarray, w_dequant: np.ndarray, activations: str = "int8") -> np.ndarray:
     """What the kernel computes, exactly, in float64: ``x`` quantized as ``quantize_activations`` (dequantized
     back), times the dequantized weight ``[N, K]`` transposed -> ``[M, N]``. The kernel differs from it only by
     float32 summation order. ``"bf16"``: ``x`` and the weight rounded to bfloat16 (the kernel also differs by the
     tile unit's rounding, and a weight may round to a neighbouring bfloat16: see ``self_check``)."""
-    if check_activations(activations) == "bf16":  # both operands rounded to bfloat16 (nearest even)
-        def bf16(a):
-            return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).double().numpy()
-        return bf16(x) @ bf16(w_dequant).T
+    if check_activations(activations) == "bf16":
+        return round_bf16(x) @ round_bf16(w_dequant).T
     q, d, _ = quantize_activations(x, activations)
     xh = q.astype(np.float64).reshape(q.shape[0], -1, P.QK) * d.astype(np.float64)[..., None]
     return xh.reshape(q.shape) @ np.asarray(w_dequant, np.float64).T

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvserve.kernels import qgemm as kernels
+from kvserve.layers.quant_linear import QuantLinear
 from kvserve.quant import formats
 from kvserve.quant import pack as P
 from tests.model.test_quant_kernels import _gguf_tensor, _random_packed
@@ -26,10 +27,6 @@ needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="CPU lacks AMX-BF16 (or the
 ROWS = (1, 3, 15, 16, 17, 31, 33, 64, 129)  # one row, tails, the 1x4 and 2x2 shapes, odd tile pairs
 BF16_KINDS = ["q4", "q4f", "q8", "int8", "q5f", "q4k"]  # _random_packed kinds with a bfloat16 decoder
 INT8_KINDS = ["q6", "mx4", "q2k", "q3k"]
-
-
-def _bf16(a: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).double().numpy()
 
 
 @needs_bf16
@@ -46,9 +43,9 @@ def test_bf16_formats_equal_the_rounded_reference(kind, n, k):
         x[0, :3] = (40.0, -40.0, 0.0)
         got = kernels.qgemm(torch.from_numpy(x), packed, "amx_int8", "bf16").numpy().astype(np.float64)
         os = np.ones(n) if packed.oscale is None else packed.oscale.numpy().astype(np.float64)[:n]
-        wb = _bf16(w / os[:, None])  # per-channel int8: the output scale is applied after the sums
-        ref = (_bf16(x) @ wb.T) * os
-        mag = (np.abs(_bf16(x)) @ np.abs(wb).T) * os + 1e-30
+        w_dec = w / os[:, None]  # per-channel int8: the output scale is applied after the sums
+        ref = kernels.reference_qgemm(x, w_dec, "bf16") * os
+        mag = (np.abs(kernels.round_bf16(x)) @ np.abs(kernels.round_bf16(w_dec)).T) * os + 1e-30
         err = np.abs(got - ref) / mag
         assert err.max() <= 2.0 ** -8, (rows, err.max())  # a neighbouring bfloat16 at most, for a few weights
         assert np.median(err) <= 1e-6, (rows, np.median(err))  # the rest: float32 sums
@@ -84,14 +81,16 @@ def test_gguf_layers_report_the_bf16_path(qtype):
 
 
 def test_bf16_where_the_cpu_lacks_it_is_a_value_error(monkeypatch):
-    """A path without AMX-BF16 (``avx2`` always lacks it) refuses ``"bf16"``, naming the field; the kernel itself
-    refuses ``act=2`` on another path (-1)."""
+    """A path without AMX-BF16 (``avx2`` always lacks it) refuses ``"bf16"``, naming the field, in the engine's
+    path choice and in a layer built by hand; the kernel itself refuses ``act=2`` on another path (-1)."""
     if kernels.load() is None or not kernels.cpu_supports("avx2"):
         pytest.skip("no kernel library or no AVX2")
     with pytest.raises(ValueError, match=r"quant_activations='bf16' needs the amx_int8 path on a CPU with AMX-BF16"):
         kernels.choose_path(True, "avx2", "bf16")
     x, y = torch.randn(2, 32), torch.empty(2, 16)
     w = P.pack_q4(np.zeros((16, 32), np.uint8), np.ones((16, 1), np.float16), np.zeros((16, 1), np.float16))
+    with pytest.raises(ValueError, match=r"activations='bf16' needs the amx_int8 path on a CPU with AMX-BF16"):
+        QuantLinear(w, "q4", isa="avx2", activations="bf16")
     assert kernels.load().kvserve_qgemm(w.fmt, kernels.ISAS["avx2"], kernels.ACTIVATIONS["bf16"], x.data_ptr(), 2,
                                         32, w.data.data_ptr(), 16, None, y.data_ptr(), 16) == -1
 

@@ -66,6 +66,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -728,6 +729,14 @@ T_AVX512 static void group_avx512(int fmt, int pair, const uint8_t *wg, int64_t 
     }
 }
 
+/* Inside a parallel region: this thread's contiguous share [g0, g1) of `groups` output groups (a static schedule,
+ * so the same groups go to the same thread on every row chunk and no barrier is needed); empty for spare threads. */
+static void thread_groups(int64_t groups, int64_t *g0, int64_t *g1) {
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num(), per = (groups + nth - 1) / nth;
+    *g0 = tid * per < groups ? tid * per : groups;
+    *g1 = *g0 + per < groups ? *g0 + per : groups;
+}
+
 /* Rows per pass over the weights for rows of xrow activation bytes: a multiple of 16 (the AMX tile) holding about
  * CHUNK_BYTES of activations, so they stay in L2 while every group of the thread's share passes over them (the
  * weights are read once per chunk, the activations once per group, from L2). A row's bits do not depend on its
@@ -857,9 +866,7 @@ int kvserve_q_act_supported(int isa, int act) {
  * scratch memory could not be allocated (nothing written). */
 int kvserve_qgemm(int fmt, int isa, int act, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                   const float *oscale, float *y, int64_t ldy) {
-    if (!block_bytes(fmt) || (act != ACT_INT8 && act != ACT_PAIR && act != ACT_BF16) || K % k_multiple(fmt) ||
-        N % G || M < 0 || ldy < N || !kvserve_q_isa_supported(isa) ||
-        (act == ACT_BF16 && (isa != ISA_AMX_INT8 || !amx_bf16_usable())))
+    if (!block_bytes(fmt) || !kvserve_q_act_supported(isa, act) || K % k_multiple(fmt) || N % G || M < 0 || ldy < N)
         return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t nb = K / QK, groups = N / G;

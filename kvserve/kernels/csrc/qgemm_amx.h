@@ -29,7 +29,6 @@
  * before its first tile instruction of a call and releases the tiles at the end.
  */
 #include <cpuid.h>
-#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -62,14 +61,19 @@ static int amx_probe(void) {
 }
 #endif
 
+/* *cached (-1: not yet probed) or, the first time, probe()'s answer stored there (see amx_usable). */
+static int cached_probe(int *cached, int (*probe)(void)) {
+    int v = __atomic_load_n(cached, __ATOMIC_RELAXED);
+    if (v < 0) __atomic_store_n(cached, v = probe(), __ATOMIC_RELAXED);
+    return v;
+}
+
 static int amx_usable(void) {
 #ifdef KVSERVE_Q_EMULATE_AMX
     return 1;
 #else
     static int cached = -1;
-    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (v < 0) __atomic_store_n(&cached, v = amx_probe(), __ATOMIC_RELAXED);
-    return v;
+    return cached_probe(&cached, amx_probe);
 #endif
 }
 
@@ -349,8 +353,8 @@ T_AMX static void amx_rows(int fmt, int pair, const uint8_t *w, int64_t nb, int6
                            const float *xd, const float *xs, int64_t M, int64_t K, float *y, int64_t ldy,
                            const float *oscale) {
     const int64_t xrow = pair ? 2 * K : K, bb = block_bytes(fmt), mc = rows_per_chunk(xrow);
-    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num(), per = (groups + nth - 1) / nth;
-    const int64_t g0 = tid * per < groups ? tid * per : groups, g1 = g0 + per < groups ? g0 + per : groups;
+    int64_t g0, g1;
+    thread_groups(groups, &g0, &g1);
     if (g0 >= g1) return;
     uint8_t *bq = fmt == FMT_Q8 ? NULL : aligned_alloc(64, (size_t)(nb * (fmt == FMT_Q2K ? 1024 : 512)));
     const int tiles = fmt == FMT_Q8 || bq;

@@ -24,20 +24,21 @@
 #define BF16_CHUNK_ROWS 2048
 
 /* 1 if the CPU has AMX-BF16 (CPUID.(EAX=7, ECX=0):EDX bit 22) and AVX512-BF16 (leaf 7, ECX=1, EAX bit 5) besides
- * AMX-INT8's requirements, else 0. */
+ * AMX-INT8's requirements, else 0; probed once (cached_probe). */
+#ifndef KVSERVE_Q_EMULATE_AMX
+static int amx_bf16_probe(void) {
+    unsigned a, b, c, d, a1 = 0, b1, c1, d1;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) &&
+           __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 & (1u << 5)) && amx_usable();
+}
+#endif
+
 static int amx_bf16_usable(void) {
 #ifdef KVSERVE_Q_EMULATE_AMX
     return 0;
 #else
     static int cached = -1;
-    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (v < 0) {
-        unsigned a, b, c, d, a1 = 0, b1, c1, d1;
-        v = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) &&
-            __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 & (1u << 5)) && amx_usable();
-        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
-    }
-    return v;
+    return cached_probe(&cached, amx_bf16_probe);
 #endif
 }
 
@@ -112,7 +113,7 @@ T_AMXB static void bf16_unpack_group(int fmt, const uint8_t *wg, int64_t nb, uin
         const uint8_t *blk = fmt == FMT_Q4K ? q4k_block(wg, b) : wg + b * bb;
         const int qo = fmt == FMT_Q4K ? 32 : fmt == FMT_Q4 ? 64 : 128;
         __m512 dw, mw;
-        q4_scales_avx512(fmt == FMT_Q5F ? 2 : f32s, blk, fmt == FMT_Q4K ? q4k_super(wg, b) : NULL, &dw, &mw);
+        q4_scales_avx512(f32s, blk, fmt == FMT_Q4K ? q4k_super(wg, b) : NULL, &dw, &mw);
         if (fmt == FMT_Q5F) { /* 5-bit values: the unpacked bytes (q4_unpack_avx512), byte i of a lane at 2^(8i) */
             for (int j = 0; j < 4; j++) {
                 __m512i lo, hi;
@@ -209,7 +210,8 @@ T_AMXB static void bf16_tiles_1x4(const uint16_t *a0, int64_t lda, const uint16_
     _tile_stored(7, cb + 768, 64);
 }
 
-/* Rows [m0, m0 + rows) of a C tile cb (rows <= 16) to y (16 outputs), times oscale when given. */
+/* The first `rows` rows (<= 16) of a stored C tile cb [16, 16] to y [rows, 16] (row stride ldy), times oscale [16]
+ * when given. */
 T_AMXB INLINE void bf16_store(const float *cb, int64_t rows, float *y, int64_t ldy, const float *oscale) {
     const __m512 os = oscale ? _mm512_loadu_ps(oscale) : _mm512_set1_ps(1.0f);
     for (int64_t i = 0; i < rows; i++) {
@@ -218,9 +220,9 @@ T_AMXB INLINE void bf16_store(const float *cb, int64_t rows, float *y, int64_t l
     }
 }
 
-/* Rows [c0, c1) (xb padded with zero rows to a multiple of 16) times ng decoded groups at bq (nb 512 bfloat16 each),
- * the first being group g: y[m, 16 g ..]. ng 4 with at most 16 rows: bf16_tiles_1x4; else pairs of groups x pairs
- * of row tiles. */
+/* Rows [c0, c1) of xb (padded with zero rows to a multiple of 16) times ng (1..4) decoded groups at bq (nb 512
+ * bfloat16 each): y[m, 16 i .. 16 i + 15] for group i, oscale (when given) from the first group's outputs. ng 4 with
+ * at most 16 rows: bf16_tiles_1x4; else pairs of groups x pairs of row tiles. */
 T_AMXB static void bf16_groups_rows(const uint16_t *xb, int64_t c0, int64_t c1, int64_t K, const uint16_t *bq,
                                     int64_t ng, int64_t nb, float *y, int64_t ldy, const float *oscale) {
     _Alignas(64) float cb[4 * 256];
@@ -252,8 +254,8 @@ T_AMXB static void bf16_groups_rows(const uint16_t *xb, int64_t c0, int64_t c1, 
 T_AMXB static int bf16_share(int fmt, const uint8_t *w, int64_t nb, int64_t groups, const uint16_t *xb, int64_t M,
                              int64_t K, float *y, int64_t ldy, const float *oscale) {
     const int64_t bb = block_bytes(fmt), mc = BF16_CHUNK_ROWS;
-    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num(), per = (groups + nth - 1) / nth;
-    const int64_t g0 = tid * per < groups ? tid * per : groups, g1 = g0 + per < groups ? g0 + per : groups;
+    int64_t g0, g1;
+    thread_groups(groups, &g0, &g1);
     if (g0 >= g1) return 0;
     uint16_t *bq = bf16_scratch(1, (size_t)(4 * nb * 1024));
     if (!bq) return 1;

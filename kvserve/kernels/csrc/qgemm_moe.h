@@ -65,15 +65,15 @@ __attribute__((optimize("fp-contract=off"))) static void moe_add_bias(float *y, 
  * With wt and out (down only), out[T, N] = each row's slots weighted by wt [T, topk] in rank order (moe_combine).
  * bias: NULL, or float32 [E, N] contiguous: expert e's bias added to each of its slots (before the combine).
  *
- * fmt / isa / act: as kvserve_qgemm, shared by all experts (ACT_BF16: the experts run their int8 tiles); w[e] the address of expert e's packed [N, K] weight,
+ * fmt / isa / act: as kvserve_qgemm, shared by all experts (ACT_BF16, where the path allows it: the experts run
+ * their int8 tiles); w[e] the address of expert e's packed [N, K] weight,
  * oscale NULL or oscale[e] an address of N floats or 0. ids [T, topk] in [0, E). Returns 0; -1 for bad arguments or
  * an id outside [0, E); -2 when scratch memory could not be allocated. */
 int kvserve_moe_gemm(int fmt, int isa, int act, int down, const float *x, int64_t T, int64_t K, const int64_t *ids,
                      int64_t topk, int64_t E, const int64_t *w, const int64_t *oscale, const float *bias,
                      int64_t N, float *y, int64_t ldy, const float *wt, float *out) {
-    if (!block_bytes(fmt) || (act != ACT_INT8 && act != ACT_PAIR && act != ACT_BF16) || K % k_multiple(fmt) ||
-        N % G || T < 0 || topk < 1 || E < 1 || ldy < N || (out && !down) || (out && !wt) ||
-        !kvserve_q_isa_supported(isa))
+    if (!block_bytes(fmt) || !kvserve_q_act_supported(isa, act) || K % k_multiple(fmt) || N % G || T < 0 ||
+        topk < 1 || E < 1 || ldy < N || (out && !down) || (out && !wt))
         return -1;
     if (act == ACT_BF16) act = ACT_INT8;
     const int64_t P = T * topk;

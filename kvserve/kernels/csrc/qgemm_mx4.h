@@ -122,8 +122,8 @@ DEFINE_GROUP_AVX512(mx4_group_avx512, mx4_avx512_tile, MR5, TILE_SWITCH6)
 T_AMX static int amx_rows_mx4(int pair, const uint8_t *w, int64_t nb, int64_t groups, const int8_t *xq,
                               const float *xd, const float *xs, int64_t M, int64_t K, float *y, int64_t ldy) {
     const int64_t xrow = pair ? 2 * K : K;
-    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num(), per = (groups + nth - 1) / nth;
-    const int64_t g0 = tid * per < groups ? tid * per : groups, g1 = g0 + per < groups ? g0 + per : groups;
+    int64_t g0, g1;
+    thread_groups(groups, &g0, &g1);
     if (g0 >= g1) return 0;
     const int64_t gb = nb * Q8_BLOCK; /* bytes of one expanded group (a multiple of 32) */
     uint8_t *q8 = aligned_alloc(64, (size_t)(((g1 - g0) * gb + 63) / 64 * 64));
