@@ -16,8 +16,9 @@ Measurements (``--measure``, comma-separated; default all):
 - ``decode-8k``: batch-1 decode at ``--context`` tokens of context, one engine per cache type, their decode steps
   interleaved one by one in this process (the machine's drift hits both alike): median step time, tokens/s.
 - ``attention`` (not in the default set): the paged-attention kernel alone at a batch-``--requests`` decode step
-  of the default model's heads, per cache type and ISA build, optionally against ``--baseline-lib``, an older build
-  of the library, call by call with the outputs compared bit for bit (``measure_attention``).
+  of the default model's heads (or one ``--attention-prompt``-token prompt), per cache type and ISA build, the
+  builds alternating call by call (the AMX build's paired ratio to the AVX-512 build's), optionally against
+  ``--baseline-lib``, an older build of the library, with the outputs compared bit for bit (``measure_attention``).
 - ``throughput``: ``--requests`` x ``--prompt-tokens``/``--output-tokens`` (random prompts, greedy, EOS ignored),
   one engine per cache type, steps interleaved: whole-run output tokens/s, the median decode step and its
   attention part (the fused layer loop's clock).
@@ -228,14 +229,15 @@ def measure_throughput(args) -> list[dict]:
 # ------------------------------------------------------------------------------------------ attention kernel
 
 def decode_batch(requests: int, seed: int = 0, lo: int = 129, hi: int = 257, h_q: int = 9, h_kv: int = 3,
-                 d: int = 64, bs: int = 16) -> dict:
+                 d: int = 64, bs: int = 16, prompt: int = 0) -> dict:
     """A decode step's attention inputs as the default model's (9 query heads over 3 KV heads of 64) at batch
     ``requests``: contexts of ``lo .. hi - 1`` keys in scattered blocks, a float32 pool and its bfloat16 and int8
-    copies."""
+    copies. ``prompt`` > 0: instead one request's whole prompt of that many tokens (every row a query)."""
     from kvserve.attention.kv_layout import quantize_int8
 
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi, (requests,), generator=g)
+    lens = torch.tensor([prompt]) if prompt else torch.randint(lo, hi, (requests,), generator=g)
+    requests = len(lens)
     nblk = [-(-int(n) // bs) for n in lens]
     perm = torch.randperm(sum(nblk), generator=g)
     tables = torch.zeros(requests, max(nblk), dtype=torch.int64)
@@ -244,15 +246,17 @@ def decode_batch(requests: int, seed: int = 0, lo: int = 129, hi: int = 257, h_q
         tables[b, :n] = perm[o: o + n]
         o += n
     cache = torch.randn(2, sum(nblk), bs, h_kv, d, generator=g)
-    return {"q": torch.randn(requests, h_q, d, generator=g), "tables": tables, "seq": lens.to(torch.int64),
+    q_len = lens.to(torch.int64) if prompt else torch.ones(requests, dtype=torch.int64)
+    return {"q": torch.randn(int(q_len.sum()), h_q, d, generator=g), "tables": tables, "seq": lens.to(torch.int64),
+            "q_len": q_len, "q_start": torch.cumsum(q_len, 0) - q_len,
             "caches": {"f32": cache, "bf16": cache.to(torch.bfloat16), "i8": quantize_int8(cache)}, "bs": bs}
 
 
 def _attend(lib, x: dict, kind: str, isa: str, out: torch.Tensor) -> None:
     import ctypes
 
-    q, c, t, n = x["q"], x["caches"][kind], x["tables"], x["q"].shape[0]
-    ones, starts = torch.ones(n, dtype=torch.int64), torch.arange(n)  # alive through the call
+    q, c, t, n = x["q"], x["caches"][kind], x["tables"], x["seq"].shape[0]
+    ones, starts = x["q_len"], x["q_start"]
     fn = getattr(lib, f"kvserve_paged_attention_{kind}_{isa}")
     fn.restype = ctypes.c_int
     rc = fn(ctypes.c_void_p(q.data_ptr()), ctypes.c_int64(q.stride(0)), ctypes.c_void_p(c[0].data_ptr()),
@@ -261,16 +265,17 @@ def _attend(lib, x: dict, kind: str, isa: str, out: torch.Tensor) -> None:
             ctypes.c_void_p(x["seq"].data_ptr()), *(ctypes.c_int64(v) for v in (n, q.shape[1], c.shape[3],
                                                                                  q.shape[2], x["bs"])),
             ctypes.c_float(q.shape[2] ** -0.5), ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(out.stride(0)),
-            ctypes.c_int64(0), ctypes.c_float(0.0))
+            ctypes.c_int64(0), ctypes.c_float(0.0), ctypes.c_void_p(None))  # no window, cap or sinks
     assert rc == 0
 
 
 def measure_attention(args) -> list[dict]:
     """The paged-attention kernel alone on a batch-``--requests`` decode step of the default model's heads (one
-    layer), per cache type and ISA build, caches evicted (a 64 MiB write) before every call; with
-    ``--baseline-lib`` (an older build of the library) old and new alternate call by call and their outputs are
-    compared bit for bit. Times: the 10th / 30th / 50th percentile of ``--rounds`` calls (a loaded host's
-    descheduled calls land above them) and the median of the paired new / old ratios."""
+    layer; ``--attention-prompt N``: one request's N-token prompt instead), per cache type and ISA build, caches
+    evicted (a 64 MiB write) before every call, the builds (and with ``--baseline-lib``, an older build of the
+    library, whose outputs are compared bit for bit) alternating call by call. Times: the 10th / 30th / 50th
+    percentile of ``--rounds`` calls (a loaded host's descheduled calls land above them), the median of the paired
+    new / old ratios, and for the AMX build the median of its paired ratios to the AVX-512 build's calls."""
     import ctypes
 
     from kvserve.kernels import cpu as cpu_kernels
@@ -278,23 +283,28 @@ def measure_attention(args) -> list[dict]:
     libs = {"new": cpu_kernels.load()}
     if args.baseline_lib:
         libs["old"] = ctypes.CDLL(args.baseline_lib)
-    x, big, rows = decode_batch(args.requests), torch.zeros(16 * 2**20), []
-    isas = ["avx2"] + (["avx512"] if cpu_kernels.attention_isa() == "avx512" else [])
+    x, big, rows = decode_batch(args.requests, prompt=args.attention_prompt), torch.zeros(16 * 2**20), []
+    isas = cpu_kernels.attention_isas()
     for kind in ("f32", "bf16", "i8"):
+        runs = [(n, isa) for isa in isas for n in libs if hasattr(libs[n], f"kvserve_paged_attention_{kind}_{isa}")]
+        outs = {r: torch.empty_like(x["q"]) for r in runs}
+        times = {r: [] for r in runs}
+        for i in range(args.rounds):
+            for r in (runs if i % 2 else runs[::-1]):
+                big.add_(1.0)
+                t = time.perf_counter()
+                _attend(libs[r[0]], x, kind, r[1], outs[r])
+                times[r].append(time.perf_counter() - t)
         for isa in isas:
-            outs = {n: torch.empty_like(x["q"]) for n in libs}
-            times = {n: [] for n in libs}
-            for i in range(args.rounds):
-                for n in (list(libs) if i % 2 else list(libs)[::-1]):
-                    big.add_(1.0)
-                    t = time.perf_counter()
-                    _attend(libs[n], x, kind, isa, outs[n])
-                    times[n].append(time.perf_counter() - t)
-            q = {n: [statistics.quantiles(v, n=10)[i] * 1e3 for i in (0, 2, 4)] for n, v in times.items()}
-            row = {"kv": kind, "isa": isa, **{f"{n}_ms_p10_p30_p50": [round(v, 3) for v in q[n]] for n in libs}}
-            if "old" in libs:
-                row["same_bits"] = torch.equal(outs["old"].view(torch.int32), outs["new"].view(torch.int32))
-                row["new_over_old"] = statistics.median(a / b for a, b in zip(times["new"], times["old"]))
+            here = [r for r in runs if r[1] == isa]
+            q = {n: [statistics.quantiles(times[(n, isa)], n=10)[i] * 1e3 for i in (0, 2, 4)] for n, _ in here}
+            row = {"kv": kind, "isa": isa, **{f"{n}_ms_p10_p30_p50": [round(v, 3) for v in q[n]] for n in q}}
+            if ("old", isa) in times:
+                row["same_bits"] = torch.equal(outs[("old", isa)].view(torch.int32), outs[("new", isa)].view(torch.int32))
+                row["new_over_old"] = statistics.median(a / b for a, b in zip(times[("new", isa)], times[("old", isa)]))
+            if isa == "amx":
+                row["amx_over_avx512"] = round(statistics.median(
+                    a / b for a, b in zip(times[("new", "amx")], times[("new", "avx512")])), 3)
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -325,6 +335,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=100, help="calls per library and case (attention)")
+    p.add_argument("--attention-prompt", type=int, default=0, help="attention: one request's prompt of this many "
+                   "tokens instead of the batch-``--requests`` decode step")
     p.add_argument("--baseline-lib", default=None, help="an older build of the kernels' library (attention): "
                    "timed against this one, call by call, and its outputs compared bit for bit")
     return p.parse_args(argv)

@@ -62,7 +62,7 @@ def main(argv=None) -> list[str]:
             raise ValueError(f"--{name} must be >= {low}, got {value}")
     if ck.load() is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {ck.unavailable_reason()}")
-    isas = ["avx2"] + (["avx512"] if ck.attention_isa() == "avx512" else [])
+    isas = ck.attention_isas()
     lines = ["| window | " + " | ".join(f"{isa} ms" for isa in isas) + f" | {', '.join(isas)}: context = window, "
              "no window (ms) |", "|---|" + "---|" * (len(isas) + 1)]
     for w in a.windows:

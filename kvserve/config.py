@@ -287,7 +287,9 @@ class KernelConfig:
         cpu_isa: the quantized matmul's instruction-set path: ``"auto"`` (the best this CPU supports that passes
             its self-check) or one of ``amx_int8``, ``avx512_vnni``, ``avx2`` (a path this CPU lacks is an error,
             never a silent substitute). It is chosen once per process (``$KVSERVE_CPU_ISA``, default auto). The
-            attention kernel follows: its AVX2 build under ``avx2`` (or on a CPU without AVX-512), else AVX-512.
+            attention kernel follows: its AVX2 build under ``avx2`` (or on a CPU without AVX-512), its AMX build
+            under ``auto`` or ``amx_int8`` on a CPU with AMX-BF16 (a bfloat16 cache's scores on tiles, from
+            queries rounded to bfloat16), else AVX-512.
         quant_activations: how quantized matmuls quantize their inputs: ``"int8"`` (one int8 per value),
             ``"int8x2"`` (two, 15 bits), ``"bf16"`` (bfloat16 times weights decoded to bfloat16 on AMX-BF16 tiles:
             the throughput setting, CPUs with AMX-BF16 only, else a ``ValueError``) or ``"auto"`` (the path's

@@ -11,7 +11,8 @@ from kvserve.attention.torch_sdpa import TorchSDPABackend
 def select_attention_backend(device: str, dtype: torch.dtype, cpu_kernels_available: bool,
                              cpu_isa: str = "auto") -> AttentionBackend:
     """The backend for this device and dtype, chosen once at start-up: the in-place CPU kernel for float32 on a
-    CPU where it was built (its AVX2 or AVX-512 build: ``cpu_kernels.attention_isa(cpu_isa)``), else gather + SDPA.
+    CPU where it was built (its AVX2, AVX-512 or AMX build: ``cpu_kernels.attention_isa(cpu_isa)``), else gather +
+    SDPA.
     Only the first is batch-invariant (``kvserve.attention.cpu``)."""
     if device == "cpu" and dtype == torch.float32 and cpu_kernels_available:
         from kvserve.attention.cpu import CPUKernelAttentionBackend

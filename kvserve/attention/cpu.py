@@ -48,7 +48,7 @@ class CPUAttentionMetadata(AttentionMetadata):
 class CPUKernelAttentionBackend(TorchSDPABackend):
     """float32 queries on the CPU, over a float32, bfloat16 or int8 KV cache (``kv_cache_dtype``); use when
     ``cpu_kernels.load()`` returned the library (``select_attention_backend``). Models whose head width the
-    kernel's build does not take get the AVX2 build (``D`` a multiple of 8) or the reference backend
+    kernel's build does not take get the next build down (AMX: ``D`` a multiple of 32, AVX-512: 16, AVX2: 8) or the reference backend
     (``for_head_dim``), once; a call the kernel refuses after that is an error, never a silent fallback."""
 
     name = "cpu-kernels"
@@ -61,7 +61,8 @@ class CPUKernelAttentionBackend(TorchSDPABackend):
         self.isa = isa
 
     def for_head_dim(self, head_dim: int):
-        for isa in (self.isa, "avx2"):
+        chain = ("amx", "avx512", "avx2")  # each build runs where the one before it does
+        for isa in chain[chain.index(self.isa):]:
             if head_dim % cpu_kernels.ATTENTION_ISAS[isa] == 0:
                 return self if isa == self.isa else CPUKernelAttentionBackend(isa)
         return TorchSDPABackend()

@@ -42,8 +42,10 @@ KV_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}
 #: Bytes each (token, KV head) row of a cache of this dtype holds after its ``D`` values: an int8 row's bfloat16
 #: scale (``kvserve.attention.kv_layout``; ``KV_EXTRA`` in paged_attention.c). Other dtypes: none.
 KV_SCALE_BYTES = {torch.int8: 2}
-#: The attention kernel's instruction-set builds -> the head widths (``D``) each takes: a multiple of this.
-ATTENTION_ISAS = {"avx2": 8, "avx512": 16}
+#: The attention kernel's instruction-set builds -> the head widths (``D``) each takes: a multiple of this. ``amx``
+#: is the AVX-512 build with a bfloat16 cache's scores on AMX-BF16 tiles (queries rounded to bfloat16; float32 and
+#: int8 caches run the AVX-512 kernel under its names).
+ATTENTION_ISAS = {"avx2": 8, "avx512": 16, "amx": 16}
 
 _lib = None
 _reason: Optional[str] = None
@@ -84,6 +86,7 @@ def load():
                 fused_sw.argtypes, fused_sw.restype = head + [i64, ctypes.c_float], ctypes.c_int
                 fused_sink = getattr(lib, "kvserve_rope_write_attend_sink_" + suffix)
                 fused_sink.argtypes, fused_sink.restype = head + [i64, ctypes.c_float, ptr], ctypes.c_int
+            lib.kvserve_attention_amx_usable.restype = ctypes.c_int
             lib.kvserve_rms_norm_f32.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
             lib.kvserve_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
             lib.kvserve_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
@@ -97,11 +100,22 @@ def load():
 
 def attention_isa(cpu_isa: str = "auto") -> str:
     """The attention kernel's build for ``KernelConfig.cpu_isa``: ``"avx2"`` when forced (``cpu_isa="avx2"``) or
-    when the CPU lacks AVX-512 (PyTorch's ``get_cpu_capability``), else ``"avx512"``. The builds round the softmax
-    sum differently, so a forced ISA gives that ISA's bits on any CPU that runs it."""
+    when the CPU lacks AVX-512 (PyTorch's ``get_cpu_capability``); ``"amx"`` under ``"auto"`` or ``"amx_int8"``
+    where the CPU has AMX-BF16 and Linux grants this process the tiles; else ``"avx512"``. The builds round
+    differently (the softmax sum's lanes; AMX: bfloat16 queries and the tile unit's sums), so a forced ISA gives that
+    ISA's bits on any CPU that runs it."""
     if cpu_isa == "avx2" or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return "avx2"
+    if cpu_isa in ("auto", "amx_int8") and load() is not None and _lib.kvserve_attention_amx_usable():
+        return "amx"
     return "avx512"
+
+
+def attention_isas() -> list[str]:
+    """Every attention build this CPU runs, in ``ATTENTION_ISAS``' order (``avx2`` first; the last is
+    ``attention_isa()``'s choice): for tests and benchmarks that compare them."""
+    chain = list(ATTENTION_ISAS)
+    return chain[:chain.index(attention_isa()) + 1]
 
 
 def attention_fn(kv_dtype: torch.dtype, isa: str, fused: bool = True, windowed: bool = False,

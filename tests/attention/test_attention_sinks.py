@@ -14,7 +14,7 @@ from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.rotary import apply_rotary
 from tests.attention.test_fused_attention import BATCHES, _setup
-from tests.attention.test_paged_attention_kernel import BUILDS, _attend as attend, _pool
+from tests.attention.test_paged_attention_kernel import BUILDS, _attend as attend, _pool, kernel_queries
 from tests.attention.test_sliding_window import _keys, _tables
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=str(cpu_kernels.unavailable_reason()))
@@ -65,7 +65,8 @@ def test_sink_values_against_float64_on_any_thread_count(reqs, h_q, h_kv, d, bs,
         start = 0
         for (ctx, n), table in zip(reqs, tables):
             k, v = _keys(f, table, ctx + n, bs, 0), _keys(f, table, ctx + n, bs, 1)
-            ref = reference(q[start: start + n], k, v, ctx + torch.arange(n), d**-0.5, sinks, window)
+            ref = reference(kernel_queries(q[start: start + n], d, isa, kv_dtype), k, v, ctx + torch.arange(n),
+                            d**-0.5, sinks, window)
             torch.testing.assert_close(one[start: start + n].double(), ref, rtol=1e-4, atol=2e-5,
                                        msg=f"window {window}")
             start += n

@@ -20,7 +20,7 @@ I8 = torch.int8
 
 
 def _isas():
-    return [isa for isa in cpu_kernels.ATTENTION_ISAS if isa == "avx2" or cpu_kernels.attention_isa() == isa]
+    return cpu_kernels.attention_isas()
 
 
 def _rows(n=64, d=64, seed=0):

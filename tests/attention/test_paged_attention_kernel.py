@@ -13,9 +13,18 @@ from tests.conftest import scattered_block_tables
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=str(cpu_kernels.unavailable_reason()))
 
-BUILDS = [pytest.param("avx2", id="avx2"),
-          pytest.param("avx512", id="avx512", marks=pytest.mark.skipif(
-              cpu_kernels.attention_isa() != "avx512", reason="this CPU has no AVX-512"))]
+BUILDS = [pytest.param(isa, id=isa, marks=pytest.mark.skipif(
+    isa not in cpu_kernels.attention_isas(), reason=f"this CPU does not run the {isa} build"))
+    for isa in cpu_kernels.ATTENTION_ISAS]
+
+
+def kernel_queries(q, d, isa, kv_dtype):
+    """The queries the kernel's scores multiply, before the scale: ``q``, except under the AMX build over a bfloat16
+    cache, whose tiles take q * d^-0.5 rounded to bfloat16 (returned divided by the scale again, float64)."""
+    if isa != "amx" or kv_dtype != torch.bfloat16:
+        return q
+    scale = torch.tensor(d**-0.5, dtype=torch.float32)  # the kernel's float32 scale
+    return (q.float() * scale).to(torch.bfloat16).double() / scale.double()
 
 
 def _pool(reqs, h_kv, d, bs, kv_dtype, seed=7):
@@ -72,10 +81,10 @@ def test_causal_attention_values_and_the_same_bits_on_any_thread_count(reqs, h_q
         slots = torch.tensor([table[j // bs] * bs + j % bs for j in range(ctx + n)])
         k, v = (cache[i].reshape(-1, h_kv, d)[slots].float().repeat_interleave(h_q // h_kv, 1).transpose(0, 1)
                 for i in (0, 1))
-        qq = q[start: start + n].transpose(0, 1)  # [H_q, n, D]
+        qq = kernel_queries(q[start: start + n], d, isa, kv_dtype).double().transpose(0, 1)  # [H_q, n, D]
         mask = torch.arange(ctx + n)[None, :] <= (ctx + torch.arange(n))[:, None]
-        ref = ((qq @ k.transpose(1, 2)) * d**-0.5).masked_fill(~mask, float("-inf")).softmax(-1) @ v
-        torch.testing.assert_close(one[start: start + n], ref.transpose(0, 1), rtol=1e-4, atol=1e-5)
+        ref = ((qq @ k.double().transpose(1, 2)) * d**-0.5).masked_fill(~mask, float("-inf")).softmax(-1) @ v.double()
+        torch.testing.assert_close(one[start: start + n].double(), ref.transpose(0, 1), rtol=1e-4, atol=1e-5)
         start += n
 
 
@@ -101,6 +110,27 @@ def test_a_row_gives_the_same_bits_however_it_is_scheduled(h_q, h_kv, d, bs, kv_
     rows = [(1, *others[0]), (0, ctx, n), (2, *others[1]), (3, *others[2])]
     mixed = _attend(torch.cat([q_others[0], q, *q_others[1:]]), cache, tables, rows, isa)
     assert torch.equal(mixed[50: 50 + n], whole)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_the_same_keys_give_the_same_bits_in_any_block_size(isa, kv_dtype):
+    """The same keys and values (positions 0..299 of two requests) in pools of 16-, 32- and 5-token blocks: every
+    row's bits are equal. (The AMX build reads a 16-key tile in place from a block of 16 or 32, and copies it
+    first from blocks of 5: the copy must change nothing.)"""
+    h_q, h_kv, d, reqs = 9, 3, 64, [(250, 50), (299, 1)]
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 2, 300, h_kv, d, generator=g).to(kv_dtype)  # [K/V, request, position, H_kv, D]
+    q = torch.randn(51, h_q, d, generator=g)
+    outs = []
+    for bs in (16, 32, 5):
+        tables = scattered_block_tables(reqs, bs)
+        cache = torch.zeros(2, sum(len(t) for t in tables), bs, h_kv, d, dtype=kv_dtype)
+        for r, table in enumerate(tables):
+            for j in range(300):
+                cache[:, table[j // bs], j % bs] = k[:, r, j]
+        outs.append(_attend(q, cache, tables, [(0, 250, 50), (1, 299, 1)], isa))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("isa", BUILDS)

@@ -13,7 +13,7 @@ from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.rotary import apply_rotary
 from tests.attention.test_fused_attention import BATCHES, _setup
-from tests.attention.test_paged_attention_kernel import BUILDS, _attend as attend, _pool
+from tests.attention.test_paged_attention_kernel import BUILDS, _attend as attend, _pool, kernel_queries
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=str(cpu_kernels.unavailable_reason()))
 
@@ -70,7 +70,8 @@ def test_window_and_softcap_values_against_float64_on_any_thread_count(reqs, h_q
         assert torch.equal(_attend(q, cache, tables, rows, isa, window, cap, threads=2), one)
         start = 0
         for (ctx, n), (k, v) in zip(reqs, kv):
-            ref = reference(q[start: start + n], k, v, ctx + torch.arange(n), d**-0.5, window, cap)
+            ref = reference(kernel_queries(q[start: start + n], d, isa, kv_dtype), k, v, ctx + torch.arange(n),
+                            d**-0.5, window, cap)
             torch.testing.assert_close(one[start: start + n].double(), ref, rtol=1e-4, atol=2e-5,
                                        msg=f"window {window} cap {cap}")
             start += n

@@ -255,9 +255,9 @@ def test_streamed_and_not_over_http(prompt, alone):
         server.stop()
 
 
-#: The greedy ids of QUESTION on the default path, per instruction-set path (the quantized matmul's and the
-#: attention kernel's, with each path's default activations; AMX gives the AVX-512 VNNI path's bits), the same on 1
-#: and 2 threads. Made with this test's engine, alone.
+#: The greedy ids of QUESTION on the default path, per attention build (the quantized matmul's path with its
+#: default activations: AMX-INT8 gives the AVX-512 VNNI path's bits; the AMX attention build rounds the queries to
+#: bfloat16 for its score tiles), the same on 1 and 2 threads. Made with this test's engine, alone.
 EXPECTED = {
     # "The sky looks blue during the day because of the way the Earth reflects sunlight, which is a result of the
     # scattering of" (over the bfloat16 cache "auto" gives quantized weights; the float32 cache gave "... day and red
@@ -268,10 +268,14 @@ EXPECTED = {
     # us to see the" (int8 activations, the default since issue 47; AMX gives the same ids)
     "avx512": [504, 6376, 5117, 4461, 981, 260, 1194, 284, 2382, 418, 21822, 975, 260, 2591, 506, 5264, 9404, 8118, 28,
                3910, 468, 288, 963, 260],
+    # "The sky looks blue during the day because of the way the Earth reflects sunlight, which is composed of a
+    # mixture of different" (cpu_isa "amx_int8" or "auto" on an AMX-BF16 CPU)
+    "amx": [504, 6376, 5117, 4461, 981, 260, 1194, 975, 282, 260, 970, 260, 2591, 9404, 8118, 28, 527, 314, 8168, 282,
+            253, 8196, 282, 896],
 }
 
 
-@pytest.mark.parametrize("cpu_isa", ["avx2", "avx512_vnni"])
+@pytest.mark.parametrize("cpu_isa", ["avx2", "avx512_vnni", "amx_int8"])
 def test_the_exact_greedy_ids_of_each_instruction_set_path(prompt, cpu_isa):
     if not qgemm.cpu_supports(cpu_isa):
         pytest.skip(f"this CPU has no {cpu_isa}")

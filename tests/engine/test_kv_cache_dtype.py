@@ -55,17 +55,19 @@ def test_auto_is_bfloat16_for_quantized_weights_and_the_models_dtype_for_float_o
 
 
 def test_predictions_over_a_bf16_cache_match_the_float32_cache(bf16_llm):
-    """Teacher-forced over the first GSM8K texts (>= 600 positions): the same model's argmax over a bfloat16 cache
+    """Teacher-forced over the first GSM8K texts (>= 2,000 positions): the same model's argmax over a bfloat16 cache
     equals its argmax over a float32 cache at >= 96% of positions, perplexity within 0.5%. On the default int8
     activations a cache's rounding can move an activation across an int8 rounding step, so either cache type moves
-    2.8% of the argmaxes (757 of 779 equal; with ``quant_activations="int8x2"``: 99.9% bfloat16, 98.7% int8)."""
+    about 2.5% of the argmaxes (Sapphire Rapids, 2,221 positions: 97.2% equal and -0.06% perplexity with the AMX
+    attention build's bfloat16 queries, 97.5% and -0.18% with the AVX-512 build's float32 ones; on the first 779
+    positions alone a few near-ties swung the perplexity by +0.16% and +0.52%)."""
     data = default_data_dir()
     if not (data / "gsm8k" / "test.jsonl").exists():
         pytest.skip("needs ../shared/data")
     model = bf16_llm.llm_engine.model
-    texts = gsm8k_texts(bf16_llm.get_tokenizer(), 600, data)
+    texts = gsm8k_texts(bf16_llm.get_tokenizer(), 2000, data)
     r = compare_all(model, {"bf16": model}, texts, kv_cache_dtypes={"bf16": BF16})["bf16"]
-    assert r.positions >= 600
+    assert r.positions >= 2000
     assert r.top1_agreement >= 0.96 and abs(r.ppl_change) <= 0.005
 
 

@@ -10,9 +10,21 @@
  *                 exactly, int8 converted and times s (exact: q * s fits float32);
  *   KV_STORE_ROW(dst, src, h, d)  h rows of d float32 values at src (contiguous) stored as h rows of the cache
  *                 at dst (each d + KV_EXTRA elements).
- * The macros KV_T, FN, KV_EXTRA, KV_SCALE, KV_LOADV and KV_STORE_ROW are undefined at the end, ready for the next
- * type. */
+ *   KV_AMX        1 for the AMX-BF16 build of a bfloat16 cache (qk_amx below: the scores on tiles), else 0.
+ * The macros KV_T, FN, KV_EXTRA, KV_SCALE, KV_LOADV, KV_STORE_ROW and KV_AMX are undefined at the end, ready for the
+ * next type. */
 
+#ifndef KV_AMX
+#define KV_AMX 0
+#endif
+#if KV_AMX
+/* Keys per score tile of the AMX build: one A tile's rows. */
+#define TK 16
+#else
+#define TK KT
+#endif
+
+#if !KV_AMX
 /* kt[k * KT + j] = key j0 + j's element k (k < d, j < KT), the key tile transposed; keys at or past nk are zeros.
  * key j's row is at k_cache + slot[j0 + j]. */
 TGT static void FN(load_kt)(const KV_T *k_cache, const int64_t *slot, int64_t j0, int64_t nk, int64_t d, float *kt) {
@@ -27,6 +39,7 @@ TGT static void FN(load_kt)(const KV_T *k_cache, const int64_t *slot, int64_t j0
         }
     }
 }
+#endif
 
 /* Weighted sums of nr (<= PV_ROWS) rows over columns [c, c + nv W) (nv <= PV_VECS; both compile-time constants
  * where inlined):
@@ -85,6 +98,73 @@ TGT static void FN(pv_tile)(const float *p, int64_t p_stride, int64_t nr, const 
 }
 #undef PV_CASES
 
+#if KV_AMX
+/* The B tiles of the AMX score product: for each group of 16 rows g and each chunk of 32 head elements c (nc =
+ * ceil(d / 32)), bt + (g * nc + c) * 256 holds the 16 x 16 dwords B[kk][n] = the bfloat16 pair (q_n[32c + 2kk],
+ * q_n[32c + 2kk + 1]) of row 16g + n's scaled query rounded to bfloat16 (bf16_round: nearest, ties to even); rows
+ * past R and elements past d are zeros. */
+TGT static void FN(q_tiles)(const float *qs, int64_t R, int64_t d, uint32_t *bt) {
+    const int64_t nc = (d + 31) / 32, ng = (R + 15) / 16;
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t c = 0; c < nc; c++) {
+            uint32_t *b = bt + (g * nc + c) * 256;
+            const int64_t rows = R - 16 * g < 16 ? R - 16 * g : 16;
+            const int64_t pairs = d - 32 * c < 32 ? (d - 32 * c) / 2 : 16; /* d is a multiple of 16 */
+            if (rows < 16 || pairs < 16) memset(b, 0, 1024);
+            for (int64_t n = 0; n < rows; n++) {
+                const float *x = qs + (16 * g + n) * d + 32 * c;
+                for (int64_t kk = 0; kk < pairs; kk++)
+                    b[kk * 16 + n] = (uint32_t)bf16_round(x[2 * kk]) | (uint32_t)bf16_round(x[2 * kk + 1]) << 16;
+            }
+        }
+}
+
+/* Scores of rows [r0, r1) against the 16 keys j0 .. j0 + 15 on AMX-BF16 tiles: C[m][n] = key m . row n, summed in
+ * float32 by TDPBF16PS over the head's chunks of 32 elements in order (tile 0 C, 1 the keys' chunk, 2 the rows'),
+ * then s[r * s_stride + j0 + m] = C[m][r - 16g]. Each C element is computed from its own key row and query row only,
+ * so a row's score of a key never depends on the other keys or rows of the tile (TDPBF16PS's own rounding: Intel
+ * SDM vol. 2; checked in tests/attention/test_paged_attention_kernel.py). The A tile is read from the pool in
+ * place when the 16 keys are consecutive slots of one block and d is a multiple of 32, else from a copy in stage
+ * ([16][ceil(d / 32) 32], zeros past nk and past d). */
+TGT static void FN(qk_amx)(const KV_T *k_cache, const int64_t *slot, int64_t j0, int64_t nk, int64_t row,
+                           int64_t d, int64_t block_size, int64_t base, const uint32_t *bt, int64_t r0, int64_t r1,
+                           uint16_t *stage, float *s, int64_t s_stride) {
+    const int64_t nc = (d + 31) / 32;
+    const KV_T *a = k_cache + slot[j0];
+    int64_t a_stride = row * (int64_t)sizeof(KV_T);
+    const int in_block = block_size % 16 == 0 && (base + j0) % 16 == 0; /* the 16 keys share a block */
+    if (!(d % 32 == 0 && in_block && (j0 + 15 >= nk || slot[j0 + 15] - slot[j0] == 15 * row))) {
+        memset(stage, 0, sizeof(KV_T) * (size_t)(16 * 32 * nc));
+        for (int64_t m = 0; m < 16 && j0 + m < nk; m++)
+            memcpy(stage + m * 32 * nc, k_cache + slot[j0 + m], sizeof(KV_T) * (size_t)d);
+        a = stage, a_stride = 32 * nc * (int64_t)sizeof(KV_T);
+    }
+    float cbuf[256] __attribute__((aligned(64)));
+    for (int64_t g = r0 / 16; g * 16 < r1; g++) {
+        _tile_zero(0);
+        for (int64_t c = 0; c < nc; c++) {
+            _tile_loadd(1, a + 32 * c, a_stride);
+            _tile_loadd(2, bt + (g * nc + c) * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, cbuf, 64);
+        const int64_t n0 = r0 > 16 * g ? r0 - 16 * g : 0, n1 = r1 < 16 * g + 16 ? r1 - 16 * g : 16;
+        if (n1 - n0 <= 4) { /* a few rows (decode): each row's column of C gathered */
+            const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                     14, 15), _mm512_set1_epi32(16));
+            for (int64_t n = n0; n < n1; n++)
+                VSTORE(s + (16 * g + n) * s_stride + j0,
+                       _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32((int)n)), cbuf, 4));
+        } else {
+            V r[W];
+            for (int m = 0; m < W; m++) r[m] = VLOAD(cbuf + m * 16);
+            VTRANSPOSE(r);
+            for (int64_t n = n0; n < n1; n++) VSTORE(s + (16 * g + n) * s_stride + j0, r[n]);
+        }
+    }
+}
+#endif
+
 /* One task: KV head kh of request r, its query tokens i0 .. i1-1 (of n, the first at position first = L - n, so
  * token i sees keys lo_i .. first + i, lo_i = first_key(first + i, window)), all G query heads of kh: rows
  * (i - i0) * G + e. The task's keys are base = lo_i0 .. L1 - 1 with L1 = first + i1 (the keys the last row sees);
@@ -97,9 +177,16 @@ TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_c
                                const int64_t *table, int64_t n, int64_t L, int64_t i0, int64_t i1, int64_t kh,
                                int64_t G, int64_t h_kv, int64_t d, int64_t block_size, float scale, int64_t window,
                                float cap, const float *sinks, float *out, int64_t out_stride) {
-    const int64_t first = L - n, L1 = first + i1, R = (i1 - i0) * G, base = first_key(first + i0, window);
+    const int64_t first = L - n, L1 = first + i1, R = (i1 - i0) * G;
+#if KV_AMX
+    const int64_t base = first_key(first + i0, window) / TK * TK; /* key tiles at multiples of 16 (qk_amx) */
+    const int64_t bt_floats = (R + 15) / 16 * ((d + 31) / 32) * 256; /* q_tiles' dwords */
+#else
+    const int64_t base = first_key(first + i0, window), bt_floats = 0;
+#endif
     const int64_t nk = L1 - base, Lp = (nk + W + KT - 1) / KT * KT;
-    int64_t *slot = malloc(sizeof(int64_t) * (size_t)nk + 64 + sizeof(float) * (size_t)(R * d + d * KT + R * Lp));
+    int64_t *slot = malloc(sizeof(int64_t) * (size_t)nk + 64 +
+                           sizeof(float) * (size_t)(R * d + d * KT + R * Lp + bt_floats));
     if (!slot) return -1;
     float *qs = (float *)(((uintptr_t)(slot + nk) + 63) & ~(uintptr_t)63), *kt = qs + R * d, *s = kt + d * KT;
     const int64_t row = h_kv * (d + KV_EXTRA), row_bytes = (d + KV_EXTRA) * (int64_t)sizeof(KV_T);
@@ -114,21 +201,29 @@ TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_c
             float *dst = qs + ((i - i0) * G + e) * d;
             for (int64_t k = 0; k < d; k++) dst[k] = src[k] * scale;
         }
-    for (int64_t j0 = 0; j0 < nk; j0 += KT) {
+#if KV_AMX
+    uint32_t *bt = (uint32_t *)(s + R * Lp);
+    FN(q_tiles)(qs, R, d, bt);
+#endif
+    for (int64_t j0 = 0; j0 < nk; j0 += TK) {
         /* the rows that see a key of j0 .. j0 + KT - 1 (absolute: + base): tokens from max(i0, first key - first)
          * up to those whose window starts at or before the tile's last key */
         const int64_t ja = base + j0, i_lo = ja - first > i0 ? ja - first : i0;
-        const int64_t i_hi = window > 0 && ja + KT - 1 + window - first < i1 ? ja + KT - 1 + window - first : i1;
+        const int64_t i_hi = window > 0 && ja + TK - 1 + window - first < i1 ? ja + TK - 1 + window - first : i1;
         if (i_hi <= i_lo) continue;
         /* the next tile's keys towards L1 and this tile's values towards L2 (read after the softmax): the rows sit
          * in scattered blocks, where the hardware prefetchers lose the stream at every block edge */
-        for (int64_t j = j0 + KT, e = j0 + 2 * KT < nk ? j0 + 2 * KT : nk; j < e; j++)
+        for (int64_t j = j0 + TK, e = j0 + 2 * TK < nk ? j0 + 2 * TK : nk; j < e; j++)
             prefetch_row(k_cache + slot[j], row_bytes, _MM_HINT_T0);
-        for (int64_t j = j0, e = j0 + KT < nk ? j0 + KT : nk; j < e; j++)
+        for (int64_t j = j0, e = j0 + TK < nk ? j0 + TK : nk; j < e; j++)
             prefetch_row(v_cache + slot[j], row_bytes, _MM_HINT_T1);
-        FN(load_kt)(k_cache, slot, j0, nk - j0 < KT ? nk - j0 : KT, d, kt);
         const int64_t r0 = (i_lo - i0) * G;
+#if KV_AMX
+        FN(qk_amx)(k_cache, slot, j0, nk, row, d, block_size, base, bt, r0, (i_hi - i0) * G, (uint16_t *)kt, s, Lp);
+#else
+        FN(load_kt)(k_cache, slot, j0, nk - j0 < KT ? nk - j0 : KT, d, kt);
         ISA(qk_tile)(qs + r0 * d, (i_hi - i_lo) * G, kt, d, s + r0 * Lp + j0, Lp);
+#endif
     }
     int64_t ll[PV_ROWS], nn[PV_ROWS];
     float *o[PV_ROWS];
@@ -157,6 +252,9 @@ TGT static int FN(attend)(const float *q, int64_t q_stride, const KV_T *k_cache,
                           const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, int64_t h_q, int64_t h_kv,
                           int64_t d, int64_t block_size, float scale, int64_t window, float cap,
                           const float *sinks, float *out, int64_t out_stride) {
+#if KV_AMX
+    if (!kvserve_attention_amx_usable()) return -1; /* also asks Linux for the tiles, once */
+#endif
     const int64_t G = h_q / h_kv;
     int64_t macs = 0, n_tasks = 0, max_len = 1;
     for (int64_t r = 0; r < num_reqs; r++) max_len = seq_len[r] > max_len ? seq_len[r] : max_len;
@@ -177,7 +275,12 @@ TGT static int FN(attend)(const float *q, int64_t q_stride, const KV_T *k_cache,
     task0[0] = 0;
     for (int64_t r = 0; r < num_reqs; r++) task0[r + 1] = task0[r] + (q_len[r] + qb - 1) / qb * h_kv;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed) if (parallel)
+#pragma omp parallel reduction(| : failed) if (parallel)
+    {
+#if KV_AMX
+    amx_attention_configure(); /* each thread's tiles, for all its tasks */
+#endif
+#pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; t++) {
         int64_t r = 0;
         while (task0[r + 1] <= t) r++;
@@ -187,6 +290,10 @@ TGT static int FN(attend)(const float *q, int64_t q_stride, const KV_T *k_cache,
                                   block_tables + r * max_blocks, q_len[r], seq_len[r], i0, i1, local % h_kv, G, h_kv,
                                   d, block_size, scale, window, cap, sinks, out + q_start[r] * out_stride,
                                   out_stride) != 0;
+    }
+#if KV_AMX
+    _tile_release();
+#endif
     }
     free(task0);
     return failed ? -1 : 0;
@@ -264,3 +371,5 @@ int FN(kvserve_rope_write_attend)(float *qkv, int64_t qkv_stride, int64_t T, con
 #undef KV_SCALE
 #undef KV_LOADV
 #undef KV_STORE_ROW
+#undef KV_AMX
+#undef TK
