@@ -91,8 +91,11 @@ class ModelBackends:
         return partial(torch.nn.functional.embedding, weight=table)
 
     def describe(self, layer: LinearMethod, lm_head: LinearMethod) -> str:
-        """One log line: which implementation each kind of op uses (two built linears as examples)."""
-        return (f"quantization {self.quantization}: attention {self.attention.name}, linear {layer.path} "
+        """One log line: which implementation each kind of op uses (two built linears as examples; the attention
+        kernel's build after a slash, e.g. ``cpu-kernels/amx``)."""
+        build = getattr(self.attention, "isa", None)
+        attention = self.attention.name + (f"/{build}" if build else "")
+        return (f"quantization {self.quantization}: attention {attention}, linear {layer.path} "
                 f"(LM head {lm_head.path}), norm/activation {self.ops.name}")
 
 

@@ -206,7 +206,7 @@ TGT static int FN(attend_task)(const float *q, int64_t q_stride, const KV_T *k_c
     FN(q_tiles)(qs, R, d, bt);
 #endif
     for (int64_t j0 = 0; j0 < nk; j0 += TK) {
-        /* the rows that see a key of j0 .. j0 + KT - 1 (absolute: + base): tokens from max(i0, first key - first)
+        /* the rows that see a key of j0 .. j0 + TK - 1 (absolute: + base): tokens from max(i0, first key - first)
          * up to those whose window starts at or before the tile's last key */
         const int64_t ja = base + j0, i_lo = ja - first > i0 ? ja - first : i0;
         const int64_t i_hi = window > 0 && ja + TK - 1 + window - first < i1 ? ja + TK - 1 + window - first : i1;
