@@ -282,6 +282,9 @@ def test_the_exact_greedy_ids_of_each_instruction_set_path(prompt, cpu_isa):
     llm = LLM(num_kv_blocks=64, cpu_isa=cpu_isa)
     key = cpu_kernels.attention_isa(cpu_isa)
     assert llm.llm_engine.model.attn.isa == key
+    engine = llm.llm_engine
+    assert f"attention cpu-kernels/{key}," in engine.backends.describe(engine.model.layers[0]["qkv"],
+                                                                      engine.model.lm_head)  # the start-up log
     ids = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
     assert ids.outputs[0].token_ids == EXPECTED[key]
 
