@@ -48,8 +48,9 @@ class CPUAttentionMetadata(AttentionMetadata):
 class CPUKernelAttentionBackend(TorchSDPABackend):
     """float32 queries on the CPU, over a float32, bfloat16 or int8 KV cache (``kv_cache_dtype``); use when
     ``cpu_kernels.load()`` returned the library (``select_attention_backend``). Models whose head width the
-    kernel's build does not take get the next build down (AMX: ``D`` a multiple of 32, AVX-512: 16, AVX2: 8) or the reference backend
-    (``for_head_dim``), once; a call the kernel refuses after that is an error, never a silent fallback."""
+    kernel's build does not take get the next build down (AMX and AVX-512: ``D`` a multiple of 16, AVX2: 8) or the
+    reference backend (``for_head_dim``), once; a call the kernel refuses after that is an error, never a silent
+    fallback."""
 
     name = "cpu-kernels"
 
