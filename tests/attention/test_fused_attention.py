@@ -125,9 +125,10 @@ def test_a_head_width_the_kernel_cannot_take_gets_the_reference_backend_once():
 def test_the_avx512_build_hands_a_head_width_of_8_times_odd_to_the_avx2_build():
     """The AVX-512 build takes D in multiples of 16; D = 24 gets the AVX2 build (one decision per model), D = 64
     stays; an unknown build name is a clear error."""
-    be = CPUKernelAttentionBackend("avx512")
-    assert be.for_head_dim(64) is be
-    assert be.for_head_dim(24).isa == "avx2" and isinstance(be.for_head_dim(12), TorchSDPABackend)
+    for build in ("avx512", "amx"):  # the AMX build takes the AVX-512 build's widths (D = 16 via a padded copy)
+        be = CPUKernelAttentionBackend(build)
+        assert be.for_head_dim(64) is be and be.for_head_dim(16) is be
+        assert be.for_head_dim(24).isa == "avx2" and isinstance(be.for_head_dim(12), TorchSDPABackend)
     with pytest.raises(ValueError, match="isa must be one of"):
         CPUKernelAttentionBackend("sse2")
 
