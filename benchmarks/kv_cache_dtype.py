@@ -274,8 +274,9 @@ def measure_attention(args) -> list[dict]:
     layer; ``--attention-prompt N``: one request's N-token prompt instead), per cache type and ISA build, caches
     evicted (a 64 MiB write) before every call, the builds (and with ``--baseline-lib``, an older build of the
     library, whose outputs are compared bit for bit) alternating call by call. Times: the 10th / 30th / 50th
-    percentile of ``--rounds`` calls (a loaded host's descheduled calls land above them), the median of the paired
-    new / old ratios, and for the AMX build the median of its paired ratios to the AVX-512 build's calls."""
+    percentile of ``--rounds`` calls (a loaded host's descheduled calls land above them; ``new_ms_...``: this
+    checkout's library, ``old_ms_...``: the baseline's), the median of the paired new / old ratios, and for the AMX
+    build ``amx_over_avx512``, the median of its per-call ratios to the AVX-512 build's calls."""
     import ctypes
 
     from kvserve.kernels import cpu as cpu_kernels
@@ -317,7 +318,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_cache_dtype", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--measure", default="accuracy,layouts,pool,decode-8k,throughput")
+    p.add_argument("--measure", default="accuracy,layouts,pool,decode-8k,throughput",
+                   help="comma-separated, of accuracy, layouts, pool, decode-8k, throughput and attention (not in "
+                        "the default set); each is described above")
     p.add_argument("--model", default=None, help="GGUF for the accuracy measurement (default: the default model)")
     p.add_argument("--random-1b", action="store_true", help="also a random-weight Llama-3.2-1B-shaped Q4_0 GGUF")
     p.add_argument("--skip-default", action="store_true", help="accuracy: not the --model / default model")

@@ -82,14 +82,14 @@ class LLMEngine:
         self.backends = select_backends(mc.device, loaded.weights["model.norm.weight"].dtype, quantization,
                                         config.kernel_config, parallel=tp_group)
         self.model = build_model(loaded, self.backends, mc.max_model_len)
-        logger.info("%s: %s", self.arch.architecture,
-                    self.backends.describe(self.model.layers[0]["qkv"], self.model.lm_head))
         lim = self.limits = derive_limits(  # the model's dtype is mc.dtype (load_model casts)
             config, loaded.arch.max_position_embeddings,
             lambda kv_dtype: self.model.bytes_per_block(config.cache_config.block_size, getattr(torch, kv_dtype)),
             quantized_weights=on_int8_kernels(self.model.layers[0]["qkv"]))
         kv_dtype_name = lim.kv_cache_dtype
         self.kv_cache_dtype = getattr(torch, kv_dtype_name)
+        logger.info("%s: %s", self.arch.architecture,
+                    self.backends.describe(self.model.layers[0]["qkv"], self.model.lm_head, self.kv_cache_dtype))
         self.block_size, self.num_blocks, self.pool_tokens = lim.block_size, lim.num_blocks, lim.pool_tokens
         self.max_model_len, self.max_total_tokens = lim.max_model_len, lim.max_total_tokens
         self.eos_token_ids, self.eos_token_id = loaded.eos_token_ids, loaded.eos_token_id

@@ -13,6 +13,7 @@ import os
 
 import httpx
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.core.block_pool import hash_block
@@ -282,9 +283,11 @@ def test_the_exact_greedy_ids_of_each_instruction_set_path(prompt, cpu_isa):
     llm = LLM(num_kv_blocks=64, cpu_isa=cpu_isa)
     key = cpu_kernels.attention_isa(cpu_isa)
     assert llm.llm_engine.model.attn.isa == key
-    engine = llm.llm_engine
-    assert f"attention cpu-kernels/{key}," in engine.backends.describe(engine.model.layers[0]["qkv"],
-                                                                      engine.model.lm_head)  # the start-up log
+    engine, layer = llm.llm_engine, llm.llm_engine.model.layers[0]["qkv"]
+    describe = engine.backends.describe  # the start-up log line: the code that runs over each cache type
+    assert f"attention cpu-kernels/{key}," in describe(layer, engine.model.lm_head, engine.kv_cache_dtype)
+    assert f"attention cpu-kernels/{'avx512' if key == 'amx' else key}," in describe(layer, engine.model.lm_head,
+                                                                                   torch.int8)
     ids = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
     assert ids.outputs[0].token_ids == EXPECTED[key]
 
