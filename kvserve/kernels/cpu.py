@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 #: The library's sources and the headers they include (``kvserve.kernels.build``).
 _SOURCES = ("gemm_avx2.c", "paged_attention.c", "elementwise.c")
-_HEADERS = ("simd.h", "paged_attention_isa.h", "paged_attention_kv.h")
+_HEADERS = ("simd.h", "paged_attention_isa.h", "paged_attention_kv.h", "amx_probe.h")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: Output features per packed panel (``NR`` in gemm_avx2.c).
 PANEL = 16
@@ -109,6 +109,13 @@ def attention_isa(cpu_isa: str = "auto") -> str:
     if cpu_isa in ("auto", "amx_int8") and load() is not None and _lib.kvserve_attention_amx_usable():
         return "amx"
     return "avx512"
+
+
+def attention_runs(isa: str, kv_dtype: torch.dtype) -> str:
+    """The build whose code runs over a cache of ``kv_dtype`` under build ``isa`` (keys of ``ATTENTION_ISAS``):
+    ``isa`` itself, except ``"avx512"`` for the AMX build over a float32 or int8 cache (its functions for those
+    are the AVX-512 ones, paged_attention.c)."""
+    return "avx512" if isa == "amx" and kv_dtype != torch.bfloat16 else isa
 
 
 def attention_isas() -> list[str]:

@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 #: The library's sources: the matmul, and the whole-layer-loop entry point that calls it
 #: (``kvserve.model.fused_layers``); the header they include; the flags (no ``-m`` ISA flag: see above).
 _SOURCES = ("qgemm.c", "decoder.c")
-_HEADERS = ("qgemm_amx.h", "qgemm_amx_bf16.h", "qgemm_layouts.h", "qgemm_moe.h", "qgemm_mx4.h", "qgemm_q2k.h")
+_HEADERS = ("amx_probe.h", "qgemm_amx.h", "qgemm_amx_bf16.h", "qgemm_layouts.h", "qgemm_moe.h", "qgemm_mx4.h",
+            "qgemm_q2k.h")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 #: Instruction-set paths, best first, with qgemm.c's ids.
 ISAS = {"amx_int8": 3, "avx512_vnni": 2, "avx2": 1}

@@ -96,8 +96,8 @@ class ModelBackends:
         kernel's build after a slash, e.g. ``cpu-kernels/amx``: the code that runs over a cache of
         ``kv_cache_dtype``, so ``avx512`` where the AMX build has no tiles for that cache type)."""
         build = getattr(self.attention, "isa", None)
-        if build == "amx" and kv_cache_dtype is not None and kv_cache_dtype != torch.bfloat16:
-            build = "avx512"  # the AMX build's float32 and int8 functions are the AVX-512 ones
+        if build is not None and kv_cache_dtype is not None:
+            build = cpu_kernels.attention_runs(build, kv_cache_dtype)
         attention = self.attention.name + (f"/{build}" if build else "")
         return (f"quantization {self.quantization}: attention {attention}, linear {layer.path} "
                 f"(LM head {lm_head.path}), norm/activation {self.ops.name}")

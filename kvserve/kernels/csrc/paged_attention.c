@@ -422,20 +422,15 @@ T512 static inline void transpose16(__m512 *r) {
 /* ---- AMX-BF16 (Sapphire Rapids and later): the AVX-512 build, with the scores of a bfloat16 cache computed on
  * tiles (paged_attention_kv.h, qk_amx: a key tile is 16 cache rows read in place, no transpose); float32 and int8
  * caches run the AVX-512 kernel unchanged under this build's names ---- */
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_probe.h"
 
-/* 1 if the CPU has AMX-TILE and AMX-BF16 (CPUID.(EAX=7, ECX=0):EDX bits 24, 22) and Linux grants this process the
- * tile data (arch_prctl(ARCH_REQ_XCOMP_PERM, 18): the kernel's Documentation/arch/x86/xstate.rst), else 0. */
+static int amx_bf16_tiles(void) { return amx_granted(CPUID7_EDX_AMX_TILE | CPUID7_EDX_AMX_BF16); }
+
+/* 1 if the CPU has AMX-TILE and AMX-BF16 and Linux grants this process the tile data (amx_probe.h), else 0; probed
+ * once. The AMX build's kernels call it first (it is also what asks Linux for the tiles). */
 int kvserve_attention_amx_usable(void) {
     static int cached = -1;
-    if (cached >= 0) return cached;
-    unsigned a, b, c, d;
-    unsigned long perm = 0;
-    cached = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) && (d & (1u << 22)) &&
-             !syscall(SYS_arch_prctl, 0x1023, 18) && !syscall(SYS_arch_prctl, 0x1022, &perm) && ((perm >> 18) & 1);
-    return cached;
+    return cached_probe(&cached, amx_bf16_tiles);
 }
 
 #define TAMX __attribute__((target("avx2,fma,avx512f,avx512dq,avx512bw,avx512vl,amx-tile,amx-bf16")))

@@ -24,18 +24,12 @@
  * unpacked once per chunk into a buffer that stays in cache; rows past the last full 16 of a call go through the
  * VNNI tiles. Measured in docs/quantization.md ("The kernel").
  *
- * Linux hands a process the tile registers only on request (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
- * the kernel's Documentation/arch/x86/xstate.rst); amx_usable() asks. Each thread loads the tile configuration
+ * Linux hands a process the tile registers only on request (amx_probe.h); amx_usable() asks. Each thread loads the tile configuration
  * before its first tile instruction of a call and releases the tiles at the end.
  */
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_probe.h"
 
 #define AMX_ROWS 16  /* rows per AMX tile */
-#define ARCH_GET_XCOMP_PERM 0x1022
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 #ifdef KVSERVE_Q_EMULATE_AMX /* tests only: tests/model/qgemm_amx_emu.c supplies the tile operations in C */
 #define T_AMX T_AVX512
@@ -46,27 +40,11 @@
 #define AMX_LOAD_CONFIG(cfg) __asm__ volatile("ldtilecfg %0" ::"m"(cfg))
 #endif
 
-/* 1 if the CPU has AMX-TILE and AMX-INT8 (CPUID.(EAX=7, ECX=0):EDX bits 24, 25) and the kernel grants this process
- * the tile data state, else 0. The grant is process-wide and permanent, so the answer is probed once and cached:
- * every kvserve_qgemm call checks its isa, and CPUID traps to the hypervisor in a VM. The race between two first
- * callers is benign (both store the same value). */
+/* 1 if the CPU has AMX-TILE and AMX-INT8 and the kernel grants this process the tile data state, else 0; probed
+ * once (cached_probe: every kvserve_qgemm call checks its isa). */
 #ifndef KVSERVE_Q_EMULATE_AMX
-static int amx_probe(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return 0;
-    unsigned long perm = 0;
-    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &perm)) return 0;
-    return (perm >> XFEATURE_XTILEDATA) & 1;
-}
+static int amx_probe(void) { return amx_granted(CPUID7_EDX_AMX_TILE | CPUID7_EDX_AMX_INT8); }
 #endif
-
-/* *cached (-1: not yet probed) or, the first time, probe()'s answer stored there (see amx_usable). */
-static int cached_probe(int *cached, int (*probe)(void)) {
-    int v = __atomic_load_n(cached, __ATOMIC_RELAXED);
-    if (v < 0) __atomic_store_n(cached, v = probe(), __ATOMIC_RELAXED);
-    return v;
-}
 
 static int amx_usable(void) {
 #ifdef KVSERVE_Q_EMULATE_AMX

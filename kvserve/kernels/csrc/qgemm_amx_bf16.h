@@ -30,7 +30,7 @@
 #ifndef KVSERVE_Q_EMULATE_AMX
 static int amx_bf16_probe(void) {
     unsigned a, b, c, d, a1 = 0, b1, c1, d1;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) &&
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & CPUID7_EDX_AMX_BF16) &&
            __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 & (1u << 5)) && amx_usable();
 }
 #endif
@@ -228,7 +228,7 @@ T_AMXB INLINE void bf16_store(const float *cb, int64_t rows, float *y, int64_t l
 /* Rows [c0, c1) of xb (padded with zero rows to a multiple of 16) times ng (1..4) decoded groups at bq (nb 512
  * bfloat16 each): y[m, 16 i .. 16 i + 15] for group i, oscale (when given) from the first group's outputs. ng 4 with
  * at most 16 rows: bf16_tiles_1x4; else pairs of groups x pairs of row tiles. */
-T_AMXB static void bf16_groups_rows(const uint16_t *xb, int64_t c0, int64_t c1, int64_t K, const uint16_t *bq,
+T_AMXB static void bf16_groups_rows(const uint16_t *xb, int64_t c0, int64_t c1, const uint16_t *bq,
                                     int64_t ng, int64_t nb, float *y, int64_t ldy, const float *oscale) {
     _Alignas(64) float cb[4 * 256];
     if (ng == 4 && c1 - c0 <= 16) {
@@ -257,7 +257,7 @@ T_AMXB static void bf16_groups_rows(const uint16_t *xb, int64_t c0, int64_t c1, 
  * rows in passes of BF16_CHUNK_ROWS, the four groups decoded once per pass. Returns 1 if this
  * thread could not get its decode buffer (nothing written by it), else 0. */
 T_AMXB static int bf16_share(int fmt, const uint8_t *w, int64_t nb, int64_t groups, const uint16_t *xb, int64_t M,
-                             int64_t K, float *y, int64_t ldy, const float *oscale) {
+                             float *y, int64_t ldy, const float *oscale) {
     const int64_t bb = block_bytes(fmt), mc = BF16_CHUNK_ROWS;
     int64_t g0, g1;
     thread_groups(groups, &g0, &g1);
@@ -270,7 +270,7 @@ T_AMXB static int bf16_share(int fmt, const uint8_t *w, int64_t nb, int64_t grou
         for (int64_t g = g0; g < g1; g += 4) {
             const int64_t ng = g1 - g < 4 ? g1 - g : 4;
             for (int64_t i = 0; i < ng; i++) bf16_unpack_group(fmt, w + (g + i) * nb * bb, nb, bq + i * nb * 512);
-            bf16_groups_rows(xb, c0, c1, K, bq, ng, nb, y + g * G, ldy, oscale ? oscale + g * G : NULL);
+            bf16_groups_rows(xb, c0, c1, bq, ng, nb, y + g * G, ldy, oscale ? oscale + g * G : NULL);
         }
     }
     _tile_release();
@@ -290,14 +290,15 @@ static int qgemm_bf16(int fmt, const float *x, int64_t M, int64_t K, const uint8
     const int64_t m16 = (M + 15) / 16 * 16;
     uint16_t *xb = bf16_scratch(0, (size_t)(m16 * K * 2));
     if (!xb) return -2;
-    for (int64_t m = M; m < m16; m++) /* the last tile's padding rows: zeros */
-        for (int64_t b = 0; b < K / 32; b++) memset(xb + ((m / 16) * (K / 32) + b) * 512 + (m % 16) * 32, 0, 64);
+    if (m16 > M) /* the last tile's padding rows, zeros: one run of (m16 - M) rows in each of its blocks */
+        for (int64_t b = 0; b < nb; b++)
+            memset(xb + ((M / 16) * nb + b) * 512 + (M % 16) * 32, 0, (size_t)((m16 - M) * 64));
     int failed = 0;
 #pragma omp parallel if (M * K * groups * G >= SERIAL_MACS)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) bf16_rows(x, m, m + 1, K, xb);
-        if (bf16_share(fmt, w, nb, groups, xb, M, K, y, ldy, oscale)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        if (bf16_share(fmt, w, nb, groups, xb, M, y, ldy, oscale)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
     }
     return failed ? -2 : 0;
 #endif
