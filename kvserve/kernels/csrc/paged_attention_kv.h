@@ -269,6 +269,10 @@ TGT static int FN(attend)(const float *q, int64_t q_stride, const KV_T *k_cache,
     }
     macs *= h_q * d;
     const int parallel = omp_get_max_threads() > 1 && macs >= PARALLEL_MIN_MACS;
+    /* a thread takes the h_kv tasks of one (request, query block) at a time where there are enough of them
+     * (TASK_GROUPS_PER_THREAD a thread): they read the same blocks (each slot row holds every KV head), so the
+     * lines the first task brings in serve the others from the thread's own caches */
+    const int64_t chunk = n_tasks >= TASK_GROUPS_PER_THREAD * h_kv * omp_get_max_threads() ? h_kv : 1;
     /* task t: (request, query block, KV head), requests in order, each request's blocks from its last (most keys) */
     int64_t *task0 = malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
     if (!task0) return -1;
@@ -280,7 +284,7 @@ TGT static int FN(attend)(const float *q, int64_t q_stride, const KV_T *k_cache,
 #if KV_AMX
     amx_attention_configure(); /* each thread's tiles, for all its tasks */
 #endif
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t t = 0; t < n_tasks; t++) {
         int64_t r = 0;
         while (task0[r + 1] <= t) r++;
