@@ -330,6 +330,27 @@ static inline __m256 load8_i8(const int8_t *p, __m256 s) {
 /* ---- AVX-512 (F, with the others every AVX-512 CPU kvserve runs on has), by function attribute: built everywhere,
  * called only where the caller found the CPU supports it ---- */
 #define T512 __attribute__((target("avx2,fma,avx512f,avx512dq,avx512bw,avx512vl")))
+/* bf16_round of 16 floats, each in the low 16 bits of its 32-bit lane (the same integer arithmetic; NaN: 0x7fc0). */
+T512 static inline __m512i bf16_round16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+/* 32 bfloat16 at p widened exactly: *even = columns 0, 2, .., 30, *odd = 1, 3, .., 31 (one load, one op each). */
+#define load32_bf16_pairs(p, even, odd)                                                                        \
+    do {                                                                                                       \
+        const __m512i u_ = _mm512_loadu_si512((const void *)(p));                                              \
+        (even) = _mm512_castsi512_ps(_mm512_slli_epi32(u_, 16));                                               \
+        (odd) = _mm512_castsi512_ps(_mm512_and_si512(u_, _mm512_set1_epi32((int)0xFFFF0000u)));               \
+    } while (0)
+/* out[0 .. 31] from even (columns 0, 2, ..) and odd (1, 3, ..) in order. */
+#define store32_pairs(out, even, odd)                                                                          \
+    do {                                                                                                       \
+        const __m512i lo_ = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);        \
+        _mm512_storeu_ps((out), _mm512_permutex2var_ps((even), lo_, (odd)));                                   \
+        _mm512_storeu_ps((out) + 16, _mm512_permutex2var_ps((even), _mm512_add_epi32(lo_, _mm512_set1_epi32(8)), (odd))); \
+    } while (0)
 T512 static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -411,6 +432,9 @@ T512 static inline void transpose16(__m512 *r) {
 #define KV_EXTRA 0
 #define KV_SCALE(row, d) ((void)(row), (void)(d), VZERO)
 #define KV_LOADV(p, s) ((void)(s), load16_bf16(p))
+#define KV_PAIRS 1
+#define KV_LOAD_PAIRS load32_bf16_pairs
+#define KV_STORE_PAIRS store32_pairs
 #define KV_STORE_ROW store_rows_bf16
 #include "paged_attention_kv.h"
 
@@ -457,6 +481,9 @@ TAMX static void amx_attention_configure(void) {
 #define KV_EXTRA 0
 #define KV_SCALE(row, d) ((void)(row), (void)(d), VZERO)
 #define KV_LOADV(p, s) ((void)(s), load16_bf16(p))
+#define KV_PAIRS 1
+#define KV_LOAD_PAIRS load32_bf16_pairs
+#define KV_STORE_PAIRS store32_pairs
 #define KV_STORE_ROW store_rows_bf16
 #define KV_AMX 1
 #include "paged_attention_kv.h"

@@ -17,6 +17,9 @@
 #ifndef KV_AMX
 #define KV_AMX 0
 #endif
+#ifndef KV_PAIRS
+#define KV_PAIRS 0
+#endif
 #if KV_AMX
 /* Keys per score tile of the AMX build: one A tile's rows. */
 #define TK 16
@@ -48,25 +51,53 @@ TGT static void FN(load_kt)(const KV_T *k_cache, const int64_t *slot, int64_t j0
  * greatest first key, b = n[0] the least end): each row's keys before a alone, then the keys [a, b) all rows see
  * together (each value vector loaded once for nr rows), then each row's keys from max(a, b) alone; each element's
  * chain is the same either way. */
+#if KV_PAIRS
+/* The nv vectors of columns [c, c + nv W) of the value row v: with nv even, each 2W columns as one load split into
+ * their even and odd columns (KV_LOAD_PAIRS: x[2h] the even, x[2h + 1] the odd columns of the h-th 2W), which
+ * pv_store puts back in order; else KV_LOADV per W columns. Either way each column's value is the same float. */
+#define PV_PAIRED(nv) ((nv) % 2 == 0)
+#else
+#define PV_PAIRED(nv) 0
+#endif
+TGT static inline __attribute__((always_inline)) void FN(pv_load)(const KV_T *v, int64_t c, int nv, V sc, V *x) {
+#if KV_PAIRS
+    if (PV_PAIRED(nv)) {
+        for (int h = 0; h < nv / 2; h++) KV_LOAD_PAIRS(v + c + 2 * h * W, x[2 * h], x[2 * h + 1]);
+        return;
+    }
+#endif
+    for (int u = 0; u < nv; u++) x[u] = KV_LOADV(v + c + u * W, sc);
+}
+
+/* out[c .. c + nv W) from pv_load's vectors. */
+TGT static inline __attribute__((always_inline)) void FN(pv_store)(float *out, int64_t c, int nv, const V *acc) {
+#if KV_PAIRS
+    if (PV_PAIRED(nv)) {
+        for (int h = 0; h < nv / 2; h++) KV_STORE_PAIRS(out + c + 2 * h * W, acc[2 * h], acc[2 * h + 1]);
+        return;
+    }
+#endif
+    for (int u = 0; u < nv; u++) VSTORE(out + c + u * W, acc[u]);
+}
+
 TGT static inline __attribute__((always_inline)) void FN(pv_rows)(const float *p, int64_t p_stride, int nr,
                                                                    const int64_t *lo, const int64_t *n,
                                                                    const KV_T *v_cache, const int64_t *slot,
                                                                    int64_t c, int nv, int64_t d, float **out) {
-    V acc[PV_ROWS][PV_VECS];
+    V acc[PV_ROWS][PV_VECS], x[PV_VECS];
     const int64_t a = lo[nr - 1], b = n[0];
     for (int r = 0; r < nr; r++) {
         for (int u = 0; u < nv; u++) acc[r][u] = VZERO;
         for (int64_t j = lo[r], e = a < n[r] ? a : n[r]; j < e; j++) {
             const KV_T *v = v_cache + slot[j];
-            const V w = VSET1(p[r * p_stride + j]), sc = KV_SCALE(v, d);
-            for (int u = 0; u < nv; u++) acc[r][u] = VFMA(w, KV_LOADV(v + c + u * W, sc), acc[r][u]);
+            const V w = VSET1(p[r * p_stride + j]);
+            FN(pv_load)(v, c, nv, KV_SCALE(v, d), x);
+            for (int u = 0; u < nv; u++) acc[r][u] = VFMA(w, x[u], acc[r][u]);
         }
     }
     for (int64_t j = a; j < b; j++) {
         const KV_T *v = v_cache + slot[j];
-        const V sc = KV_SCALE(v, d);
-        V x[PV_VECS];
-        for (int u = 0; u < nv; u++) x[u] = KV_LOADV(v + c + u * W, sc);
+        FN(pv_load)(v, c, nv, KV_SCALE(v, d), x);
         for (int r = 0; r < nr; r++) {
             const V b = VSET1(p[r * p_stride + j]);
             for (int u = 0; u < nv; u++) acc[r][u] = VFMA(b, x[u], acc[r][u]);
@@ -75,12 +106,13 @@ TGT static inline __attribute__((always_inline)) void FN(pv_rows)(const float *p
     for (int r = 0; r < nr; r++)
         for (int64_t j = a > b ? a : b; j < n[r]; j++) {
             const KV_T *v = v_cache + slot[j];
-            const V b = VSET1(p[r * p_stride + j]), sc = KV_SCALE(v, d);
-            for (int u = 0; u < nv; u++) acc[r][u] = VFMA(b, KV_LOADV(v + c + u * W, sc), acc[r][u]);
+            const V b = VSET1(p[r * p_stride + j]);
+            FN(pv_load)(v, c, nv, KV_SCALE(v, d), x);
+            for (int u = 0; u < nv; u++) acc[r][u] = VFMA(b, x[u], acc[r][u]);
         }
-    for (int r = 0; r < nr; r++)
-        for (int u = 0; u < nv; u++) VSTORE(out[r] + c + u * W, acc[r][u]);
+    for (int r = 0; r < nr; r++) FN(pv_store)(out[r], c, nv, acc[r]);
 }
+#undef PV_PAIRED
 
 /* pv_rows over every column of d (a multiple of W) for nr rows: tiles of PV_VECS vectors, then single vectors. */
 #define PV_CASES(c, nv)                                                              \
@@ -111,10 +143,17 @@ TGT static void FN(q_tiles)(const float *qs, int64_t R, int64_t d, uint32_t *bt)
             const int64_t rows = R - 16 * g < 16 ? R - 16 * g : 16;
             const int64_t pairs = d - 32 * c < 32 ? (d - 32 * c) / 2 : 16; /* d is a multiple of 16 */
             if (rows < 16 || pairs < 16) memset(b, 0, 1024);
-            for (int64_t n = 0; n < rows; n++) {
+            const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                     14, 15), _mm512_set1_epi32(16));
+            const __mmask16 live = (__mmask16)((1u << pairs) - 1);
+            for (int64_t n = 0; n < rows; n++) { /* row n's 2 pairs floats rounded (bf16_round's arithmetic, 16 at a
+                                                  * time), pair kk scattered to b[kk * 16 + n] */
                 const float *x = qs + (16 * g + n) * d + 32 * c;
-                for (int64_t kk = 0; kk < pairs; kk++)
-                    b[kk * 16 + n] = (uint32_t)bf16_round(x[2 * kk]) | (uint32_t)bf16_round(x[2 * kk + 1]) << 16;
+                const __m512i lo = bf16_round16(_mm512_maskz_loadu_ps(pairs >= 8 ? 0xFFFF : (__mmask16)((1u << (2 * pairs)) - 1), x));
+                const __m512i hi = bf16_round16(_mm512_maskz_loadu_ps(pairs > 8 ? (__mmask16)((1u << (2 * pairs - 16)) - 1) : 0, x + 16));
+                const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)),
+                                                     _mm512_cvtepi32_epi16(hi), 1);
+                _mm512_mask_i32scatter_epi32(b + n, live, col, v, 4);
             }
         }
 }
@@ -376,4 +415,7 @@ int FN(kvserve_rope_write_attend)(float *qkv, int64_t qkv_stride, int64_t T, con
 #undef KV_LOADV
 #undef KV_STORE_ROW
 #undef KV_AMX
+#undef KV_PAIRS
+#undef KV_LOAD_PAIRS
+#undef KV_STORE_PAIRS
 #undef TK
