@@ -62,6 +62,9 @@ SHAPES = [
     ([(2000, 2)], 4, 4, 16, 7),  # MHA, the smallest D of the AVX-512 build, a block size not a power of two
     ([(5, 1), (600, 1)], 8, 1, 128, 16),  # MQA; a short request beside a long one
     ([(0, 1000)], 9, 3, 64, 16),  # a 1,000-token prompt in one chunk
+    # 24 decodes at D = 80: the weighted sums' paired 64 columns then 16 alone, a query tile's half-filled chunk, and
+    # enough (request, query block) groups for a thread to take a request's KV heads together
+    ([(40 + 7 * i, 1) for i in range(24)], 6, 2, 80, 16),
 ]
 
 
