@@ -4,12 +4,13 @@
  * bfloat16 cache's scores on AMX-BF16 tiles) chosen by the caller.
  *
  * PagedAttention (Kwon et al., SOSP 2023, section 4.1): each request's keys and values are read in place from the
- * global block pool through its block table, with no gathered copy. The work is split into tasks of (request, KV
- * head, block of about TASK_ROWS query rows: tokens x the G = H_q / H_kv query heads of the KV head, GQA), spread
- * over OpenMP threads. A task walks its keys in tiles of KT: the tile is transposed once ([d][KT], so one vector
- * holds one element of KT / 2 keys) and every row of the task that sees it gets its scores from a register-tiled
- * product (paged_attention_isa.h, qk_rows); then each row's softmax, exact and in float32 over all its keys (no
- * online rescaling), then the weighted sums of the values, a tile of rows and columns at a time (pv_rows).
+ * global block pool through its block table, with no gathered copy. The work is split into tasks of (request, KV head,
+ * block of about TASK_ROWS query rows: tokens x the G = H_q / H_kv query heads of the KV head, GQA), spread over OpenMP
+ * threads (a (request, query block)'s KV heads to one thread together when there are many). A task walks its keys in
+ * tiles of KT: the tile is transposed once ([d][KT], so one vector holds one element of KT / 2 keys) and every row of
+ * the task that sees it gets its scores from a register-tiled product (paged_attention_isa.h, qk_rows); then each row's
+ * softmax, exact and in float32 over all its keys (no online rescaling), then the weighted sums of the values, a tile
+ * of rows and columns at a time (pv_rows).
  *
  * Masks. Causal, optionally with a sliding window (Mistral, Gemma; Beltagy et al. 2020, Longformer): the row at
  * position p sees the keys lo .. p, lo = max(0, p - window + 1) (Hugging Face's sliding_window: p - window < j <= p;
@@ -349,7 +350,8 @@ T512 static inline __m512i bf16_round16(__m512 x) {
     do {                                                                                                       \
         const __m512i lo_ = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);        \
         _mm512_storeu_ps((out), _mm512_permutex2var_ps((even), lo_, (odd)));                                   \
-        _mm512_storeu_ps((out) + 16, _mm512_permutex2var_ps((even), _mm512_add_epi32(lo_, _mm512_set1_epi32(8)), (odd))); \
+        const __m512i hi_ = _mm512_add_epi32(lo_, _mm512_set1_epi32(8));                                      \
+        _mm512_storeu_ps((out) + 16, _mm512_permutex2var_ps((even), hi_, (odd)));                              \
     } while (0)
 T512 static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));

@@ -44,13 +44,6 @@ TGT static void FN(load_kt)(const KV_T *k_cache, const int64_t *slot, int64_t j0
 }
 #endif
 
-/* Weighted sums of nr (<= PV_ROWS) rows over columns [c, c + nv W) (nv <= PV_VECS; both compile-time constants
- * where inlined):
- * out_r[c'] = sum over keys j = lo[r] .. n[r]-1, in order, of p_r[j] * v[j][c'] (one FMA per term, from zero), with
- * p_r = p + r * p_stride, out_r = out[r], v[j] = v_cache + slot[j]. lo and n are ascending (a = lo[nr-1] the
- * greatest first key, b = n[0] the least end): each row's keys before a alone, then the keys [a, b) all rows see
- * together (each value vector loaded once for nr rows), then each row's keys from max(a, b) alone; each element's
- * chain is the same either way. */
 #if KV_PAIRS
 /* The nv vectors of columns [c, c + nv W) of the value row v: with nv even, each 2W columns as one load split into
  * their even and odd columns (KV_LOAD_PAIRS: x[2h] the even, x[2h + 1] the odd columns of the h-th 2W), which
@@ -80,6 +73,13 @@ TGT static inline __attribute__((always_inline)) void FN(pv_store)(float *out, i
     for (int u = 0; u < nv; u++) VSTORE(out + c + u * W, acc[u]);
 }
 
+/* Weighted sums of nr (<= PV_ROWS) rows over columns [c, c + nv W) (nv <= PV_VECS; both compile-time constants
+ * where inlined):
+ * out_r[c'] = sum over keys j = lo[r] .. n[r]-1, in order, of p_r[j] * v[j][c'] (one FMA per term, from zero), with
+ * p_r = p + r * p_stride, out_r = out[r], v[j] = v_cache + slot[j]. lo and n are ascending (a = lo[nr-1] the
+ * greatest first key, b = n[0] the least end): each row's keys before a alone, then the keys [a, b) all rows see
+ * together (each value vector loaded once for nr rows), then each row's keys from max(a, b) alone; each element's
+ * chain is the same either way. */
 TGT static inline __attribute__((always_inline)) void FN(pv_rows)(const float *p, int64_t p_stride, int nr,
                                                                    const int64_t *lo, const int64_t *n,
                                                                    const KV_T *v_cache, const int64_t *slot,
@@ -146,11 +146,14 @@ TGT static void FN(q_tiles)(const float *qs, int64_t R, int64_t d, uint32_t *bt)
             const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                                                      14, 15), _mm512_set1_epi32(16));
             const __mmask16 live = (__mmask16)((1u << pairs) - 1);
-            for (int64_t n = 0; n < rows; n++) { /* row n's 2 pairs floats rounded (bf16_round's arithmetic, 16 at a
-                                                  * time), pair kk scattered to b[kk * 16 + n] */
+            /* the chunk's 2 pairs floats of a row: the first 16 (mask m0) and the rest (m1) */
+            const __mmask16 m0 = pairs >= 8 ? 0xFFFF : (__mmask16)((1u << (2 * pairs)) - 1);
+            const __mmask16 m1 = pairs > 8 ? (__mmask16)((1u << (2 * pairs - 16)) - 1) : 0;
+            for (int64_t n = 0; n < rows; n++) { /* row n's floats rounded (bf16_round's arithmetic, 16 at a time),
+                                                  * its pair kk scattered to b[kk * 16 + n] */
                 const float *x = qs + (16 * g + n) * d + 32 * c;
-                const __m512i lo = bf16_round16(_mm512_maskz_loadu_ps(pairs >= 8 ? 0xFFFF : (__mmask16)((1u << (2 * pairs)) - 1), x));
-                const __m512i hi = bf16_round16(_mm512_maskz_loadu_ps(pairs > 8 ? (__mmask16)((1u << (2 * pairs - 16)) - 1) : 0, x + 16));
+                const __m512i lo = bf16_round16(_mm512_maskz_loadu_ps(m0, x));
+                const __m512i hi = bf16_round16(_mm512_maskz_loadu_ps(m1, x + 16));
                 const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)),
                                                      _mm512_cvtepi32_epi16(hi), 1);
                 _mm512_mask_i32scatter_epi32(b + n, live, col, v, 4);
