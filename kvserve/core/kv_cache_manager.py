@@ -114,7 +114,8 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # request_id -> its block table; None for an entry freed behind a sliding window
+        self.req_to_blocks: dict[str, list[Optional[KVCacheBlock]]] = {}
         # request_id -> the same table as block ids, kept in step with req_to_blocks, so that get_block_ids (once per
         # scheduled request per step) is a list copy instead of a walk over the blocks
         self._block_ids: dict[str, list[int]] = {}

@@ -4,11 +4,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.config import SchedulerConfig
+from kvserve.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
+from kvserve.core.scheduler import Scheduler
 from kvserve.entrypoints.dashboard.snapshot import MetricsHistory, build_snapshot
 from kvserve.metrics import percentile
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
+from tests.core.conftest import EOS, add, fake_run
 
 
 def make_request(rid, tokens, max_tokens=8, prompt=None, priority=0):
@@ -73,6 +76,20 @@ def test_snapshot_of_known_pool(pool):
     assert "block_table" not in w
     assert (snap["num_running"], snap["num_waiting"], snap["truncated"]) == (2, 1, {"running": 0, "waiting": 0})
 
+
+
+def test_tokens_stored_skips_entries_freed_behind_a_sliding_window():
+    """Window 8, blocks of 4: after the first decode of a 20-token prompt, blocks 0-2 went back to the pool and the
+    table shows them as NULL_BLOCK_ID (0, also a real block's id); they hold none of the request's tokens."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=8)
+    sched = Scheduler(SchedulerConfig(), kv, eos_token_ids=[EOS])
+    req = add(sched, "a", 20, 5)
+    for _ in range(3):
+        so = sched.schedule()
+        sched.update_from_output(so, fake_run(so))
+    assert kv.get_block_ids(req)[:3] == [NULL_BLOCK_ID] * 3 and req.num_computed_tokens == 22
+    snap = build_snapshot(kv, [req], [])
+    assert snap["kv"]["tokens_stored"] == kv.stats([req]).tokens_stored == 2 * 4 + 2  # blocks 3, 4 and 2 of 5
 
 def test_lru_order_is_eviction_order(pool):
     kv, running, waiting = pool

@@ -98,6 +98,8 @@ def build_snapshot(
     u, s = ord(USED), ord(SHARED)
     for table in kv_cache_manager.req_to_blocks.values():
         for b in table:
+            if b is None:  # an entry freed behind a sliding window
+                continue
             if b.ref_cnt > 1:
                 state[b.block_id] = s
                 shared[str(b.block_id)] = b.ref_cnt
@@ -137,10 +139,14 @@ def build_snapshot(
     for req in running[:max_requests]:
         d = _request_dict(req, now, show_prompts, spec_acceptance)
         table = kv_cache_manager.get_block_ids(req)
+        # the blocks themselves, not the ids: an entry freed behind a sliding window shows NULL_BLOCK_ID (0), which
+        # is also a real block's id
+        held = kv_cache_manager.req_to_blocks.get(req.request_id, ())
         n_full, rest = divmod(req.num_computed_tokens, bs)
-        full_blocks.update(table[:n_full])
-        if rest and n_full < len(table):
-            partial[table[n_full]] = max(rest, partial.get(table[n_full], 0))
+        full_blocks.update(b.block_id for b in held[:n_full] if b is not None)
+        if rest and n_full < len(held) and held[n_full] is not None:
+            b = held[n_full].block_id
+            partial[b] = max(rest, partial.get(b, 0))
         if len(table) <= table_budget:
             d["block_table"] = table
             table_budget -= len(table)
