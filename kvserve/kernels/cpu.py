@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 #: The library's sources and the headers they include (``kvserve.kernels.build``).
 _SOURCES = ("gemm_avx2.c", "paged_attention.c", "elementwise.c")
-_HEADERS = ("simd.h", "paged_attention_isa.h", "paged_attention_kv.h", "amx_probe.h")
+_HEADERS = ("simd.h", "paged_attention_isa.h", "paged_attention_kv.h", "paged_attention_bf16.h",
+            "amx_probe.h")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: Output features per packed panel (``NR`` in gemm_avx2.c).
 PANEL = 16

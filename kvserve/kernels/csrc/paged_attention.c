@@ -429,16 +429,8 @@ T512 static inline void transpose16(__m512 *r) {
 #define KV_STORE_ROW store_rows_f32
 #include "paged_attention_kv.h"
 
-#define KV_T uint16_t
 #define FN(x) x##_bf16_avx512
-#define KV_EXTRA 0
-#define KV_SCALE(row, d) ((void)(row), (void)(d), VZERO)
-#define KV_LOADV(p, s) ((void)(s), load16_bf16(p))
-#define KV_PAIRS 1
-#define KV_LOAD_PAIRS load32_bf16_pairs
-#define KV_STORE_PAIRS store32_pairs
-#define KV_STORE_ROW store_rows_bf16
-#include "paged_attention_kv.h"
+#include "paged_attention_bf16.h"
 
 #define KV_T int8_t
 #define FN(x) x##_i8_avx512
@@ -463,6 +455,11 @@ int kvserve_attention_amx_usable(void) {
 }
 
 #define TAMX __attribute__((target("avx2,fma,avx512f,avx512dq,avx512bw,avx512vl,amx-tile,amx-bf16")))
+/* The offsets of a 16 x 16 tile's column 0 (row m at 16 m): a row's column n is gathered at these plus n. */
+TAMX static inline __m512i tile_column0(void) {
+    return _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+}
+
 /* Palette 1, tiles 0-2 of 16 rows x 64 bytes (qk_amx's C, key and query tiles). */
 TAMX static void amx_attention_configure(void) {
     struct {
@@ -478,17 +475,9 @@ TAMX static void amx_attention_configure(void) {
 
 #undef TGT
 #define TGT TAMX
-#define KV_T uint16_t
 #define FN(x) x##_bf16_amx
-#define KV_EXTRA 0
-#define KV_SCALE(row, d) ((void)(row), (void)(d), VZERO)
-#define KV_LOADV(p, s) ((void)(s), load16_bf16(p))
-#define KV_PAIRS 1
-#define KV_LOAD_PAIRS load32_bf16_pairs
-#define KV_STORE_PAIRS store32_pairs
-#define KV_STORE_ROW store_rows_bf16
 #define KV_AMX 1
-#include "paged_attention_kv.h"
+#include "paged_attention_bf16.h"
 
 /* The float32 and int8 caches' functions under the AMX build's names: the AVX-512 kernel's. */
 #define AMX_ALIAS(name, type) \

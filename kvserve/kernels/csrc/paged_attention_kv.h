@@ -143,8 +143,7 @@ TGT static void FN(q_tiles)(const float *qs, int64_t R, int64_t d, uint32_t *bt)
             const int64_t rows = R - 16 * g < 16 ? R - 16 * g : 16;
             const int64_t pairs = d - 32 * c < 32 ? (d - 32 * c) / 2 : 16; /* d is a multiple of 16 */
             if (rows < 16 || pairs < 16) memset(b, 0, 1024);
-            const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                                                     14, 15), _mm512_set1_epi32(16));
+            const __m512i col = tile_column0();
             const __mmask16 live = (__mmask16)((1u << pairs) - 1);
             /* the chunk's 2 pairs floats of a row: the first 16 (mask m0) and the rest (m1) */
             const __mmask16 m0 = pairs >= 8 ? 0xFFFF : (__mmask16)((1u << (2 * pairs)) - 1);
@@ -192,8 +191,7 @@ TGT static void FN(qk_amx)(const KV_T *k_cache, const int64_t *slot, int64_t j0,
         _tile_stored(0, cbuf, 64);
         const int64_t n0 = r0 > 16 * g ? r0 - 16 * g : 0, n1 = r1 < 16 * g + 16 ? r1 - 16 * g : 16;
         if (n1 - n0 <= 4) { /* a few rows (decode): each row's column of C gathered */
-            const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                                                     14, 15), _mm512_set1_epi32(16));
+            const __m512i col = tile_column0();
             for (int64_t n = n0; n < n1; n++)
                 VSTORE(s + (16 * g + n) * s_stride + j0,
                        _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32((int)n)), cbuf, 4));
