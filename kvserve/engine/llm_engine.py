@@ -22,12 +22,13 @@ import torch
 from kvserve.config import EngineConfig, derive_limits
 from kvserve.core.kv_cache_manager import KVCacheManager, blocks_needed
 from kvserve.core.scheduler import Scheduler
+from kvserve.engine.harmony_render import chat_format_for
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.stats import EngineStats
 from kvserve.model.backends import on_int8_kernels, select_backends
 from kvserve.model.chat_config import describe_end_tokens, load_chat_template
 from kvserve.model.loader import load_model
-from kvserve.model.registry import build_model
+from kvserve.model.registry import FAMILY_OF, build_model
 from kvserve.request import Request, RequestStatus
 from kvserve.sample import logits_edits
 from kvserve.sample.sampler import Sampler
@@ -94,11 +95,13 @@ class LLMEngine:
         self.max_model_len, self.max_total_tokens = lim.max_model_len, lim.max_total_tokens
         self.eos_token_ids, self.eos_token_id = loaded.eos_token_ids, loaded.eos_token_id
         self.chat_template = load_chat_template(mc.chat_template)  # None: the tokenizer's own
-        logger.info("generation ends on token ids %s unless ignore_eos; chat template: %s",
+        self.chat_format = chat_format_for(FAMILY_OF[self.arch.architecture].chat_format, self.chat_template)
+        logger.info("generation ends on token ids %s unless ignore_eos; chat prompts: %s",
                     describe_end_tokens(self.eos_token_ids, self.tokenizer),
+                    "the harmony format (openai-harmony)" if self.chat_format == "harmony" else
                     "--chat-template" if self.chat_template is not None else
-                    "the model's" if getattr(self.tokenizer, "chat_template", None) else
-                    "none (chat requests are refused; pass --chat-template)")
+                    "the model's chat template" if getattr(self.tokenizer, "chat_template", None) else
+                    "no chat template (chat requests are refused; pass --chat-template)")
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
             self.num_blocks, self.block_size, self.pool_tokens,

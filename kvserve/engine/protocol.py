@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Optional, Protocol, runtime_checkable
 
 from kvserve.engine.chat_render import NoChatTemplateError, chat_template_for, render_chat
 from kvserve.engine.detokenizer import TokenVocab
+from kvserve.engine.harmony_render import render_harmony
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.validation import ParamError, check_text
@@ -43,8 +44,11 @@ class ModelInfo:
         max_model_len: context length in tokens (prompt + output).
         vocab_size: the logits' width; token ids are in ``[0, vocab_size)``.
         eos_token_ids: the tokens that end a request (EOS and the end-of-turn tokens the files declare).
-        has_chat_template: a chat template exists (the model's own or ``--chat-template``).
+        has_chat_template: chat prompts can be rendered (a chat template, the model's own or ``--chat-template``,
+            or the harmony format).
         scheduling_policy: ``fcfs`` or ``priority`` (a request's ``priority`` counts only under the latter).
+        chat_format: ``"template"`` or ``"harmony"`` (``LLMEngine.chat_format``: gpt-oss's prompts rendered by
+            ``kvserve.engine.harmony_render``).
     """
 
     model_path: str
@@ -53,6 +57,7 @@ class ModelInfo:
     eos_token_ids: tuple
     has_chat_template: bool
     scheduling_policy: str
+    chat_format: str = "template"
 
 
 class OutputStream(Protocol):
@@ -234,12 +239,18 @@ class EngineClientBase:
                           add_generation_prompt: bool = True, continue_final_message: bool = False,
                           chat_template_kwargs: Optional[dict] = None) -> str:
         """The chat template's text (``chat_render.render_chat``) for ``conversation`` and OpenAI ``tools``;
-        ``chat_template_kwargs`` go to the template as variables (``enable_thinking``, ...).
+        ``chat_template_kwargs`` go to the template as variables (``enable_thinking``, ...). A harmony model's
+        (``ModelInfo.chat_format``) is ``harmony_render.render_harmony``'s text, those variables its arguments.
 
         Raises:
             NoChatTemplateError: no template at all (the message says how to pass one).
-            ParamError: (field ``messages``) the template rejected the conversation (its ``raise_exception``).
+            ParamError: (field ``messages``) the template rejected the conversation (its ``raise_exception``);
+                harmony's own refusals (``render_harmony``).
         """
+        if self.model_info.chat_format == "harmony":
+            kwargs = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt,
+                          continue_final_message=continue_final_message)
+            return await asyncio.to_thread(render_harmony, conversation, tools, **kwargs)
         template = chat_template_for(self._tokenizer, self.chat_template, tools)
         kwargs = dict(chat_template_kwargs or {})
         kwargs.update(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from kvserve.engine.harmony_render import render_harmony
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.chat_utils import check_tools, conversation_from_messages, render_chat
 from kvserve.sampling_params import SamplingParams
@@ -85,7 +86,8 @@ class LLM:
         an assistant message; valid Unicode. ``tools`` follow the server's ``tools`` (``chat_utils.check_tools``).
 
         The template is ``chat_template`` if given, else the engine's ``chat_template`` argument, else the
-        model's own (``chat_utils.chat_template_for``).
+        model's own (``chat_utils.chat_template_for``); a harmony model (gpt-oss: ``LLMEngine.chat_format``) is
+        rendered by ``openai-harmony`` instead when no template is given (``harmony_render.render_harmony``).
 
         Raises:
             ValueError: a malformed conversation or tool (the message names the field, e.g.
@@ -93,6 +95,8 @@ class LLM:
                 (``chat_utils.NoChatTemplateError``, saying how to pass one).
         """
         messages = conversation_from_messages(conversation)
+        if chat_template is None and self.llm_engine.chat_format == "harmony":
+            return render_harmony(messages, check_tools(tools), add_generation_prompt=add_generation_prompt)
         return render_chat(self.get_tokenizer(), messages, check_tools(tools),
                            chat_template or self.llm_engine.chat_template,
                            add_generation_prompt=add_generation_prompt)

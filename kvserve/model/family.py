@@ -53,6 +53,8 @@ class Family:
             norm, LM head and ``rope_freqs`` that the loader reads into the RoPE scheme (Phi-3's LongRoPE factors).
         gguf_norms_plus_one: the llama.cpp architectures whose converter stores each RMSNorm weight as ``1 + w``
             (Gemma's): ``w`` is restored at load.
+        chat_format: how its conversations become prompts: ``"template"`` (the checkpoint's chat template) or
+            ``"harmony"`` (``kvserve.engine.harmony_render``: OpenAI's ``openai-harmony`` package, gpt-oss's).
     """
 
     model: type
@@ -71,6 +73,7 @@ class Family:
     gguf_keys: dict = field(default_factory=dict)
     gguf_model_tensors: dict = field(default_factory=dict)
     gguf_norms_plus_one: tuple = ()
+    chat_format: str = "template"
 
     def __post_init__(self) -> None:
         unknown = {g: a for g, a in self.gguf_architectures.items() if a not in self.config_fields}

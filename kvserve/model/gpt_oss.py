@@ -131,4 +131,4 @@ FAMILY = Family(GptOssModel, {"GptOssForCausalLM": {
     gguf_layer_names={"gpt-oss": {**GGUF_MOE_NAMES, "attn_sinks": "self_attn.sinks",
                                   "post_attention_norm": "post_attention_layernorm", "ffn_norm": None}},
     experts=Experts(renormalize=False, gguf={"gpt-oss": False}), gguf_window_pattern={"gpt-oss": 2},
-    read_config=read_config)
+    read_config=read_config, chat_format="harmony")

@@ -99,7 +99,7 @@ def test_the_start_up_log_names_the_end_tokens(models, caplog):
     with caplog.at_level("INFO", logger="kvserve.engine.llm_engine"):
         LLM(model=str(models["llama3"].hf_dir), quantization="fp32", num_kv_blocks=8, max_model_len=64)
     assert ("generation ends on token ids 49153 (<|end_of_text|>), 49156 (<|eom_id|>), 49157 (<|eot_id|>) unless "
-            "ignore_eos; chat template: the model's") in caplog.text
+            "ignore_eos; chat prompts: the model's chat template") in caplog.text
 
 
 def test_a_gguf_named_tool_use_template_renders_tools(engines):

@@ -164,8 +164,10 @@ def build_app(llm: EngineClient, served_model_name: str, stat_logger: Optional[P
     state.limits = limits
     state.openai_serving_completion = OpenAIServingCompletion(llm, served_model_name, vocab, limits)
     options = options or ServingOptions()  # the tool-call format resolved once (logged), for every API
+    chat_format = llm.model_info.chat_format
     options = dataclasses.replace(options, tool_call_parser=options.resolve_tool_parser(
-        llm.chat_template_text(tools=[{}])), forced_tool_format=options.tool_call_parser)
+        llm.chat_template_text(tools=[{}]), chat_format), forced_tool_format=options.tool_call_parser,
+        reasoning_parser=options.resolve_reasoning_parser(chat_format))
     state.options = options
     state.openai_serving_chat = OpenAIServingChat(llm, served_model_name, vocab, limits, options)
     state.openai_serving_tokenization = OpenAIServingTokenization(llm, served_model_name, vocab, limits)

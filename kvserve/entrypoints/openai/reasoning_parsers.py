@@ -407,8 +407,8 @@ class HarmonyReasoningParser(ReasoningParser):
     keep them in the text (``skip_special_tokens`` false unless the request sets it). ``markers``: the analysis
     message's opening and its ``<|end|>`` (what a thinking budget forces).
 
-    The ``openai-harmony`` package is not used: it downloads its tokenizer's vocabulary at run time (0.0.8 fails
-    offline); prompts come from the model's own chat template, which renders harmony."""
+    It reads the text, streamed or whole, the same way for every API; the prompts are rendered by ``openai-harmony``
+    (``kvserve.engine.harmony_render``). The server picks this parser for a harmony model when none is named."""
 
     markers = ("<|channel|>analysis<|message|>", "<|end|>")
     special_tokens = True

@@ -279,8 +279,8 @@ class OpenAIServing:
                                               chat_template_kwargs=chat_template_kwargs)
         except NoChatTemplateError as e:
             raise OpenAIError(str(e)) from None
-        except ParamError as e:
-            raise OpenAIError(str(e), param="messages") from None
+        except ParamError as e:  # the template's rejection (messages), harmony's (reasoning_effort, messages[i])
+            raise OpenAIError(str(e), param=e.field) from None
         self.limits.check_prompt_chars(text, "messages")
         try:  # the same tokenization as the offline LLM.chat: the template's text carries its special tokens
             ids = await self.llm.tokenize(text, False)

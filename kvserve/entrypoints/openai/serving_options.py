@@ -72,12 +72,22 @@ class ServingOptions:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"{name} must be a JSON list of strings, got {value!r}")
 
-    def resolve_tool_parser(self, chat_template: Optional[str]) -> Optional[str]:
-        """The tool parser to use: ``tool_call_parser``, else the one ``chat_template`` implies (logged), else
-        ``None`` (then "auto" is refused, naming ``--tool-call-parser``)."""
+    def resolve_reasoning_parser(self, chat_format: str = "template") -> Optional[str]:
+        """The reasoning parser to use: ``reasoning_parser``, else ``openai_gptoss`` for a harmony model (its
+        ``analysis`` channel is always there; logged), else ``None``."""
+        if self.reasoning_parser is None and chat_format == "harmony":
+            logger.info("reasoning parser: openai_gptoss (the harmony format renders the prompts)")
+            return "openai_gptoss"
+        return self.reasoning_parser
+
+    def resolve_tool_parser(self, chat_template: Optional[str], chat_format: str = "template") -> Optional[str]:
+        """The tool parser to use: ``tool_call_parser``, else ``openai`` for a harmony model (``chat_format``), else
+        the one ``chat_template`` implies (logged), else ``None`` (then "auto" is refused, naming
+        ``--tool-call-parser``)."""
         if self.tool_call_parser is not None:
             return self.tool_call_parser
-        name, why = parser_for_template(chat_template)
+        name, why = (("openai", "the harmony format renders the prompts") if chat_format == "harmony" else
+                     parser_for_template(chat_template))
         if self.enable_auto_tool_choice:
             logger.info("tool-call parser: %s (%s)", name or "none", why + ("" if name else "; pass "
                                                                            "--tool-call-parser"))

@@ -107,9 +107,10 @@ class RayEngineClient(EngineClientBase):
         tokenizer = info["tokenizer"]
         model_info = ModelInfo(model_path=info["model_path"], max_model_len=info["max_model_len"],
                                vocab_size=info["vocab_size"], eos_token_ids=tuple(info["eos_token_ids"]),
-                               has_chat_template=bool(info["chat_template"]
+                               has_chat_template=bool(info["chat_template"] or info["chat_format"] == "harmony"
                                                       or getattr(tokenizer, "chat_template", None)),
-                               scheduling_policy=config.scheduler_config.scheduling_policy)
+                               scheduling_policy=config.scheduler_config.scheduling_policy,
+                               chat_format=info["chat_format"])
         grammar = GrammarBackend(tokenizer, model_info.vocab_size, model_info.eos_token_ids)
         super().__init__(tokenizer, model_info, info["chat_template"], grammar)
         self.handle = handle

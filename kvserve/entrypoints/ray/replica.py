@@ -50,14 +50,14 @@ class KVServeReplica:
 
     async def info(self, replica: Optional[str] = None) -> dict:
         """``replica_id``, ``max_model_len``, ``num_blocks``, ``block_size``, ``pid``, and the model's ``tokenizer``,
-        ``vocab_size``, ``eos_token_ids``, ``chat_template`` (``--chat-template`` or ``None``) and ``model_path``
-        (what the ingress's ``RayEngineClient`` needs to tokenize and validate, without loading the weights)."""
+        ``vocab_size``, ``eos_token_ids``, ``chat_template`` (``--chat-template`` or ``None``), ``chat_format`` and
+        ``model_path`` (what the ingress's ``RayEngineClient`` needs to tokenize and validate, without loading the weights)."""
         await self.llm.start()
         e = self.llm.engine
         return {"replica_id": self.replica_id, "max_model_len": e.max_model_len, "num_blocks": e.num_blocks,
                 "block_size": e.block_size, "pid": os.getpid(), "tokenizer": e.tokenizer,
                 "vocab_size": e.arch.vocab_size, "eos_token_ids": list(e.eos_token_ids),
-                "chat_template": e.chat_template, "model_path": str(e.model_path)}
+                "chat_template": e.chat_template, "chat_format": e.chat_format, "model_path": str(e.model_path)}
 
     async def metrics(self, replica: Optional[str] = None) -> bytes:
         """This replica's Prometheus text (``PrometheusStatLogger.exposition``)."""
