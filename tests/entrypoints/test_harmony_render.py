@@ -84,7 +84,34 @@ def test_tools_calls_and_results_in_the_harmony_format():
                     "<|start|>assistant")
 
 
+def test_reasoning_sent_back_is_an_analysis_message_until_a_final_answer_follows_it():
+    """An assistant's ``reasoning_content`` (chat_utils: also ``reasoning``) goes before its tool call as an
+    ``analysis`` message; once a final answer followed, harmony leaves that turn's analysis out."""
+    calling = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "reasoning_content": "Need the tool.",
+                "tool_calls": [call("a", "get_time", {})]},
+               {"role": "tool", "content": "12:00", "tool_call_id": "a"}]
+    text = hr.render_harmony(calling, WEATHER, conversation_start_date=DATE)
+    assert ("<|start|>user<|message|>Weather?<|end|><|start|>assistant<|channel|>analysis<|message|>Need the tool."
+            "<|end|><|start|>assistant to=functions.get_time<|channel|>commentary <|constrain|>json<|message|>{}"
+            "<|call|>") in text
+    answered = calling + [{"role": "assistant", "content": "Noon."}, {"role": "user", "content": "Thanks"}]
+    text = hr.render_harmony(answered, WEATHER, conversation_start_date=DATE)
+    assert "Need the tool." not in text and "<|channel|>final<|message|>Noon.<|end|>" in text
+
+
+def test_a_user_vocabulary_folder_that_does_not_hold_it_is_named_in_the_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path))
+    hr.harmony_encoding.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=f"TIKTOKEN_ENCODINGS_BASE={tmp_path} .*unset TIKTOKEN_ENCODINGS_BASE"):
+            hr.harmony_encoding()
+    finally:
+        hr.harmony_encoding.cache_clear()
+
+
 @pytest.mark.parametrize("conv, kw, field", [
+    ([{"role": "user", "content": "Hi"}], {"model_identity": 5}, "chat_template_kwargs.model_identity"),
     ([{"role": "user", "content": "Hi"}], {"reasoning_effort": "none"}, "reasoning_effort"),
     ([{"role": "user", "content": "Hi"}, {"role": "tool", "content": "x"}], {}, "messages[1]"),
     ([{"role": "user", "content": "Hi"}], {"continue_final_message": True}, "messages"),
@@ -165,6 +192,7 @@ def test_llm_chat_renders_a_gpt_oss_conversation_with_harmony(gpt_oss_dir, token
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
     assert llm.llm_engine.chat_format == "harmony"
     assert llm.apply_chat_template(msgs, tools=WEATHER) == hr.render_harmony(msgs, WEATHER)
+    assert "Reasoning: high" in llm.apply_chat_template(msgs, chat_template_kwargs={"reasoning_effort": "high"})
     assert llm.apply_chat_template(msgs, chat_template=tokenizer.chat_template) == tokenizer.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=True)
     out = llm.chat(msgs)[0]
@@ -207,5 +235,24 @@ def test_a_gpt_oss_server_renders_harmony_and_reads_its_channels_with_no_flags(g
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model=s.llm_model_name, messages=msgs, max_tokens=4, reasoning_effort="none")
         assert e.value.body["param"] == "reasoning_effort"
+        with pytest.raises(openai.BadRequestError) as e:  # the Responses API names its own field
+            c.responses.create(model=s.llm_model_name, input="Hi", reasoning={"effort": "minimal"},
+                               max_output_tokens=4)
+        assert e.value.body["param"] == "reasoning.effort" and e.value.body["message"].startswith("reasoning.effort")
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=s.llm_model_name, messages=msgs, max_tokens=4,
+                                      extra_body={"chat_template_kwargs": {"model_identity": 5}})
+        assert e.value.body["param"] == "chat_template_kwargs.model_identity"
+        # the reasoning of a tool-calling turn sent back (vLLM's newer field name): harmony's analysis message
+        history = msgs + [{"role": "assistant", "content": None, "reasoning": "Need weather.", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "20 C"}]
+        r = httpx.post(s.url + "/tokenize", json={"messages": history, "tools": WEATHER}, timeout=60)
+        conv = [msgs[0], {"role": "assistant", "content": "", "reasoning_content": "Need weather.",
+                          "tool_calls": [call("a", "get_weather", {"city": "Paris"})]},
+                {"role": "tool", "content": "20 C", "tool_call_id": "a"}]
+        assert r.json()["tokens"] == tokenizer.encode(hr.render_harmony(conv, WEATHER), add_special_tokens=False)
+        r = httpx.post(s.url + "/tokenize", json={"messages": [{"role": "user", "content": "x", "reasoning": "y"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].reasoning"
     finally:
         s.stop()

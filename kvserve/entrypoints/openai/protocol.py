@@ -215,6 +215,9 @@ class ChatMessage(_Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCallIn]] = Field(None, description="an assistant message's tool calls")
     tool_call_id: Optional[str] = Field(None, description="a tool message: the call it answers")
+    reasoning_content: Optional[str] = Field(None, description="an assistant message's reasoning, sent back (a "
+                                                               "template that reads it, harmony's analysis)")
+    reasoning: Optional[str] = Field(None, description="the newer name of reasoning_content")
 
 
 class ChatCompletionRequest(_SamplingRequest):
