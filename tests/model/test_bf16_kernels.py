@@ -69,6 +69,21 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(kind):
 
 
 @needs_bf16
+@pytest.mark.parametrize("kind", BF16_KINDS)
+def test_rows_whose_activations_outgrow_l2_give_the_same_bits(kind):
+    """Past 1 MiB of bfloat16 activations (``BF16_DECODED_BYTES``) a thread decodes up to 1 MiB of groups at once and
+    runs each pair of row tiles over all of them: every row's bits are still its own, alone or in a few rows."""
+    rng = np.random.default_rng(5)
+    k = 2048  # 300 rows: 1.2 MiB of activations; 64 KiB a decoded group, so sets of 16 groups
+    packed, _ = _random_packed(kind, 16 * 21 + 8, k, rng)  # 21.5 groups: a full set, a part set and a half group
+    x = torch.from_numpy(rng.standard_normal((300, k)).astype(np.float32))
+    whole = kernels.qgemm(x, packed, "amx_int8", "bf16")
+    assert torch.equal(kernels.qgemm(x[:40], packed, "amx_int8", "bf16"), whole[:40])
+    for i in (0, 17, 150, 299):
+        assert torch.equal(kernels.qgemm(x[i:i + 1], packed, "amx_int8", "bf16"), whole[i:i + 1]), i
+
+
+@needs_bf16
 @pytest.mark.parametrize("qtype", [formats.Q4_0, formats.Q4_1, formats.Q8_0, formats.Q4_K, formats.Q5_K])
 def test_gguf_layers_report_the_bf16_path(qtype):
     from kvserve.layers.quant_linear import make_linear_method

@@ -24,6 +24,11 @@
  * shapes, 512 rows, 1 thread: 8192-wide down projection 0.92 ns per row, block and group at 512 rows a pass against
  * 2.44 at the int8 tiles' 1 MiB chunks, which are 96 rows there). */
 #define BF16_CHUNK_ROWS 2048
+/* Decoded groups a thread keeps at once (see bf16_share): with a pair of row tiles' activations beside them (128 KiB
+ * at K = 2048, 512 KiB at K = 8192) they stay within a 2 MiB L2. */
+#ifndef BF16_DECODED_BYTES
+#define BF16_DECODED_BYTES (1 << 20)
+#endif
 
 /* 1 if the CPU has AMX-BF16 (CPUID.(EAX=7, ECX=0):EDX bit 22) and AVX512-BF16 (leaf 7, ECX=1, EAX bit 5) besides
  * AMX-INT8's requirements, else 0; probed once (cached_probe). */
@@ -253,24 +258,34 @@ T_AMXB static void bf16_groups_rows(const uint16_t *xb, int64_t c0, int64_t c1, 
     }
 }
 
-/* Inside kvserve_qgemm's parallel region, every thread: its static share of the groups, four at a time, over the
- * rows in passes of BF16_CHUNK_ROWS, the four groups decoded once per pass. Returns 1 if this
- * thread could not get its decode buffer (nothing written by it), else 0. */
+/* Inside kvserve_qgemm's parallel region, every thread: its static share of the groups, over the rows in passes of
+ * BF16_CHUNK_ROWS. A pass decodes up to BF16_DECODED_BYTES of groups at once (at least four), then each pair of
+ * 16-row tiles runs over all of them while its A tiles stay in the core's caches: the activations stream from
+ * memory once per decoded set, not once per pair of groups. Returns 1 if this thread could not get its decode
+ * buffer (nothing written by it), else 0. */
 T_AMXB static int bf16_share(int fmt, const uint8_t *w, int64_t nb, int64_t groups, const uint16_t *xb, int64_t M,
                              float *y, int64_t ldy, const float *oscale) {
     const int64_t bb = block_bytes(fmt), mc = BF16_CHUNK_ROWS;
     int64_t g0, g1;
     thread_groups(groups, &g0, &g1);
     if (g0 >= g1) return 0;
-    uint16_t *bq = bf16_scratch(1, (size_t)(4 * nb * 1024));
+    int64_t dg = (M < mc ? M : mc) * nb * 64 > BF16_DECODED_BYTES ? BF16_DECODED_BYTES / (nb * 1024) / 4 * 4 : 4;
+    if (dg < 4) dg = 4;
+    uint16_t *bq = bf16_scratch(1, (size_t)(dg * nb * 1024));
     if (!bq) return 1;
     bf16_configure();
     for (int64_t c0 = 0; c0 < M; c0 += mc) {
         const int64_t c1 = M - c0 < mc ? M : c0 + mc;
-        for (int64_t g = g0; g < g1; g += 4) {
-            const int64_t ng = g1 - g < 4 ? g1 - g : 4;
-            for (int64_t i = 0; i < ng; i++) bf16_unpack_group(fmt, w + (g + i) * nb * bb, nb, bq + i * nb * 512);
-            bf16_groups_rows(xb, c0, c1, bq, ng, nb, y + g * G, ldy, oscale ? oscale + g * G : NULL);
+        for (int64_t g = g0; g < g1; g += dg) {
+            const int64_t nd = g1 - g < dg ? g1 - g : dg;
+            for (int64_t i = 0; i < nd; i++) bf16_unpack_group(fmt, w + (g + i) * nb * bb, nb, bq + i * nb * 512);
+            const int64_t step = c1 - c0 <= 16 ? 16 : 32; /* a few rows: bf16_groups_rows' 1 x 4 tiles */
+            for (int64_t m0 = c0; m0 < c1; m0 += step) {
+                const int64_t m1 = c1 - m0 < step ? c1 : m0 + step;
+                for (int64_t i = 0; i < nd; i += 4)
+                    bf16_groups_rows(xb, m0, m1, bq + i * nb * 512, nd - i < 4 ? nd - i : 4, nb, y + (g + i) * G, ldy,
+                                     oscale ? oscale + (g + i) * G : NULL);
+            }
         }
     }
     _tile_release();
