@@ -104,7 +104,8 @@ def main(argv=None) -> int:
         base.kvserve_qgemm.argtypes = [cint, cint, cint, ptr, i64, i64, ptr, i64, ptr, ptr, i64]
         base.kvserve_qgemm.restype = cint
         rng = np.random.default_rng(0)
-        print(f"| kind | shape | rows | this ms | {args.baseline} ms | this / {args.baseline} (paired median) | same bits |")
+        base_name = args.baseline
+        print(f"| kind | shape | rows | this ms | {base_name} ms | this / {base_name} (paired median) | same bits |")
         print("|---|---|---:|---:|---:|---:|---|")
         for kind in args.kinds.split(","):
             for shape in args.shapes.split(","):

@@ -125,8 +125,9 @@ def render_harmony(conversation: list[dict], tools: Optional[list] = None, *, ad
     separated); ``tools`` its ``functions`` namespace. An assistant message is a ``final`` message; its
     ``tool_calls`` are ``commentary`` messages to ``functions.NAME`` (any content before them a ``commentary``
     preamble); its ``reasoning_content`` an ``analysis`` message before them (harmony leaves it out of the prompt
-    where a final message followed it); a tool message answers the call its ``tool_call_id`` names (else the latest call). Other template
-    variables (``_template_kwargs``) are ignored, as a chat template ignores variables it does not read.
+    where a final message followed it); a tool message answers the call its ``tool_call_id`` names (else the latest
+    call). Other template variables (``_template_kwargs``) are ignored, as a chat template ignores variables it does
+    not read.
 
     Args:
         add_generation_prompt: end with ``<|start|>assistant`` (the model writes the rest).

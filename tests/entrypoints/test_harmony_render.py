@@ -244,8 +244,9 @@ def test_a_gpt_oss_server_renders_harmony_and_reads_its_channels_with_no_flags(g
                                       extra_body={"chat_template_kwargs": {"model_identity": 5}})
         assert e.value.body["param"] == "chat_template_kwargs.model_identity"
         # the reasoning of a tool-calling turn sent back (vLLM's newer field name): harmony's analysis message
+        paris = {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}
         history = msgs + [{"role": "assistant", "content": None, "reasoning": "Need weather.", "tool_calls": [
-            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"id": "a", "type": "function", "function": paris}]},
             {"role": "tool", "tool_call_id": "a", "content": "20 C"}]
         r = httpx.post(s.url + "/tokenize", json={"messages": history, "tools": WEATHER}, timeout=60)
         conv = [msgs[0], {"role": "assistant", "content": "", "reasoning_content": "Need weather.",
