@@ -149,6 +149,8 @@ def test_prompt_chars_derived_from_max_model_len(server):
     chat = _error(_post(server, "/v1/chat/completions",
                         {"messages": [{"role": "user", "content": "a" * (limit + 1)}]}), 400)
     assert chat["param"] == "messages" and "--max-prompt-chars" in chat["message"]
+    resp = _error(_post(server, "/v1/responses", {"input": "a" * (limit + 1)}), 400)  # the Responses API's name
+    assert resp["param"] == "input" and resp["message"].startswith("input") and "--max-prompt-chars" in resp["message"]
     tok = _error(_post(server, "/tokenize", {"prompt": "a" * (limit + 1)}), 400)
     assert tok["param"] == "prompt"
 

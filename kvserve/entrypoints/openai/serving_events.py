@@ -35,7 +35,8 @@ class EventServing(OpenAIServing):
                 ``--thinking-token-budget`` applies; the budget forces the reasoning parser's end marker.
             max_tokens: the request's output bound, or ``None`` (what is left of ``max_model_len``).
             names: the API's spelling of engine fields for error ``param``s: ``messages`` (the prompt),
-                ``max_tokens``, ``structured``, and any sampling field (``stop`` -> ``stop_sequences``).
+                ``max_tokens``, ``structured``, any sampling field (``stop`` -> ``stop_sequences``), and a template
+                variable the prompt's rendering refuses (``reasoning_effort`` -> ``reasoning.effort``).
             chat_template_kwargs: variables for the chat template (``enable_thinking``, ``reasoning_effort``).
 
         Raises:
@@ -54,7 +55,15 @@ class EventServing(OpenAIServing):
             label = names["structured"] if structured is not None else "tools"
             raise OpenAIError(e.with_prefix(f"structured_outputs.{so.kind if so else 'json'}", label).message,
                               param=label) from None
-        pp = await self.chat_prompt(messages, tools=tools.prompt_tools, chat_template_kwargs=chat_template_kwargs)
+        try:
+            pp = await self.chat_prompt(messages, tools=tools.prompt_tools, chat_template_kwargs=chat_template_kwargs)
+        except OpenAIError as e:  # a field the chat API spells otherwise: this API's name, in the message too
+            own = names.get(e.param)
+            if own and own != e.param:
+                if e.message.startswith(e.param):
+                    e.message = own + e.message[len(e.param):]
+                e.param = own
+            raise
         max_tokens = self.check_length(len(pp.token_ids), max_tokens, names["messages"], names["max_tokens"])
         kw = {k: v for k, v in sampling.items() if v is not None}
         try:

@@ -33,7 +33,8 @@ from kvserve.structured import StructuredOutputsParams
 from kvserve.validation import ParamError
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "structured": "text.format"}
+NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "structured": "text.format",
+         "reasoning_effort": "reasoning.effort"}
 #: the fields of each input item type and of a content part (OpenAI's schema, as the ``openai`` client sends them;
 #: those kvserve does not use, such as ``phase``, ``caller``, ``namespace``, are accepted and ignored); any other is
 #: a 400 naming it
@@ -435,16 +436,11 @@ class OpenAIServingResponses(EventServing):
                                   alternatives='tool_choice "required", "none" or {"type": "function", "name": ...}')
         effort = (req.reasoning or {}).get("effort")
         kwargs = {"reasoning_effort": effort} if effort else None
-        try:
-            pp, sp = await self.prepare(messages, tools, text_format_of(req.text), {
-                "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
-                "repetition_penalty": req.repetition_penalty, "presence_penalty": req.presence_penalty,
-                "frequency_penalty": req.frequency_penalty, "seed": req.seed,
-            }, req.max_output_tokens, NAMES, kwargs)
-        except OpenAIError as e:  # an effort the model's prompt format has not (harmony's): this API's field name
-            if e.param == "reasoning_effort":
-                e.param, e.message = "reasoning.effort", "reasoning.effort" + e.message[len("reasoning_effort"):]
-            raise
+        pp, sp = await self.prepare(messages, tools, text_format_of(req.text), {
+            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
+            "repetition_penalty": req.repetition_penalty, "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty, "seed": req.seed,
+        }, req.max_output_tokens, NAMES, kwargs)
         rid = _new("resp")
         builder = ResponseBuilder(self._skeleton(rid, req, sp), input_items_of(req.input))
         events = await self.open(pp, sp, rid, arrival, tools, NAMES, req.priority or 0, kwargs)
