@@ -24,8 +24,8 @@
  * unpacked once per chunk into a buffer that stays in cache; rows past the last full 16 of a call go through the
  * VNNI tiles. Measured in docs/quantization.md ("The kernel").
  *
- * Linux hands a process the tile registers only on request (amx_probe.h); amx_usable() asks. Each thread loads the tile configuration
- * before its first tile instruction of a call and releases the tiles at the end.
+ * Linux hands a process the tile registers only on request (amx_probe.h); amx_usable() asks. Each thread loads the
+ * tile configuration before its first tile instruction of a call and releases the tiles at the end.
  */
 #include "amx_probe.h"
 

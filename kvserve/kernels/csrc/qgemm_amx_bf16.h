@@ -24,11 +24,10 @@
  * shapes, 512 rows, 1 thread: 8192-wide down projection 0.92 ns per row, block and group at 512 rows a pass against
  * 2.44 at the int8 tiles' 1 MiB chunks, which are 96 rows there). */
 #define BF16_CHUNK_ROWS 2048
-/* Decoded groups a thread keeps at once (see bf16_share): with a pair of row tiles' activations beside them (128 KiB
- * at K = 2048, 512 KiB at K = 8192) they stay within a 2 MiB L2. */
-#ifndef BF16_DECODED_BYTES
+/* Decoded groups a thread keeps at once when a pass's activations outgrow this many bytes too (see bf16_share):
+ * with a pair of row tiles' activations beside them (128 KiB at K = 2048, 512 KiB at K = 8192) they stay within a
+ * 2 MiB L2. */
 #define BF16_DECODED_BYTES (1 << 20)
-#endif
 
 /* 1 if the CPU has AMX-BF16 (CPUID.(EAX=7, ECX=0):EDX bit 22) and AVX512-BF16 (leaf 7, ECX=1, EAX bit 5) besides
  * AMX-INT8's requirements, else 0; probed once (cached_probe). */
@@ -259,17 +258,20 @@ T_AMXB static void bf16_groups_rows(const uint16_t *xb, int64_t c0, int64_t c1, 
 }
 
 /* Inside kvserve_qgemm's parallel region, every thread: its static share of the groups, over the rows in passes of
- * BF16_CHUNK_ROWS. A pass decodes up to BF16_DECODED_BYTES of groups at once (at least four), then each pair of
- * 16-row tiles runs over all of them while its A tiles stay in the core's caches: the activations stream from
- * memory once per decoded set, not once per pair of groups. Returns 1 if this thread could not get its decode
- * buffer (nothing written by it), else 0. */
+ * BF16_CHUNK_ROWS. A pass decodes a set of groups, then each pair of 16-row tiles runs over all of them while its A
+ * tiles stay in the core's caches. A set is four groups, or, when the pass's bfloat16 activations are more than
+ * BF16_DECODED_BYTES (they no longer stay in L2 beside the groups), up to BF16_DECODED_BYTES of groups: the
+ * activations then stream from memory once per set instead of once per pair of groups (one row ran 1.30x slower with
+ * the large sets: its decode no longer stayed in L1/L2). Returns 1 if this thread could not get its decode buffer
+ * (nothing written by it), else 0. */
 T_AMXB static int bf16_share(int fmt, const uint8_t *w, int64_t nb, int64_t groups, const uint16_t *xb, int64_t M,
                              float *y, int64_t ldy, const float *oscale) {
     const int64_t bb = block_bytes(fmt), mc = BF16_CHUNK_ROWS;
     int64_t g0, g1;
     thread_groups(groups, &g0, &g1);
     if (g0 >= g1) return 0;
-    int64_t dg = (M < mc ? M : mc) * nb * 64 > BF16_DECODED_BYTES ? BF16_DECODED_BYTES / (nb * 1024) / 4 * 4 : 4;
+    const int64_t pass_bytes = (M < mc ? M : mc) * nb * 64; /* rows x K bfloat16 */
+    int64_t dg = pass_bytes > BF16_DECODED_BYTES ? BF16_DECODED_BYTES / (nb * 1024) / 4 * 4 : 4; /* 1 KiB a block */
     if (dg < 4) dg = 4;
     uint16_t *bq = bf16_scratch(1, (size_t)(dg * nb * 1024));
     if (!bq) return 1;
