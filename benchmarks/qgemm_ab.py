@@ -2,17 +2,19 @@
 call by call in one process, outputs compared bit for bit.
 
 The baseline's ``qgemm.c`` / ``decoder.c`` and headers are read from git (``git show REV:kvserve/kernels/csrc/...``)
-and compiled with the flags ``kvserve.kernels.qgemm`` uses into a temporary folder. Random weights of the Llama-3.2-1B
-projections' shapes (``--shapes``; out x in) in each ``--kinds`` layout, random rows (``--rows``), one ``--isa`` path
-and ``--activations``. Each round calls both libraries in turn (the order alternating), each call after a 32 MiB
-write that evicts the last call's data; printed per case: each side's median ms (and its TFLOP/s) and the median of
-the paired this / baseline ratios (below 1: this checkout is faster), which holds when the host's speed drifts.
+and compiled with the flags ``kvserve.kernels.qgemm`` uses (``$CC``, default ``cc``) into a temporary folder. Random
+weights of the Llama-3.2-1B projections' shapes (``--shapes``; out x in) in each ``--kinds`` layout, random rows
+(``--rows``), one ``--isa`` path and ``--activations``. Each round calls both libraries in turn (the order
+alternating), each call after a 32 MiB write that evicts the last call's data; printed per case (a markdown row):
+each side's median ms, the median of the paired this / baseline ratios (below 1: this checkout is faster), which
+holds when the host's speed drifts, and whether every output had the same bits.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import subprocess
 import tempfile
 import time
@@ -41,8 +43,8 @@ def build_baseline(rev: str, out_dir: Path) -> Path:
         text = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=root, capture_output=True, check=True)
         (out_dir / name).write_bytes(text.stdout)
     lib = out_dir / "libbaseline.so"
-    subprocess.run(["cc", *kernels._FLAGS, *(str(out_dir / s) for s in kernels._SOURCES), "-o", str(lib), "-lm"],
-                   check=True)
+    sources = [str(out_dir / s) for s in kernels._SOURCES]
+    subprocess.run([os.environ.get("CC", "cc"), *kernels._FLAGS, *sources, "-o", str(lib), "-lm"], check=True)
     return lib
 
 
@@ -98,6 +100,8 @@ def main(argv=None) -> int:
     this = kernels.load()
     if this is None or not kernels.cpu_supports(args.isa):
         p.error(f"--isa {args.isa}: not available here ({kernels.unavailable_reason() or 'the CPU lacks it'})")
+    if not kernels.activations_supported(args.isa, args.activations):
+        p.error(f"--activations {args.activations}: the {args.isa} path on this CPU lacks it")
     with tempfile.TemporaryDirectory() as tmp:
         base = ctypes.CDLL(str(build_baseline(args.baseline, Path(tmp))))
         i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int

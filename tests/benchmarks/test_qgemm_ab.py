@@ -2,6 +2,7 @@
 outputs compared (HEAD against the checkout: the same bits unless the kernels changed since)."""
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ def _kernels_changed_since_head() -> bool:
     return r.returncode != 0 or bool(r.stdout.strip())
 
 
-def test_head_against_this_checkout_paired_and_compared(capsys):
+def test_head_against_this_checkout_paired_and_compared(capsys, tmp_path):
     if _kernels_changed_since_head():
         pytest.skip("the kernels' sources differ from HEAD in this checkout (or no git): the bits may differ")
     assert qgemm_ab.main(["--baseline", "HEAD", "--kinds", "q8,q4", "--shapes", "o", "--rows", "1,17",
@@ -27,4 +28,4 @@ def test_head_against_this_checkout_paired_and_compared(capsys):
     with pytest.raises(SystemExit):
         qgemm_ab.main(["--baseline", "HEAD", "--shapes", "lm_head"])
     with pytest.raises(subprocess.CalledProcessError):
-        qgemm_ab.build_baseline("no-such-revision", __import__("pathlib").Path("/tmp"))
+        qgemm_ab.build_baseline("no-such-revision", tmp_path)
