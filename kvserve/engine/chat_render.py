@@ -61,7 +61,8 @@ def render_chat(tokenizer, conversation: list[dict], tools: Optional[list] = Non
 
     The template is ``chat_template_for(tokenizer, chat_template, tools)``. One that knows tools (mentions
     ``tools``) gets them (``apply_chat_template(tools=...)``). Otherwise (SmolLM2's template ignores tools and
-    tool calls) the conversation is rewritten in the Hermes convention first: the tools and the ``<tool_call>``
+    tool calls) the conversation is rewritten in the Hermes convention first (an assistant's ``reasoning_content``
+    kept): the tools and the ``<tool_call>``
     format go into the system message (``TOOLS_PROMPT``), an assistant's tool calls become
     ``<tool_call>{...}</tool_call>`` text, and a tool result becomes a user turn ``<tool_response>...``.
     ``kwargs`` go to ``apply_chat_template`` (``add_generation_prompt`` ...).
@@ -85,6 +86,8 @@ def render_chat(tokenizer, conversation: list[dict], tools: Optional[list] = Non
             conv.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         else:
             conv.append({"role": m["role"], "content": m["content"]})
+        if "reasoning_content" in m:  # reasoning sent back: the template's variable, whichever convention
+            conv[-1]["reasoning_content"] = m["reasoning_content"]
     if tools:
         prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if conv and conv[0]["role"] == "system":

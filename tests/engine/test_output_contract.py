@@ -105,6 +105,17 @@ def test_assistant_null_content_and_text_parts_render_like_strings(llm):
     assert parts == plain
 
 
+def test_reasoning_sent_back_reaches_the_template_as_reasoning_content(llm):
+    """An assistant's ``reasoning`` (vLLM's newer name) or ``reasoning_content`` is the template's
+    ``reasoning_content`` (Qwen3-style templates read it); on another role it is refused naming the field."""
+    template = "{% for m in messages %}[{{ m.get('reasoning_content', '-') }}]{% endfor %}"
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "why"},
+            {"role": "assistant", "content": "b", "reasoning_content": "how"}]
+    assert llm.apply_chat_template(msgs, add_generation_prompt=False, chat_template=template) == "[-][why][how]"
+    with pytest.raises(ValueError, match=r"messages\[0\]\.reasoning must be a string, in an assistant message"):
+        llm.apply_chat_template([{"role": "user", "content": "q", "reasoning": "x"}])
+
+
 def test_token_vocab_bytes_names_and_offsets(tokenizer):
     vocab = TokenVocab(tokenizer)
     text = "Hi \U0001F355\U0001F354 caf\u00e9. done"
