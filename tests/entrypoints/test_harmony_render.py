@@ -257,3 +257,27 @@ def test_a_gpt_oss_server_renders_harmony_and_reads_its_channels_with_no_flags(g
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].reasoning"
     finally:
         s.stop()
+
+
+def test_harmony_only_for_its_family_without_a_template_and_with_the_extra(monkeypatch, caplog):
+    """``chat_format_for``: a template given, or another family, renders templates; a missing extra falls back to the
+    checkpoint's template with a warning naming the extra. The server's parsers follow the format unless named."""
+    from kvserve.entrypoints.openai.serving_options import ServingOptions
+    from kvserve.extras import MissingExtraError
+
+    assert hr.chat_format_for("harmony", None) == "harmony"
+    assert hr.chat_format_for("harmony", "{{ messages }}") == "template"
+    assert hr.chat_format_for("template", None) == "template"
+
+    def missing():
+        raise MissingExtraError("gpt-oss's harmony prompts need ...: pip install 'kvserve[harmony]'")
+
+    monkeypatch.setattr(hr, "harmony_encoding", missing)
+    with caplog.at_level("WARNING", logger=hr.__name__):
+        assert hr.chat_format_for("harmony", None) == "template"
+    assert "kvserve[harmony]" in caplog.text and "model's own chat template" in caplog.text
+    assert ServingOptions().resolve_reasoning_parser("harmony") == "openai_gptoss"
+    assert ServingOptions(reasoning_parser="qwen3").resolve_reasoning_parser("harmony") == "qwen3"
+    assert ServingOptions().resolve_reasoning_parser("template") is None
+    assert ServingOptions().resolve_tool_parser(None, "harmony") == "openai"
+    assert ServingOptions(tool_call_parser="hermes").resolve_tool_parser(None, "harmony") == "hermes"
